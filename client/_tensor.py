@@ -1,0 +1,154 @@
+"""SharedTensor: a tensor in broker memory, exported through DLPack.
+
+Lifetime: a ``get`` takes a lease.  The lease is held by a small ``_Lease``
+object that the SharedTensor and every view exported from it (numpy arrays,
+DLPack capsules, torch/jax tensors) keep alive.  When the last of them is
+gone, a finalizer queues the lease for release; a background thread sends the
+releases, so dropping a tensor never blocks on the broker.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._errors import InvalidRequest, TensorReleased
+from .._wire import Handle
+from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
+from ..shm._dlpack import kDLCPU
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+
+class _Lease:
+    """Keeps a lease alive; its finalizer queues the release."""
+
+    __slots__ = ("id", "__weakref__")
+
+    def __init__(self, lease_id: int, on_free: Callable[[int], None]) -> None:
+        self.id = lease_id
+        fin = weakref.finalize(self, on_free, lease_id)
+        fin.atexit = False  # at exit the broker reclaims the session anyway
+
+
+class _Owner:
+    """What every exported view holds: the mapping, and the lease if any."""
+
+    __slots__ = ("mapping", "lease")
+
+    def __init__(self, mapping: Any, lease: _Lease | None) -> None:
+        self.mapping = mapping
+        self.lease = lease
+
+
+class SharedTensor:
+    """A tensor in broker memory.  Read-only from ``get``; writable from ``empty``.
+
+    Import it without copying through DLPack (``torch.from_dlpack(t)``,
+    ``np.from_dlpack(t)``, ``jax.dlpack.from_dlpack(t)``) or ``t.numpy()``.
+    Views stay valid after the SharedTensor object is gone, and the lease ends
+    when the last of them is freed.
+    """
+
+    def __init__(self, client: Client, handle: Handle, mapping: Any, lease: _Lease | None,
+                 *, writable: bool) -> None:
+        self.name: str = handle.name
+        self.version: int = handle.version
+        self.shape: tuple[int, ...] = tuple(handle.shape)
+        self.strides: tuple[int, ...] = tuple(handle.strides)
+        self.dtype: str = handle.dtype
+        self.device: str = handle.device
+        self.nbytes: int = handle.nbytes
+        self.writable = writable
+        self.published = handle.state == "ready"
+        self._dt: DType = dtype_from_name(handle.dtype)
+        self._address = mapping.address + handle.offset
+        self._owner: _Owner | None = _Owner(mapping, lease)
+        self._client = weakref.ref(client)
+
+    # -- DLPack ------------------------------------------------------------
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (kDLCPU, 0)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """A DLPack capsule (legacy when ``max_version`` is None, else versioned).
+
+        Read-only tensors set the READ_ONLY flag; ``copy=True`` exports an
+        independent copy flagged IS_COPIED; ``copy=False`` never copies."""
+        owner = self._alive()
+        if stream is not None and stream != -1:
+            raise BufferError(f"stream={stream!r}: CPU tensors take stream=None")
+        if dl_device is not None and tuple(dl_device) != (kDLCPU, 0):
+            raise BufferError(
+                f"tensor {self.name!r} is on the CPU and cannot be exported to DLPack device "
+                f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
+            )
+        return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
+                              read_only=not self.writable, max_version=max_version,
+                              copy=bool(copy))
+
+    def numpy(self) -> Any:
+        """A numpy view (read-only unless from ``empty``).  bfloat16 and float8
+        need ml_dtypes; without it this raises with what to do instead."""
+        owner = self._alive()
+        try:
+            dt = numpy_dtype(self._dt)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        byte_strides = tuple(s * self._dt.itemsize for s in self.strides)
+        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable, owner=owner)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        arr = self.numpy()
+        if dtype is not None:
+            arr = arr.astype(dtype, copy=bool(copy) if copy is not None else False)
+        elif copy:
+            arr = arr.copy()
+        return arr
+
+    # -- lifetime ----------------------------------------------------------
+    def _alive(self) -> _Owner:
+        if self._owner is None:
+            raise TensorReleased(
+                f"tensor {self.name!r} v{self.version} was released; get it again to read it"
+            )
+        return self._owner
+
+    def publish(self) -> SharedTensor:
+        """Make this ``empty()`` tensor visible to readers (once)."""
+        if not self.writable:
+            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are published")
+        if self.published:
+            raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
+        client = self._client()
+        if client is None:
+            raise TensorReleased("the Client that created this tensor is gone")
+        self._alive()
+        client._publish(self.name, self.version)
+        self.published = True
+        return self
+
+    def release(self) -> None:
+        """Drop this object's hold on the memory.  Idempotent.
+
+        Views already exported (numpy, torch) keep the lease until they are
+        freed too, so releasing never pulls memory out from under them."""
+        self._owner = None
+
+    @property
+    def released(self) -> bool:
+        return self._owner is None
+
+    def __enter__(self) -> SharedTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._owner is None else ("writable" if self.writable else "read-only")
+        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, dtype={self.dtype}, "
+                f"device={self.device}, {state})")

@@ -1,0 +1,39 @@
+"""tensordepot: zero-copy tensor exchange between processes on one host.
+
+    from tensordepot import Client
+    with Client() as c:
+        c.put("w", array)
+        t = c.get("w", timeout=5.0)
+"""
+
+from ._errors import AuthError as AuthError
+from ._errors import BrokerUnavailable as BrokerUnavailable
+from ._errors import Conflict as Conflict
+from ._errors import DepotError as DepotError
+from ._errors import InvalidRequest as InvalidRequest
+from ._errors import OutOfMemory as OutOfMemory
+from ._errors import TensorBroken as TensorBroken
+from ._errors import TensorNotFound as TensorNotFound
+from ._errors import TensorReleased as TensorReleased
+from ._version import __version__ as __version__
+from ._wire import Stat as Stat
+from ._wire import TensorInfo as TensorInfo
+from .client import Client as Client
+from .client import SharedTensor as SharedTensor
+
+__all__ = [
+    "AuthError",
+    "BrokerUnavailable",
+    "Client",
+    "Conflict",
+    "DepotError",
+    "InvalidRequest",
+    "OutOfMemory",
+    "SharedTensor",
+    "Stat",
+    "TensorBroken",
+    "TensorInfo",
+    "TensorNotFound",
+    "TensorReleased",
+    "__version__",
+]

@@ -1,0 +1,3 @@
+from .service._cli import main
+
+raise SystemExit(main())

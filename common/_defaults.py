@@ -1,0 +1,29 @@
+"""Defaults shared by the broker and the client, so both agree without talking."""
+
+from __future__ import annotations
+
+import os
+
+ENV_URL = "TENSORDEPOT_URL"
+ENV_TOKEN = "TENSORDEPOT_TOKEN"
+SYSTEM_SOCKET = "/run/tensordepot/broker.sock"
+
+
+def default_socket_path() -> str:
+    """Where the broker listens when given no --listen.
+
+    ``/run/tensordepot/broker.sock`` for root; otherwise
+    ``$XDG_RUNTIME_DIR/tensordepot/broker.sock``, or
+    ``/tmp/tensordepot-<uid>/broker.sock`` when that variable is unset.
+    """
+    if os.geteuid() == 0:
+        return SYSTEM_SOCKET
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "tensordepot", "broker.sock")
+    return f"/tmp/tensordepot-{os.geteuid()}/broker.sock"
+
+
+def default_url() -> str:
+    """``$TENSORDEPOT_URL``, else the default socket as a ``unix://`` URL."""
+    return os.environ.get(ENV_URL) or "unix://" + default_socket_path()

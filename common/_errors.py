@@ -1,0 +1,92 @@
+"""The exception tree, shared by the client and the broker.
+
+    DepotError
+     ├── BrokerUnavailable      the broker cannot be reached (not running, killed, shutting down)
+     ├── TensorNotFound         no such name (or no ready version of it)
+     ├── OutOfMemory            the allocation does not fit in --max-memory (HTTP 507)
+     ├── AuthError              missing or wrong token (HTTP 401/403)
+     ├── InvalidRequest         bad input: dtype, shape, name, byte counts (HTTP 400/422)
+     ├── Conflict               the request clashes with the tensor's state (HTTP 409)
+     ├── TensorReleased         you released this tensor and then used it
+     └── TensorBroken           the broker or the owner died; the cause is in ``__cause__``
+
+The broker raises these and one exception handler turns them into
+``{"error": {"code", "message"}}`` with ``status``; the client turns that
+body back into the same class.  Errors are translated at exactly those two
+boundaries.
+"""
+
+from __future__ import annotations
+
+
+class DepotError(Exception):
+    """Base class of every tensordepot error."""
+
+    code = "depot_error"
+    status = 400
+
+
+class BrokerUnavailable(DepotError):
+    """The broker could not be reached, died, or is shutting down."""
+
+    code = "broker_unavailable"
+    status = 503
+
+
+class TensorNotFound(DepotError, KeyError):
+    """No tensor by that name (or it has no published version yet)."""
+
+    code = "not_found"
+    status = 404
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class OutOfMemory(DepotError, MemoryError):
+    """The broker's memory quota (--max-memory) cannot fit the allocation."""
+
+    code = "out_of_memory"
+    status = 507
+
+
+class AuthError(DepotError):
+    """The request lacked a valid token."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class InvalidRequest(DepotError, ValueError):
+    """The request was malformed: bad name, dtype, shape, or byte count."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class Conflict(DepotError):
+    """The request clashes with the tensor's current state."""
+
+    code = "conflict"
+    status = 409
+
+
+class TensorReleased(DepotError):
+    """The SharedTensor was released and cannot be used any more."""
+
+    code = "released"
+    status = 400
+
+
+class TensorBroken(DepotError):
+    """The broker or the owner of a tensor died; see ``__cause__``."""
+
+    code = "broken"
+    status = 410
+
+
+ERRORS_BY_CODE: dict[str, type[DepotError]] = {
+    cls.code: cls
+    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError,
+                InvalidRequest, Conflict, TensorReleased, TensorBroken)
+}

@@ -1,0 +1,131 @@
+"""What crosses HTTP: frozen pydantic models imported by both the broker and
+the client, so nothing is defined twice.  Handles describe memory and never
+carry the tensor's bytes (except ``PutRequest.data``, the inline fast path
+for small tensors)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# A tensor name: printable ASCII without spaces, up to 512 characters.
+# Dots and slashes are fine ("model.layers.0.weight", "run/1/w").
+NAME_PATTERN = r"^[\x21-\x7e]{1,512}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, examples=["model.layers.0.weight"])]
+MAX_NDIM = 32
+MAX_BATCH = 10_000
+INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ErrorDetail(_Frozen):
+    code: str = Field(examples=["not_found"])
+    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish it?"])
+
+
+class ErrorBody(_Frozen):
+    error: ErrorDetail
+
+
+class SessionOpen(_Frozen):
+    pid: int = Field(ge=1, description="the client's pid, as it sees itself")
+    start_time: int | None = Field(None, ge=0, description="field 22 of /proc/<pid>/stat")
+    label: str | None = Field(None, max_length=200)
+
+
+class SessionInfo(_Frozen):
+    session: str
+    pid: int | None
+    tracked: bool = Field(description="liveness checked through the pid; else by heartbeat")
+    heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
+
+
+class AllocRequest(_Frozen):
+    name: Name
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
+    dtype: str = Field(max_length=40, examples=["float32", "bfloat16"])
+    device: str = Field("cpu", max_length=64)
+    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after publish")
+
+
+class PutRequest(AllocRequest):
+    data: str = Field(description=f"base64 of the C-ordered bytes, at most {INLINE_MAX} bytes decoded")
+
+
+class Handle(_Frozen):
+    """Where a tensor version lives.  Metadata only."""
+
+    name: str
+    version: int
+    kind: Literal["posix", "cuda"]
+    segment: str
+    offset: int
+    nbytes: int
+    shape: list[int]
+    strides: list[int] = Field(description="in elements")
+    dtype: str
+    device: str
+    state: Literal["writing", "ready"]
+    lease: int | None = Field(None, description="release it when done reading (get only)")
+
+
+class PublishRequest(_Frozen):
+    name: Name
+    version: int = Field(ge=1)
+
+
+class ReleaseRequest(_Frozen):
+    leases: list[int] = Field(max_length=MAX_BATCH * 10)
+
+
+class TensorInfo(_Frozen):
+    name: str
+    version: int
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    device: str
+    state: Literal["writing", "ready"]
+    readers: int = Field(description="live leases on this name's versions")
+    expires_in: float | None = None
+
+
+class Stat(_Frozen):
+    bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
+    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free space included")
+    max_memory: int
+    tensors: int
+    versions: int
+    leases: int
+    sessions: int
+    segments: int
+
+
+class BatchAlloc(_Frozen):
+    items: list[AllocRequest] = Field(max_length=MAX_BATCH)
+
+
+class BatchPublish(_Frozen):
+    items: list[PublishRequest] = Field(max_length=MAX_BATCH)
+
+
+class BatchGet(_Frozen):
+    names: list[Name] = Field(max_length=MAX_BATCH)
+    timeout: float | None = Field(0.0, ge=0, description="wait this long for every name (None: forever)")
+
+
+class HandleList(_Frozen):
+    items: list[Handle]
+
+
+class TensorList(_Frozen):
+    items: list[TensorInfo]
+
+
+class Health(_Frozen):
+    status: Literal["ok", "shutting_down"]
+    version: str

@@ -1,0 +1,182 @@
+"""Binding the listeners and running uvicorn.
+
+We bind every socket ourselves and hand them to ``Server.serve(sockets=...)``:
+
+* uvicorn's ``uds=`` option creates the socket with mode 0666 (any local
+  user could connect); ours is created under umask 077 and chmod 0600;
+* a stale socket file from a dead broker is replaced, but a live broker on
+  the same path makes us refuse to start;
+* TCP beyond loopback requires a token.
+
+The ASGI scope carries no peer credentials, so ``PeerCredProtocol`` (a
+subclass of uvicorn's httptools protocol, pinned in pyproject.toml) reads
+SO_PEERCRED when a unix connection is made and exposes it as
+``request.state.peercred``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .config import Settings
+
+log = logging.getLogger("tensordepot.broker")
+
+
+class ListenError(RuntimeError):
+    """A listener cannot be set up; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Listen:
+    url: str
+    family: str  # "unix" | "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    @property
+    def loopback(self) -> bool:
+        if self.family == "unix":
+            return True
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def parse_listen(url: str) -> Listen:
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        path = (parts.netloc + parts.path) if parts.netloc else parts.path
+        if not path.startswith("/"):
+            raise ListenError(f"--listen {url!r}: use an absolute path, unix:///run/x.sock")
+        return Listen(url, "unix", path=path)
+    if parts.scheme == "http":
+        if not parts.hostname or parts.port is None:
+            raise ListenError(f"--listen {url!r}: give host and port, e.g. http://127.0.0.1:7420")
+        return Listen(url, "tcp", host=parts.hostname, port=parts.port)
+    raise ListenError(f"--listen {url!r}: use unix:///path.sock or http://host:port")
+
+
+def _bind_unix(path: str) -> socket.socket:
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ListenError(f"{path} exists and is not a socket; remove it or pick another path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: its broker is gone
+        else:
+            raise ListenError(
+                f"a live broker already listens on {path}; stop it first "
+                f"(tensordepot stat --url unix://{path} shows it) or use another --listen"
+            )
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created 0600, with no window at 0666
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}; is another broker running?") from None
+    sock.listen(1024)
+    return sock
+
+
+def bind_all(settings: Settings) -> tuple[list[Listen], list[socket.socket]]:
+    listens = [parse_listen(u) for u in settings.listen_urls()]
+    for ln in listens:
+        if ln.family == "tcp" and not ln.loopback and not settings.token:
+            raise ListenError(
+                f"--listen {ln.url} is reachable beyond loopback; set --token "
+                f"(or TENSORDEPOT_TOKEN) so that only clients with it can connect"
+            )
+    socks: list[socket.socket] = []
+    try:
+        for ln in listens:
+            socks.append(_bind_unix(ln.path) if ln.family == "unix" else _bind_tcp(ln.host, ln.port))
+    except BaseException:
+        close_all(listens, socks)
+        raise
+    return listens, socks
+
+
+def close_all(listens: list[Listen], socks: list[socket.socket]) -> None:
+    for s in socks:
+        s.close()
+    for ln in listens:
+        if ln.family == "unix":
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ln.path)
+
+
+class PeerCredProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus the peer's (pid, uid, gid) on unix sockets."""
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        cred = None
+        unix = sock is not None and sock.family == socket.AF_UNIX
+        if unix:
+            fmt = "3i"
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
+            cred = struct.unpack(fmt, raw)
+        # app_state is copied into each request's scope["state"]; this
+        # connection gets its own copy with the peer in it.
+        self.app_state = {**self.app_state, "peercred": cred, "unix": unix}
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server that wakes long polls before it waits for requests to
+    finish (a get waiting forever would otherwise hold shutdown), and logs one
+    line when ready."""
+
+    def __init__(self, config: uvicorn.Config, ready_message: str) -> None:
+        super().__init__(config)
+        self.ready_message = ready_message
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            log.info(self.ready_message)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        broker = getattr(self.config.app.state, "broker", None)
+        if broker is not None:
+            broker.begin_shutdown()
+        await super().shutdown(sockets=sockets)

@@ -1,0 +1,247 @@
+"""POSIX shared-memory segments under /dev/shm, and per-process mappings.
+
+The broker creates segments (``PosixSegment.create``) and is the only one to
+unlink them.  Clients and the broker map them with ``PosixMapping``, which
+calls mmap(2) directly through libc instead of using ``mmap.mmap`` or
+``multiprocessing.shared_memory``:
+
+* the raw address is needed for DLPack, and ``mmap.mmap`` refuses to close
+  while a buffer export exists, which a long-lived tensor view always is;
+* before Python 3.13 ``multiprocessing.shared_memory`` registers segments with
+  the resource tracker, which unlinks them when *any* attaching process exits
+  (gh-82300), destroying memory that the broker still owns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import secrets
+import weakref
+from typing import Any
+
+SHM_DIR = "/dev/shm"
+KIND = "posix"
+# shm_open(3) names are a single path component below /dev/shm; NAME_MAX is
+# 255 on Linux.  Our names are a prefix plus 32 hex digits (128 random bits).
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+_PROT_READ = 0x1
+_PROT_WRITE = 0x2
+_MAP_SHARED = 0x01
+_MAP_POPULATE = 0x8000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is a safe single-component shm name, else raise ValueError."""
+    if not _NAME_RE.match(name) or name in (".", ".."):
+        raise ValueError(f"invalid shared-memory segment name {name!r}")
+    return name
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, check_name(name))
+
+
+def random_name(prefix: str) -> str:
+    """An unguessable segment name: ``prefix`` plus 128 random bits."""
+    return check_name(prefix + secrets.token_hex(16))
+
+
+class PosixSegment:
+    """A segment the broker owns.  Created O_EXCL; ``unlink()`` removes the
+    name (mappings stay valid until each process unmaps them)."""
+
+    kind = KIND
+    name: str = ""
+    size: int = 0
+    _unlinked = True
+
+    def __init__(self, name: str, size: int, *, mode: int = 0o600, gid: int | None = None,
+                 prefault: bool = True) -> None:
+        path = segment_path(name)
+        # O_EXCL: a name collision (or an attacker pre-creating the name) is an
+        # error, never a silent attach to someone else's memory.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self.name, self.size, self._unlinked = name, size, False
+        try:
+            os.fchmod(fd, mode)  # the umask may have changed the mode we asked for
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+            os.ftruncate(fd, size)
+            if prefault and size:
+                # Allocate the tmpfs pages now: a copy into fresh pages runs ~14x
+                # slower than into allocated ones, so puts must never pay this.
+                os.posix_fallocate(fd, 0, size)
+        except OSError:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm.  Idempotent; only the broker calls it."""
+        if self._unlinked:
+            return
+        self._unlinked = True
+        try:
+            os.unlink(segment_path(self.name))
+        except FileNotFoundError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"PosixSegment({self.name!r}, size={self.size})"
+
+
+def _munmap(address: int, size: int) -> None:
+    _libc.munmap(address, size)
+
+
+class PosixMapping:
+    """This process's mapping of a segment.
+
+    The mapping is unmapped when this object is garbage collected, which
+    happens only after every view that references it (numpy arrays, DLPack
+    capsules, torch tensors) is gone.  Readers map with PROT_READ, so a write
+    through a view that ignores read-only flags faults instead of changing
+    bytes that other processes read.
+    """
+
+    kind = KIND
+    address: int = 0
+    size: int = 0
+
+    def __init__(self, name: str, *, writable: bool, populate: bool = False) -> None:
+        self.name = name
+        self.writable = writable
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        fd = os.open(segment_path(name), flags | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise ValueError(f"segment {name!r} is empty")
+            prot = _PROT_READ | (_PROT_WRITE if writable else 0)
+            mflags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
+            addr = _libc.mmap(None, size, prot, mflags, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap of {name!r} failed: {os.strerror(err)}")
+        finally:
+            # The mapping keeps the memory alive; the fd is not needed after mmap.
+            os.close(fd)
+        self.address, self.size = addr, size
+        self._finalizer = weakref.finalize(self, _munmap, addr, size)
+
+    def exists(self) -> bool:
+        """Whether the segment still has its name (the broker has not unlinked it)."""
+        return os.path.exists(segment_path(self.name))
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "r"
+        return f"PosixMapping({self.name!r}, {mode}, size={self.size}, at=0x{self.address:x})"
+
+
+def sweep(prefix: str, keep: set[str] | None = None) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix`` (except ``keep``).
+
+    A broker calls this on start, holding the prefix lock, to remove what a
+    dead broker left behind.
+    """
+    removed = []
+    keep = keep or set()
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.startswith(prefix) and entry not in keep:
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+                removed.append(entry)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class PrefixLock:
+    """An exclusive flock on ``/dev/shm/<prefix>lock``.
+
+    Held for the broker's whole life.  The kernel drops it when the broker
+    dies, so the next broker can tell a dead owner (lock free: sweep its
+    segments) from a live one (lock held: refuse to start).
+    """
+
+    _fd = -1
+
+    def __init__(self, prefix: str, mode: int = 0o600) -> None:
+        self.name = check_name(prefix + "lock")
+        self._fd = os.open(segment_path(self.name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._fd)
+            self._fd = -1
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise RuntimeError(
+                    f"another live broker holds the segment prefix {prefix!r}; stop it, or give "
+                    f"this one another --listen path or --shm-prefix"
+                ) from None
+            raise
+
+    def release(self) -> None:
+        """Unlink the lock file and drop the lock.  Idempotent."""
+        if self._fd < 0:
+            return
+        try:
+            os.unlink(segment_path(self.name))
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+def byte_view(mapping: Any, offset: int, nbytes: int, *, writable: bool) -> Any:
+    """A flat uint8 numpy array over ``mapping`` at ``offset``; it keeps ``mapping`` alive."""
+    return array_at(mapping.address + offset, (nbytes,), None, "|u1", writable=writable, owner=mapping)
+
+
+class _ArrayInterface:
+    """Holds ``owner`` alive for as long as numpy arrays built from it live."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, iface: dict[str, Any], owner: Any) -> None:
+        self.__array_interface__ = iface
+        self.owner = owner
+
+
+def array_at(address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None, typestr: Any,
+             *, writable: bool, owner: Any) -> Any:
+    """A numpy array over raw memory; ``strides`` in bytes (None: C order)."""
+    import numpy as np
+
+    dt = np.dtype(typestr)
+    iface = {
+        "version": 3,
+        "shape": tuple(shape),
+        "typestr": dt.str,
+        "descr": dt.descr,
+        "data": (address, not writable),
+        "strides": tuple(strides) if strides is not None else None,
+    }
+    arr = np.asarray(_ArrayInterface(iface, owner))
+    if arr.dtype != dt:  # ml_dtypes types come back as raw void; view restores them
+        arr = arr.view(dt)
+    return arr
