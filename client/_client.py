@@ -184,6 +184,7 @@ class Client:
         self._sid = ""
         self._label = label
         self._closing = False
+        self._close_lock = threading.Lock()
         self._open_session()
         self._closed = False
         self._bg = _Background(self)
@@ -399,28 +400,29 @@ class Client:
         self._closing = True
         with self._maps_lock:
             self._maps.clear()
-        if self._bg is not None:
-            self._bg.flush()
+        import gc
+
+        gc.collect()  # views caught in reference cycles would otherwise hold leases
         self._maybe_finish_close()
 
     def _maybe_finish_close(self) -> None:
         if not self._closing or self._closed:
             return
-        import gc
-
-        gc.collect()
-        if self._bg is not None:
-            self._bg.flush()
-        if self._bg is not None and self._bg.live:
-            return  # the background thread retries as views die
-        self._closed = True
-        try:
-            self._transport.request("DELETE", f"/v1/sessions/{self._sid}")
-        except DepotError:
-            pass
-        if self._bg is not None:
-            self._bg.stop()
-        self._transport.close()
+        with self._close_lock:  # close() and the background thread may both get here
+            if self._closed:
+                return
+            if self._bg is not None:
+                self._bg.flush()
+            if self._bg is not None and self._bg.live:
+                return  # the background thread retries as views die
+            self._closed = True
+            try:
+                self._transport.request("DELETE", f"/v1/sessions/{self._sid}")
+            except DepotError:
+                pass
+            if self._bg is not None:
+                self._bg.stop()
+            self._transport.close()
 
     def __enter__(self) -> Client:
         return self

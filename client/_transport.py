@@ -80,6 +80,7 @@ class Transport:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.round_trips = 0
+        self._closed = False
 
     def _borrow(self, timeout: float | None) -> http.client.HTTPConnection:
         with self._lock:
@@ -94,7 +95,10 @@ class Transport:
 
     def _give_back(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            self._idle.append(conn)
+            if not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()  # the transport was closed while this request ran
 
     def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
                 timeout: float | None | bool = False) -> Any:
@@ -156,6 +160,7 @@ class Transport:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()

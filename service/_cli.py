@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if logging.getLogger().level >= logging.INFO:
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # we log our own ready line
     try:
         listens, socks = bind_all(settings)
     except (ListenError, DepotError, OSError) as exc:

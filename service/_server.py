@@ -130,7 +130,7 @@ def bind_all(settings: Settings) -> tuple[list[Listen], list[socket.socket]]:
         for ln in listens:
             socks.append(_bind_unix(ln.path) if ln.family == "unix" else _bind_tcp(ln.host, ln.port))
     except BaseException:
-        close_all(listens, socks)
+        close_all(listens[:len(socks)], socks)  # only what we bound: never a live broker's socket
         raise
     return listens, socks
 
@@ -169,6 +169,17 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, ready_message: str) -> None:
         super().__init__(config)
         self.ready_message = ready_message
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        # uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown, which makes
+        # the process die by the signal; the lifespan has already cleaned up, so
+        # exit normally (status 0) instead.
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)

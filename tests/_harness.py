@@ -1,0 +1,142 @@
+"""Test harness: real ``tensordepot serve`` processes and worker processes.
+
+Every broker started here gets its own socket and segment prefix.  On
+teardown the fixture checks that the broker's accounting is clean (no
+sessions, no leases, and no bytes once the remaining names are deleted),
+stops it with SIGTERM, and checks that /dev/shm holds nothing of it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tensordepot import BrokerUnavailable, Client, Stat
+
+TEST_PREFIX = "tdtest-"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what or cond} (last: {last!r})")
+
+
+def shm_entries(prefix: str) -> list[str]:
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
+
+
+class BrokerProc:
+    """A running ``tensordepot serve`` process."""
+
+    def __init__(self, *args: str, max_memory: str = "2GiB", env: dict[str, str] | None = None,
+                 prefix: str | None = None, sock_dir: str | None = None) -> None:
+        self.dir = sock_dir or tempfile.mkdtemp(prefix="td-", dir="/tmp")  # AF_UNIX paths are short
+        self.sock = os.path.join(self.dir, "broker.sock")
+        self.url = "unix://" + self.sock
+        self.prefix = prefix or f"{TEST_PREFIX}{secrets.token_hex(4)}-"
+        self.args = ["--listen", self.url, "--shm-prefix", self.prefix, "--max-memory", max_memory,
+                     "--prealloc", "0", "--reap-interval", "0.1", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = os.path.join(self.dir, "broker.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tensordepot", "serve", *self.args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=self.dir)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            if "tensordepot ready" in self.log():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"broker not ready within 30 s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def client(self, **kw: Any) -> Client:
+        return Client(self.url, **kw)
+
+    def stat(self) -> Stat:
+        with self.client() as c:
+            return c.stat()
+
+    def segments(self) -> list[str]:
+        return shm_entries(self.prefix)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout)
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def check_clean(self) -> None:
+        """Accounting: no sessions or leases; no bytes once every name is deleted."""
+        def idle() -> Stat | None:
+            st = self.stat()
+            return st if st.sessions <= 1 and st.leases == 0 else None  # <=1: our own probe
+
+        wait_for(idle, 10, what="sessions and leases to drain")
+        with self.client() as c:
+            for info in c.list():
+                c.delete(info.name)
+            st = c.stat()
+        assert st.bytes_in_use == 0, st
+        assert st.versions == 0, st
+
+    def cleanup(self) -> None:
+        if self.alive:
+            self.stop(signal.SIGKILL)
+        for entry in self.segments():
+            os.unlink(os.path.join("/dev/shm", entry))
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_worker(script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/workers/<script>.py`` as a separate process and require success."""
+    path = ROOT / "tests" / "workers" / f"{script}.py"
+    res = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, **(env or {})})
+    assert res.returncode == 0, f"worker {script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+def spawn_worker(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    path = ROOT / "tests" / "workers" / f"{script}.py"
+    return subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+WORKERS = ROOT / "tests" / "workers"

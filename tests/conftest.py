@@ -1,0 +1,65 @@
+"""Fixtures: a real ``tensordepot serve`` process per test.
+
+Every broker started here gets its own socket and segment prefix.  On
+teardown the fixture checks that the broker's accounting is clean (no
+sessions, no leases, and no bytes once the remaining names are deleted),
+stops it with SIGTERM, and checks that /dev/shm holds nothing of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from _harness import TEST_PREFIX, BrokerProc, shm_entries
+
+
+@pytest.fixture
+def broker_factory() -> Iterator[Callable[..., BrokerProc]]:
+    """Start brokers; each is checked for clean accounting and a clean /dev/shm at the end.
+
+    A test that killed its broker on purpose sets ``b.expect_dead = True``."""
+    started: list[BrokerProc] = []
+
+    def start(*args: str, **kw: Any) -> BrokerProc:
+        b = BrokerProc(*args, **kw)
+        b.expect_dead = False  # type: ignore[attr-defined]
+        started.append(b)
+        return b
+
+    yield start
+    try:
+        for b in started:
+            if b.alive:
+                b.check_clean()
+                rc = b.stop()
+                assert rc == 0, f"broker exited with {rc} after SIGTERM:\n{b.log()}"
+            elif not getattr(b, "expect_dead", False):
+                raise AssertionError(f"broker died during the test:\n{b.log()}")
+            left = b.segments()
+            if not getattr(b, "expect_dead", False):
+                assert left == [], f"SIGTERM left segments in /dev/shm: {left}"
+    finally:
+        for b in started:
+            b.cleanup()
+
+
+@pytest.fixture
+def broker(broker_factory: Callable[..., BrokerProc]) -> BrokerProc:
+    return broker_factory()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After the whole suite, nothing of ours may be left in /dev/shm."""
+    left = shm_entries(TEST_PREFIX)
+    if left:
+        for entry in left:
+            try:
+                os.unlink(os.path.join("/dev/shm", entry))
+            except FileNotFoundError:
+                pass
+        print(f"\nERROR: the test suite left {len(left)} segment(s) in /dev/shm: {left[:5]}")
+        session.exitstatus = 1
+

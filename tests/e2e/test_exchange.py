@@ -1,0 +1,156 @@
+"""Issue: core exchange.  A real broker, a producer process and a consumer process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, run_worker, wait_for
+
+from tensordepot import BrokerUnavailable, Client, TensorNotFound
+
+
+def test_producer_consumer_processes(broker: BrokerProc) -> None:
+    res = run_worker("producer", broker.url)
+    assert "produced" in res.stdout
+    # The producer has exited; its tensors outlive it.
+    res = run_worker("consumer", broker.url)
+    assert "consumed 8" in res.stdout, res.stdout
+    with broker.client() as c:
+        names = {i.name for i in c.list()}
+    assert names == {"f32", "f64", "i64", "bool", "f16", "u8_strided", "big_f32", "filled"}
+
+
+def test_get_unknown_raises(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        c.put("present", np.zeros(3))
+        with pytest.raises(TensorNotFound, match="'missing' not found.*known: present"):
+            c.get("missing")
+        with pytest.raises(KeyError):  # TensorNotFound is also a KeyError
+            c.get("missing")
+
+
+def test_get_waits_for_publish(broker: BrokerProc) -> None:
+    def late_put() -> None:
+        time.sleep(0.5)  # the thing under test is a wait; this is the producer being late
+        with broker.client() as p:
+            p.put("late", np.arange(5.0))
+
+    th = threading.Thread(target=late_put)
+    with broker.client() as c:
+        t0 = time.monotonic()
+        th.start()
+        t = c.get("late", timeout=5)
+        waited = time.monotonic() - t0
+        assert np.array_equal(np.from_dlpack(t), np.arange(5.0))
+        del t
+    th.join()
+    assert 0.4 <= waited < 2.0, f"get returned after {waited:.2f} s"
+
+
+def test_get_timeout_expires(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(TensorNotFound, match="not published within 0.3"):
+            c.get("never", timeout=0.3)
+        assert time.monotonic() - t0 < 2
+
+
+def test_old_version_keeps_its_bytes(broker: BrokerProc) -> None:
+    with broker.client() as prod, broker.client() as cons:
+        prod.put("w", np.full(100_000, 1.0))  # 800 KB: not inline
+        v1 = cons.get("w")
+        a1 = np.from_dlpack(v1)
+        prod.put("w", np.full(100_000, 2.0))
+        v2 = cons.get("w")
+        assert (v1.version, v2.version) == (1, 2)
+        assert np.all(a1 == 1.0) and np.all(np.from_dlpack(v2) == 2.0)
+        # Churn the pool so a freed version-1 range would be reused and overwritten.
+        for i in range(5):
+            prod.put(f"churn{i}", np.full(100_000, 9.0))
+        assert np.all(a1 == 1.0)
+        del a1, v1, v2
+
+
+def test_empty_publish_roundtrip_torch(broker: BrokerProc) -> None:
+    torch = pytest.importorskip("torch")
+    with broker.client() as c:
+        out = c.empty("y", (128, 64), "bfloat16")
+        torch.from_dlpack(out).fill_(1.5)
+        assert c.list()[0].state == "writing"
+        with pytest.raises(TensorNotFound):
+            c.get("y")
+        out.publish()
+        got = torch.from_dlpack(c.get("y"))
+        assert got.dtype == torch.bfloat16 and bool((got == 1.5).all())
+        del got, out
+
+
+def test_sigterm_unlinks_everything(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    b = broker_factory()
+    with b.client() as c:
+        c.put("a", np.zeros(10))
+        c.put("b", np.zeros(1 << 20))
+        t = c.get("b")
+        assert b.segments(), "the broker should hold segments"
+        del t
+    assert b.stop(signal.SIGTERM) == 0
+    assert b.segments() == [], b.segments()
+    assert not os.path.exists(b.sock), "the socket file should be removed"
+    b.expect_dead = True
+
+
+def test_close_never_raises_without_broker(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    b = broker_factory()
+    c = b.client()
+    c.put("x", np.ones(4))
+    b.kill()
+    b.expect_dead = True
+    with pytest.raises(BrokerUnavailable, match="is `tensordepot serve` running"):
+        c.put("y", np.ones(4))
+    c.close()
+    c.close()
+
+
+def test_client_without_broker_is_clear(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(BrokerUnavailable, match="cannot reach the tensordepot broker"):
+        Client(f"unix://{tmp_path}/nope.sock")
+
+
+def test_socket_mode_is_0600(broker: BrokerProc) -> None:
+    assert os.stat(broker.sock).st_mode & 0o777 == 0o600
+    with broker.client() as c:
+        c.put("s", np.zeros(1 << 18))
+    for seg in broker.segments():
+        mode = os.stat(f"/dev/shm/{seg}").st_mode & 0o777
+        assert mode == 0o600, (seg, oct(mode))
+
+
+def test_second_broker_on_live_socket_refuses(broker: BrokerProc) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "tensordepot", "serve", "--listen", broker.url],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0
+    assert "a live broker already listens" in res.stderr
+
+
+def test_stale_socket_is_replaced(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    b = broker_factory()
+    with b.client() as c:
+        c.put("x", np.zeros(1 << 18))
+    b.kill()
+    assert os.path.exists(b.sock) and b.segments()
+    stale = [s for s in b.segments() if not s.endswith("lock")]
+    assert stale
+    b2 = broker_factory(sock_dir=b.dir, prefix=b.prefix)
+    b.expect_dead = True
+    wait_for(lambda: not set(stale) & set(b2.segments()), 5, what="stale segments to go")
+    with b2.client() as c:
+        with pytest.raises(TensorNotFound):
+            c.get("x")
