@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import collections
 import logging
 import math
@@ -25,7 +24,9 @@ from ._transport import Transport
 
 log = logging.getLogger("tensordepot.client")
 _SESSION_HEADER = "x-tensordepot-session"
+_RELEASE_HEADER = "x-tensordepot-release"
 _UNKNOWN_SESSION = "unknown_session"
+_COALESCE = 0.005  # seconds a queued release may wait for company
 
 
 def _start_time(pid: int) -> int | None:
@@ -93,6 +94,7 @@ class _Background:
         os.set_blocking(self._w, False)
         self._client = client
         self._stop = False
+        self._armed = False
         self.heartbeat: float | None = None
         self.idle = threading.Event()
         self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
@@ -104,18 +106,25 @@ class _Background:
     def release_later(self, lease_id: int) -> None:
         self.live.discard(lease_id)
         self.pending.append(lease_id)
-        try:
-            os.write(self._w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending anyway) or closed
+        if not self._armed:
+            self._armed = True
+            try:
+                os.write(self._w, b"x")
+            except OSError:
+                pass  # the pipe is full (a wake-up is pending anyway) or closed
 
-    def flush(self) -> None:
-        ids = []
-        while self.pending:
+    def take(self, limit: int = 4096) -> list[int]:
+        """Pending lease ids, for a request to carry (or for ``flush``)."""
+        ids: list[int] = []
+        while self.pending and len(ids) < limit:
             try:
                 ids.append(self.pending.popleft())
             except IndexError:
                 break
+        return ids
+
+    def flush(self) -> None:
+        ids = self.take(1 << 20)
         if ids:
             try:
                 self._client._call("POST", "/v1/release", {"leases": ids}, background=True)
@@ -132,6 +141,10 @@ class _Background:
                     os.read(self._r, 4096)
                 except OSError:
                     break
+                self._armed = False
+                # Coalesce: releases queued in the next few milliseconds go in
+                # one request, and a foreground request may carry them first.
+                select.select([self._r], [], [], _COALESCE)
             self.flush()
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.heartbeat:
@@ -208,6 +221,10 @@ class Client:
                     f"this Client was created in process {self._pid}; create a new Client after fork()"
                 )
         headers = {_SESSION_HEADER: self._sid}
+        if not background and self._bg is not None and self._bg.pending:
+            ids = self._bg.take()
+            if ids:  # piggyback queued releases: no round trip of their own
+                headers[_RELEASE_HEADER] = ",".join(map(str, ids))
         try:
             return self._transport.request(method, path, body, headers=headers, timeout=timeout)
         except DepotError as exc:
@@ -272,10 +289,12 @@ class Client:
             if arr.nbytes <= INLINE_MAX:
                 import numpy as np
 
-                data = base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode()
-                body = {"name": name, "shape": list(arr.shape), "dtype": src.dtype, "data": data,
-                        "ttl": ttl}
-                return int(Handle.model_validate(self._call("POST", "/v1/put", body)).version)
+                query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
+                if ttl is not None:
+                    query += f"&ttl={float(ttl)!r}"
+                data = np.ascontiguousarray(arr).tobytes()
+                resp = self._call("POST", f"/v1/put/{quote(name, safe='/')}?{query}", data)
+                return int(resp["version"])
             h = self._alloc(name, arr.shape, src.dtype, ttl)
             self._fill(h, arr)
         finally:

@@ -1,8 +1,11 @@
 """HTTP/1.1 to the broker over a unix socket or TCP, with persistent connections.
 
-http.client is used directly: on this class of machine a FastAPI round trip
-costs ~0.65 ms through it against ~1.1 ms through httpx (DESIGN.md,
-"Physics"), and the control plane is the whole cost of a small get.
+A minimal HTTP/1.1 client of our own: each request goes out in a single
+send (http.client sends headers and body separately, waking the broker
+twice) and responses are parsed without the email package.  On this class
+of machine the control plane is the whole cost of a small get, and the
+client shares two cores with the broker, so its CPU time matters.  The broker
+always answers with Content-Length (JSON bodies, never chunked).
 
 This module is the client's one error boundary: transport failures become
 ``BrokerUnavailable`` and error bodies become the matching ``DepotError``.
@@ -10,7 +13,6 @@ This module is the client's one error boundary: transport failures become
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import threading
@@ -32,28 +34,67 @@ _BY_STATUS: dict[int, type[DepotError]] = {
     400: InvalidRequest, 401: AuthError, 403: AuthError, 404: TensorNotFound, 409: Conflict,
     422: InvalidRequest, 503: BrokerUnavailable, 507: OutOfMemory,
 }
+_MAX_HEAD = 64 * 1024
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+class _Disconnected(ConnectionError):
+    """The broker closed the connection before answering."""
 
 
-class _TcpConnection(http.client.HTTPConnection):
-    def connect(self) -> None:
-        super().connect()
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class _Conn:
+    """One persistent HTTP/1.1 connection."""
+
+    def __init__(self, connect: Any) -> None:
+        self._connect = connect
+        self.sock: socket.socket | None = None
+        self._timeout: float | None = -1.0
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def roundtrip(self, head: bytes, body: bytes, timeout: float | None) -> tuple[int, bytes]:
+        if self.sock is None:
+            self.sock = self._connect(timeout)
+            self._timeout = timeout
+        sock = self.sock
+        if timeout != self._timeout:
+            sock.settimeout(timeout)
+            self._timeout = timeout
+        sock.sendall(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            sock.sendall(body)
+        buf = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise _Disconnected("the broker closed the connection")
+            buf += chunk
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buf) > _MAX_HEAD:
+                raise ConnectionError("response headers too large")
+        lines = buf[:end].split(b"\r\n")
+        status = int(lines[0].split(None, 2)[1])
+        length, close = 0, False
+        for line in lines[1:]:
+            key, _, value = line.partition(b":")
+            key = key.strip().lower()
+            if key == b"content-length":
+                length = int(value)
+            elif key == b"connection" and value.strip().lower() == b"close":
+                close = True
+        data = buf[end + 4:]
+        while len(data) < length:
+            chunk = sock.recv(max(65536, length - len(data)))
+            if not chunk:
+                raise _Disconnected("mid-body")
+            data += chunk
+        if close:
+            self.close()
+        return status, data[:length]
 
 
 class Transport:
@@ -64,36 +105,51 @@ class Transport:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             path = (parts.netloc + parts.path) if parts.netloc else parts.path
-            self._factory = lambda t: _UnixConnection(path, t)
+
+            def connect(timeout: float | None) -> socket.socket:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    raise
+                return sock
+
+            self._connect = connect
+            host_header = "localhost"
         elif parts.scheme == "http":
             if not parts.hostname:
                 raise InvalidRequest(f"broker URL {url!r} has no host; use http://127.0.0.1:7420")
             host, port = parts.hostname, parts.port or 80
-            self._factory = lambda t: _TcpConnection(host, port, timeout=t)
+
+            def connect(timeout: float | None) -> socket.socket:
+                sock = socket.create_connection((host, port), timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+
+            self._connect = connect
+            host_header = f"{host}:{port}"
         else:
             raise InvalidRequest(f"broker URL {url!r}: use unix:///path.sock or http://host:port")
         self.url = url
         self.timeout = timeout
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        self._headers = {"Content-Type": "application/json"}
+        fixed = f"Host: {host_header}\r\n"
         if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+            fixed += f"Authorization: Bearer {token}\r\n"
+        self._fixed = fixed
         self.round_trips = 0
         self._closed = False
 
-    def _borrow(self, timeout: float | None) -> http.client.HTTPConnection:
+    def _borrow(self) -> _Conn:
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._factory(timeout)
-        else:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-        return conn
+            if self._idle:
+                return self._idle.pop()
+        return _Conn(self._connect)
 
-    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+    def _give_back(self, conn: _Conn) -> None:
         with self._lock:
             if not self._closed:
                 self._idle.append(conn)
@@ -103,39 +159,41 @@ class Transport:
     def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
                 timeout: float | None | bool = False) -> Any:
         """Send one request; return the decoded JSON (None for 204).  Raises DepotError."""
-        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-        hdrs = self._headers if not headers else {**self._headers, **headers}
+        if isinstance(body, bytes):
+            data, ctype = body, "application/octet-stream"
+        else:
+            data, ctype = (b"" if body is None else json.dumps(body).encode()), "application/json"
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+        head = (f"{method} {path} HTTP/1.1\r\n{self._fixed}{extra}"
+                f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
         t = self.timeout if timeout is False else timeout
-        conn = self._borrow(t)  # type: ignore[arg-type]
+        conn = self._borrow()
         self.round_trips += 1
         for attempt in (0, 1):
+            reused = conn.sock is not None
             try:
-                conn.request(method, path, data, hdrs)
-                resp = conn.getresponse()
-                payload = resp.read()
+                status, payload = conn.roundtrip(head, data, t)  # type: ignore[arg-type]
                 break
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+            except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()
                 # A kept-alive connection the broker closed while idle: retry once
-                # on a fresh one.  A second failure means the broker is gone.
-                if attempt == 0:
+                # on a fresh one.  A failure on a fresh one means the broker is gone.
+                if attempt == 0 and reused:
                     continue
                 raise self._unavailable(exc) from exc
             except TimeoutError as exc:
                 conn.close()
                 raise BrokerUnavailable(
-                    f"the broker at {self.url} did not answer {method} {path} within {t} s; "
-                    f"is it overloaded or stopped (SIGSTOP)?"
+                    f"the broker at {self.url} did not answer {method} {path.split('?')[0]} "
+                    f"within {t} s; is it overloaded or stopped?"
                 ) from exc
-            except OSError as exc:
+            except (OSError, ValueError, IndexError) as exc:
                 conn.close()
                 raise self._unavailable(exc) from exc
-        if resp.will_close:
-            conn.close()
         self._give_back(conn)
-        if resp.status >= 400:
-            raise self._error(resp.status, payload)
-        if resp.status == 204 or not payload:
+        if status >= 400:
+            raise self._error(status, payload)
+        if status == 204 or not payload:
             return None
         return json.loads(payload)
 

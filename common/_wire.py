@@ -52,10 +52,6 @@ class AllocRequest(_Frozen):
     ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after publish")
 
 
-class PutRequest(AllocRequest):
-    data: str = Field(description=f"base64 of the C-ordered bytes, at most {INLINE_MAX} bytes decoded")
-
-
 class Handle(_Frozen):
     """Where a tensor version lives.  Metadata only."""
 

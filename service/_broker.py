@@ -18,8 +18,6 @@ Lifetime rules (README, "Lifetime"):
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import itertools
 import logging
 import math
@@ -34,7 +32,6 @@ from .._wire import (
     INLINE_MAX,
     AllocRequest,
     Handle,
-    PutRequest,
     SessionInfo,
     SessionOpen,
     Stat,
@@ -365,11 +362,8 @@ class Broker:
                 return
         raise TensorNotFound(f"this session is not writing version {number} of {name!r}")
 
-    def put_inline(self, sid: str | None, req: PutRequest) -> Version:
-        try:
-            data = base64.b64decode(req.data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest("data is not valid base64") from None
+    def put_inline(self, sid: str | None, req: AllocRequest, data: bytes) -> Version:
+        """Allocate, fill and publish a small tensor whose bytes came in the request."""
         shape, _, _, nbytes = self._check_alloc(req)
         if nbytes > INLINE_MAX:
             raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + publish")

@@ -1,30 +1,22 @@
-"""Dependencies shared by the routers."""
+"""Dependencies and middleware shared by the routers.
+
+Every dependency is ``async def``: FastAPI runs plain ``def`` dependencies in
+a worker thread, and that hop costs more than a whole request here.
+"""
 
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
+import json
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from .._errors import AuthError
+from .._errors import AuthError, InvalidRequest
 from ._broker import Broker
-from .config import Settings, get_settings
 
 SESSION_HEADER = "x-tensordepot-session"
-
-# Every dependency is ``async def``: FastAPI runs plain ``def`` dependencies
-# in a worker thread, and that hop costs more than the whole request.
-
-
-async def settings_dep(request: Request) -> Settings:
-    """The app's settings (``create_app(settings)``), else the environment's.
-
-    ``create_app`` stores them on ``app.state`` rather than in
-    ``dependency_overrides``: FastAPI re-analyses an overridden dependency on
-    every request, which costs milliseconds."""
-    settings: Settings | None = getattr(request.app.state, "settings", None)
-    return settings if settings is not None else get_settings()
+RELEASE_HEADER = "x-tensordepot-release"
 
 
 async def get_broker(request: Request) -> Broker:
@@ -38,18 +30,56 @@ def peer_pid(request: Request) -> int | None:
     return cred[0] if cred else None
 
 
-async def check_auth(request: Request, settings: Annotated[Settings, Depends(settings_dep)],
-               authorization: Annotated[str | None, Header()] = None) -> None:
-    """TCP requests need the bearer token when one is configured.  Unix-socket
-    peers are authorised by the socket's file mode (0600)."""
-    if not settings.token or getattr(request.state, "unix", False):
-        return
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), settings.token.encode()):
-        raise AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
-                        "(Client(token=...) or $TENSORDEPOT_TOKEN)")
-
-
 BrokerDep = Annotated[Broker, Depends(get_broker)]
-SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER,
-                                             description="the id from POST /v1/sessions")]
+
+
+async def session_dep(
+    broker: BrokerDep,
+    session: Annotated[str | None, Header(alias=SESSION_HEADER,
+                                          description="the id from POST /v1/sessions")] = None,
+    release: Annotated[str | None, Header(alias=RELEASE_HEADER,
+                                          description="lease ids to release first, comma separated")] = None,
+) -> str | None:
+    """The caller's session id.  Releases the client piggybacks on any request
+    are applied first, so dropping tensors costs no round trip of its own."""
+    if release:
+        try:
+            ids = [int(x) for x in release.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidRequest(f"{RELEASE_HEADER} must be comma-separated lease ids") from None
+        broker.release(session, ids)
+    return session
+
+
+SessionDep = Annotated[str | None, Depends(session_dep)]
+
+
+class TokenAuth:
+    """ASGI middleware: TCP requests need ``Authorization: Bearer <token>`` when
+    a token is configured.  Unix-socket peers are authorised by the socket's
+    file mode (0600); /healthz stays open for health checks."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and not scope.get("state", {}).get("unix")
+                and scope["path"] != "/healthz" and not self._ok(scope)):
+            err = AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
+                            "(Client(token=...) or $TENSORDEPOT_TOKEN)")
+            body = json.dumps({"error": {"code": err.code, "message": str(err)}}).encode()
+            await send({"type": "http.response.start", "status": err.status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope: Any) -> bool:
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.token)
+        return False

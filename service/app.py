@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -17,7 +17,7 @@ from .._errors import DepotError
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
-from ._deps import check_auth
+from ._deps import TokenAuth
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        cfg = getattr(app.state, "settings", None) or get_settings()
+        cfg: Settings = app.state.settings
         prefix = cfg.prefix()
         lock = PrefixLock(prefix)
         removed = sweep(prefix, keep={lock.name})
@@ -74,9 +74,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="Zero-copy tensor exchange between processes on one host.",
         lifespan=lifespan,
-        dependencies=[Depends(check_auth)],
     )
+    settings = settings or get_settings()
     app.state.settings = settings
+    if settings.token:
+        app.add_middleware(TokenAuth, token=settings.token)
 
     @app.exception_handler(DepotError)
     async def _depot_error(request: Request, exc: DepotError) -> JSONResponse:

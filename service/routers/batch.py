@@ -8,13 +8,13 @@ from fastapi import APIRouter
 
 from ..._errors import DepotError
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
-from .._deps import BrokerDep, SessionHeader
+from .._deps import BrokerDep, SessionDep
 
 router = APIRouter(prefix="/v1/batch", tags=["batch"])
 
 
 @router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
-async def alloc_many(req: BatchAlloc, broker: BrokerDep, session: SessionHeader = None) -> HandleList:
+async def alloc_many(req: BatchAlloc, broker: BrokerDep, session: SessionDep) -> HandleList:
     done = []
     try:
         for item in req.items:
@@ -28,12 +28,12 @@ async def alloc_many(req: BatchAlloc, broker: BrokerDep, session: SessionHeader 
 
 
 @router.post("/publish", response_model=HandleList, summary="Publish many versions at once")
-async def publish_many(req: BatchPublish, broker: BrokerDep, session: SessionHeader = None) -> HandleList:
+async def publish_many(req: BatchPublish, broker: BrokerDep, session: SessionDep) -> HandleList:
     return HandleList(items=[broker.handle(broker.publish(session, i.name, i.version)) for i in req.items])
 
 
 @router.post("/get", response_model=HandleList, summary="Lease many tensors at once")
-async def get_many(req: BatchGet, broker: BrokerDep, session: SessionHeader = None) -> HandleList:
+async def get_many(req: BatchGet, broker: BrokerDep, session: SessionDep) -> HandleList:
     timeout = None if req.timeout is None or math.isinf(req.timeout) else req.timeout
     got: list[tuple[object, int]] = []
     try:
