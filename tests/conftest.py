@@ -16,6 +16,23 @@ import pytest
 from _harness import TEST_PREFIX, BrokerProc, shm_entries
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present."""
+    if any("cuda" in item.keywords for item in items) and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.fixture
 def broker_factory() -> Iterator[Callable[..., BrokerProc]]:
     """Start brokers; each is checked for clean accounting and a clean /dev/shm at the end.
