@@ -22,7 +22,9 @@ from typing import Any
 
 from tensordepot import BrokerUnavailable, Client, Stat
 
-TEST_PREFIX = "tdtest-"
+# Per test run: engineers and CI jobs that share a host (and /dev/shm) run the
+# suite at the same time, and each run checks and sweeps only its own segments.
+TEST_PREFIX = f"tdtest-{os.getpid()}-"
 ROOT = Path(__file__).resolve().parent.parent
 
 
