@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class _Lease:
     """Keeps a lease alive; its finalizer queues the release."""
 
-    __slots__ = ("id", "__weakref__")
+    __slots__ = ("__weakref__", "id")
 
     def __init__(self, lease_id: int, on_free: Callable[[int], None]) -> None:
         self.id = lease_id
@@ -36,7 +36,7 @@ class _Lease:
 class _Owner:
     """What every exported view holds: the mapping, and the lease if any."""
 
-    __slots__ = ("mapping", "lease")
+    __slots__ = ("lease", "mapping")
 
     def __init__(self, mapping: Any, lease: _Lease | None) -> None:
         self.mapping = mapping
@@ -116,6 +116,10 @@ class SharedTensor:
                 f"tensor {self.name!r} v{self.version} was released; get it again to read it"
             )
         return self._owner
+
+    def _lease_id(self) -> int | None:
+        owner = self._owner
+        return owner.lease.id if owner is not None and owner.lease is not None else None
 
     def publish(self) -> SharedTensor:
         """Make this ``empty()`` tensor visible to readers (once)."""

@@ -74,6 +74,12 @@ class PublishRequest(_Frozen):
     version: int = Field(ge=1)
 
 
+class LinkRequest(_Frozen):
+    name: Name
+    lease: int = Field(description="a lease this session holds on the source version")
+    ttl: float | None = Field(None, gt=0)
+
+
 class ReleaseRequest(_Frozen):
     leases: list[int] = Field(max_length=MAX_BATCH * 10)
 

@@ -138,6 +138,7 @@ class Broker:
         self._events: dict[str, asyncio.Event] = {}
         self._closing_event: asyncio.Event | None = None
         self._maps: dict[str, PosixMapping] = {}
+        pool.on_drop = lambda name: self._maps.pop(name, None)
         # Version numbers keep counting after a delete, so a reader waiting
         # for "newer than N" never mistakes a re-created name for an old one.
         self._last_version: dict[str, int] = {}
@@ -194,10 +195,12 @@ class Broker:
 
     def _maybe_free(self, v: Version) -> None:
         if not v.current and v.readers == 0 and v.block is not None:
-            self.pool.free(v.block)
-            self.bytes_in_use -= v.block.nbytes
+            block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
-            v.block = None  # type: ignore[assignment]
+            block.refs -= 1
+            if block.refs == 0:  # no other version (see link) shares the bytes
+                self.pool.free(block)
+                self.bytes_in_use -= block.nbytes
 
     def _retire(self, v: Version) -> None:
         v.current = False
@@ -291,7 +294,10 @@ class Broker:
         shape = tuple(req.shape)
         nelem = math.prod(shape)
         nbytes = nelem * dt.itemsize
-        if nbytes > MAX_NBYTES:
+        # Zero dims do not save huge ones: the strides (and DLPack's int64
+        # shape) must still be representable.
+        span = math.prod(max(d, 1) for d in shape) * dt.itemsize
+        if max(nbytes, span) > MAX_NBYTES:
             raise InvalidRequest(
                 f"shape {list(shape)} of {dt.name} is {nbytes} bytes, which overflows; check the shape"
             )
@@ -379,9 +385,32 @@ class Broker:
 
     def _map(self, segment: str) -> PosixMapping:
         m = self._maps.get(segment)
-        if m is None or not m.exists():
+        if m is None:  # the pool's on_drop forgets mappings of unlinked segments
             m = self._maps[segment] = PosixMapping(segment, writable=True)
         return m
+
+    def link(self, sid: str | None, name: str, lease_id: int, ttl: float | None = None) -> Version:
+        """Publish the bytes a lease holds as the next version of ``name``, without a copy.
+
+        The new version shares the block; the memory is freed when every
+        version that shares it is gone."""
+        s = self._session(sid)
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.session != s.id or lease.version.block is None:
+            raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source tensor again")
+        src = lease.version
+        e = self.entries.get(name)
+        if e is None:
+            e = self.entries[name] = Entry(name, next_version=self._last_version.pop(name, 0) + 1)
+        src.block.refs += 1
+        v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
+                    s.id, ttl=ttl)
+        e.next_version += 1
+        e.writing[v.number] = v
+        s.writing.add(v)
+        self.versions_live += 1
+        self._count("links")
+        return self.publish(sid, name, v.number)
 
     # -- reading -----------------------------------------------------------
     def _ready(self, name: str, newer_than: int) -> Version | None:
@@ -413,6 +442,7 @@ class Broker:
             return v, self.lease(s, v)
         if timeout is not None and timeout <= 0:
             raise self._not_found(name)
+        self._count("waits")  # gets that had to wait for a publish
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -444,10 +474,14 @@ class Broker:
 
     def release(self, sid: str | None, lease_ids: list[int]) -> int:
         s = self.sessions.get(sid or "")
+        if s is None:
+            # Only the session that took a lease may release it: leases of an
+            # ended session are gone already, and anyone else's must stay.
+            return 0
         n = 0
         for lid in lease_ids:
             lease = self.leases.get(lid)
-            if lease is not None and (s is None or lease.session == s.id):
+            if lease is not None and lease.session == s.id:
                 self._release_one(lid)
                 n += 1
         return n

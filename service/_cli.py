@@ -71,7 +71,7 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'NAME':40} {'VER':>5} {'DTYPE':>12} {'SHAPE':20} {'BYTES':>12} {'READERS':>7} STATE")
     for i in items:
-        print(f"{i.name:40} {i.version:>5} {i.dtype:>12} {str(tuple(i.shape)):20} {i.nbytes:>12} "
+        print(f"{i.name:40} {i.version:>5} {i.dtype:>12} {tuple(i.shape)!s:20} {i.nbytes:>12} "
               f"{i.readers:>7} {i.state}")
     return 0
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
 
-from .._errors import AuthError, InvalidRequest
+from .._errors import AuthError
 from ._broker import Broker
 
 SESSION_HEADER = "x-tensordepot-session"
@@ -34,24 +34,46 @@ BrokerDep = Annotated[Broker, Depends(get_broker)]
 
 
 async def session_dep(
-    broker: BrokerDep,
     session: Annotated[str | None, Header(alias=SESSION_HEADER,
                                           description="the id from POST /v1/sessions")] = None,
-    release: Annotated[str | None, Header(alias=RELEASE_HEADER,
-                                          description="lease ids to release first, comma separated")] = None,
 ) -> str | None:
-    """The caller's session id.  Releases the client piggybacks on any request
-    are applied first, so dropping tensors costs no round trip of its own."""
-    if release:
-        try:
-            ids = [int(x) for x in release.split(",") if x.strip()]
-        except ValueError:
-            raise InvalidRequest(f"{RELEASE_HEADER} must be comma-separated lease ids") from None
-        broker.release(session, ids)
+    """The caller's session id (validated by the broker where it matters)."""
     return session
 
 
 SessionDep = Annotated[str | None, Depends(session_dep)]
+
+
+class PiggybackedReleases:
+    """ASGI middleware: any request may carry ``x-tensordepot-release: 1,2,3``,
+    lease ids the client dropped since its last request.  They are released
+    before the request is handled, so dropping tensors costs no round trip of
+    its own.  Ids that are not the session's own are ignored."""
+
+    _release = RELEASE_HEADER.encode()
+    _session = SESSION_HEADER.encode()
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            ids = sid = None
+            for key, value in scope["headers"]:
+                if key == self._release:
+                    ids = value
+                elif key == self._session:
+                    sid = value.decode("latin-1")
+            if ids and sid:
+                # Starlette puts the app in the scope before middleware runs.
+                broker: Broker | None = getattr(scope["app"].state, "broker", None)
+                try:
+                    lease_ids = [int(x) for x in ids.split(b",") if x.strip()]
+                except ValueError:
+                    lease_ids = []
+                if broker is not None and lease_ids:
+                    broker.release(sid, lease_ids)
+        await self.app(scope, receive, send)
 
 
 class TokenAuth:

@@ -6,22 +6,34 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .._version import __version__
 from .._errors import DepotError
+from .._version import __version__
+from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
-from ._deps import TokenAuth
+from ._deps import PiggybackedReleases, TokenAuth
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
+
+# Every route may answer with these; the body is always ErrorBody (FastAPI's
+# default 422 schema, {"detail": [...]}, is not what the error boundary sends).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in ((400, "bad input"), (401, "missing or wrong token (TCP only)"),
+                         (404, "unknown name or route"), (409, "conflict with the tensor's state"),
+                         (422, "malformed request"), (503, "the broker is shutting down"),
+                         (507, "out of memory (--max-memory)"))
+}
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -77,7 +89,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
-    if settings.token:
+    app.add_middleware(PiggybackedReleases)
+    if settings.token:  # added last, so it runs first: no release without the token
         app.add_middleware(TokenAuth, token=settings.token)
 
     @app.exception_handler(DepotError)
@@ -94,7 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return _error(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
     for module in (sessions, tensors, batch, system):
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERROR_RESPONSES)
     return app
 
 

@@ -7,10 +7,9 @@ import hashlib
 import os
 import re
 from functools import lru_cache
-
-from pydantic import Field, field_validator
 from typing import Annotated
 
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .._defaults import default_socket_path

@@ -26,9 +26,9 @@ from ._posix import sweep as sweep
 
 __all__ = [
     "DTYPES",
-    "DType",
     "FLAG_IS_COPIED",
     "FLAG_READ_ONLY",
+    "DType",
     "Imported",
     "PosixMapping",
     "PosixSegment",

@@ -60,6 +60,7 @@ class Block:
     nbytes: int  # what the tensor needs
     size: int  # what is reserved (aligned)
     _seg: _Seg | None = None
+    refs: int = 1  # versions sharing this block (the broker's count; the pool ignores it)
 
 
 class Pool:
@@ -84,6 +85,7 @@ class Pool:
         self._seq = itertools.count()
         self.reserved = 0  # bytes in all segments
         self.used = 0  # bytes reserved by live blocks
+        self.on_drop: Callable[[str], None] | None = None  # told each segment name it unlinks
 
     # -- queries ---------------------------------------------------------
     @property
@@ -127,9 +129,9 @@ class Pool:
         # wasting more than a quarter of it.
         best: _Seg | None = None
         for s in self._segs.values():
-            if s.dedicated and s.used == 0 and size <= s.size <= size + size // 4:
-                if best is None or s.size < best.size:
-                    best = s
+            if (s.dedicated and s.used == 0 and size <= s.size <= size + size // 4
+                    and (best is None or s.size < best.size)):
+                best = s
         if best is None:
             best = self._new_segment(size, dedicated=True)
         best.free_off, best.free_len = [], []
@@ -224,6 +226,8 @@ class Pool:
         del self._segs[s.name]
         self.reserved -= s.size
         s.seg.unlink()
+        if self.on_drop is not None:
+            self.on_drop(s.name)
 
     def close(self) -> None:
         """Unlink every segment (broker shutdown)."""

@@ -6,12 +6,18 @@ import math
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel
-
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..._errors import InvalidRequest
-from ..._wire import INLINE_MAX, AllocRequest, Handle, PublishRequest, ReleaseRequest, TensorList
+from ..._wire import (
+    INLINE_MAX,
+    AllocRequest,
+    Handle,
+    LinkRequest,
+    PublishRequest,
+    ReleaseRequest,
+    TensorList,
+)
 from .._deps import BrokerDep, SessionDep
 
 router = APIRouter(prefix="/v1", tags=["tensors"])
@@ -66,6 +72,12 @@ async def put(
     except (ValueError, ValidationError) as exc:
         raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
     return broker.handle(broker.put_inline(session, req, await request.body()))
+
+
+@router.post("/link", response_model=Handle,
+             summary="Publish a leased version's bytes under another name, without a copy")
+async def link(req: LinkRequest, broker: BrokerDep, session: SessionDep) -> Handle:
+    return broker.handle(broker.link(session, req.name, req.lease, req.ttl))
 
 
 @router.post("/release", response_model=Released, summary="Release leases taken by get")

@@ -154,3 +154,21 @@ def test_stale_socket_is_replaced(broker_factory) -> None:  # type: ignore[no-un
     with b2.client() as c:
         with pytest.raises(TensorNotFound):
             c.get("x")
+
+
+def test_put_of_a_got_tensor_shares_its_bytes(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        c.put("src", np.arange(1 << 18, dtype=np.float32))  # 1 MiB
+        before = c.stat().bytes_in_use
+        t = c.get("src")
+        assert c.put("alias", t) == 1
+        assert c.stat().bytes_in_use == before, "re-putting broker memory must not copy it"
+        alias = np.from_dlpack(c.get("alias"))
+        assert alias.__array_interface__["data"][0] == np.from_dlpack(t).__array_interface__["data"][0]
+        c.delete("src")
+        del t
+        assert np.array_equal(alias, np.arange(1 << 18, dtype=np.float32))
+        assert c.stat().bytes_in_use == before  # still held by "alias"
+        del alias
+        c.delete("alias")
+        wait_for(lambda: c.stat().bytes_in_use == 0 or None, 5, what=f"shared block to be freed ({c.stat()}, {c.list()})")
