@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import os
@@ -88,8 +89,10 @@ class _Background:
     they must not take locks."""
 
     def __init__(self, client: Client) -> None:
-        self.pending: collections.deque[int] = collections.deque()
-        self.live: set[int] = set()  # leases some view still holds
+        # Leases as (session, lease id): ids restart with each broker, so an id
+        # alone may name another session's lease after a restart.
+        self.pending: collections.deque[tuple[str, int]] = collections.deque()
+        self.live: set[tuple[str, int]] = set()  # leases some view still holds
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._client = client
@@ -100,12 +103,12 @@ class _Background:
         self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
         self.thread.start()
 
-    def track(self, lease_id: int) -> None:
-        self.live.add(lease_id)
+    def track(self, sid: str, lease_id: int) -> None:
+        self.live.add((sid, lease_id))
 
-    def release_later(self, lease_id: int) -> None:
-        self.live.discard(lease_id)
-        self.pending.append(lease_id)
+    def release_later(self, sid: str, lease_id: int) -> None:
+        self.live.discard((sid, lease_id))
+        self.pending.append((sid, lease_id))
         if not self._armed:
             self._armed = True
             try:
@@ -114,13 +117,19 @@ class _Background:
                 pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     def take(self, limit: int = 4096) -> list[int]:
-        """Pending lease ids, for a request to carry (or for ``flush``)."""
+        """Pending lease ids of the current session, for a request to carry (or
+        for ``flush``).  Leases taken in an earlier session ended with it (the
+        broker restarted, or reaped it), and their ids may now name leases of
+        the current session: they are dropped, never sent."""
+        sid = self._client._sid
         ids: list[int] = []
         while self.pending and len(ids) < limit:
             try:
-                ids.append(self.pending.popleft())
+                owner, lease_id = self.pending.popleft()
             except IndexError:
                 break
+            if owner == sid:
+                ids.append(lease_id)
         return ids
 
     def flush(self) -> None:
@@ -271,8 +280,8 @@ class Client:
         m = self._mapping(h.segment, writable)
         lease = None
         if h.lease is not None and self._bg is not None:
-            lease = _Lease(h.lease, self._bg.release_later)
-            self._bg.track(h.lease)
+            lease = _Lease(h.lease, functools.partial(self._bg.release_later, self._sid))
+            self._bg.track(self._sid, h.lease)
         return SharedTensor(self, h, m, lease, writable=writable)
 
     # -- writing -----------------------------------------------------------
