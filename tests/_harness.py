@@ -62,6 +62,7 @@ class BrokerProc:
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")
+        start = self._log.tell()  # a restart on the same dir appends: only new lines count
         self.proc = subprocess.Popen([sys.executable, "-m", "tensordepot", "serve", *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=self.dir)
@@ -69,8 +70,10 @@ class BrokerProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
-            if "tensordepot ready" in self.log():
-                return
+            with open(self.log_path, "rb") as f:
+                f.seek(start)
+                if b"tensordepot ready" in f.read():
+                    return
             time.sleep(0.02)
         raise AssertionError(f"broker not ready within 30 s:\n{self.log()}")
 
