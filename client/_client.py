@@ -207,7 +207,11 @@ class Client:
         self._label = label
         self._closing = False
         self._close_lock = threading.Lock()
-        self._open_session()
+        try:
+            self._open_session()
+        except BaseException:
+            self._transport.close()  # a refused session (401, 503) must not leak its connection
+            raise
         self._closed = False
         self._bg = _Background(self)
         self._bg.heartbeat = self._session.heartbeat_interval
