@@ -1,7 +1,9 @@
 """Dependencies and middleware shared by the routers.
 
-Every dependency is ``async def``: FastAPI runs plain ``def`` dependencies in
-a worker thread, and that hop costs more than a whole request here.
+Hot routes declare no FastAPI dependencies at all: solving them costs more
+per request than the broker's own work (and a plain ``def`` dependency even
+hops to a worker thread).  They take the ``Request`` and the session header
+directly.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import hmac
 import json
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Header, Request
 
 from .._errors import AuthError
 from ._broker import Broker
@@ -19,29 +21,25 @@ SESSION_HEADER = "x-tensordepot-session"
 RELEASE_HEADER = "x-tensordepot-release"
 
 
-async def get_broker(request: Request) -> Broker:
-    broker: Broker = request.app.state.broker
-    return broker
-
-
 def peer_pid(request: Request) -> int | None:
     """The pid the kernel reports for a unix-socket peer (SO_PEERCRED), if any."""
     cred = getattr(request.state, "peercred", None)
     return cred[0] if cred else None
 
 
-BrokerDep = Annotated[Broker, Depends(get_broker)]
+SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER,
+                                             description="the id from POST /v1/sessions")]
 
 
-async def session_dep(
-    session: Annotated[str | None, Header(alias=SESSION_HEADER,
-                                          description="the id from POST /v1/sessions")] = None,
-) -> str | None:
-    """The caller's session id (validated by the broker where it matters)."""
-    return session
+def broker_of(request: Request) -> Broker:
+    """The broker behind this app.
 
-
-SessionDep = Annotated[str | None, Depends(session_dep)]
+    Routes call this instead of declaring ``Depends(get_broker)``: each
+    sub-dependency costs FastAPI more per request than our whole handler, and
+    the control plane's speed is the product (issue: B5 against a bare
+    endpoint)."""
+    broker: Broker = request.app.state.broker
+    return broker
 
 
 class PiggybackedReleases:

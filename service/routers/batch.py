@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..._errors import DepotError
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
-from .._deps import BrokerDep, SessionDep
+from .._deps import SessionHeader, broker_of
 
 router = APIRouter(prefix="/v1/batch", tags=["batch"])
 
 
 @router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
-async def alloc_many(req: BatchAlloc, broker: BrokerDep, session: SessionDep) -> HandleList:
+async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None) -> HandleList:
+    broker = broker_of(request)
     done = []
     try:
         for item in req.items:
@@ -28,12 +29,14 @@ async def alloc_many(req: BatchAlloc, broker: BrokerDep, session: SessionDep) ->
 
 
 @router.post("/publish", response_model=HandleList, summary="Publish many versions at once")
-async def publish_many(req: BatchPublish, broker: BrokerDep, session: SessionDep) -> HandleList:
+async def publish_many(req: BatchPublish, request: Request, session: SessionHeader = None) -> HandleList:
+    broker = broker_of(request)
     return HandleList(items=[broker.handle(broker.publish(session, i.name, i.version)) for i in req.items])
 
 
 @router.post("/get", response_model=HandleList, summary="Lease many tensors at once")
-async def get_many(req: BatchGet, broker: BrokerDep, session: SessionDep) -> HandleList:
+async def get_many(req: BatchGet, request: Request, session: SessionHeader = None) -> HandleList:
+    broker = broker_of(request)
     timeout = None if req.timeout is None or math.isinf(req.timeout) else req.timeout
     got: list[tuple[object, int]] = []
     try:

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from ..._version import __version__
 from ..._wire import Health, Stat
-from .._deps import BrokerDep
+from .._deps import broker_of
 
 router = APIRouter(tags=["system"])
 
 
 @router.get("/healthz", response_model=Health, summary="Liveness")
-async def healthz(broker: BrokerDep) -> Health:
+async def healthz(request: Request) -> Health:
+    broker = broker_of(request)
     return Health(status="shutting_down" if broker.closing else "ok", version=__version__)
 
 
 @router.get("/v1/stat", response_model=Stat, summary="Memory and lifetime accounting")
-async def stat(broker: BrokerDep) -> Stat:
-    return broker.stat()
+async def stat(request: Request) -> Stat:
+    return broker_of(request).stat()
 
 
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {"text/plain": {}}}})
-async def metrics(broker: BrokerDep) -> Response:
+async def metrics(request: Request) -> Response:
+    broker = broker_of(request)
     st = broker.stat()
     lines = []
     for key, value in st.model_dump().items():

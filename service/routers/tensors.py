@@ -18,31 +18,75 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
-from .._deps import BrokerDep, SessionDep
+from .._deps import SESSION_HEADER, SessionHeader, broker_of
 
 router = APIRouter(prefix="/v1", tags=["tensors"])
+
+
+def _json(handle: Handle) -> Response:
+    # Serialised here: FastAPI would validate the model against response_model
+    # again on the way out; the model is already valid by construction.
+    return Response(handle.model_dump_json(), media_type="application/json")
 
 
 class Released(BaseModel):
     released: int
 
 
+# The hot read path parses its own parameters: FastAPI's per-parameter
+# machinery costs more than the lease itself.  They are documented here.
+_GET_PARAMS = {"parameters": [
+    {"name": "timeout", "in": "query", "required": False,
+     "schema": {"type": "number", "minimum": 0, "default": 0},
+     "description": "seconds to wait for a publish; 0: none; inf: forever"},
+    {"name": "newer_than", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 0, "default": 0},
+     "description": "only a version newer than this"},
+    {"name": SESSION_HEADER, "in": "header", "required": True, "schema": {"type": "string"},
+     "description": "the id from POST /v1/sessions"},
+]}
+
+
+def _bad_query(message: str) -> InvalidRequest:
+    exc = InvalidRequest(f"invalid request: {message}")
+    exc.status = 422  # as FastAPI answers for the query parameters it validates itself
+    return exc
+
+
+@router.get("/tensors/{name:path}", response_model=Handle, openapi_extra=_GET_PARAMS,
+            summary="Lease the newest published version, waiting up to `timeout` seconds")
+async def get_tensor(name: str, request: Request) -> Response:
+    q = request.query_params
+    try:
+        timeout = float(q.get("timeout", 0.0))
+        newer_than = int(q.get("newer_than", 0))
+    except ValueError:
+        raise _bad_query("timeout must be a number of seconds (or inf), newer_than an integer") from None
+    if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
+        raise _bad_query("timeout and newer_than must be >= 0")
+    broker = broker_of(request)
+    v, lease = await broker.get(request.headers.get(SESSION_HEADER), name,
+                                None if math.isinf(timeout) else timeout, newer_than)
+    return _json(broker.handle(v, lease))
+
+
 @router.post("/alloc", response_model=Handle,
              summary="Allocate a new version (state 'writing') to fill in place")
-async def alloc(req: AllocRequest, broker: BrokerDep, session: SessionDep) -> Handle:
-    v = broker.alloc(session, req)
-    return broker.handle(v)
+async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None) -> Response:
+    broker = broker_of(request)
+    return _json(broker.handle(broker.alloc(session, req)))
 
 
 @router.post("/publish", response_model=Handle, summary="Make a written version visible")
-async def publish(req: PublishRequest, broker: BrokerDep, session: SessionDep) -> Handle:
-    return broker.handle(broker.publish(session, req.name, req.version))
+async def publish(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
+    broker = broker_of(request)
+    return _json(broker.handle(broker.publish(session, req.name, req.version)))
 
 
 @router.post("/abort", status_code=204,
              summary="Give back an allocated version that will not be published")
-async def abort(req: PublishRequest, broker: BrokerDep, session: SessionDep) -> Response:
-    broker.abort(session, req.name, req.version)
+async def abort(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
+    broker_of(request).abort(session, req.name, req.version)
     return Response(status_code=204)
 
 
@@ -56,12 +100,11 @@ _OCTETS = {"requestBody": {"required": True, "content": {"application/octet-stre
 async def put(
     name: str,
     request: Request,
-    broker: BrokerDep,
-    session: SessionDep,
     dtype: Annotated[str, Query(max_length=40, examples=["float32"])],
     shape: Annotated[str, Query(max_length=400, description="comma-separated dims; empty for a scalar")] = "",
     ttl: Annotated[float | None, Query(gt=0, description="delete this many seconds after publish")] = None,
-) -> Handle:
+    session: SessionHeader = None,
+) -> Response:
     length = request.headers.get("content-length", "")
     if not length.isdigit() or int(length) > INLINE_MAX:
         raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
@@ -71,40 +114,29 @@ async def put(
         req = AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
     except (ValueError, ValidationError) as exc:
         raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
-    return broker.handle(broker.put_inline(session, req, await request.body()))
+    broker = broker_of(request)
+    return _json(broker.handle(broker.put_inline(session, req, await request.body())))
 
 
 @router.post("/link", response_model=Handle,
              summary="Publish a leased version's bytes under another name, without a copy")
-async def link(req: LinkRequest, broker: BrokerDep, session: SessionDep) -> Handle:
-    return broker.handle(broker.link(session, req.name, req.lease, req.ttl))
+async def link(req: LinkRequest, request: Request, session: SessionHeader = None) -> Response:
+    broker = broker_of(request)
+    return _json(broker.handle(broker.link(session, req.name, req.lease, req.ttl)))
 
 
 @router.post("/release", response_model=Released, summary="Release leases taken by get")
-async def release(req: ReleaseRequest, broker: BrokerDep, session: SessionDep) -> Released:
-    return Released(released=broker.release(session, req.leases))
+async def release(req: ReleaseRequest, request: Request, session: SessionHeader = None) -> Released:
+    return Released(released=broker_of(request).release(session, req.leases))
 
 
 @router.get("/tensors", response_model=TensorList, summary="List tensors")
-async def list_tensors(broker: BrokerDep) -> TensorList:
-    return TensorList(items=broker.list())
-
-
-@router.get("/tensors/{name:path}", response_model=Handle,
-            summary="Lease the newest published version, waiting up to `timeout` seconds")
-async def get_tensor(
-    name: str,
-    broker: BrokerDep,
-    session: SessionDep,
-    timeout: Annotated[float, Query(ge=0, description="seconds to wait; 0: none; inf: forever")] = 0.0,
-    newer_than: Annotated[int, Query(ge=0, description="only a version newer than this")] = 0,
-) -> Handle:
-    v, lease = await broker.get(session, name, None if math.isinf(timeout) else timeout, newer_than)
-    return broker.handle(v, lease)
+async def list_tensors(request: Request) -> TensorList:
+    return TensorList(items=broker_of(request).list())
 
 
 @router.delete("/tensors/{name:path}", status_code=204,
                summary="Delete a name now; its memory is freed when the last reader releases it")
-async def delete_tensor(name: str, broker: BrokerDep) -> Response:
-    broker.delete(name)
+async def delete_tensor(name: str, request: Request) -> Response:
+    broker_of(request).delete(name)
     return Response(status_code=204)
