@@ -233,15 +233,19 @@ def array_at(address: int, shape: tuple[int, ...], strides: tuple[int, ...] | No
     import numpy as np
 
     dt = np.dtype(typestr)
+    # User-defined types (ml_dtypes' bfloat16, float8_*) have no typestr that
+    # numpy parses back (float8_e5m2 says '<f1'): describe their bytes as raw
+    # void of the same size, then view them as the type below.
+    raw = np.dtype(f"V{dt.itemsize}") if dt.isbuiltin == 2 else dt
     iface = {
         "version": 3,
         "shape": tuple(shape),
-        "typestr": dt.str,
-        "descr": dt.descr,
+        "typestr": raw.str,
+        "descr": raw.descr,
         "data": (address, not writable),
         "strides": tuple(strides) if strides is not None else None,
     }
     arr = np.asarray(_ArrayInterface(iface, owner))
-    if arr.dtype != dt:  # ml_dtypes types come back as raw void; view restores them
+    if arr.dtype != dt:
         arr = arr.view(dt)
     return arr
