@@ -28,7 +28,7 @@ import ctypes
 from collections.abc import Callable
 from typing import Any
 
-from ._dtypes import DType, UnsupportedDType, dtype_from_dlpack
+from ._dtypes import DType, dtype_from_dlpack
 from ._posix import array_at
 
 kDLCPU = 1
@@ -189,9 +189,11 @@ def import_dlpack(obj: Any) -> Imported:
         deleter, t = mv.deleter, mv.dl_tensor
         if mv.version.major != 1:
             # ABI we do not know: the spec says call the deleter and give up.
+            # Read the version first: the deleter frees the struct.
+            version = f"{mv.version.major}.{mv.version.minor}"
             _api.PyCapsule_SetName(cap, _USED_VERSIONED)
             _call_deleter(deleter, ptr)
-            raise BufferError(f"unsupported DLPack ABI version {mv.version.major}.{mv.version.minor}")
+            raise BufferError(f"unsupported DLPack ABI version {version}; this reader takes 1.x")
         _api.PyCapsule_SetName(cap, _USED_VERSIONED)
     elif _api.PyCapsule_IsValid(cap, b"dltensor"):
         ptr = _api.PyCapsule_GetPointer(cap, b"dltensor")
@@ -212,7 +214,7 @@ def import_dlpack(obj: Any) -> Imported:
         address = (t.data or 0) + t.byte_offset
         arr = array_at(address, shape, strides, dtype.storage if dtype.numpy_name is None else dtype.numpy_name,
                        writable=False, owner=None)
-    except (UnsupportedDType, ValueError, TypeError):
+    except BaseException:  # whatever went wrong, the producer gets its tensor back
         _call_deleter(deleter, ptr)
         raise
     return Imported(arr, dtype, (t.device.device_type, t.device.device_id),

@@ -1,0 +1,279 @@
+"""DLPack capsules and the dtype table, without a broker.
+
+Capsules are built over memory a numpy array owns; ``owner`` objects are
+watched through weak references, so "the capsule freed what it held" is
+observed, not assumed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+from tensordepot.shm import (
+    DTYPES,
+    FLAG_IS_COPIED,
+    FLAG_READ_ONLY,
+    DType,
+    UnsupportedDType,
+    array_at,
+    dtype_from_dlpack,
+    dtype_from_name,
+    dtype_from_numpy,
+    export_capsule,
+    import_dlpack,
+    numpy_dtype,
+)
+from tensordepot.shm._dlpack import DLManagedTensor, DLManagedTensorVersioned
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+_api = ctypes.pythonapi
+_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_api.PyCapsule_IsValid.restype = ctypes.c_int
+_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+DTYPE_PARAMS = [pytest.param(name, id=name) for name in DTYPES]
+VERSIONS = [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")]
+
+# DLDataTypeCode in dlpack.h (v1.1+), written out here rather than read from the table under test.
+DLPACK_CODES = {
+    "bool": (6, 8), "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
+    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
+    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
+    "complex64": (5, 64), "complex128": (5, 128),
+    "float8_e3m4": (7, 8), "float8_e4m3": (8, 8), "float8_e4m3b11fnuz": (9, 8),
+    "float8_e4m3fn": (10, 8), "float8_e4m3fnuz": (11, 8), "float8_e5m2": (12, 8),
+    "float8_e5m2fnuz": (13, 8), "float8_e8m0fnu": (14, 8),
+}
+
+
+class Owner:
+    """Holds the bytes a capsule points at; weak-referenceable."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = np.random.default_rng(nbytes).integers(0, 2, nbytes, dtype=np.uint8)
+
+
+def managed(cap: Any) -> tuple[Any, Any]:
+    """(managed tensor, DLTensor) of an unconsumed capsule."""
+    if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
+        mt = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+    else:
+        assert _api.PyCapsule_IsValid(cap, b"dltensor"), "not an unconsumed DLPack capsule"
+        mt = DLManagedTensor.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor"))
+    return mt, mt.dl_tensor
+
+
+def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *, max_version: tuple[int, int] | None = (1, 0),
+            read_only: bool = True, copy: bool = False, strides: tuple[int, ...] | None = None
+            ) -> tuple[Any, Owner]:
+    d = DTYPES[dtype]
+    n = int(np.prod(shape)) if shape else 1
+    owner = Owner(n * d.itemsize * 2)  # room for every-other-element strides
+    if strides is None:
+        strides = tuple(int(s) for s in np.empty(shape, np.uint8).strides)
+    cap = export_capsule(owner.buf.ctypes.data, shape, strides, d, owner, read_only=read_only,
+                         max_version=max_version, copy=copy)
+    return cap, owner
+
+
+class Wrapped:
+    """A producer object around one capsule, for consumers that call __dlpack__."""
+
+    def __init__(self, cap: Any) -> None:
+        self.cap = cap
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        cap, self.cap = self.cap, None
+        return cap
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+# -- the dtype table ---------------------------------------------------------------
+def test_table_has_every_dlpack_code() -> None:
+    assert {n: (d.code, d.bits) for n, d in DTYPES.items()} == DLPACK_CODES
+    assert all(d.lanes == 1 for d in DTYPES.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_table_round_trips(dtype: str) -> None:
+    d = DTYPES[dtype]
+    assert dtype_from_dlpack(d.code, d.bits, d.lanes) is d
+    assert dtype_from_name(dtype) is d
+    npdt = numpy_dtype(d)  # ml_dtypes is installed here
+    assert npdt.itemsize == d.itemsize
+    assert dtype_from_numpy(npdt) is d
+
+
+def test_unknown_triple_is_clear() -> None:
+    with pytest.raises(UnsupportedDType, match=r"code=17, bits=4, lanes=1.*not supported"):
+        dtype_from_dlpack(17, 4, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_array_at_every_dtype(dtype: str) -> None:
+    """ml_dtypes types included: float8_e5m2 has a typestr ('<f1') numpy cannot parse back."""
+    d = DTYPES[dtype]
+    owner = Owner(5 * 2 * d.itemsize)
+    npdt = numpy_dtype(d)
+    arr = array_at(owner.buf.ctypes.data, (5,), (2 * d.itemsize,), npdt, writable=False, owner=owner)
+    assert arr.dtype == npdt and not arr.flags.writeable
+    want = owner.buf.reshape(5, 2, d.itemsize)[:, 0].tobytes()
+    assert np.ascontiguousarray(arr).tobytes() == want
+    assert array_at(owner.buf.ctypes.data, (5,), None, npdt, writable=True, owner=owner).flags.writeable
+
+
+# -- capsules we export ------------------------------------------------------------
+@pytest.mark.parametrize("max_version", VERSIONS)
+@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
+def test_capsule_dtype_and_strides(dtype: str, max_version: tuple[int, int] | None) -> None:
+    shape, strides = (3, 4), (8, 2)  # every other element of a (3, 8) buffer
+    cap, owner = capsule(dtype, shape, max_version=max_version, strides=strides)
+    mt, t = managed(cap)
+    assert (t.dtype.code, t.dtype.bits, t.dtype.lanes) == (*DLPACK_CODES[dtype], 1)
+    assert [t.shape[i] for i in range(2)] == list(shape)
+    assert t.strides, "strides must always be filled in"
+    assert [t.strides[i] for i in range(2)] == list(strides)
+    assert t.data + t.byte_offset == owner.buf.ctypes.data
+    assert (t.device.device_type, t.device.device_id) == (1, 0)
+    if max_version is None:
+        assert _api.PyCapsule_IsValid(cap, b"dltensor")
+    else:
+        assert (mt.version.major, mt.version.minor) == (1, 1)
+
+
+@pytest.mark.parametrize("shape", [pytest.param((7,), id="1d"), pytest.param((2, 3, 4), id="3d"),
+                                   pytest.param((0, 5), id="empty")])
+def test_contiguous_strides_are_filled(shape: tuple[int, ...]) -> None:
+    for mv in (None, (1, 0)):
+        cap, _ = capsule("float32", shape, max_version=mv)
+        _, t = managed(cap)
+        assert t.strides, f"NULL strides for shape {shape}"
+        want = [s // 4 for s in np.empty(shape, np.float32).strides]
+        assert [t.strides[i] for i in range(len(shape))] == want
+
+
+@pytest.mark.parametrize("read_only,copy,flags", [
+    pytest.param(True, False, FLAG_READ_ONLY, id="read-only"),
+    pytest.param(False, False, 0, id="writable"),
+    pytest.param(True, True, FLAG_IS_COPIED, id="copy-of-read-only"),
+    pytest.param(False, True, FLAG_IS_COPIED, id="copy-of-writable"),
+])
+def test_versioned_flags(read_only: bool, copy: bool, flags: int) -> None:
+    cap, owner = capsule("bfloat16", read_only=read_only, copy=copy)
+    mt, t = managed(cap)
+    assert mt.flags == flags
+    same = t.data + t.byte_offset == owner.buf.ctypes.data
+    assert same != copy, "copy=True must point at new memory; copy=False at ours"
+    n = 4 * 6 * 2
+    got = ctypes.string_at(t.data + t.byte_offset, n)
+    assert got == owner.buf[:n].tobytes()
+
+
+def test_copy_does_not_hold_the_owner() -> None:
+    cap, owner = capsule("float32", copy=True)
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None, "an independent copy must not keep the source memory alive"
+    x = np.from_dlpack(Wrapped(cap))
+    assert x.flags.writeable  # IS_COPIED, not READ_ONLY
+
+
+def test_numpy_honours_read_only() -> None:
+    ro = np.from_dlpack(Wrapped(capsule("float32", read_only=True)[0]))
+    rw = np.from_dlpack(Wrapped(capsule("float32", read_only=False)[0]))
+    assert not ro.flags.writeable and rw.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        ro[0, 0] = 1
+
+
+@pytest.mark.parametrize("max_version", VERSIONS)
+def test_dropped_capsule_frees_its_owner(max_version: tuple[int, int] | None) -> None:
+    cap, owner = capsule("bfloat16", max_version=max_version)
+    ref = weakref.ref(owner)
+    del owner
+    assert ref() is not None, "the capsule must keep the memory alive"
+    del cap  # consumed by nobody: the capsule's destructor calls the deleter
+    assert ref() is None
+
+
+@pytest.mark.parametrize("max_version", VERSIONS)
+def test_rejected_capsule_frees_its_owner(max_version: tuple[int, int] | None) -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(Exception) as native:  # what numpy says about a torch bfloat16 tensor
+        np.from_dlpack(torch.zeros(3, dtype=torch.bfloat16))
+    cap, owner = capsule("bfloat16", max_version=max_version)
+    ref = weakref.ref(owner)
+    del owner
+    with pytest.raises(Exception) as ours:
+        np.from_dlpack(Wrapped(cap))
+    assert (type(ours.value), str(ours.value)) == (type(native.value), str(native.value))
+    del cap, ours
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("max_version", VERSIONS)
+def test_capsule_consumed_twice_raises(max_version: tuple[int, int] | None) -> None:
+    torch = pytest.importorskip("torch")
+    cap, owner = capsule("bfloat16", max_version=max_version)
+    x = torch.utils.dlpack.from_dlpack(cap)
+    assert x.dtype == torch.bfloat16
+    assert x.view(torch.uint8).numpy().tobytes() == owner.buf[:48].tobytes()
+    with pytest.raises(RuntimeError, match="consumed only once"):
+        torch.utils.dlpack.from_dlpack(cap)
+    ref = weakref.ref(owner)
+    del owner, cap
+    assert ref() is not None, "torch's tensor must keep the memory alive"
+    del x
+    assert ref() is None
+
+
+# -- capsules we import (put) ------------------------------------------------------
+def test_import_unknown_dtype_calls_the_deleter() -> None:
+    weird = DType("float4_e2m1fn", 17, 8)  # a DLPack 1.1 code outside our table
+    owner = Owner(16)
+    ref = weakref.ref(owner)
+    cap = export_capsule(owner.buf.ctypes.data, (16,), (1,), weird, owner, read_only=True,
+                         max_version=(1, 0))
+    del owner
+    with pytest.raises(UnsupportedDType, match="code=17"):
+        import_dlpack(Wrapped(cap))
+    del cap
+    assert ref() is None, "a rejected producer tensor must be handed back through its deleter"
+
+
+def test_import_unknown_major_version_calls_the_deleter() -> None:
+    cap, owner = capsule("float32")
+    mt, _ = managed(cap)
+    mt.version.major = 2
+    ref = weakref.ref(owner)
+    del owner, mt
+    with pytest.raises(BufferError, match="ABI version 2"):
+        import_dlpack(Wrapped(cap))
+    del cap
+    assert ref() is None
+
+
+def test_import_torch_every_dtype() -> None:
+    torch = pytest.importorskip("torch")
+    for name, d in DTYPES.items():
+        tdt = getattr(torch, name, None)
+        if not isinstance(tdt, torch.dtype):
+            continue
+        raw = np.random.default_rng(d.code * 100 + d.bits).integers(0, 2, (6, 4 * d.itemsize), dtype=np.uint8)
+        x = torch.from_numpy(raw).view(tdt)[:, ::2]  # strided
+        with import_dlpack(x) as imp:
+            assert imp.dtype is d, name
+            assert imp.array.shape == (6, 2)
+            want = np.ascontiguousarray(raw.reshape(6, 4, d.itemsize)[:, ::2]).tobytes()
+            assert np.ascontiguousarray(imp.array).tobytes() == want, name
