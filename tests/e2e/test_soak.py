@@ -1,0 +1,157 @@
+"""Issue 3 soak: worker processes put, get, delete and fill tensors on shared
+names while the test SIGKILLs and respawns them.  Every read is verified
+(tests/workers/lifetime_soak.py); at the end nothing may be left: no leases,
+no bytes once the names are deleted, nothing in /dev/shm.
+
+TENSORDEPOT_SOAK_SECONDS sets how long it runs (default 60);
+TENSORDEPOT_SOAK_SEED replays a run's choices of who is killed when.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from _harness import BrokerProc, wait_for
+from _workerio import Worker, metrics
+
+SOAK_S = float(os.environ.get("TENSORDEPOT_SOAK_SECONDS", "60"))
+N_WORKERS = 8
+KILL_EVERY = (0.1, 0.5)  # seconds between SIGKILLs, uniformly drawn
+
+
+def _counters(words: list[str]) -> Counter[str]:
+    return Counter({k: int(v) for k, v in (w.split("=") for w in words)})
+
+
+@pytest.mark.slow
+def test_soak_kill_and_respawn(
+    broker_factory: Callable[..., BrokerProc], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed = int(os.environ.get("TENSORDEPOT_SOAK_SEED", str(time.time_ns() % 2**32)))
+    rng = random.Random(seed)
+    b = broker_factory()
+    t_start = time.monotonic()
+    end = t_start + SOAK_S
+    end_wall = time.time() + SOAK_S  # the workers stop themselves then
+
+    zygote = Worker("lifetime_soak", b.url, repr(end_wall))
+    alive: set[int] = set()
+    ready: set[int] = set()
+    done: set[int] = set()
+    killed: set[int] = set()
+    last: dict[int, Counter[str]] = {}  # latest counters of each worker
+    totals: Counter[str] = Counter()
+    spawns = 0
+
+    def spawn() -> None:
+        nonlocal spawns
+        zygote.send(f"spawn {rng.getrandbits(32)}")
+        spawns += 1
+
+    def fail(msg: str) -> None:
+        raise AssertionError(f"{msg} (soak seed {seed})\n{zygote.stderr()}")
+
+    def handle(line: str) -> None:
+        words = line.split()
+        if words[0] == "spawned":
+            alive.add(int(words[1]))
+        elif words[0] == "exit":  # the zygote reaped a worker
+            pid, status = int(words[1]), int(words[2])
+            alive.discard(pid)
+            totals.update(last.pop(pid, Counter()))
+            expected = -9 if pid in killed else 0
+            if status != expected or (pid not in killed and pid not in done):
+                fail(f"soak worker {pid} ended with status {status}")
+        elif words[1] == "ready":
+            ready.add(int(words[0]))
+        elif words[1] in ("n", "done"):
+            last[int(words[0])] = _counters(words[2:])
+            if words[1] == "done":
+                done.add(int(words[0]))
+        else:
+            fail(f"soak worker says: {line}")
+
+    def pump(timeout: float) -> None:
+        assert zygote.proc.stdout is not None
+        readable, _, _ = select.select([zygote.proc.stdout], [], [], max(timeout, 0))
+        if readable:
+            lines = zygote.read_lines()
+            if lines is None:
+                fail(f"the soak zygote exited ({zygote.wait()})")
+            for line in lines or ():
+                handle(line)
+
+    try:
+        zygote.expect("zygote ready")
+        for _ in range(N_WORKERS):
+            spawn()
+        next_kill = time.monotonic() + rng.uniform(*KILL_EVERY)
+        while time.monotonic() < end:
+            pump(min(next_kill, end) - time.monotonic())
+            now = time.monotonic()
+            if now >= next_kill and now < end - 0.5:
+                candidates = sorted((alive & ready) - done - killed)
+                if candidates:
+                    pid = rng.choice(candidates)
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                    spawn()
+                next_kill = now + rng.uniform(*KILL_EVERY)
+        # The workers stop at the deadline by themselves, report, and are reaped.
+        wind_down = time.monotonic() + 60
+        while alive or len(done) + len(killed) < spawns:
+            if time.monotonic() > wind_down:
+                fail(f"workers {sorted(alive)} did not finish")
+            pump(wind_down - time.monotonic())
+        zygote.proc.stdin.close()  # type: ignore[union-attr]
+        assert zygote.wait() == 0, zygote.stderr()
+    finally:
+        zygote.close()
+    kills = len(killed)
+
+    with b.client() as c:
+        # The last workers killed are reclaimed within seconds; the rest closed cleanly.
+        seen: list[object] = []
+
+        def drained() -> bool:
+            st = c.stat()
+            seen[:] = [st, [i for i in c.list() if i.readers]]
+            return st.leases == 0 and st.sessions == 1
+
+        try:
+            wait_for(drained, 5, what="every session and lease of the soak to end")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen}\n{b.log()[-3000:]}") from None
+        remaining = [i.name for i in c.list()]
+        for name in remaining:
+            c.delete(name)
+        st = c.stat()
+    assert (st.leases, st.bytes_in_use, st.versions, st.tensors) == (0, 0, 0, 0), st
+    broker_counts = metrics(b.url)
+    assert b.stop() == 0, b.log()
+    b.expect_dead = True  # type: ignore[attr-defined]
+    left = b.segments()
+    assert left == [], f"/dev/shm still holds {left}"
+
+    assert kills >= SOAK_S, f"only {kills} kills in {SOAK_S:g} s"
+    assert totals["reads"] >= 10 * SOAK_S, totals
+    reaped = int(broker_counts.get("tensordepot_sessions_ended_total", 0))
+    with capsys.disabled():
+        print(
+            f"\nsoak (seed {seed}): {time.monotonic() - t_start:.0f} s, {N_WORKERS} workers, "
+            f"{kills} SIGKILLs survived; {totals['ops']} operations: {totals['reads']} verified reads "
+            f"+ {totals['rechecks']} re-checks of held views, {totals['puts']} puts, "
+            f"{totals['publishes']} empty+publish, {totals['abandoned']} abandoned writes, "
+            f"{totals['deletes']} deletes, {totals['misses']} not-found, "
+            f"{totals['reconnects']} reconnects; broker: {reaped} sessions ended, "
+            f"{int(broker_counts.get('tensordepot_writes_reclaimed_total', 0))} writes reclaimed, "
+            f"{int(broker_counts.get('tensordepot_expired_total', 0))} ttl expiries, "
+            f"{len(remaining)} names deleted at the end; then 0 leases, 0 bytes in use, /dev/shm clean"
+        )

@@ -1,0 +1,207 @@
+"""Soak workers: random put/get/delete/empty on a few shared names until a deadline.
+
+This process is a zygote: it imports everything once, then forks one worker
+per "spawn SEED" line on stdin, so a SIGKILLed worker is replaced in
+milliseconds rather than after a second of imports.  Each worker opens its
+own Client after the fork.  It reaps its children and reports how each one
+ended; a worker killed by the test shows up as "exit PID -9".
+
+Every tensor describes itself, so any reader can verify any version of any
+name, whoever wrote it: uint64 elements, ``[seed, n, pattern(seed, n)...]``.
+A view kept across other operations is re-verified against the seed first
+read from it, which catches memory that was freed and reused too early.
+
+argv: URL DEADLINE (time.time() at which workers stop)
+stdout, one line per write (atomic below PIPE_BUF, so workers never interleave):
+  "zygote ready"; "spawned PID"; "PID ready"; "PID n <k=v counters>" every few
+  operations; "PID done <counters>"; "PID CORRUPT <what>" on a bad read (the
+  worker then exits 3); "exit PID STATUS" (negative: killed by that signal).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import sys
+import time
+import traceback
+from collections import Counter
+
+import numpy as np
+from tensordepot import Client, TensorNotFound
+
+NAMES = [f"soak{i}" for i in range(12)]
+MAX_HELD = 4
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def pattern(seed: int, n: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint64) * _MIX) ^ np.uint64(seed)
+
+
+def make(seed: int, n: int) -> np.ndarray:
+    out = np.empty(n + 2, np.uint64)
+    out[0], out[1] = seed, n
+    out[2:] = pattern(seed, n)
+    return out
+
+
+class Corrupt(AssertionError):
+    pass
+
+
+def verify(arr: np.ndarray, what: str, seed: int | None = None) -> int:
+    """Check a tensor against its own header (and ``seed`` if given); return its seed."""
+    if arr.dtype != np.uint64 or arr.ndim != 1 or arr.shape[0] < 2:
+        raise Corrupt(f"{what}: dtype {arr.dtype}, shape {arr.shape}")
+    got_seed, n = int(arr[0]), int(arr[1])
+    if seed is not None and got_seed != seed:
+        raise Corrupt(f"{what}: header seed changed from {seed} to {got_seed} (memory reused?)")
+    if arr.shape[0] != n + 2 or not np.array_equal(arr[2:], pattern(got_seed, n)):
+        raise Corrupt(f"{what}: {arr.shape[0]} elements do not match seed {got_seed}, n {n}")
+    return got_seed
+
+
+def size(rng: random.Random) -> int:
+    # Mostly small (inline puts), some up to ~2 MiB (alloc + publish, pooled ranges).
+    return rng.choice(
+        [rng.randrange(0, 64), rng.randrange(64, 30_000), rng.randrange(30_000, 260_000)]
+    )
+
+
+def emit(text: str) -> None:
+    os.write(1, f"{os.getpid()} {text}\n".encode())
+
+
+def work(url: str, seed: int, deadline: float) -> int:
+    rng = random.Random(seed)
+    count: Counter[str] = Counter()
+    c = Client(url, label=f"soak-{seed}")
+    held: list[tuple[np.ndarray, int, str]] = []  # (view, seed, what)
+    emit("ready")
+
+    def report(tag: str) -> None:
+        emit(tag + " " + " ".join(f"{k}={v}" for k, v in sorted(count.items())))
+
+    def check_held() -> None:
+        for view, s, what in held:
+            verify(view, what, s)
+            count["rechecks"] += 1
+
+    try:
+        while time.time() < deadline:
+            name = rng.choice(NAMES)
+            op = rng.random()
+            try:
+                if op < 0.25:
+                    n = size(rng)
+                    ttl = rng.uniform(0.2, 2.0) if rng.random() < 0.1 else None
+                    c.put(name, make(rng.getrandbits(63), n), ttl=ttl)
+                    count["puts"] += 1
+                elif op < 0.35:
+                    n = size(rng)
+                    out = c.empty(name, (n + 2,), "uint64")
+                    np.from_dlpack(out)[...] = make(rng.getrandbits(63), n)
+                    if rng.random() < 0.05:
+                        count["abandoned"] += 1  # never published: reclaimed when the session ends
+                    else:
+                        out.publish()
+                        count["publishes"] += 1
+                    del out
+                elif op < 0.70:
+                    t = c.get(name, timeout=0.05 if rng.random() < 0.1 else 0)
+                    view = np.from_dlpack(t)
+                    what = f"{name} v{t.version}"
+                    del t
+                    s = verify(view, what)
+                    count["reads"] += 1
+                    if rng.random() < 0.3:
+                        if len(held) >= MAX_HELD:
+                            old = held.pop(rng.randrange(len(held)))
+                            verify(old[0], old[2], old[1])
+                            count["rechecks"] += 1
+                        held.append((view, s, what))
+                    del view
+                elif op < 0.75:
+                    got = c.get_many(rng.sample(NAMES, 2))
+                    for nm, t in got.items():
+                        verify(np.from_dlpack(t), f"{nm} v{t.version}")
+                        count["reads"] += 1
+                    del got
+                elif op < 0.87:
+                    c.delete(name)
+                    count["deletes"] += 1
+                elif op < 0.95:
+                    check_held()
+                elif op < 0.995:
+                    for info in c.list():
+                        assert info.state in ("writing", "ready") and info.readers >= 0, info
+                    count["lists"] += 1
+                else:
+                    # Close with views alive: they keep their leases; a new client carries on.
+                    c.close()
+                    c = Client(url, label=f"soak-{seed}")
+                    count["reconnects"] += 1
+            except TensorNotFound:
+                count["misses"] += 1
+            count["ops"] += 1
+            if count["ops"] % 5 == 0:
+                report("n")
+        check_held()
+    except Corrupt as exc:
+        emit(f"CORRUPT seed={seed}: {exc}")
+        return 3
+    held.clear()
+    c.close()
+    report("done")
+    return 0
+
+
+def child(url: str, seed: int, deadline: float) -> None:
+    """The forked worker: never returns into the zygote's loop."""
+    code = 1
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)  # the zygote's command pipe is not ours to read
+        os.close(fd)
+        code = work(url, seed, deadline)
+    except BaseException:  # noqa: BLE001 (report anything, then leave through os._exit)
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> int:
+    url, deadline = sys.argv[1], float(sys.argv[2])
+    children: set[int] = set()
+    buf, eof = b"", False
+    os.write(1, b"zygote ready\n")
+    while not eof or children:
+        readable, _, _ = select.select([] if eof else [0], [], [], 0.05)
+        if readable:
+            chunk = os.read(0, 4096)
+            eof = not chunk
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                cmd, seed = line.split()
+                assert cmd == b"spawn", line
+                pid = os.fork()
+                if pid == 0:
+                    child(url, int(seed), deadline)
+                children.add(pid)
+                os.write(1, f"spawned {pid}\n".encode())
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            os.write(1, f"exit {pid} {code}\n".encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
