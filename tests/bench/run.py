@@ -1,0 +1,1053 @@
+"""The benchmark suite: B1..B6 of issue 4, each against its peers, in one run.
+
+    python tests/bench/run.py [--quick] [--out bench-results/bench.json]
+    python tests/bench/report.py bench-results/bench.json     # README table + docs/bench.png
+
+It starts its own ``tensordepot serve`` (8 GiB limit, pool memory created at
+start), runs every benchmark and its peers in this one run, takes several
+repetitions, and writes medians, ratios and a pass/miss per goal to JSON.
+Goals are ratios against peers measured here, never absolute times: on a
+shared 2-core machine absolute numbers drift, ratios much less.  Nothing is
+asserted: a missed goal stays in the JSON with a reason (tests/bench/reasons.json
+holds the reasons found by profiling, by check id or benchmark; a miss without
+one gets a default note).
+
+``--quick`` uses small sizes (8 MiB instead of 1 GiB), fewer repetitions and
+concurrency 1 and 2, so CI can run it in well under a minute; its ratios mean
+little and only show that the suite works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+for _p in (str(HERE), str(ROOT / "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _procs
+import numpy as np
+from _harness import BrokerProc, wait_for
+from tensordepot import Client, DepotError, Stat
+
+SCHEMA = 1
+MiB = 1 << 20
+GiB = 1 << 30
+REASONS = HERE / "reasons.json"
+DEFAULT_REASON = "missed in this run; not profiled yet"
+QUICK_REASON = "quick mode: at small sizes fixed costs dominate; judge this goal on a full run"
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    big: int  # bytes of the large tensor (B1, B2, B6)
+    reps: int  # repetitions of B1 (each peer)
+    get_reps: int  # B2 gets per size
+    handoff_iters: int  # B3 timed handoffs per peer
+    handoff_warm: int
+    handoff_gap: float  # s between handoffs, so the consumer is waiting when the producer sends
+    sd_big: tuple[int, ...]  # B4: 100 weights of this shape ...
+    sd_small: tuple[int, ...]  # ... and 200 biases/norms of this one (float32)
+    sd_reps: int
+    concurrency: tuple[int, ...]  # B5 client processes
+    ops_seconds: float  # B5 length of one timed run
+    ops_reps: int
+    mem_reps: int  # B6
+    ops_variants: tuple[str, ...] = ("tensordepot_get", "tensordepot_stat", "bare_fastapi")
+    max_memory: str = "8GiB"
+    warm_memory: str = "6GiB"
+    prealloc: str = "1GiB"
+
+
+FULL = Config(
+    "full",
+    big=GiB,
+    reps=5,
+    get_reps=50,
+    handoff_iters=200,
+    handoff_warm=20,
+    handoff_gap=0.005,
+    sd_big=(640, 1024),
+    sd_small=(7680,),
+    sd_reps=5,
+    concurrency=(1, 4, 16),
+    ops_seconds=1.0,
+    ops_reps=3,
+    mem_reps=3,
+)
+QUICK = replace(
+    FULL,
+    mode="quick",
+    big=8 * MiB,
+    reps=3,
+    get_reps=20,
+    handoff_iters=30,
+    handoff_warm=5,
+    handoff_gap=0.003,
+    sd_big=(20, 1024),
+    sd_small=(240,),
+    sd_reps=2,
+    concurrency=(1, 2),
+    ops_seconds=0.2,
+    ops_reps=2,
+    mem_reps=1,
+    ops_variants=("tensordepot_get", "bare_fastapi"),
+    max_memory="1GiB",
+    warm_memory="512MiB",
+    prealloc="64MiB",
+)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes / GiB:.3g} GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g} MiB"
+
+
+def series(label: str, samples: list[float], unit: str, scale: float = 1.0) -> dict[str, Any]:
+    """One measured series: its raw samples and median, in ``unit``."""
+    vals = [s * scale for s in samples]
+    return {"label": label, "unit": unit, "median": median(vals), "samples": vals, "n": len(vals)}
+
+
+def check(
+    cid: str,
+    bench: str,
+    what: str,
+    ours: dict[str, Any] | None,
+    peer: dict[str, Any] | None,
+    measured: float | None,
+    op: str,
+    goal: float | None = None,
+    unit: str = "x",
+    note: str = "",
+) -> dict[str, Any]:
+    """One row of the result table: a measured value against its goal.
+    ``op`` is ">=", "<=" or "<"; "info" rows carry a figure and no goal."""
+    ok: bool | None
+    if op == "info" or measured is None or goal is None:
+        ok = None
+    elif op == ">=":
+        ok = measured >= goal
+    elif op == "<=":
+        ok = measured <= goal
+    elif op == "<":
+        ok = measured < goal
+    else:
+        raise ValueError(op)
+    return {
+        "id": cid,
+        "bench": bench,
+        "what": what,
+        "ours": ours,
+        "peer": peer,
+        "measured": measured,
+        "unit": unit,
+        "goal": "" if goal is None else f"{op} {goal:g}",
+        "goal_op": op,
+        "goal_value": goal,
+        "pass": ok,
+        "note": note,
+        "reason": "",
+    }
+
+
+# -- B1 --------------------------------------------------------------------------
+
+
+def two_thread_copy(dst: np.ndarray, src: np.ndarray, ex: ThreadPoolExecutor) -> None:
+    half = src.size // 2
+    futs = [
+        ex.submit(np.copyto, dst[:half], src[:half]),
+        ex.submit(np.copyto, dst[half:], src[half:]),
+    ]
+    for f in futs:
+        f.result()
+
+
+class TorchPeer:
+    """One consumer process for every torch.multiprocessing peer (B1 and B3).
+
+    Importing torch takes seconds, so the consumer is started once, first,
+    and imports torch while the broker starts; this process imports
+    ``torch.multiprocessing`` on a thread meanwhile (that import registers the
+    reductions that move a queued tensor into shared memory and send its fd)."""
+
+    def __init__(self) -> None:
+        self.available = importlib.util.find_spec("torch") is not None
+        self._ready = False
+        if not self.available:
+            return
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        self.ack, w = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_procs.handoff_torch, args=(self.q, w), daemon=True)
+        self.proc.start()
+        w.close()  # the child holds the write end: its death reads as EOF here
+        self._import = threading.Thread(
+            target=importlib.import_module, args=("torch.multiprocessing",), daemon=True
+        )
+        self._import.start()
+
+    def wait_ready(self) -> Any:
+        """The torch module, once the consumer is ready."""
+        if not self._ready:
+            self._import.join()
+            self.ack.recv_bytes()
+            self._ready = True
+        import torch
+
+        return torch
+
+    def close(self) -> None:
+        if self.available:
+            self.q.put(None)
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def torch_fresh_share(peer: TorchPeer, src: np.ndarray, reps: int) -> list[float] | None:
+    """Share a fresh tensor through a torch.multiprocessing Queue, until the consumer has it."""
+    if not peer.available:
+        return None
+    torch = peer.wait_ready()
+    base = torch.from_numpy(src)
+    times = []
+    for i in range(reps + 1):  # the first is a warm-up
+        t = base.clone()  # a fresh tensor in the producer's private memory, untimed
+        t[0] = float(i)
+        t0 = time.perf_counter()
+        peer.q.put(t)  # moves the storage into new shared memory, then sends its fd
+        got = float(peer.ack.recv_bytes())
+        times.append(time.perf_counter() - t0)
+        assert got == float(i), (got, i)
+        del t
+    return times[1:]
+
+
+def ray_put(src: np.ndarray, reps: int) -> dict[str, Any]:
+    """``ray.put`` of the same array, when Ray is importable (never required)."""
+    try:
+        import ray
+    except ImportError:
+        return {"skipped": "ray is not installed"}
+    try:
+        ray.init(
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=3 * src.nbytes + 256 * MiB,
+            logging_level="ERROR",
+        )
+        try:
+            ref = ray.put(src)  # warm the store
+            del ref
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                ref = ray.put(src)
+                times.append(time.perf_counter() - t0)
+                del ref
+            return {"samples": times, "version": ray.__version__}
+        finally:
+            ray.shutdown()
+    except Exception as exc:  # noqa: BLE001  (an optional peer must not sink the run)
+        return {"skipped": f"ray failed: {exc.__class__.__name__}: {exc}"}
+
+
+def bench_b1(
+    c: Client, cfg: Config, peer: TorchPeer
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    n = cfg.big
+    src = np.full(n // 4, 1.5, dtype=np.float32)
+    dst = np.zeros_like(src)  # touched: a warm private buffer
+    for _ in range(2):  # warm: the two segments that consecutive versions alternate between
+        c.put("b1", src)
+    put, copy = [], []
+    with ThreadPoolExecutor(2) as ex:
+        two_thread_copy(dst, src, ex)
+        for _ in range(cfg.reps):  # interleaved, so drift on a shared machine hits both
+            t0 = time.perf_counter()
+            c.put("b1", src)
+            put.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            two_thread_copy(dst, src, ex)
+            copy.append(time.perf_counter() - t0)
+    c.delete("b1")
+    dst = np.empty(0, np.float32)  # give the buffer back before the torch peer clones the source
+    gc.collect()
+    torch_t = torch_fresh_share(peer, src, cfg.reps)
+    ray = ray_put(src, cfg.reps)
+    gb = n / 1e9
+    s_put = series(f"put {human(n)}", put, "ms", 1e3)
+    s_copy = series(f"2-thread numpy copy {human(n)}", copy, "ms", 1e3)
+    data: dict[str, Any] = {
+        "nbytes": n,
+        "put": s_put,
+        "copy_2_threads": s_copy,
+        "put_gbps": gb / median(put),
+        "copy_gbps": gb / median(copy),
+    }
+    checks = [
+        check(
+            "B1.copy",
+            "B1",
+            f"put {human(n)} (warm pool): bandwidth / 2-thread numpy copy",
+            s_put,
+            s_copy,
+            median(copy) / median(put),
+            ">=",
+            0.8,
+        )
+    ]
+    if torch_t is not None:
+        s_torch = series(f"torch.multiprocessing fresh share {human(n)}", torch_t, "ms", 1e3)
+        data["torch_fresh_share"] = s_torch
+        checks.append(
+            check(
+                "B1.torch",
+                "B1",
+                f"put {human(n)}: speed-up over torch.multiprocessing sharing a fresh tensor",
+                s_put,
+                s_torch,
+                median(torch_t) / median(put),
+                ">=",
+                5,
+            )
+        )
+    else:
+        data["torch_fresh_share"] = {"skipped": "torch is not installed"}
+    if "samples" in ray:
+        s_ray = series(f"ray.put {human(n)}", ray["samples"], "ms", 1e3)
+        data["ray_put"] = {**s_ray, "version": ray["version"]}
+        checks.append(
+            check(
+                "B1.ray",
+                "B1",
+                f"put {human(n)}: speed-up over ray.put (information)",
+                s_put,
+                s_ray,
+                median(ray["samples"]) / median(put),
+                "info",
+            )
+        )
+    else:
+        data["ray_put"] = ray
+    return data, checks
+
+
+# -- B2 --------------------------------------------------------------------------
+
+
+def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    c.put("b2.big", np.full(cfg.big // 4, 2.0, dtype=np.float32))
+    c.put("b2.small", np.full(256, 2.0, dtype=np.float32))  # 1 KiB
+
+    def get_read(name: str) -> float:
+        t0 = time.perf_counter()
+        t = c.get(name)
+        a = np.from_dlpack(t)
+        value = a[-1].item()
+        dt = time.perf_counter() - t0
+        assert value == 2.0
+        del a, t
+        return dt
+
+    for _ in range(5):  # warm: each segment mapped once
+        get_read("b2.big")
+        get_read("b2.small")
+    big, small = [], []
+    for _ in range(cfg.get_reps):
+        big.append(get_read("b2.big"))
+        small.append(get_read("b2.small"))
+    c.delete("b2.big")
+    c.delete("b2.small")
+    s_big = series(f"get + read 1 element, {human(cfg.big)}", big, "ms", 1e3)
+    s_small = series("get + read 1 element, 1 KiB", small, "ms", 1e3)
+    data = {"big_nbytes": cfg.big, "small_nbytes": 1024, "get_big": s_big, "get_small": s_small}
+    return data, [
+        check(
+            "B2",
+            "B2",
+            f"get + read one element: {human(cfg.big)} / 1 KiB",
+            s_big,
+            s_small,
+            median(big) / median(small),
+            "<=",
+            1.5,
+        )
+    ]
+
+
+# -- B3 --------------------------------------------------------------------------
+
+
+def _handoffs(
+    prepare: Callable[[int], Any], send: Callable[[Any], None], ack: Any, cfg: Config
+) -> list[float]:
+    """Time ``send(prepare(i))`` until the consumer acknowledges value ``i``.
+    ``prepare`` (untimed) makes the value the producer hands over."""
+    times = []
+    for i in range(cfg.handoff_warm + cfg.handoff_iters):
+        payload = prepare(i)
+        time.sleep(cfg.handoff_gap)  # the consumer is back in its receive (or long poll)
+        t0 = time.perf_counter()
+        send(payload)
+        got = float(ack.recv_bytes())
+        dt = time.perf_counter() - t0
+        if got != float(i):
+            raise AssertionError(f"handoff {i}: the consumer read {got}")
+        if i >= cfg.handoff_warm:
+            times.append(dt)
+        del payload
+    return times
+
+
+def bench_b3(
+    c: Client, cfg: Config, url: str, peer: TorchPeer
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ctx = mp.get_context("spawn")
+    x = np.arange(1024, dtype=np.float32)  # 4 KiB
+    results: dict[str, list[float]] = {}
+
+    def set_first(i: int) -> np.ndarray:
+        x[0] = i
+        return x
+
+    # tensordepot: the consumer waits in get(newer_than=last) before each put.
+    r, w = ctx.Pipe(duplex=False)
+    total = cfg.handoff_warm + cfg.handoff_iters
+    p = ctx.Process(target=_procs.handoff_depot, args=(url, "b3", total, w), daemon=True)
+    p.start()
+    w.close()  # the child holds the write end: its death reads as EOF here
+    r.recv_bytes()
+    results["tensordepot"] = _handoffs(set_first, lambda a: c.put("b3", a), r, cfg)
+    p.join(30)
+    c.delete("b3")
+
+    # multiprocessing Pipe of the pickled array.
+    r, w = ctx.Pipe(duplex=False)
+    a_end, b_end = ctx.Pipe()
+    p = ctx.Process(target=_procs.handoff_pipe, args=(b_end, w), daemon=True)
+    p.start()
+    w.close()  # the child holds the write end: its death reads as EOF here
+    b_end.close()
+    r.recv_bytes()
+    results["pipe"] = _handoffs(set_first, a_end.send, r, cfg)
+    a_end.send(None)
+    p.join(30)
+
+    if peer.available:
+        torch = peer.wait_ready()
+        base = torch.from_numpy(x.copy())
+
+        def fresh(i: int) -> Any:
+            # A new tensor per handoff, as a producer that computes a new value
+            # has; q.put moves it into new shared memory and sends its fd.
+            t = base.clone()
+            t[0] = i
+            return t
+
+        results["torch_fresh"] = _handoffs(fresh, peer.q.put, peer.ack, cfg)
+        # One buffer, moved to shared memory once and sent again and again;
+        # the producer overwrites it while a consumer may still read it.
+        shared = base.clone().share_memory_()
+
+        def same(i: int) -> Any:
+            shared[0] = i
+            return shared
+
+        results["torch_same_buffer"] = _handoffs(same, peer.q.put, peer.ack, cfg)
+
+    labels = {
+        "tensordepot": "tensordepot put -> get (long poll) -> ack",
+        "pipe": "multiprocessing Pipe, pickled array",
+        "torch_fresh": "torch.multiprocessing Queue, new tensor per handoff",
+        "torch_same_buffer": "torch.multiprocessing Queue, one shared buffer re-sent",
+    }
+    data: dict[str, Any] = {
+        "nbytes": x.nbytes,
+        "gap_s": cfg.handoff_gap,
+        "ack": "raw multiprocessing Pipe, the same for every peer",
+    }
+    for k, v in results.items():
+        data[k] = series(labels[k], v, "ms", 1e3)
+    ours = data["tensordepot"]
+    td = median(results["tensordepot"])
+    checks = []
+    if "torch_fresh" in results:
+        checks.append(
+            check(
+                "B3",
+                "B3",
+                "4 KiB handoff: tensordepot / torch.multiprocessing Queue",
+                ours,
+                data["torch_fresh"],
+                td / median(results["torch_fresh"]),
+                "<=",
+                2.5,
+                note="torch sends a new tensor per handoff, as tensordepot publishes a new version",
+            )
+        )
+        checks.append(
+            check(
+                "B3.same",
+                "B3",
+                "4 KiB handoff: tensordepot / torch Queue re-sending one shared buffer (information)",
+                ours,
+                data["torch_same_buffer"],
+                td / median(results["torch_same_buffer"]),
+                "info",
+                note="racy: the producer overwrites a buffer the consumer may still read",
+            )
+        )
+    checks.append(
+        check(
+            "B3.pipe",
+            "B3",
+            "4 KiB handoff: tensordepot / Pipe of the pickled array (information)",
+            ours,
+            data["pipe"],
+            td / median(results["pipe"]),
+            "info",
+        )
+    )
+    return data, checks
+
+
+# -- B4 --------------------------------------------------------------------------
+
+
+def state_dict(cfg: Config, prefix: str) -> dict[str, np.ndarray]:
+    sd = {}
+    for i in range(100):
+        sd[f"{prefix}.layers.{i}.weight"] = np.full(cfg.sd_big, i, dtype=np.float32)
+        sd[f"{prefix}.layers.{i}.bias"] = np.full(cfg.sd_small, i, dtype=np.float32)
+        sd[f"{prefix}.layers.{i}.norm"] = np.full(cfg.sd_small, -i, dtype=np.float32)
+    return sd
+
+
+def _drain(c: Client) -> None:
+    """Wait until every lease this run took is released (releases are sent in the background)."""
+    gc.collect()
+    wait_for(lambda: c.stat().leases == 0, 30, what="leases to be released")
+
+
+def bench_b4(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    batch_sd, single_sd = state_dict(cfg, "b4.batch"), state_dict(cfg, "b4.single")
+    batch_names, single_names = list(batch_sd), list(single_sd)
+    total = sum(a.nbytes for a in batch_sd.values())
+
+    def batch() -> Any:
+        c.put_many(batch_sd)
+        return c.get_many(batch_names)
+
+    def singles() -> Any:
+        for name, a in single_sd.items():
+            c.put(name, a)
+        return {name: c.get(name) for name in single_names}
+
+    def run(fn: Callable[[], Any]) -> tuple[float, int]:
+        _drain(c)
+        rt0 = c.round_trips
+        t0 = time.perf_counter()
+        got = fn()
+        dt = time.perf_counter() - t0
+        rts = c.round_trips - rt0
+        assert len(got) == len(batch_names)
+        del got
+        return dt, rts
+
+    for _ in range(2):  # warm: a new version is allocated while the old one lives, so the
+        run(batch)  # ranges of two versions of each state dict get faulted in and mapped
+        run(singles)
+    b_t, s_t, b_rt, s_rt = [], [], [], []
+    for _ in range(cfg.sd_reps):
+        dt, rts = run(batch)
+        b_t.append(dt)
+        b_rt.append(rts)
+        dt, rts = run(singles)
+        s_t.append(dt)
+        s_rt.append(rts)
+    _drain(c)
+    for name in batch_names + single_names:
+        c.delete(name)
+    n = len(batch_names)
+    s_b = series(f"put_many + get_many, {n} tensors, {human(total)}", b_t, "ms", 1e3)
+    s_s = series(f"{n} single put + {n} single get", s_t, "ms", 1e3)
+    s_brt = series(
+        "put_many + get_many control round trips", [float(x) for x in b_rt], "round trips"
+    )
+    s_srt = series(
+        "single puts + gets control round trips", [float(x) for x in s_rt], "round trips"
+    )
+    data = {
+        "tensors": n,
+        "nbytes": total,
+        "batch": s_b,
+        "singles": s_s,
+        "batch_round_trips": s_brt,
+        "single_round_trips": s_srt,
+    }
+    return data, [
+        check(
+            "B4.rt",
+            "B4",
+            "put_many + get_many: control round trips",
+            s_brt,
+            None,
+            max(b_rt),
+            "<=",
+            3,
+            unit="round trips",
+            note="the largest count of any repetition",
+        ),
+        check(
+            "B4",
+            "B4",
+            f"state dict of {n} tensors: 300 singles / put_many + get_many",
+            s_b,
+            s_s,
+            median(s_t) / median(b_t),
+            ">=",
+            5,
+        ),
+    ]
+
+
+# -- B5 --------------------------------------------------------------------------
+
+
+class BarePeer:
+    """The bare FastAPI endpoint (tests/bench/_bare.py) in a process of its own."""
+
+    def __init__(self, sock_dir: str) -> None:
+        self.path = os.path.join(sock_dir, "bare.sock")
+        self.url = "unix://" + self.path
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "_bare.py"), self.path],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    def wait_ready(self) -> None:
+        from tensordepot.client._transport import Transport
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise AssertionError(f"the bare endpoint exited with {self.proc.returncode}: {err}")
+            if not os.path.exists(self.path):
+                return False
+            tr = Transport(self.url, timeout=2)
+            try:
+                return bool(tr.request("GET", "/healthz")["status"] == "ok")
+            except DepotError:  # not accepting connections yet
+                return False
+            finally:
+                tr.close()
+
+        wait_for(up, 60, what="the bare FastAPI endpoint")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def procs_text(n: int) -> str:
+    return f"{n} client process" + ("es" if n != 1 else "")
+
+
+def bench_b5(
+    c: Client, cfg: Config, url: str, bare_url: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ctx = mp.get_context("spawn")
+    c.put("b5.small", np.full(256, 3.0, dtype=np.float32))  # 1 KiB
+    variants = list(cfg.ops_variants)
+    per: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
+    for n in cfg.concurrency:
+        barrier = ctx.Barrier(n + 1)
+        out = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_procs.ops_client,
+                daemon=True,
+                args=(
+                    url,
+                    bare_url,
+                    "b5.small",
+                    variants,
+                    cfg.ops_reps,
+                    cfg.ops_seconds,
+                    barrier,
+                    out,
+                ),
+            )
+            for _ in range(n)
+        ]
+        for p in procs:
+            p.start()
+        for v in variants:
+            per[v][n] = []
+        for _ in range(cfg.ops_reps):
+            for v in variants:
+                try:
+                    barrier.wait(timeout=300)  # the first wait covers the clients' start
+                except threading.BrokenBarrierError:
+                    codes = [p.exitcode for p in procs]
+                    raise AssertionError(
+                        f"B5 clients did not all arrive (exit codes {codes})"
+                    ) from None
+                rates = 0.0
+                for _ in range(n):
+                    var, _rep, ops, elapsed = out.get(timeout=120)
+                    assert var == v, (var, v)
+                    rates += ops / elapsed
+                per[v][n].append(rates)
+        for p in procs:
+            p.join(60)
+            if p.exitcode != 0:
+                raise AssertionError(f"a B5 client exited with {p.exitcode}")
+    c.delete("b5.small")
+    labels = {
+        "tensordepot_get": "tensordepot get 1 KiB + release",
+        "tensordepot_stat": "tensordepot stat",
+        "bare_fastapi": "bare FastAPI endpoint, same uvicorn settings",
+    }
+    data: dict[str, Any] = {
+        "concurrency": list(cfg.concurrency),
+        "seconds_per_run": cfg.ops_seconds,
+        "transport": "tensordepot's http.client transport, one connection per process",
+    }
+    for v in variants:
+        data[v] = {
+            str(n): series(f"{labels[v]}, {procs_text(n)}", xs, "ops/s") for n, xs in per[v].items()
+        }
+    checks = []
+    for n in cfg.concurrency:
+        ours, bare = data["tensordepot_get"][str(n)], data["bare_fastapi"][str(n)]
+        checks.append(
+            check(
+                f"B5.{n}",
+                "B5",
+                f"control-plane ops/s, {procs_text(n)}: get / bare endpoint",
+                ours,
+                bare,
+                ours["median"] / bare["median"],
+                ">=",
+                0.7,
+                note="get of a 1 KiB tensor, then release",
+            )
+        )
+    if "tensordepot_stat" in data:
+        for n in cfg.concurrency:
+            st, bare = data["tensordepot_stat"][str(n)], data["bare_fastapi"][str(n)]
+            checks.append(
+                check(
+                    f"B5.stat.{n}",
+                    "B5",
+                    f"control-plane ops/s, {procs_text(n)}: stat / bare endpoint (information)",
+                    st,
+                    bare,
+                    st["median"] / bare["median"],
+                    "info",
+                )
+            )
+    return data, checks
+
+
+# -- B6 --------------------------------------------------------------------------
+
+
+def bench_b6(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ctx = mp.get_context("spawn")
+    prod, cons = [], []
+    for _ in range(cfg.mem_reps):
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_procs.memory_producer, args=(url, "b6", cfg.big, w), daemon=True)
+        p.start()
+        w.close()
+        prod.append(r.recv())
+        p.join(60)
+        r, w = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_procs.memory_consumer, args=(url, "b6", w), daemon=True)
+        p.start()
+        w.close()
+        cons.append(r.recv())
+        p.join(60)
+        if not cons[-1]["sum_ok"]:
+            raise AssertionError("B6: the consumer read wrong data")
+    with Client(url) as c:
+        c.delete("b6")
+    # The worse of a first put (maps the segment) and a second (reuses it), per repetition.
+    growth = [max(x["first"]["peak_growth"], x["second"]["peak_growth"]) for x in prod]
+    s_prod = series(
+        f"producer RssAnon peak growth during a {human(cfg.big)} put", growth, "MiB", 1 / MiB
+    )
+    s_cons = series(
+        f"consumer Anonymous growth after a {human(cfg.big)} get + full read",
+        [x["growth"] for x in cons],
+        "MiB",
+        1 / MiB,
+    )
+    data = {
+        "nbytes": cfg.big,
+        "producer": s_prod,
+        "consumer": s_cons,
+        "producer_raw": prod,
+        "consumer_raw": cons,
+    }
+    return data, [
+        check(
+            "B6.producer",
+            "B6",
+            f"producer RssAnon growth during a {human(cfg.big)} put (MiB)",
+            s_prod,
+            None,
+            s_prod["median"],
+            "<",
+            64,
+            unit="MiB",
+            note="peak sampled every 0.5 ms, beyond the source array",
+        ),
+        check(
+            "B6.consumer",
+            "B6",
+            f"consumer Anonymous growth, {human(cfg.big)} get + full read (MiB)",
+            s_cons,
+            None,
+            s_cons["median"],
+            "<",
+            16,
+            unit="MiB",
+        ),
+    ]
+
+
+# -- the run -----------------------------------------------------------------------
+
+
+def _first(path: str, key: str) -> str:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return None
+    return str(getattr(mod, "__version__", "?"))
+
+
+def machine() -> dict[str, Any]:
+    shm = os.statvfs("/dev/shm")
+    mem_kib = _first("/proc/meminfo", "MemTotal").split()
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cpu_model": _first("/proc/cpuinfo", "model name") or platform.processor(),
+        "memory_bytes": int(mem_kib[0]) * 1024 if mem_kib else None,
+        "dev_shm_bytes": shm.f_frsize * shm.f_blocks,
+        "kernel": platform.release(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": _version("torch"),
+        "tensordepot": _version("tensordepot"),
+        "fastapi": _version("fastapi"),
+        "uvicorn": _version("uvicorn"),
+        "ray": _version("ray"),
+    }
+
+
+def reason_for(row: dict[str, Any], mode: str, reasons: dict[str, str]) -> str:
+    """Why a goal was missed: quick mode says so; else the reason found by
+    profiling (tests/bench/reasons.json, by check id or by benchmark), else a default."""
+    if mode == "quick":
+        return QUICK_REASON
+    return reasons.get(row["id"]) or reasons.get(row["bench"]) or DEFAULT_REASON
+
+
+def load_reasons() -> dict[str, str]:
+    if not REASONS.exists():
+        return {}
+    return {k: v for k, v in json.loads(REASONS.read_text()).items() if not k.startswith("_")}
+
+
+def teardown(broker: BrokerProc) -> dict[str, Any]:
+    """Leftovers after the run: accounting, the exit status on SIGTERM, /dev/shm."""
+    with broker.client() as c:
+        names = [i.name for i in c.list()]
+        for name in names:
+            c.delete(name)
+
+    def drained() -> Stat | None:
+        st = broker.stat()
+        return st if st.sessions <= 1 and st.leases == 0 else None  # <= 1: the probe itself
+
+    st = wait_for(drained, 30, what="sessions and leases to drain")
+    rc = broker.stop()
+    left = broker.segments()
+    return {
+        "names_left": names,
+        "bytes_in_use": st.bytes_in_use,
+        "leases": st.leases,
+        "exit_code": rc,
+        "left_in_dev_shm": left,
+        "clean": not names and st.bytes_in_use == 0 and rc == 0 and not left,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI)")
+    ap.add_argument("--out", default="bench-results/bench.json", help="where to write the JSON")
+    ap.add_argument("--shm-prefix", help="segment prefix of the broker this run starts")
+    ap.add_argument("--only", help="comma-separated subset, e.g. B1,B3 (for development)")
+    args = ap.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    only = {b.strip().upper() for b in args.only.split(",")} if args.only else None
+    prefix = args.shm_prefix or f"tdbench-{secrets.token_hex(4)}-"
+    command = (
+        "python tests/bench/run.py" + (" --quick" if args.quick else "") + f" --out {args.out}"
+    )
+    started = time.monotonic()
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "mode": cfg.mode,
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "versions": versions(),
+        "config": asdict(cfg),
+    }
+    if cfg.mode == "quick":
+        result["note"] = "quick mode: small sizes; the ratios only show that the suite runs"
+    broker_args = [
+        "--max-memory",
+        cfg.max_memory,
+        "--warm-memory",
+        cfg.warm_memory,
+        "--prealloc",
+        cfg.prealloc,
+        "--reap-interval",
+        "0.5",
+    ]
+    result["broker"] = {"args": broker_args, "shm_prefix": prefix}
+    peer = TorchPeer()  # first: it imports torch while the broker starts
+    broker: BrokerProc | None = None
+    bare_dir = tempfile.mkdtemp(prefix="tdbare-", dir="/tmp")  # AF_UNIX paths are short
+    bare = BarePeer(bare_dir)  # starts alongside the broker
+    benches: dict[str, Any] = {}
+    checks: list[dict[str, Any]] = []
+
+    def step(name: str, fn: Callable[[], tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
+        if only is not None and name not in only:
+            return
+        print(f"[{time.monotonic() - started:5.1f} s] {name} ...", end=" ", flush=True)
+        t0 = time.monotonic()
+        data, rows = fn()
+        data["seconds"] = round(time.monotonic() - t0, 2)
+        benches[name] = data
+        checks.extend(rows)
+        print(f"{data['seconds']} s", flush=True)
+
+    try:
+        broker = BrokerProc(*broker_args, max_memory=cfg.max_memory, prefix=prefix)
+        bare.wait_ready()
+        with broker.client() as c:
+            step("B1", lambda: bench_b1(c, cfg, peer))
+            step("B2", lambda: bench_b2(c, cfg))
+            step("B3", lambda: bench_b3(c, cfg, broker.url, peer))
+            step("B4", lambda: bench_b4(c, cfg))
+            step("B5", lambda: bench_b5(c, cfg, broker.url, bare.url))
+        step("B6", lambda: bench_b6(cfg, broker.url))
+        result["teardown"] = teardown(broker)
+        print(f"[{time.monotonic() - started:5.1f} s] broker stopped", flush=True)
+    except BaseException:
+        if broker is not None and not broker.alive:
+            print(f"\nthe broker died; its log:\n{broker.log()}", file=sys.stderr)
+        raise
+    finally:
+        peer.close()
+        bare.stop()
+        shutil.rmtree(bare_dir, ignore_errors=True)
+        if broker is not None:
+            broker.cleanup()
+    reasons = load_reasons()
+    for row in checks:
+        if row["pass"] is False:
+            row["reason"] = reason_for(row, cfg.mode, reasons)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    result["seconds"] = round(time.monotonic() - started, 1)
+    result["benchmarks"] = benches
+    result["checks"] = checks
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(summary(result))
+    print(f"[{time.monotonic() - started:5.1f} s] wrote {out}")
+    return 0
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"{'check':12} {'measured':>12} {'goal':>10}  result"]
+    for row in result["checks"]:
+        m = row["measured"]
+        shown = "-" if m is None else f"{m:.3g} {row['unit']}"
+        verdict = (
+            "info"
+            if row["goal_op"] == "info"
+            else {True: "pass", False: "MISS", None: "n/a"}[row["pass"]]
+        )
+        lines.append(f"{row['id']:12} {shown:>12} {row['goal']:>10}  {verdict}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
