@@ -11,7 +11,6 @@ import os
 import sys
 
 import numpy as np
-
 from tensordepot import Client
 
 

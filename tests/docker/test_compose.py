@@ -63,7 +63,7 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
         op, arg, got = m.group("op"), m.group("arg"), env.get(name)
         unset = got is None or (got == "" and op is not None and op.startswith(":"))
         if op in (":-", "-"):
-            return arg if unset else got  # type: ignore[return-value]
+            return arg if unset or got is None else got
         if op in (":?", "?") and unset:
             raise KeyError(f"compose needs ${name}: {arg}")
         return got or ""
@@ -74,7 +74,7 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 def load(path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     doc = yaml.safe_load(path.read_text())
     assert isinstance(doc, dict)
-    return doc if env is None else interpolate(doc, env)  # type: ignore[no-any-return]
+    return doc if env is None else interpolate(doc, env)
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -91,7 +91,7 @@ def docker_size(text: str) -> int:
     """docker's byte units (shm_size): b, k, m, g, binary."""
     m = re.fullmatch(r"(\d+)\s*([bkmg]?)b?", str(text).strip().lower())
     assert m, f"not a docker size: {text!r}"
-    return int(m.group(1)) * 1024 ** "bkmg".index(m.group(2) or "b")
+    return int(m.group(1)) << (10 * "bkmg".index(m.group(2) or "b"))
 
 
 def dockerfile() -> list[tuple[str, str]]:
@@ -233,8 +233,8 @@ def test_dockerfile_installs_every_package_folder_and_runs_serve() -> None:
     assert cmd == [broker["command"]], "the image's default command is the compose broker's"
     assert ("USER", "depot") in steps, "the broker does not run as root"
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
-    for src in sources:
-        assert f"!{src}" in ignore or f"!{src}/" in ignore, f"{src} is excluded from the context"
+    for name in sources:
+        assert f"!{name}" in ignore or f"!{name}/" in ignore, f"{name} is excluded from the context"
 
 
 # -- the same commands and environment, as processes ---------------------------------

@@ -339,7 +339,7 @@ def router_routes() -> set[tuple[str, str]]:
         module = importlib.import_module(f"{routers.__name__}.{info.name}")
         for rt in module.router.routes:
             if isinstance(rt, APIRoute) and rt.include_in_schema:
-                found |= {(m, rt.path_format) for m in rt.methods}
+                found |= {(m, rt.path_format) for m in rt.methods or ()}
     assert len(found) >= 15
     return found
 
@@ -481,12 +481,11 @@ def send(app: App, other: str, req: dict[str, Any]) -> Any:
             path = path.replace("{" + key[5:] + "}", quote(ids.get(value, value), safe=""))
     params = {k[6:]: v for k, v in req.items() if k.startswith("query:") and v is not None}
     headers = {k: ids.get(v, v) for k, v in req.items() if k.startswith("x-") and v is not None}
+    content: bytes | None = req.get("bytes")
     if "json" in req:
         body = req["json"]
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers["content-type"] = "application/json"
-    else:
-        content = req.get("bytes")
     return app.tc.request(req["method"].upper(), path, params=params, headers=headers,
                           content=content)
 
