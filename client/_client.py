@@ -18,7 +18,7 @@ from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
 from ..shm import PosixMapping, UnsupportedDType, dtype_from_name, dtype_from_numpy, import_dlpack
-from ..shm._copy import copy_into
+from ..shm._copy import copy_into, copy_many
 from ..shm._posix import array_at
 from ._tensor import SharedTensor, _Lease
 from ._transport import Transport
@@ -27,7 +27,7 @@ log = logging.getLogger("tensordepot.client")
 _SESSION_HEADER = "x-tensordepot-session"
 _RELEASE_HEADER = "x-tensordepot-release"
 _UNKNOWN_SESSION = "unknown_session"
-_COALESCE = 0.005  # seconds a queued release may wait for company
+_COALESCE = 0.01  # seconds a queued release may wait for company (or a request to ride)
 
 
 def _start_time(pid: int) -> int | None:
@@ -150,10 +150,11 @@ class _Background:
                     os.read(self._r, 4096)
                 except OSError:
                     break
-                self._armed = False
                 # Coalesce: releases queued in the next few milliseconds go in
                 # one request, and a foreground request may carry them first.
-                select.select([self._r], [], [], _COALESCE)
+                # Still armed meanwhile, so they do not wake us again.
+                time.sleep(_COALESCE)
+                self._armed = False
             self.flush()
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.heartbeat:
@@ -357,13 +358,14 @@ class Client:
             handles = [Handle.model_validate(h) for h in
                        self._call("POST", "/v1/batch/alloc", {"items": items})["items"]]
             try:
+                pairs = []
                 for h in handles:
                     arr = sources[h.name].array
                     if h.nbytes:
                         m = self._mapping(h.segment, True)
-                        dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
-                                       writable=True, owner=m)
-                        copy_into(dst, arr)
+                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
+                                               writable=True, owner=m), arr))
+                copy_many(pairs)
             except BaseException:
                 for h in handles:
                     try:

@@ -52,3 +52,36 @@ def copy_into(dst: Any, src: Any) -> None:
             futures.append(_pool().submit(np.copyto, dst[tuple(idx)], src[tuple(idx)], "no"))
     for f in futures:
         f.result()
+
+
+def copy_many(pairs: list[tuple[Any, Any]]) -> None:
+    """Copy many (dst, src) pairs, as ``copy_into`` each, using every copy thread.
+
+    A state dict is hundreds of tensors that are each too small to split, so
+    whole tensors are dealt out to the threads, largest first, to the least
+    loaded one; tensors big enough to split are copied with ``copy_into``."""
+    import numpy as np
+
+    total = sum(d.nbytes for d, _ in pairs)
+    if total < _MIN_PARALLEL or _threads == 1:
+        for d, s in pairs:
+            np.copyto(d, s, casting="no")
+        return
+    big = [(d, s) for d, s in pairs if d.nbytes >= _MIN_PARALLEL]
+    small = sorted(((d, s) for d, s in pairs if d.nbytes < _MIN_PARALLEL), key=lambda p: -p[0].nbytes)
+    buckets: list[list[tuple[Any, Any]]] = [[] for _ in range(_threads)]
+    loads = [0] * _threads
+    for d, s in small:
+        i = loads.index(min(loads))
+        buckets[i].append((d, s))
+        loads[i] += d.nbytes
+
+    def run(bucket: list[tuple[Any, Any]]) -> None:
+        for d, s in bucket:
+            np.copyto(d, s, casting="no")
+
+    futures = [_pool().submit(run, b) for b in buckets if b]
+    for d, s in big:
+        copy_into(d, s)
+    for f in futures:
+        f.result()
