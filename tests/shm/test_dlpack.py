@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _capsules import OneCapsule, is_capsule, managed
 from tensordepot.shm import (
     DTYPES,
     FLAG_IS_COPIED,
@@ -28,15 +29,8 @@ from tensordepot.shm import (
     import_dlpack,
     numpy_dtype,
 )
-from tensordepot.shm._dlpack import DLManagedTensor, DLManagedTensorVersioned
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-
-_api = ctypes.pythonapi
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_IsValid.restype = ctypes.c_int
-_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 DTYPE_PARAMS = [pytest.param(name, id=name) for name in DTYPES]
 VERSIONS = [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")]
@@ -60,15 +54,6 @@ class Owner:
         self.buf = np.random.default_rng(nbytes).integers(0, 2, nbytes, dtype=np.uint8)
 
 
-def managed(cap: Any) -> tuple[Any, Any]:
-    """(managed tensor, DLTensor) of an unconsumed capsule."""
-    if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
-        mt = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
-    else:
-        assert _api.PyCapsule_IsValid(cap, b"dltensor"), "not an unconsumed DLPack capsule"
-        mt = DLManagedTensor.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor"))
-    return mt, mt.dl_tensor
-
 
 def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *, max_version: tuple[int, int] | None = (1, 0),
             read_only: bool = True, copy: bool = False, strides: tuple[int, ...] | None = None
@@ -82,19 +67,6 @@ def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *, max_version: tuple[i
                          max_version=max_version, copy=copy)
     return cap, owner
 
-
-class Wrapped:
-    """A producer object around one capsule, for consumers that call __dlpack__."""
-
-    def __init__(self, cap: Any) -> None:
-        self.cap = cap
-
-    def __dlpack__(self, **kw: Any) -> Any:
-        cap, self.cap = self.cap, None
-        return cap
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)
 
 
 # -- the dtype table ---------------------------------------------------------------
@@ -145,7 +117,7 @@ def test_capsule_dtype_and_strides(dtype: str, max_version: tuple[int, int] | No
     assert t.data + t.byte_offset == owner.buf.ctypes.data
     assert (t.device.device_type, t.device.device_id) == (1, 0)
     if max_version is None:
-        assert _api.PyCapsule_IsValid(cap, b"dltensor")
+        assert is_capsule(cap, b"dltensor")
     else:
         assert (mt.version.major, mt.version.minor) == (1, 1)
 
@@ -184,13 +156,13 @@ def test_copy_does_not_hold_the_owner() -> None:
     del owner
     gc.collect()
     assert ref() is None, "an independent copy must not keep the source memory alive"
-    x = np.from_dlpack(Wrapped(cap))
+    x = np.from_dlpack(OneCapsule(cap))
     assert x.flags.writeable  # IS_COPIED, not READ_ONLY
 
 
 def test_numpy_honours_read_only() -> None:
-    ro = np.from_dlpack(Wrapped(capsule("float32", read_only=True)[0]))
-    rw = np.from_dlpack(Wrapped(capsule("float32", read_only=False)[0]))
+    ro = np.from_dlpack(OneCapsule(capsule("float32", read_only=True)[0]))
+    rw = np.from_dlpack(OneCapsule(capsule("float32", read_only=False)[0]))
     assert not ro.flags.writeable and rw.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         ro[0, 0] = 1
@@ -215,7 +187,7 @@ def test_rejected_capsule_frees_its_owner(max_version: tuple[int, int] | None) -
     ref = weakref.ref(owner)
     del owner
     with pytest.raises(Exception) as ours:
-        np.from_dlpack(Wrapped(cap))
+        np.from_dlpack(OneCapsule(cap))
     assert (type(ours.value), str(ours.value)) == (type(native.value), str(native.value))
     del cap, ours
     gc.collect()
@@ -247,7 +219,7 @@ def test_import_unknown_dtype_calls_the_deleter() -> None:
                          max_version=(1, 0))
     del owner
     with pytest.raises(UnsupportedDType, match="code=17"):
-        import_dlpack(Wrapped(cap))
+        import_dlpack(OneCapsule(cap))
     del cap
     assert ref() is None, "a rejected producer tensor must be handed back through its deleter"
 
@@ -259,7 +231,7 @@ def test_import_unknown_major_version_calls_the_deleter() -> None:
     ref = weakref.ref(owner)
     del owner, mt
     with pytest.raises(BufferError, match="ABI version 2"):
-        import_dlpack(Wrapped(cap))
+        import_dlpack(OneCapsule(cap))
     del cap
     assert ref() is None
 
