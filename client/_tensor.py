@@ -79,7 +79,7 @@ class SharedTensor:
         Read-only tensors set the READ_ONLY flag; ``copy=True`` exports an
         independent copy flagged IS_COPIED; ``copy=False`` never copies."""
         owner = self._alive()
-        if stream is not None and stream != -1:
+        if stream is not None:  # the array API: CPU producers take no stream
             raise BufferError(f"stream={stream!r}: CPU tensors take stream=None")
         if dl_device is not None and tuple(dl_device) != (kDLCPU, 0):
             raise BufferError(
@@ -102,12 +102,14 @@ class SharedTensor:
         return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable, owner=owner)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        import numpy as np
+
         arr = self.numpy()
-        if dtype is not None:
-            arr = arr.astype(dtype, copy=bool(copy) if copy is not None else False)
-        elif copy:
-            arr = arr.copy()
-        return arr
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and copy=False")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
 
     # -- lifetime ----------------------------------------------------------
     def _alive(self) -> _Owner:

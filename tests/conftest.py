@@ -26,11 +26,11 @@ def _cuda_available() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present."""
-    if any("cuda" in item.keywords for item in items) and not _cuda_available():
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if marked and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-        for item in items:
-            if "cuda" in item.keywords:
-                item.add_marker(skip)
+        for item in marked:
+            item.add_marker(skip)
 
 
 @pytest.fixture
