@@ -91,6 +91,7 @@ class Version:
     current: bool = True  # referenced by its name (writing, or the newest ready)
     readers: int = 0
     ttl: float | None = None
+    entry: Entry | None = None  # the incarnation of the name it was written under
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +105,7 @@ class Entry:
     writing: dict[int, Version] = field(default_factory=dict)
     next_version: int = 1
     expires_at: float | None = None
+    readers: int = 0  # live leases on any version of this incarnation of the name
 
 
 @dataclass(eq=False)
@@ -187,7 +189,7 @@ class Broker:
                       lease=lease)
 
     def _info(self, e: Entry, v: Version) -> TensorInfo:
-        readers = self.readers_of(e.name)
+        readers = e.readers
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
                           nbytes=v.nbytes, device="cpu", state=v.state, readers=readers,
@@ -317,7 +319,7 @@ class Broker:
         if e is None:
             e = self.entries[req.name] = Entry(req.name, next_version=self._last_version.pop(req.name, 0) + 1)
         v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
-                    ttl=req.ttl)
+                    ttl=req.ttl, entry=e)
         e.next_version += 1
         e.writing[v.number] = v
         s.writing.add(v)
@@ -404,7 +406,7 @@ class Broker:
             e = self.entries[name] = Entry(name, next_version=self._last_version.pop(name, 0) + 1)
         src.block.refs += 1
         v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
-                    s.id, ttl=ttl)
+                    s.id, ttl=ttl, entry=e)
         e.next_version += 1
         e.writing[v.number] = v
         s.writing.add(v)
@@ -424,6 +426,8 @@ class Broker:
         self.leases[lid] = Lease(lid, s.id, v)
         s.leases.add(lid)
         v.readers += 1
+        if v.entry is not None:
+            v.entry.readers += 1
         self._count("gets")
         return lid
 
@@ -493,6 +497,8 @@ class Broker:
             s.leases.discard(lid)
         v = lease.version
         v.readers -= 1
+        if v.entry is not None:
+            v.entry.readers -= 1
         self._maybe_free(v)
         self._count("releases")
 
@@ -519,9 +525,6 @@ class Broker:
             if v is not None:
                 out.append(self._info(e, v))
         return out
-
-    def readers_of(self, name: str) -> int:
-        return sum(1 for lease in self.leases.values() if lease.version.name == name)
 
     def stat(self) -> Stat:
         return Stat(bytes_in_use=self.bytes_in_use, bytes_reserved=self.pool.reserved,
