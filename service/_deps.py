@@ -13,6 +13,7 @@ import json
 from typing import Annotated, Any
 
 from fastapi import Header, Request
+from fastapi.responses import JSONResponse
 
 from .._errors import AuthError
 from ._broker import Broker
@@ -40,6 +41,11 @@ def broker_of(request: Request) -> Broker:
     endpoint)."""
     broker: Broker = request.app.state.broker
     return broker
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    """The one error body: ``{"error": {"code", "message"}}``."""
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
 class PiggybackedReleases:

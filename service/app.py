@@ -19,7 +19,7 @@ from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
-from ._deps import PiggybackedReleases, TokenAuth
+from ._deps import PiggybackedReleases, TokenAuth, error_response
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -34,10 +34,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                          (422, "malformed request"), (503, "the broker is shutting down"),
                          (507, "out of memory (--max-memory)"))
 }
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -89,22 +85,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
+    app.add_middleware(tensors.HotPaths)  # innermost of ours: releases and auth come first
     app.add_middleware(PiggybackedReleases)
     if settings.token:  # added last, so it runs first: no release without the token
         app.add_middleware(TokenAuth, token=settings.token)
 
     @app.exception_handler(DepotError)
-    async def _depot_error(request: Request, exc: DepotError) -> JSONResponse:
-        return _error(exc.status, exc.code, str(exc))
+    async def _depoterror_response(request: Request, exc: DepotError) -> JSONResponse:
+        return error_response(exc.status, exc.code, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, "invalid_request", _describe(exc))
+        return error_response(422, "invalid_request", _describe(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
+        return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
     for module in (tensors, batch, sessions, system):  # hot routes first: matching is linear
         app.include_router(module.router, responses=ERROR_RESPONSES)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ValidationError
 
-from ..._errors import InvalidRequest
+from ..._errors import DepotError, InvalidRequest
 from ..._wire import (
     INLINE_MAX,
     AllocRequest,
@@ -18,7 +18,7 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
-from .._deps import SESSION_HEADER, SessionHeader, broker_of
+from .._deps import SESSION_HEADER, SessionHeader, broker_of, error_response
 
 router = APIRouter(prefix="/v1", tags=["tensors"])
 
@@ -54,10 +54,9 @@ def _bad_query(message: str) -> InvalidRequest:
 
 
 async def get_tensor(request: Request) -> Response:
-    """GET /v1/tensors/{name}: served as a plain Starlette endpoint.  FastAPI's
-    parameter machinery costs more than the lease itself, and this is the
-    path whose speed is the product; the documented declaration below gives
-    the OpenAPI document its schema."""
+    """GET /v1/tensors/{name}.  ``HotPaths`` calls this directly, ahead of
+    FastAPI's routing and parameter machinery, which cost more than the lease
+    itself; the declaration below documents it and serves it otherwise."""
     q = request.query_params
     try:
         timeout = float(q.get("timeout", 0.0))
@@ -72,13 +71,10 @@ async def get_tensor(request: Request) -> Response:
     return _json(broker.handle(v, lease))
 
 
-router.add_route("/tensors/{name:path}", get_tensor, methods=["GET"], include_in_schema=False)
-
-
 @router.get("/tensors/{name:path}", response_model=Handle, openapi_extra=_GET_PARAMS,
             summary="Lease the newest published version, waiting up to `timeout` seconds")
 async def get_tensor_documented(name: str, request: Request) -> Response:
-    return await get_tensor(request)  # shadowed by the plain endpoint registered above
+    return await get_tensor(request)
 
 
 @router.post("/alloc", response_model=Handle,
@@ -107,7 +103,7 @@ _OCTETS = {"requestBody": {"required": True, "content": {"application/octet-stre
 
 
 async def put(request: Request) -> Response:
-    """POST /v1/put/{name}: a plain Starlette endpoint, like ``get_tensor``."""
+    """POST /v1/put/{name}, served like ``get_tensor``."""
     name = request.path_params["name"]
     q = request.query_params
     length = request.headers.get("content-length", "")
@@ -133,9 +129,6 @@ async def put(request: Request) -> Response:
     return _json(broker.handle(broker.put_inline(request.headers.get(SESSION_HEADER), req, body)))
 
 
-router.add_route("/put/{name:path}", put, methods=["POST"], include_in_schema=False)
-
-
 @router.post("/put/{name:path}", response_model=Handle, openapi_extra=_OCTETS,
              summary="Allocate, fill and publish a small tensor in one round trip")
 async def put_documented(
@@ -146,7 +139,7 @@ async def put_documented(
     ttl: Annotated[float | None, Query(gt=0, description="delete this many seconds after publish")] = None,
     session: SessionHeader = None,
 ) -> Response:
-    return await put(request)  # shadowed by the plain endpoint registered above
+    return await put(request)
 
 
 @router.post("/link", response_model=Handle,
@@ -171,3 +164,37 @@ async def list_tensors(request: Request) -> TensorList:
 async def delete_tensor(name: str, request: Request) -> Response:
     broker_of(request).delete(name)
     return Response(status_code=204)
+
+
+class HotPaths:
+    """ASGI middleware that serves the two hottest requests, GET
+    /v1/tensors/{name} and POST /v1/put/{name}, before FastAPI routes them.
+
+    Routing, dependency solving and parameter validation cost FastAPI more
+    than twice a bare endpoint's whole request; the control plane's speed is
+    the product (README, Benchmarks: B5).  The handlers are the same functions
+    the documented routes call, and errors get the same body as everywhere."""
+
+    _GET = "/v1/tensors/"
+    _PUT = "/v1/put/"
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path, method = scope["path"], scope["method"]
+            handler = None
+            if method == "GET" and path.startswith(self._GET) and len(path) > len(self._GET):
+                handler, name = get_tensor, path[len(self._GET):]
+            elif method == "POST" and path.startswith(self._PUT) and len(path) > len(self._PUT):
+                handler, name = put, path[len(self._PUT):]
+            if handler is not None:
+                scope["path_params"] = {"name": name}
+                try:
+                    response = await handler(Request(scope, receive))
+                except DepotError as exc:
+                    response = error_response(exc.status, exc.code, str(exc))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
