@@ -34,8 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if logging.getLogger().level >= logging.INFO:
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # we log our own ready line
+    # uvicorn's own start/stop lines only at debug: we log one ready line ourselves.
+    uvicorn_level = "debug" if logging.getLogger().level <= logging.DEBUG else "warning"
     try:
         listens, socks = bind_all(settings)
     except (ListenError, DepotError, OSError) as exc:
@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     app.state.on_close = lambda: close_all(listens, socks)
     config = uvicorn.Config(app, http=PeerCredProtocol, lifespan="on", log_config=None,
                             access_log=False, timeout_keep_alive=300, timeout_graceful_shutdown=5,
-                            log_level=settings.log_level.lower())
+                            log_level=uvicorn_level)
     urls = ", ".join(ln.url for ln in listens)
     ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
              f"max-memory {settings.max_memory_bytes() / 2**30:.1f} GiB, prefix {settings.prefix()}")
