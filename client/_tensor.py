@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import InvalidRequest, TensorReleased
+from .._errors import BrokerUnavailable, InvalidRequest, TensorBroken, TensorNotFound, TensorReleased
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
 from ..shm._dlpack import kDLCPU
@@ -133,7 +133,15 @@ class SharedTensor:
         if client is None:
             raise TensorReleased("the Client that created this tensor is gone")
         self._alive()
-        client._publish(self.name, self.version)
+        try:
+            client._publish(self.name, self.version)
+        except (BrokerUnavailable, TensorNotFound) as exc:
+            # The memory this tensor was written into is gone: the broker died,
+            # or reclaimed the allocation (its name was deleted meanwhile).
+            raise TensorBroken(
+                f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
+                f"write it again with empty() or put()"
+            ) from exc
         self.published = True
         return self
 

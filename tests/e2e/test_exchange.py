@@ -172,3 +172,19 @@ def test_put_of_a_got_tensor_shares_its_bytes(broker: BrokerProc) -> None:
         del alias
         c.delete("alias")
         wait_for(lambda: c.stat().bytes_in_use == 0 or None, 5, what=f"shared block to be freed ({c.stat()}, {c.list()})")
+
+
+def test_publish_after_delete_is_broken_and_frees(broker: BrokerProc) -> None:
+    from tensordepot import TensorBroken
+
+    with broker.client() as c:
+        out = c.empty("z", (1 << 16,), "float32")
+        np.from_dlpack(out).fill(3.0)
+        c.delete("z")
+        with pytest.raises(TensorBroken, match="allocation is gone") as info:
+            out.publish()
+        assert isinstance(info.value.__cause__, TensorNotFound)
+        assert c.stat().bytes_in_use == 0, "the orphaned allocation must be freed"
+        with pytest.raises(TensorNotFound):
+            c.get("z")
+        del out
