@@ -11,7 +11,7 @@ import select
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .._defaults import ENV_TOKEN, default_url
@@ -22,6 +22,9 @@ from ..shm._copy import copy_into, copy_many
 from ..shm._posix import array_at
 from ._tensor import SharedTensor, _Lease
 from ._transport import Transport
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("tensordepot.client")
 _SESSION_HEADER = "x-tensordepot-session"
@@ -462,7 +465,7 @@ class Client:
                 self._bg.stop()
             self._transport.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

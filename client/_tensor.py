@@ -13,12 +13,20 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BrokerUnavailable, InvalidRequest, TensorBroken, TensorNotFound, TensorReleased
+from .._errors import (
+    BrokerUnavailable,
+    InvalidRequest,
+    TensorBroken,
+    TensorNotFound,
+    TensorReleased,
+)
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
 from ..shm._dlpack import kDLCPU
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from ._client import Client
 
 
@@ -156,7 +164,7 @@ class SharedTensor:
     def released(self) -> bool:
         return self._owner is None
 
-    def __enter__(self) -> SharedTensor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -172,7 +172,7 @@ class Transport:
         for attempt in (0, 1):
             reused = conn.sock is not None
             try:
-                status, payload = conn.roundtrip(head, data, t)  # type: ignore[arg-type]
+                status, payload = conn.roundtrip(head, data, t)
                 break
             except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()

@@ -26,6 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from .._errors import BrokerUnavailable, Conflict, InvalidRequest, OutOfMemory, TensorNotFound
 from .._wire import (
@@ -86,7 +87,7 @@ class Version:
     shape: tuple[int, ...]
     dtype: str
     itemsize: int
-    state: str  # "writing" | "ready"
+    state: Literal["writing", "ready"]
     owner: str | None  # session id while writing
     current: bool = True  # referenced by its name (writing, or the newest ready)
     readers: int = 0
@@ -140,7 +141,7 @@ class Broker:
         self._events: dict[str, asyncio.Event] = {}
         self._closing_event: asyncio.Event | None = None
         self._maps: dict[str, PosixMapping] = {}
-        pool.on_drop = lambda name: self._maps.pop(name, None)
+        pool.on_drop = self._forget_mapping
         # Version numbers keep counting after a delete, so a reader waiting
         # for "newer than N" never mistakes a re-created name for an old one.
         self._last_version: dict[str, int] = {}
@@ -385,6 +386,9 @@ class Broker:
             byte_view(m, v.block.offset, nbytes, writable=True)[:] = memoryview(data)
         return self.publish(sid, req.name, v.number)
 
+    def _forget_mapping(self, segment: str) -> None:
+        self._maps.pop(segment, None)
+
     def _map(self, segment: str) -> PosixMapping:
         m = self._maps.get(segment)
         if m is None:  # the pool's on_drop forgets mappings of unlinked segments
@@ -459,7 +463,7 @@ class Broker:
                     f"tensor {name!r} was not published within {timeout:g} s ({self._known()})"
                 )
             closing = self._closing_wait()
-            waiter = asyncio.ensure_future(ev.wait())
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(ev.wait())
             try:
                 await asyncio.wait({waiter, closing}, timeout=remaining,
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -471,7 +475,7 @@ class Broker:
             if v is not None:
                 return v, self.lease(s, v)
 
-    def _closing_wait(self) -> asyncio.Future[bool]:
+    def _closing_wait(self) -> asyncio.Future[Any]:
         if self._closing_event is None:
             self._closing_event = asyncio.Event()
         return asyncio.ensure_future(self._closing_event.wait())

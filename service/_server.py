@@ -147,7 +147,7 @@ def close_all(listens: list[Listen], socks: list[socket.socket]) -> None:
 class PeerCredProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus the peer's (pid, uid, gid) on unix sockets."""
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         cred = None
@@ -187,7 +187,7 @@ class Server(uvicorn.Server):
             log.info(self.ready_message)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        broker = getattr(self.config.app.state, "broker", None)
+        broker = getattr(getattr(self.config.app, "state", None), "broker", None)
         if broker is not None:
             broker.begin_shutdown()
         await super().shutdown(sockets=sockets)

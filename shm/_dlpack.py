@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._dtypes import DType, dtype_from_dlpack
 from ._posix import array_at
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 kDLCPU = 1
 kDLCUDA = 2
@@ -156,7 +159,7 @@ class Imported:
         if release is not None:
             release()
 
-    def __enter__(self) -> Imported:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -159,7 +159,7 @@ def sweep(prefix: str, keep: set[str] | None = None) -> list[str]:
     A broker calls this on start, holding the prefix lock, to remove what a
     dead broker left behind.
     """
-    removed = []
+    removed: list[str] = []
     keep = keep or set()
     try:
         entries = os.listdir(SHM_DIR)
