@@ -49,9 +49,9 @@ class _Source:
         import numpy as np
 
         self._imported = None
-        if isinstance(x, SharedTensor):
-            x = x.numpy() if x._dt.numpy_name else _raw(x)
-        if isinstance(x, np.ndarray):
+        if isinstance(x, SharedTensor):  # another client's, or an empty() one: copy its raw bytes
+            self.array, self.dtype = _raw(x), x.dtype
+        elif isinstance(x, np.ndarray):
             self.array, self.dtype = x, dtype_from_numpy(x.dtype).name
         elif hasattr(x, "__dlpack__"):
             x = _exportable(x)

@@ -188,3 +188,15 @@ def test_publish_after_delete_is_broken_and_frees(broker: BrokerProc) -> None:
         with pytest.raises(TensorNotFound):
             c.get("z")
         del out
+
+
+def test_put_of_another_clients_bfloat16_tensor_keeps_its_dtype(broker: BrokerProc) -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.randn(64, 8).to(torch.bfloat16)
+    with broker.client() as a, broker.client() as b:
+        a.put("bf", src)
+        t = a.get("bf")
+        assert b.put("bf_copy", t) == 1  # b holds no lease on it: a real copy
+        got = torch.from_dlpack(b.get("bf_copy"))
+        assert got.dtype == torch.bfloat16 and torch.equal(got, src)
+        del t, got
