@@ -285,7 +285,18 @@ class Client:
                     del self._maps[key]
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
-        m = self._mapping(h.segment, writable)
+        try:
+            m = self._mapping(h.segment, writable)
+        except DepotError:
+            # Give back what the broker handed out, then say why we cannot map it.
+            if h.lease is not None and self._bg is not None:
+                self._bg.release_later(self._sid, h.lease)
+            elif writable:
+                try:
+                    self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
+                except DepotError:
+                    pass
+            raise
         lease = None
         if h.lease is not None and self._bg is not None:
             lease = _Lease(h.lease, functools.partial(self._bg.release_later, self._sid))
