@@ -292,10 +292,7 @@ class Client:
             if h.lease is not None and self._bg is not None:
                 self._bg.release_later(self._sid, h.lease)
             elif writable:
-                try:
-                    self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
-                except DepotError:
-                    pass
+                self._abort(h)
             raise
         lease = None
         if h.lease is not None and self._bg is not None:
@@ -346,11 +343,16 @@ class Client:
                 dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True, owner=m)
                 copy_into(dst, arr)
         except BaseException:
-            try:
-                self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
-            except DepotError:
-                pass
+            self._abort(h)
             raise
+
+    def _abort(self, h: Handle) -> None:
+        """Give back an allocation that will not be published (best effort: if
+        the broker is gone, so is the allocation)."""
+        try:
+            self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
+        except DepotError:
+            pass
 
     def _publish(self, name: str, version: int) -> None:
         self._call("POST", "/v1/publish", {"name": name, "version": version})
@@ -382,10 +384,7 @@ class Client:
                 copy_many(pairs)
             except BaseException:
                 for h in handles:
-                    try:
-                        self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
-                    except DepotError:
-                        pass
+                    self._abort(h)
                 raise
         finally:
             for s in sources.values():
