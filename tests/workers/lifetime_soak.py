@@ -29,7 +29,7 @@ import traceback
 from collections import Counter
 
 import numpy as np
-from tensordepot import Client, TensorNotFound
+from tensordepot import Client, TensorBroken, TensorNotFound
 
 NAMES = [f"soak{i}" for i in range(12)]
 MAX_HELD = 4
@@ -106,8 +106,13 @@ def work(url: str, seed: int, deadline: float) -> int:
                     if rng.random() < 0.05:
                         count["abandoned"] += 1  # never published: reclaimed when the session ends
                     else:
-                        out.publish()
-                        count["publishes"] += 1
+                        try:
+                            out.publish()
+                            count["publishes"] += 1
+                        except TensorBroken as exc:
+                            # Another worker deleted the name while this one wrote it.
+                            assert isinstance(exc.__cause__, TensorNotFound), exc
+                            count["misses"] += 1
                     del out
                 elif op < 0.70:
                     t = c.get(name, timeout=0.05 if rng.random() < 0.1 else 0)
