@@ -435,13 +435,6 @@ class Broker:
         self._count("gets")
         return lid
 
-    def get_now(self, sid: str | None, name: str, newer_than: int = 0) -> tuple[Version, int]:
-        s = self._session(sid)
-        v = self._ready(name, newer_than)
-        if v is None:
-            raise self._not_found(name)
-        return v, self.lease(s, v)
-
     async def get(self, sid: str | None, name: str, timeout: float | None,
                   newer_than: int = 0) -> tuple[Version, int]:
         s = self._session(sid)

@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ._base import Segment
 from ._posix import PosixSegment, random_name
 
 MiB = 1 << 20
@@ -34,7 +35,7 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(eq=False)
 class _Seg:
-    seg: PosixSegment
+    seg: Segment
     dedicated: bool
     used: int = 0  # bytes reserved by live blocks
     # Free ranges as parallel sorted lists of offsets and sizes.
@@ -70,7 +71,7 @@ class Pool:
     def __init__(self, prefix: str, *, max_memory: int, segment_size: int = 256 * MiB,
                  warm_bytes: int | None = None, align: int = 256, mode: int = 0o600,
                  gid: int | None = None, prefault: bool = True,
-                 segment_factory: Callable[..., PosixSegment] = PosixSegment) -> None:
+                 segment_factory: Callable[..., Segment] = PosixSegment) -> None:
         if segment_size <= 0 or segment_size % _PAGE:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
