@@ -2,189 +2,37 @@
 
 from __future__ import annotations
 
-import collections
 import functools
-import logging
-import math
 import os
-import select
+import secrets
 import threading
-import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
+from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
-from ..shm import PosixMapping, UnsupportedDType, dtype_from_name, dtype_from_numpy, import_dlpack
 from ..shm._copy import copy_into, copy_many
-from ..shm._posix import array_at
+from ..shm._posix import SegmentFile, Window, array_at
+from ._background import Background
+from ._checks import (
+    check_mapping,
+    check_name,
+    check_names,
+    check_shape,
+    check_timeout,
+    check_ttl,
+    check_version,
+)
+from ._fork import register
+from ._source import Source, dtype_name
 from ._tensor import SharedTensor, _Lease
-from ._transport import Transport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-log = logging.getLogger("tensordepot.client")
-_SESSION_HEADER = "x-tensordepot-session"
-_RELEASE_HEADER = "x-tensordepot-release"
-_UNKNOWN_SESSION = "unknown_session"
-_COALESCE = 0.01  # seconds a queued release may wait for company (or a request to ride)
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rfind(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class _Source:
-    """A put's input as a numpy array of the right item size, plus its dtype."""
-
-    def __init__(self, x: Any) -> None:
-        import numpy as np
-
-        self._imported = None
-        if isinstance(x, SharedTensor):  # another client's, or an empty() one: copy its raw bytes
-            self.array, self.dtype = _raw(x), x.dtype
-        elif isinstance(x, np.ndarray):
-            self.array, self.dtype = x, dtype_from_numpy(x.dtype).name
-        elif hasattr(x, "__dlpack__"):
-            x = _exportable(x)
-            self._imported = import_dlpack(x)
-            self.array, self.dtype = self._imported.array, self._imported.dtype.name
-        else:
-            arr = np.asarray(x)
-            self.array, self.dtype = arr, dtype_from_numpy(arr.dtype).name
-
-    def close(self) -> None:
-        if self._imported is not None:
-            self._imported.close()
-            self._imported = None
-
-
-def _raw(t: SharedTensor) -> Any:
-    owner = t._alive()
-    return array_at(t._address, t.shape, tuple(s * t._dt.itemsize for s in t.strides), t._dt.storage,
-                    writable=False, owner=owner)
-
-
-def _exportable(x: Any) -> Any:
-    """torch refuses to export tensors that need grad or carry lazy conj/neg bits."""
-    if type(x).__module__.startswith("torch"):
-        if getattr(x, "requires_grad", False):
-            x = x.detach()
-        if hasattr(x, "resolve_conj"):
-            x = x.resolve_conj().resolve_neg()
-    return x
-
-
-class _Background:
-    """One daemon thread per Client: sends queued lease releases, heartbeats
-    untracked sessions, and forgets mappings of segments the broker unlinked.
-
-    Finalizers only append to a deque and write one byte to a pipe: they may
-    run in any thread, at any time (even inside this thread's own code), so
-    they must not take locks."""
-
-    def __init__(self, client: Client) -> None:
-        # Leases as (session, lease id): ids restart with each broker, so an id
-        # alone may name another session's lease after a restart.
-        self.pending: collections.deque[tuple[str, int]] = collections.deque()
-        self.live: set[tuple[str, int]] = set()  # leases some view still holds
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._w, False)
-        self._client = client
-        self._stop = False
-        self._armed = False
-        self.heartbeat: float | None = None
-        self.idle = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
-        self.thread.start()
-
-    def track(self, sid: str, lease_id: int) -> None:
-        self.live.add((sid, lease_id))
-
-    def release_later(self, sid: str, lease_id: int) -> None:
-        self.live.discard((sid, lease_id))
-        self.pending.append((sid, lease_id))
-        if not self._armed:
-            self._armed = True
-            try:
-                os.write(self._w, b"x")
-            except OSError:
-                pass  # the pipe is full (a wake-up is pending anyway) or closed
-
-    def take(self, limit: int = 4096) -> list[int]:
-        """Pending lease ids of the current session, for a request to carry (or
-        for ``flush``).  Leases taken in an earlier session ended with it (the
-        broker restarted, or reaped it), and their ids may now name leases of
-        the current session: they are dropped, never sent."""
-        sid = self._client._sid
-        ids: list[int] = []
-        while self.pending and len(ids) < limit:
-            try:
-                owner, lease_id = self.pending.popleft()
-            except IndexError:
-                break
-            if owner == sid:
-                ids.append(lease_id)
-        return ids
-
-    def flush(self) -> None:
-        ids = self.take(1 << 20)
-        if ids:
-            try:
-                self._client._call("POST", "/v1/release", {"leases": ids}, background=True)
-            except DepotError as exc:  # the broker is gone: its leases are gone with it
-                log.debug("release of %d lease(s) failed: %s", len(ids), exc)
-
-    def _run(self) -> None:
-        last_beat = last_prune = time.monotonic()
-        while not self._stop:
-            wait = 1.0 if self.heartbeat is None else min(1.0, self.heartbeat)
-            readable, _, _ = select.select([self._r], [], [], wait)
-            if readable:
-                try:
-                    os.read(self._r, 4096)
-                except OSError:
-                    break
-                # Coalesce: releases queued in the next few milliseconds go in
-                # one request, and a foreground request may carry them first.
-                # Still armed meanwhile, so they do not wake us again.
-                time.sleep(_COALESCE)
-                self._armed = False
-            self.flush()
-            now = time.monotonic()
-            if self.heartbeat is not None and now - last_beat >= self.heartbeat:
-                last_beat = now
-                try:
-                    self._client._call("POST", f"/v1/sessions/{self._client._sid}/heartbeat",
-                                       background=True)
-                except DepotError:
-                    pass
-            if now - last_prune >= 2.0:
-                last_prune = now
-                self._client._prune_mappings()
-            self._client._maybe_finish_close()
-
-    def stop(self) -> None:
-        self._stop = True
-        try:
-            os.write(self._w, b"x")
-        except OSError:
-            pass
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout=5)
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class Client:
@@ -193,76 +41,114 @@ class Client:
     ``url`` is ``unix:///path.sock`` or ``http://host:port``; by default
     ``$TENSORDEPOT_URL``, then the default socket.  ``token`` (or
     ``$TENSORDEPOT_TOKEN``) is sent on TCP.  Use it as a context manager, or
-    call ``close()``; closing never raises.  Create clients after ``fork()``:
-    a Client belongs to the process that made it.
-    """
+    call ``close()``; closing never raises.
+
+    A Client may be shared by threads.  It survives ``fork()``: the child gets
+    a session of its own that holds the views it inherited (README, Lifetime:
+    M8)."""
 
     _closed = True
-    _bg: _Background | None = None
+    _bg: Background | None = None
 
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
                  label: str | None = None) -> None:
+        from ._transport import Transport
+
         self.url = url or default_url()
         self._pid = os.getpid()
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout)
-        self._maps: dict[tuple[str, bool], PosixMapping] = {}
-        self._maps_lock = threading.Lock()
+        io_timeout = check_timeout(timeout, "timeout")
+        if not io_timeout:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=io_timeout)
+        # One open file per segment; windows (one mmap per tensor) are made from them.
+        self._files: dict[tuple[str, bool], SegmentFile] = {}
+        self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
+        self._lock = threading.Lock()
+        self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
+        self._writers: weakref.WeakSet[Window] = weakref.WeakSet()  # empty() windows not yet private
         self._sid = ""
         self._label = label
         self._closing = False
-        self._close_lock = threading.Lock()
+        self._fork_claim: str | None = None  # a forked child's session, until claimed
         try:
             self._open_session()
         except BaseException:
             self._transport.close()  # a refused session (401, 503) must not leak its connection
             raise
         self._closed = False
-        self._bg = _Background(self)
+        self._bg = Background(self)
         self._bg.heartbeat = self._session.heartbeat_interval
+        register(self)
 
     # -- plumbing ----------------------------------------------------------
     def _open_session(self) -> None:
-        body = {"pid": self._pid, "start_time": _start_time(self._pid), "label": self._label}
-        self._session = SessionInfo.model_validate(self._transport.request("POST", "/v1/sessions", body))
-        self._sid = self._session.session
+        body = {"pid": os.getpid(), "label": self._label}
+        info = self._transport.request("POST", "/v1/sessions", body)
+        self._set_session(SessionInfo.model_validate(info))
+
+    def _set_session(self, info: SessionInfo) -> None:
+        self._session = info
+        self._sid = info.session
         if self._bg is not None:
-            self._bg.heartbeat = self._session.heartbeat_interval
+            self._bg.heartbeat = info.heartbeat_interval
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None | bool = False,
-              background: bool = False) -> Any:
+              background: bool = False, rid: str | None = None, grants: bool = False) -> Any:
+        """One request under this session.  ``rid``: a request id that makes
+        the request safe to resend; ``grants``: it takes leases, which are
+        cancelled if its answer is never read."""
         if not background:
             if self._closed or self._closing:
                 raise InvalidRequest("this Client is closed; create a new one")
-            if os.getpid() != self._pid:
-                raise InvalidRequest(
-                    f"this Client was created in process {self._pid}; create a new Client after fork()"
-                )
-        headers = {_SESSION_HEADER: self._sid}
-        if not background and self._bg is not None and self._bg.pending:
-            ids = self._bg.take()
+            self._claim_if_forked()
+        if not self._sid:
+            self._open_session()
+        headers = {SESSION_HEADER: self._sid}
+        if rid is not None:
+            headers[REQUEST_HEADER] = rid
+        ids: list[int] = []
+        rids: list[str] = []
+        bg = self._bg
+        if not background and bg is not None and (bg.pending or bg.cancels):
+            ids, rids = bg.take()
             if ids:  # piggyback queued releases: no round trip of their own
-                headers[_RELEASE_HEADER] = ",".join(map(str, ids))
+                headers["x-tensordepot-release"] = ",".join(map(str, ids))
+            if rids:
+                headers["x-tensordepot-cancel"] = ",".join(rids)
+        sid = self._sid
         try:
-            return self._transport.request(method, path, body, headers=headers, timeout=timeout)
+            return self._transport.request(method, path, body, headers=headers, timeout=timeout,
+                                           resend=rid is not None or method != "POST")
         except DepotError as exc:
-            if getattr(exc, "code", "") != _UNKNOWN_SESSION or background:
+            if not getattr(exc, "answered", False) and bg is not None:
+                bg.give_back(ids, rids)
+                if grants and rid is not None:
+                    bg.cancel_later(sid, rid)
+            if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
                 raise
+        except BaseException:  # Ctrl-C mid-call: the answer will never be read
+            if bg is not None:
+                bg.give_back(ids, rids)
+                if grants and rid is not None:
+                    bg.cancel_later(sid, rid)
+            raise
         # The broker restarted or reaped us: open a fresh session and retry once.
         self._open_session()
-        headers = {_SESSION_HEADER: self._sid}
-        return self._transport.request(method, path, body, headers=headers, timeout=timeout)
+        headers[SESSION_HEADER] = self._sid
+        headers.pop("x-tensordepot-release", None)
+        headers.pop("x-tensordepot-cancel", None)
+        return self._transport.request(method, path, body, headers=headers, timeout=timeout,
+                                       resend=rid is not None or method != "POST")
 
-    def _mapping(self, segment: str, writable: bool) -> PosixMapping:
+    def _file(self, segment: str, writable: bool) -> SegmentFile:
         key = (segment, writable)
-        m = self._maps.get(key)
-        if m is None:
-            with self._maps_lock:
-                m = self._maps.get(key)
-                if m is None:
+        f = self._files.get(key)
+        if f is None:
+            with self._lock:
+                f = self._files.get(key)
+                if f is None:
                     try:
-                        # Writers pre-fault the whole mapping in one call; readers map
-                        # lazily so a get costs the same for 1 KiB as for 1 GiB.
-                        m = PosixMapping(segment, writable=writable, populate=writable)
+                        f = self._files[key] = SegmentFile(segment, writable=writable)
                     except FileNotFoundError:
                         raise BrokerUnavailable(
                             f"segment {segment} is missing from /dev/shm: the broker restarted or "
@@ -273,46 +159,77 @@ class Client:
                             f"no permission to map segment {segment}: run as the broker's user or "
                             f"start it with --shm-group"
                         ) from None
-                    self._maps[key] = m
+        return f
+
+    def _fill_map(self, segment: str) -> Window:
+        """The whole segment, mapped shared and writable once, for put's copies.
+        Writers pre-fault it in one call (MAP_POPULATE)."""
+        m = self._fill_maps.get(segment)
+        if m is None:
+            f = self._file(segment, True)
+            m = f.window(0, f.size, writable=True, populate=True)
+            with self._lock:
+                m = self._fill_maps.setdefault(segment, m)
         return m
 
-    def _prune_mappings(self) -> None:
-        """Forget cached mappings of segments the broker unlinked, so their
-        memory returns to the kernel once no view uses them."""
-        with self._maps_lock:
-            for key, m in list(self._maps.items()):
-                if not m.exists():
-                    del self._maps[key]
+    def _prune_files(self) -> None:
+        """Forget segments the broker unlinked, so their memory returns to the
+        kernel once no view uses them."""
+        with self._lock:
+            for key, f in list(self._files.items()):
+                if not f.exists():
+                    del self._files[key]
+                    self._fill_maps.pop(key[0], None)
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
         try:
-            m = self._mapping(h.segment, writable)
-        except DepotError:
+            f = self._file(h.segment, writable)
+            # A reader's window is private (a stray write never reaches the
+            # segment); a writer's is shared until publish.
+            w = f.window(h.offset, h.nbytes, writable=writable)
+        except (DepotError, OSError) as exc:
             # Give back what the broker handed out, then say why we cannot map it.
             if h.lease is not None and self._bg is not None:
                 self._bg.release_later(self._sid, h.lease)
-            elif writable:
+            if writable:
                 self._abort(h)
-            raise
+            if isinstance(exc, DepotError):
+                raise
+            raise BrokerUnavailable(f"cannot map segment {h.segment}: {exc}") from exc
         lease = None
-        if h.lease is not None and self._bg is not None:
-            lease = _Lease(h.lease, functools.partial(self._bg.release_later, self._sid))
-            self._bg.track(self._sid, h.lease)
-        return SharedTensor(self, h, m, lease, writable=writable)
+        with self._gate:
+            if h.lease is not None and self._bg is not None:
+                lease = _Lease(h.lease, functools.partial(self._bg.release_later, self._sid))
+                self._bg.track(self._sid, h.lease)
+            if writable:
+                self._writers.add(w)
+        t = SharedTensor(self, h, w, lease, writable=writable)
+        t._lease_session = self._sid
+        return t
+
+    @staticmethod
+    def _rid() -> str:
+        return secrets.token_hex(12)
 
     # -- writing -----------------------------------------------------------
     def put(self, name: str, x: Any, *, ttl: float | None = None) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         ``x`` may be a numpy array, any ``__dlpack__`` object (torch, jax,
-        cupy host arrays), or anything numpy can turn into an array.
-        Non-contiguous input is stored contiguous.  The tensor outlives this
-        process; ``ttl`` deletes it that many seconds after publishing."""
-        if isinstance(x, SharedTensor) and x._lease_id() is not None and x._client() is self:
-            # Already in broker memory: the new version shares the bytes.
-            body = {"name": name, "lease": x._lease_id(), "ttl": ttl}
-            return int(self._call("POST", "/v1/link", body)["version"])
-        src = _Source(x)
+        cupy host arrays), or a number or list of numbers.  Non-contiguous
+        input is stored contiguous.  The tensor outlives this process; ``ttl``
+        deletes it that many seconds after publishing."""
+        check_name(name)
+        ttl = check_ttl(ttl)
+        if isinstance(x, SharedTensor) and x._client() is self and x.published:
+            lease = x._lease_id()
+            if lease is not None and x._lease_session == self._sid:
+                # Already in broker memory, leased by this session: the new
+                # version shares the bytes.  A lease of an earlier session (the
+                # broker restarted) may name another tensor now: copy instead.
+                body = {"name": name, "lease": lease, "ttl": ttl}
+                return int(self._call("POST", "/v1/link", body, rid=self._rid())["version"])
+        src = Source(x)
         try:
             arr = src.array
             if arr.nbytes <= INLINE_MAX:
@@ -320,9 +237,10 @@ class Client:
 
                 query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
                 if ttl is not None:
-                    query += f"&ttl={float(ttl)!r}"
+                    query += f"&ttl={ttl!r}"
                 data = np.ascontiguousarray(arr).tobytes()
-                resp = self._call("POST", f"/v1/put/{quote(name, safe='/')}?{query}", data)
+                resp = self._call("POST", f"/v1/put/{quote(name, safe='/')}?{query}", data,
+                                  rid=self._rid())
                 return int(resp["version"])
             h = self._alloc(name, arr.shape, src.dtype, ttl)
             self._fill(h, arr)
@@ -332,16 +250,17 @@ class Client:
         return h.version
 
     def _alloc(self, name: str, shape: Iterable[int], dtype: str, ttl: float | None,
-               device: str = "cpu") -> Handle:
-        body = {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device, "ttl": ttl}
-        return Handle.model_validate(self._call("POST", "/v1/alloc", body))
+               device: str = "cpu", hold: bool = False) -> Handle:
+        body = {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device,
+                "ttl": ttl, "hold": hold}
+        return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(), grants=hold))
 
     def _fill(self, h: Handle, arr: Any) -> None:
         try:
             if h.nbytes:
-                m = self._mapping(h.segment, True)
+                m = self._fill_map(h.segment)
                 dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True, owner=m)
-                copy_into(dst, arr)
+                copy_into(dst, arr)  # when it raises, no copy thread is still writing
         except BaseException:
             self._abort(h)
             raise
@@ -350,35 +269,42 @@ class Client:
         """Give back an allocation that will not be published (best effort: if
         the broker is gone, so is the allocation)."""
         try:
-            self._call("POST", "/v1/abort", {"name": h.name, "version": h.version})
+            self._call("POST", "/v1/abort", {"name": h.name, "version": h.version}, rid=self._rid())
         except DepotError:
             pass
 
     def _publish(self, name: str, version: int) -> None:
-        self._call("POST", "/v1/publish", {"name": name, "version": version})
+        self._call("POST", "/v1/publish", {"name": name, "version": version}, rid=self._rid())
 
     def empty(self, name: str, shape: Iterable[int], dtype: Any = "float32", *, device: str = "cpu",
               ttl: float | None = None) -> SharedTensor:
         """A writable tensor in broker memory: fill it in place, then ``publish()``.
-        No copy is ever made.  Unpublished tensors are reclaimed if this process dies."""
-        dt = _dtype_name(dtype)
-        h = self._alloc(name, shape, dt, ttl, device)
+        No copy is ever made.  Unpublished tensors are reclaimed if this process
+        dies (or after the broker's --alloc-ttl).  After ``publish()`` its views
+        stay readable, and a write through them no longer reaches anyone else."""
+        check_name(name)
+        dims = check_shape(shape)
+        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl), device, hold=True)
         return self._tensor(h, writable=True)
 
     def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None) -> dict[str, int]:
         """Put a whole state dict: one round trip to allocate, one to publish."""
-        sources = {name: _Source(x) for name, x in tensors.items()}
+        check_mapping(tensors)
+        ttl = check_ttl(ttl)
+        sources: dict[str, Source] = {}
         try:
+            for name, x in tensors.items():
+                sources[name] = Source(x, f"tensors[{name!r}]")
             items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
                      for n, s in sources.items()]
             handles = [Handle.model_validate(h) for h in
-                       self._call("POST", "/v1/batch/alloc", {"items": items})["items"]]
+                       self._call("POST", "/v1/batch/alloc", {"items": items}, rid=self._rid())["items"]]
             try:
                 pairs = []
                 for h in handles:
                     arr = sources[h.name].array
                     if h.nbytes:
-                        m = self._mapping(h.segment, True)
+                        m = self._fill_map(h.segment)
                         pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
                                                writable=True, owner=m), arr))
                 copy_many(pairs)
@@ -390,7 +316,7 @@ class Client:
             for s in sources.values():
                 s.close()
         pub = [{"name": h.name, "version": h.version} for h in handles]
-        self._call("POST", "/v1/batch/publish", {"items": pub})
+        self._call("POST", "/v1/batch/publish", {"items": pub}, rid=self._rid())
         return {h.name: h.version for h in handles}
 
     # -- reading -----------------------------------------------------------
@@ -398,46 +324,117 @@ class Client:
         """Lease the newest published version of ``name`` (read-only, zero copy).
 
         ``timeout=0`` (the default) raises ``TensorNotFound`` at once if there is
-        none; a number waits up to that many seconds; ``None`` waits forever.
-        ``newer_than=v`` waits for a version newer than ``v``."""
-        path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={int(newer_than)}"
+        none; a number waits up to that many seconds; ``None`` (or ``inf``)
+        waits forever.  ``newer_than=v`` waits for a version newer than ``v``."""
+        check_name(name)
+        wait = check_timeout(timeout)
+        path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
         io_timeout: float | None | bool = False
-        if timeout is None:
+        if wait is None:
             path += "&timeout=inf"
             io_timeout = None
-        elif timeout > 0:
-            if not math.isfinite(timeout):
-                raise InvalidRequest("timeout must be finite, or None to wait forever")
-            path += f"&timeout={float(timeout)!r}"
-            io_timeout = float(timeout) + self._transport.timeout
-        elif timeout < 0:
-            raise InvalidRequest(f"timeout must be >= 0 or None, not {timeout}")
-        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout))
+        elif wait > 0:
+            path += f"&timeout={wait!r}"
+            io_timeout = wait + self._transport.timeout
+        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True))
         return self._tensor(h, writable=False)
 
     def get_many(self, names: Iterable[str], timeout: float | None = 0.0) -> dict[str, SharedTensor]:
-        """Lease many tensors in one round trip (all of them, or an error and none)."""
-        names = list(names)
-        body = {"names": names, "timeout": float("inf") if timeout is None else timeout}
-        io_timeout: float | None | bool = None if timeout is None else (timeout + self._transport.timeout)
-        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout)
-        return {h["name"]: self._tensor(Handle.model_validate(h), writable=False) for h in resp["items"]}
+        """Lease many tensors in one round trip, under one deadline (all of
+        them, or an error and none)."""
+        names = check_names(names)
+        wait = check_timeout(timeout)
+        body = {"names": names, "timeout": wait}
+        io_timeout = None if wait is None else wait + self._transport.timeout
+        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(), grants=True)
+        handles = [Handle.model_validate(h) for h in resp["items"]]
+        out: dict[str, SharedTensor] = {}
+        try:
+            for h in handles:
+                out[h.name] = self._tensor(h, writable=False)
+        except BaseException:
+            for h in handles[len(out):]:
+                if h.lease is not None and self._bg is not None:
+                    self._bg.release_later(self._sid, h.lease)
+            raise
+        return out
 
     # -- names ---------------------------------------------------------------
     def delete(self, name: str) -> None:
         """Remove ``name`` now; readers keep their bytes until they release them."""
-        self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}")
+        check_name(name)
+        self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}", rid=self._rid())
 
     def list(self) -> list[TensorInfo]:
+        """Every name with a version, newest first per name (``TensorInfo``)."""
         return [TensorInfo.model_validate(i) for i in self._call("GET", "/v1/tensors")["items"]]
 
     def stat(self) -> Stat:
+        """The broker's accounting (``Stat``)."""
         return Stat.model_validate(self._call("GET", "/v1/stat"))
 
     @property
     def round_trips(self) -> int:
         """Control-plane requests this client has sent (releases included)."""
         return self._transport.round_trips
+
+    # -- fork --------------------------------------------------------------------
+    _fork_plan: Any = None
+
+    def _before_fork(self) -> None:
+        """In the parent, just before fork(): ask the broker for a session for
+        the child holding copies of this session's leases, so the views the
+        child inherits stay theirs.  No lease is registered until the fork is done."""
+        self._gate.acquire()
+        self._fork_plan = None
+        bg = self._bg
+        if self._closed or bg is None or not bg.live or os.getpid() != self._pid:
+            return
+        try:
+            self._fork_plan = self._call("POST", f"/v1/sessions/{self._sid}/fork", background=True,
+                                         rid=self._rid())
+        except DepotError:
+            self._fork_plan = None  # the child's inherited views stay readable; see _after_fork
+
+    def _after_fork_parent(self) -> None:
+        self._fork_plan = None
+        self._gate.release()
+
+    def _after_fork_child(self) -> None:
+        self._gate = threading.Lock()
+        self._lock = threading.Lock()
+        plan, self._fork_plan = self._fork_plan, None
+        self._pid = os.getpid()
+        self._transport.after_fork()
+        for w in list(self._writers):
+            # The parent's unpublished buffers: the child's copy of them is
+            # private, as the rest of its memory is after fork().
+            w.make_private()
+        if self._closed or self._bg is None:
+            return
+        renamed = {}
+        if plan is not None:
+            renamed = {(self._sid, int(old)): (plan["session"], new) for old, new in plan["leases"].items()}
+            self._sid = plan["session"]
+            self._fork_claim = plan["session"]
+        else:
+            self._sid = ""  # the child opens its own session on its first call
+        self._bg.after_fork(renamed)
+
+    def _claim_if_forked(self) -> None:
+        sid = self._fork_claim
+        if sid is None:
+            return
+        with self._lock:
+            if self._fork_claim is None:
+                return
+            self._fork_claim = None
+            try:
+                info = self._transport.request("POST", f"/v1/sessions/{sid}/claim",
+                                               headers={SESSION_HEADER: sid})
+                self._set_session(SessionInfo.model_validate(info))
+            except DepotError:
+                self._sid = ""  # gone (the broker restarted, or the claim came too late)
 
     # -- closing -------------------------------------------------------------
     def close(self) -> None:
@@ -449,8 +446,9 @@ class Client:
         if self._closed or self._closing:
             return
         self._closing = True
-        with self._maps_lock:
-            self._maps.clear()
+        with self._lock:
+            self._files.clear()
+            self._fill_maps.clear()
         import gc
 
         gc.collect()  # views caught in reference cycles would otherwise hold leases
@@ -459,7 +457,7 @@ class Client:
     def _maybe_finish_close(self) -> None:
         if not self._closing or self._closed:
             return
-        with self._close_lock:  # close() and the background thread may both get here
+        with self._lock:  # close() and the background thread may both get here
             if self._closed:
                 return
             if self._bg is not None:
@@ -467,13 +465,15 @@ class Client:
             if self._bg is not None and self._bg.live:
                 return  # the background thread retries as views die
             self._closed = True
+        if self._sid:
             try:
-                self._transport.request("DELETE", f"/v1/sessions/{self._sid}")
+                self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
+                                        headers={SESSION_HEADER: self._sid})
             except DepotError:
                 pass
-            if self._bg is not None:
-                self._bg.stop()
-            self._transport.close()
+        if self._bg is not None:
+            self._bg.stop()
+        self._transport.close()
 
     def __enter__(self) -> Self:
         return self
@@ -487,14 +487,3 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.url!r}, session={self._sid[:8]})"
-
-
-def _dtype_name(dtype: Any) -> str:
-    try:
-        return dtype_from_name(str(dtype)).name
-    except UnsupportedDType:
-        pass
-    try:
-        return dtype_from_numpy(dtype).name
-    except (UnsupportedDType, TypeError):
-        raise InvalidRequest(f"unknown dtype {dtype!r}") from None

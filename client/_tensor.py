@@ -52,15 +52,24 @@ class _Owner:
 
 
 class SharedTensor:
-    """A tensor in broker memory.  Read-only from ``get``; writable from ``empty``.
+    """A tensor in broker memory.  Read-only from ``get``; writable from ``empty``
+    until ``publish()``.
 
     Import it without copying through DLPack (``torch.from_dlpack(t)``,
     ``np.from_dlpack(t)``, ``jax.dlpack.from_dlpack(t)``) or ``t.numpy()``.
     Views stay valid after the SharedTensor object is gone, and the lease ends
     when the last of them is freed.
+
+    Attributes: ``name``, ``version``, ``shape``, ``strides`` (in elements),
+    ``dtype`` (a name such as ``"float32"``), ``device`` (``"cpu"``),
+    ``nbytes``, ``writable``, ``published``.
+
+    A numpy view of a read-only tensor refuses writes.  torch and jax ignore
+    the read-only flag; a write through them changes a private copy of the
+    page in the writing process only, never what other processes read.
     """
 
-    def __init__(self, client: Client, handle: Handle, mapping: Any, lease: _Lease | None,
+    def __init__(self, client: Client, handle: Handle, window: Any, lease: _Lease | None,
                  *, writable: bool) -> None:
         self.name: str = handle.name
         self.version: int = handle.version
@@ -70,11 +79,14 @@ class SharedTensor:
         self.device: str = handle.device
         self.nbytes: int = handle.nbytes
         self.writable = writable
+        self._writer = writable  # from empty(): published once
         self.published = handle.state == "ready"
         self._dt: DType = dtype_from_name(handle.dtype)
-        self._address = mapping.address + handle.offset
-        self._owner: _Owner | None = _Owner(mapping, lease)
+        self._address: int = window.address
+        self._window = window
+        self._owner: _Owner | None = _Owner(window, lease)
         self._client = weakref.ref(client)
+        self._lease_session = ""  # the session the lease was taken in
 
     # -- DLPack ------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -133,7 +145,7 @@ class SharedTensor:
 
     def publish(self) -> SharedTensor:
         """Make this ``empty()`` tensor visible to readers (once)."""
-        if not self.writable:
+        if not self._writer:
             raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are published")
         if self.published:
             raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
@@ -150,7 +162,10 @@ class SharedTensor:
                 f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
                 f"write it again with empty() or put()"
             ) from exc
-        self.published = True
+        # Published bytes never change: from now on a write through this
+        # tensor's views stays in this process (README, Lifetime: M2).
+        self._window.make_private()
+        self.published, self.writable = True, False
         return self
 
     def release(self) -> None:

@@ -1,23 +1,34 @@
 """HTTP/1.1 to the broker over a unix socket or TCP, with persistent connections.
 
-A minimal HTTP/1.1 client of our own: each request goes out in a single
-send (http.client sends headers and body separately, waking the broker
-twice) and responses are parsed without the email package.  On this class
-of machine the control plane is the whole cost of a small get, and the
-client shares two cores with the broker, so its CPU time matters.  The broker
-always answers with Content-Length (JSON bodies, never chunked).
+Each request goes out in a single send (http.client sends headers and body
+separately, waking the broker twice), and responses are parsed by httptools,
+the same parser the broker's server uses: Content-Length and chunked
+framing, keep-alive, and malformed answers all behave as HTTP says.  On this
+class of machine the control plane is the whole cost of a small get, and the
+client shares two cores with the broker, so its CPU time matters.
+
+Resending.  A request is sent again (once, on a fresh connection) only when
+that cannot apply it twice: when it is idempotent, or when it carries a
+request id that the broker remembers (``x-tensordepot-request``), so that a
+resend gets the first answer.  A POST without either is never resent after
+it may have reached the broker (README, Lifetime: M6).
 
 This module is the client's one error boundary: transport failures become
 ``BrokerUnavailable`` and error bodies become the matching ``DepotError``.
+An error built from a broker's answer has ``answered = True``; one without
+it means the request may or may not have reached the broker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from typing import Any
 from urllib.parse import urlsplit
+
+import httptools
 
 from .._errors import (
     ERRORS_BY_CODE,
@@ -25,29 +36,65 @@ from .._errors import (
     BrokerUnavailable,
     Conflict,
     DepotError,
+    Forbidden,
     InvalidRequest,
+    LimitExceeded,
     OutOfMemory,
     TensorNotFound,
 )
+from .._proto import MAX_WAIT, SERVER_HEADER
 
 _BY_STATUS: dict[int, type[DepotError]] = {
-    400: InvalidRequest, 401: AuthError, 403: AuthError, 404: TensorNotFound, 409: Conflict,
-    422: InvalidRequest, 503: BrokerUnavailable, 507: OutOfMemory,
+    400: InvalidRequest, 401: AuthError, 403: Forbidden, 404: TensorNotFound, 409: Conflict,
+    413: InvalidRequest, 422: InvalidRequest, 429: LimitExceeded, 431: InvalidRequest,
+    503: BrokerUnavailable, 507: OutOfMemory,
 }
 _MAX_HEAD = 64 * 1024
+_SERVER = SERVER_HEADER.encode()
 
 
 class _Disconnected(ConnectionError):
-    """The broker closed the connection before answering."""
+    """The connection ended before a whole response arrived."""
+
+    def __init__(self, message: str, got_bytes: bool) -> None:
+        super().__init__(message)
+        self.got_bytes = got_bytes
+
+
+class _NotABroker(Exception):
+    pass
+
+
+class _Response:
+    """httptools parser callbacks: collect one response."""
+
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self.head = 0
+        self.body: list[bytes] = []
+        self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.head += len(name) + len(value)
+        if self.head > _MAX_HEAD:
+            raise ConnectionError("response headers too large")
+        self.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
 
 
 class _Conn:
-    """One persistent HTTP/1.1 connection."""
+    """One persistent HTTP/1.1 connection, used by one request at a time."""
 
     def __init__(self, connect: Any) -> None:
         self._connect = connect
         self.sock: socket.socket | None = None
         self._timeout: float | None = -1.0
+        self.verified = False  # the peer said it is a tensordepot broker
 
     def close(self) -> None:
         if self.sock is not None:
@@ -65,46 +112,40 @@ class _Conn:
         sock.sendall(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             sock.sendall(body)
-        buf = b""
-        while True:
-            chunk = sock.recv(65536)
+        resp = _Response()
+        parser = httptools.HttpResponseParser(resp)
+        got = False
+        while not resp.done:
+            chunk = sock.recv(262144)
             if not chunk:
-                raise _Disconnected("the broker closed the connection")
-            buf += chunk
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buf) > _MAX_HEAD:
-                raise ConnectionError("response headers too large")
-        lines = buf[:end].split(b"\r\n")
-        status = int(lines[0].split(None, 2)[1])
-        length, close = 0, False
-        for line in lines[1:]:
-            key, _, value = line.partition(b":")
-            key = key.strip().lower()
-            if key == b"content-length":
-                length = int(value)
-            elif key == b"connection" and value.strip().lower() == b"close":
-                close = True
-        data = buf[end + 4:]
-        while len(data) < length:
-            chunk = sock.recv(max(65536, length - len(data)))
-            if not chunk:
-                raise _Disconnected("mid-body")
-            data += chunk
-        if close:
+                raise _Disconnected("the broker closed the connection", got)
+            got = True
+            try:
+                parser.feed_data(chunk)
+            except httptools.HttpParserError as exc:
+                raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
+        if not self.verified:
+            if _SERVER not in resp.headers:
+                raise _NotABroker(f"it answered {parser.get_status_code()} without the "
+                                  f"{SERVER_HEADER} header")
+            self.verified = True
+        if not parser.should_keep_alive():
             self.close()
-        return status, data[:length]
+        return parser.get_status_code(), b"".join(resp.body)
 
 
 class Transport:
     """Thread-safe: each request borrows an idle connection (or opens one), so
-    a thread blocked in a long poll never stalls another thread's calls."""
+    a thread blocked in a long poll never stalls another thread's calls.
+
+    A forked child never uses its parent's connections: it opens its own."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             path = (parts.netloc + parts.path) if parts.netloc else parts.path
+            if not path:
+                raise InvalidRequest(f"broker URL {url!r} has no socket path; use unix:///path.sock")
 
             def connect(timeout: float | None) -> socket.socket:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -134,6 +175,7 @@ class Transport:
             raise InvalidRequest(f"broker URL {url!r}: use unix:///path.sock or http://host:port")
         self.url = url
         self.timeout = timeout
+        self._token = token
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         fixed = f"Host: {host_header}\r\n"
@@ -142,6 +184,17 @@ class Transport:
         self._fixed = fixed
         self.round_trips = 0
         self._closed = False
+        self._pid = os.getpid()
+
+    def after_fork(self) -> None:
+        """In a forked child: forget the parent's connections without touching
+        them (closing our copy of an fd sends nothing to the broker), and take
+        a fresh lock (the parent's may have been held at fork)."""
+        self._lock = threading.Lock()
+        for conn in self._idle:
+            conn.close()
+        self._idle = []
+        self._pid = os.getpid()
 
     def _borrow(self) -> _Conn:
         with self._lock:
@@ -150,46 +203,63 @@ class Transport:
         return _Conn(self._connect)
 
     def _give_back(self, conn: _Conn) -> None:
-        with self._lock:
-            if not self._closed:
-                self._idle.append(conn)
-                return
-        conn.close()  # the transport was closed while this request ran
+        if conn.sock is not None:
+            with self._lock:
+                if not self._closed and self._pid == os.getpid():
+                    self._idle.append(conn)
+                    return
+        conn.close()
 
     def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
-                timeout: float | None | bool = False) -> Any:
-        """Send one request; return the decoded JSON (None for 204).  Raises DepotError."""
+                timeout: float | None | bool = False, resend: bool = True) -> Any:
+        """Send one request; return the decoded JSON (None for 204).  Raises DepotError.
+
+        ``resend``: the request may be sent a second time after a failure
+        (it is idempotent, or carries a request id)."""
         if isinstance(body, bytes):
             data, ctype = body, "application/octet-stream"
         else:
-            data, ctype = (b"" if body is None else json.dumps(body).encode()), "application/json"
+            data = b"" if body is None else json.dumps(body, allow_nan=False).encode()
+            ctype = "application/json"
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
         head = (f"{method} {path} HTTP/1.1\r\n{self._fixed}{extra}"
                 f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
         t = self.timeout if timeout is False else timeout
+        if isinstance(t, (int, float)) and t > MAX_WAIT:
+            t = None  # socket timeouts overflow long before "forever" ends
+        where = f"{method} {path.split('?')[0]}"
         conn = self._borrow()
         self.round_trips += 1
-        for attempt in (0, 1):
-            reused = conn.sock is not None
-            try:
-                status, payload = conn.roundtrip(head, data, t)
-                break
-            except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
-                conn.close()
-                # A kept-alive connection the broker closed while idle: retry once
-                # on a fresh one.  A failure on a fresh one means the broker is gone.
-                if attempt == 0 and reused:
-                    continue
-                raise self._unavailable(exc) from exc
-            except TimeoutError as exc:
-                conn.close()
-                raise BrokerUnavailable(
-                    f"the broker at {self.url} did not answer {method} {path.split('?')[0]} "
-                    f"within {t} s; is it overloaded or stopped?"
-                ) from exc
-            except (OSError, ValueError, IndexError) as exc:
-                conn.close()
-                raise self._unavailable(exc) from exc
+        try:
+            for attempt in (0, 1):
+                reused = conn.sock is not None
+                try:
+                    status, payload = conn.roundtrip(head, data, t)
+                    break
+                except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
+                    conn.close()
+                    # A kept-alive connection the broker closed while idle, or a
+                    # connection cut mid-answer: send again on a fresh one when
+                    # that cannot apply the request twice.
+                    nothing_back = not getattr(exc, "got_bytes", True)
+                    if attempt == 0 and (resend or (reused and nothing_back and method == "GET")):
+                        continue
+                    raise self._unavailable(exc) from exc
+                except TimeoutError as exc:
+                    raise BrokerUnavailable(
+                        f"the broker at {self.url} did not answer {where} within {t} s; "
+                        f"is it overloaded or stopped?"
+                    ) from exc
+                except _NotABroker as exc:
+                    raise BrokerUnavailable(
+                        f"URL {self.url} is not a tensordepot broker: {exc}; point the client at "
+                        f"the broker's socket (tensordepot serve prints it)"
+                    ) from None
+                except (OSError, ValueError) as exc:
+                    raise self._unavailable(exc) from exc
+        except BaseException:
+            conn.close()  # also on Ctrl-C: the broker sees the hang-up and stops waiting
+            raise
         self._give_back(conn)
         if status >= 400:
             raise self._error(status, payload)
@@ -204,16 +274,17 @@ class Transport:
         )
 
     def _error(self, status: int, payload: bytes) -> DepotError:
-        code, message = "", payload.decode(errors="replace")[:500]
+        code, message = "", ""
         try:
             err = json.loads(payload)["error"]
-            code, message = err["code"], err["message"]
+            code, message = str(err["code"]), str(err["message"])
         except (ValueError, KeyError, TypeError):
-            pass
+            message = f"the broker answered HTTP {status} without an error body"
         cls = ERRORS_BY_CODE.get(code) or _BY_STATUS.get(status, DepotError)
         exc = cls(message)
         if code:
             exc.code = code
+        exc.answered = True  # type: ignore[attr-defined]
         return exc
 
     def close(self) -> None:

@@ -10,7 +10,10 @@ from ._errors import AuthError as AuthError
 from ._errors import BrokerUnavailable as BrokerUnavailable
 from ._errors import Conflict as Conflict
 from ._errors import DepotError as DepotError
+from ._errors import Forbidden as Forbidden
 from ._errors import InvalidRequest as InvalidRequest
+from ._errors import InvalidType as InvalidType
+from ._errors import LimitExceeded as LimitExceeded
 from ._errors import OutOfMemory as OutOfMemory
 from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
@@ -27,7 +30,10 @@ __all__ = [
     "Client",
     "Conflict",
     "DepotError",
+    "Forbidden",
     "InvalidRequest",
+    "InvalidType",
+    "LimitExceeded",
     "OutOfMemory",
     "SharedTensor",
     "Stat",

@@ -4,9 +4,13 @@
      ├── BrokerUnavailable      the broker cannot be reached (not running, killed, shutting down)
      ├── TensorNotFound         no such name (or no ready version of it)
      ├── OutOfMemory            the allocation does not fit in --max-memory (HTTP 507)
-     ├── AuthError              missing or wrong token (HTTP 401/403)
-     ├── InvalidRequest         bad input: dtype, shape, name, byte counts (HTTP 400/422)
+     ├── AuthError              missing or unknown credentials (HTTP 401)
+     │    └── Forbidden         known, but not allowed to do this (HTTP 403)
+     ├── InvalidRequest         bad input: dtype, shape, name, byte counts (HTTP 400/422);
+     │    │                     also a ValueError
+     │    └── InvalidType       an argument of the wrong type; also a TypeError
      ├── Conflict               the request clashes with the tensor's state (HTTP 409)
+     ├── LimitExceeded          a per-client limit: sessions, connections (HTTP 429)
      ├── TensorReleased         you released this tensor and then used it
      └── TensorBroken           the broker or the owner died; the cause is in ``__cause__``
 
@@ -51,10 +55,17 @@ class OutOfMemory(DepotError, MemoryError):
 
 
 class AuthError(DepotError):
-    """The request lacked a valid token."""
+    """The request lacked valid credentials."""
 
     code = "unauthorized"
     status = 401
+
+
+class Forbidden(AuthError):
+    """The caller is known but may not do this (another's session, a missing scope)."""
+
+    code = "forbidden"
+    status = 403
 
 
 class InvalidRequest(DepotError, ValueError):
@@ -64,11 +75,22 @@ class InvalidRequest(DepotError, ValueError):
     status = 400
 
 
+class InvalidType(InvalidRequest, TypeError):
+    """An argument of the wrong type (a dict where a tensor goes, a str timeout)."""
+
+
 class Conflict(DepotError):
     """The request clashes with the tensor's current state."""
 
     code = "conflict"
     status = 409
+
+
+class LimitExceeded(DepotError):
+    """A per-client limit was reached (sessions per process, the session table)."""
+
+    code = "limit_exceeded"
+    status = 429
 
 
 class TensorReleased(DepotError):
@@ -87,6 +109,6 @@ class TensorBroken(DepotError):
 
 ERRORS_BY_CODE: dict[str, type[DepotError]] = {
     cls.code: cls
-    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError,
-                InvalidRequest, Conflict, TensorReleased, TensorBroken)
+    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError, Forbidden,
+                InvalidRequest, Conflict, LimitExceeded, TensorReleased, TensorBroken)
 }

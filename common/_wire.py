@@ -40,8 +40,19 @@ class SessionOpen(_Frozen):
 class SessionInfo(_Frozen):
     session: str
     pid: int | None
-    tracked: bool = Field(description="liveness checked through the pid; else by heartbeat")
+    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by heartbeat")
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
+
+
+class ForkInfo(_Frozen):
+    """A session made for a child process about to be forked, holding copies
+    of the parent's leases, so that the views the child inherits stay valid.
+    The child claims it (POST /v1/sessions/{session}/claim) within the claim
+    window, or it ends and its memory is retired."""
+
+    session: str
+    leases: dict[str, int] = Field(description="the parent's lease id -> the child's")
+    claim_within: float = Field(description="seconds the child has to claim the session")
 
 
 class AllocRequest(_Frozen):
@@ -50,6 +61,8 @@ class AllocRequest(_Frozen):
     dtype: str = Field(max_length=40, examples=["float32", "bfloat16"])
     device: str = Field("cpu", max_length=64)
     ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after publish")
+    hold: bool = Field(False, description="also take a lease for the writer's own views, which "
+                                          "keeps the memory theirs after publish, delete or supersede")
 
 
 class Handle(_Frozen):
@@ -66,7 +79,7 @@ class Handle(_Frozen):
     dtype: str
     device: str
     state: Literal["writing", "ready"]
-    lease: int | None = Field(None, description="release it when done reading (get only)")
+    lease: int | None = Field(None, description="release it when done (get, and alloc with hold)")
 
 
 class PublishRequest(_Frozen):
@@ -81,7 +94,11 @@ class LinkRequest(_Frozen):
 
 
 class ReleaseRequest(_Frozen):
-    leases: list[int] = Field(max_length=MAX_BATCH * 10)
+    leases: list[int] = Field(default_factory=list, max_length=MAX_BATCH * 10)
+    requests: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=MAX_BATCH,
+        description="request ids whose answers were never read: their leases are released "
+                    "and their waits cancelled")
 
 
 class TensorInfo(_Frozen):
@@ -97,8 +114,13 @@ class TensorInfo(_Frozen):
 
 
 class Stat(_Frozen):
+    """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
+
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
     bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free space included")
+    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process it "
+                                              "cannot vouch for may still map them; freed with their segment")
+    retired_total: int = Field(0, description="bytes retired since the broker started")
     max_memory: int
     tensors: int
     versions: int
@@ -117,7 +139,8 @@ class BatchPublish(_Frozen):
 
 class BatchGet(_Frozen):
     names: list[Name] = Field(max_length=MAX_BATCH)
-    timeout: float | None = Field(0.0, ge=0, description="wait this long for every name (None: forever)")
+    timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
+                                  description="one deadline for the whole batch, in seconds; null: forever")
 
 
 class HandleList(_Frozen):

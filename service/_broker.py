@@ -1,18 +1,22 @@
-"""The broker's state: names, versions, leases and sessions.
+"""The broker's state: names, versions and leases (sessions: ``_sessions``).
 
-Everything here runs on the event loop thread, so nothing needs a lock.
+Everything here runs on the event loop thread, so nothing needs a lock; the
+slow parts of memory (creating, pre-faulting and unlinking segments) run in
+worker threads and never on the loop (README, Lifetime: M7).
 
 Lifetime rules (README, "Lifetime"):
 
 * A name holds versions.  ``alloc`` creates version N+1 in the *writing*
   state, owned by the allocating session; ``publish`` makes it *ready* and
-  retires the previous ready version.
-* ``get`` leases the newest ready version.  A version's memory is freed when
-  it is retired (superseded, deleted, expired, or never published) **and**
-  no lease holds it.  Readers of an old version keep its bytes.
-* A session ends on close, on its process's death (pid + start time), or on
-  missed heartbeats.  Its leases are released and its unpublished versions
-  reclaimed.
+  retires the previous ready version.  Version numbers of a name only grow,
+  across delete, abort, reclaim and expiry (M3).
+* ``get`` leases the newest ready version, and ``alloc(hold=True)`` leases
+  the version being written for the writer's own views.  A version's memory
+  is freed when it is no longer current (superseded, deleted, expired, never
+  published) **and** no lease holds it (M1).
+* Memory that a process the broker cannot vouch for may still map (a lapsed
+  heartbeat session, an unpublished write that expired) is retired: never
+  handed to another tensor.
 """
 
 from __future__ import annotations
@@ -22,61 +26,56 @@ import itertools
 import logging
 import math
 import os
-import secrets
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._errors import BrokerUnavailable, Conflict, InvalidRequest, OutOfMemory, TensorNotFound
+from .._errors import (
+    BrokerUnavailable,
+    Conflict,
+    DepotError,
+    InvalidRequest,
+    OutOfMemory,
+    TensorNotFound,
+)
 from .._wire import (
     INLINE_MAX,
     AllocRequest,
+    ForkInfo,
     Handle,
     SessionInfo,
-    SessionOpen,
     Stat,
     TensorInfo,
 )
 from ..shm import PosixMapping, UnsupportedDType, byte_view, dtype_from_name
+from ..shm._base import Segment
 from ..shm._pool import Block, Pool, PoolExhausted
+from ._sessions import LOCAL, Caller, Session, Sessions
 
 log = logging.getLogger("tensordepot.broker")
 
 MAX_NBYTES = 1 << 62
-UNKNOWN_SESSION = "unknown_session"
 
 
-def proc_identity(pid: int, proc: str = "/proc") -> tuple[int, str] | None:
-    """(start time, state) of ``pid`` from /proc/<pid>/stat, or None if gone.
-
-    The start time (field 22, clock ticks since boot) tells a reused pid from
-    the process that opened the session; state Z/X is a dead process its
-    parent has not reaped yet."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
-    try:
-        return int(rest[19]), rest[0].decode()
-    except (IndexError, ValueError):
-        return None
+class ClientGone(Exception):
+    """The client hung up (or cancelled the request) while it waited: nobody
+    will read the answer, so no lease is granted."""
 
 
-@dataclass(eq=False)
-class Session:
-    id: str
-    pid: int | None
-    start_time: int | None
-    tracked: bool
-    label: str | None
-    last_seen: float
-    leases: set[int] = field(default_factory=set)
-    writing: set[Version] = field(default_factory=set)
-    # Mappings the broker opened to write inline puts are shared, not per session.
+@dataclass(frozen=True)
+class Limits:
+    """What keeps the broker's state bounded by live work (README, Limits)."""
+
+    session_ttl: float = 15.0  # heartbeat sessions end after this long unheard
+    claim_window: float = 10.0  # a forked child's session must be claimed within this
+    alloc_ttl: float = 600.0  # unpublished allocations expire after this (0: never)
+    max_sessions: int = 16384
+    max_sessions_per_peer: int = 256
+    max_memory_per_session: int = 0  # 0: no limit beyond --max-memory
+    max_memory_per_identity: int = 0
 
 
 @dataclass(eq=False)
@@ -90,9 +89,13 @@ class Version:
     state: Literal["writing", "ready"]
     owner: str | None  # session id while writing
     current: bool = True  # referenced by its name (writing, or the newest ready)
-    readers: int = 0
+    readers: int = 0  # leases, the writer's hold included
     ttl: float | None = None
     entry: Entry | None = None  # the incarnation of the name it was written under
+    charged: int = 0  # bytes counted against its creator's quotas
+    creator: str | None = None  # session id
+    identity: str | None = None  # creator's identity (per-identity quota)
+    deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +109,7 @@ class Entry:
     writing: dict[int, Version] = field(default_factory=dict)
     next_version: int = 1
     expires_at: float | None = None
-    readers: int = 0  # live leases on any version of this incarnation of the name
+    readers: int = 0  # live leases on any version of this incarnation (writers' holds excluded)
 
 
 @dataclass(eq=False)
@@ -114,6 +117,14 @@ class Lease:
     id: int
     session: str
     version: Version
+    request: str | None = None  # the request id that took it, so the client can cancel it
+    hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
+
+
+@dataclass(eq=False)
+class _Wait:
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    count: int = 0
 
 
 def c_strides(shape: tuple[int, ...]) -> list[int]:
@@ -125,50 +136,46 @@ def c_strides(shape: tuple[int, ...]) -> list[int]:
 
 
 class Broker:
-    def __init__(self, pool: Pool, *, session_ttl: float = 15.0,
+    def __init__(self, pool: Pool, *, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
+        self.limits = limits or Limits()
         self.pool = pool
-        self.session_ttl = session_ttl
         self.clock = clock
-        self.proc = proc
+        lim = self.limits
+        self.sessions = Sessions(session_ttl=lim.session_ttl, claim_window=lim.claim_window,
+                                 max_sessions=lim.max_sessions, max_per_peer=lim.max_sessions_per_peer,
+                                 clock=clock, proc=proc)
         self.entries: dict[str, Entry] = {}
-        self.sessions: dict[str, Session] = {}
         self.leases: dict[int, Lease] = {}
         self.bytes_in_use = 0
         self.versions_live = 0
         self.closing = False
         self._lease_ids = itertools.count(1)
-        self._events: dict[str, asyncio.Event] = {}
+        self._waits: dict[str, _Wait] = {}
         self._closing_event: asyncio.Event | None = None
         self._maps: dict[str, PosixMapping] = {}
-        pool.on_drop = self._forget_mapping
-        # Version numbers keep counting after a delete, so a reader waiting
-        # for "newer than N" never mistakes a re-created name for an old one.
-        self._last_version: dict[str, int] = {}
+        self._identity_bytes: dict[str, int] = {}
+        # Versions of every name start above every number any dropped name
+        # ever had, so versions only grow without remembering dropped names.
+        self._version_floor = 0
         self.counters: dict[str, int] = {}
+        # Slow memory work happens in threads: creating (fallocate) and unlinking.
+        self._creator = ThreadPoolExecutor(2, thread_name_prefix="tensordepot-create")
+        self._unlinker = ThreadPoolExecutor(1, thread_name_prefix="tensordepot-unlink")
+        self._fresh: set[Segment] = set()  # created in a thread, not yet handed to the pool
+        self._fresh_lock = threading.Lock()
+        self._closed = False
+        pool._unlinker = self._unlink_later
+        pool.on_drop = self._forget_mapping
 
     # -- helpers -----------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
 
-    def _session(self, sid: str | None) -> Session:
+    def _session(self, sid: str | None, caller: Caller) -> Session:
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down; retry against the new broker")
-        if not sid:
-            raise InvalidRequest(
-                "this call needs a session: send the x-tensordepot-session header "
-                "(POST /v1/sessions opens one; the Python Client does this for you)"
-            )
-        s = self.sessions.get(sid)
-        if s is None:
-            exc = Conflict(
-                f"session {sid[:8]}... is unknown: it ended (process exit, missed heartbeats) "
-                f"or the broker restarted; open a new one"
-            )
-            exc.code = UNKNOWN_SESSION
-            raise exc
-        s.last_seen = self.clock()
-        return s
+        return self.sessions.use(sid, caller)
 
     def _known(self) -> str:
         names = sorted(n for n, e in self.entries.items() if e.ready is not None)
@@ -190,91 +197,160 @@ class Broker:
                       lease=lease)
 
     def _info(self, e: Entry, v: Version) -> TensorInfo:
-        readers = e.readers
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
-                          nbytes=v.nbytes, device="cpu", state=v.state, readers=readers,
+                          nbytes=v.nbytes, device="cpu", state=v.state, readers=e.readers,
                           expires_in=expires)
 
     def _maybe_free(self, v: Version) -> None:
         if not v.current and v.readers == 0 and v.block is not None:
             block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
+            self._uncharge(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
-                self.pool.free(block)
+                self.pool.free(block)  # retires it instead if it is tainted
                 self.bytes_in_use -= block.nbytes
 
     def _retire(self, v: Version) -> None:
         v.current = False
         self._maybe_free(v)
 
+    def _drop_entry(self, e: Entry) -> None:
+        if self.entries.get(e.name) is e:
+            del self.entries[e.name]
+            self._version_floor = max(self._version_floor, e.next_version - 1)
+
+    def _entry(self, name: str) -> Entry:
+        e = self.entries.get(name)
+        if e is None:
+            e = self.entries[name] = Entry(name, next_version=self._version_floor + 1)
+        return e
+
+    # -- quotas ------------------------------------------------------------
+    def _charge(self, s: Session, nbytes: int, name: str) -> None:
+        lim = self.limits
+        if lim.max_memory_per_session and s.bytes + nbytes > lim.max_memory_per_session:
+            self._count("quota_refusals")
+            raise OutOfMemory(
+                f"cannot place {name!r} ({nbytes} bytes): this session already holds {s.bytes} "
+                f"bytes and --max-memory-per-session is {lim.max_memory_per_session}; delete "
+                f"tensors or publish what you are writing"
+            )
+        held = self._identity_bytes.get(s.owner, 0)
+        if lim.max_memory_per_identity and held + nbytes > lim.max_memory_per_identity:
+            self._count("quota_refusals")
+            raise OutOfMemory(
+                f"cannot place {name!r} ({nbytes} bytes): {s.owner} already holds {held} bytes "
+                f"and --max-memory-per-token is {lim.max_memory_per_identity}; delete tensors"
+            )
+
+    def _record_charge(self, s: Session, v: Version) -> None:
+        v.charged, v.creator, v.identity = v.nbytes, s.id, s.owner
+        s.bytes += v.charged
+        self._identity_bytes[s.owner] = self._identity_bytes.get(s.owner, 0) + v.charged
+
+    def _uncharge(self, v: Version) -> None:
+        if not v.charged:
+            return
+        s = self.sessions.get(v.creator or "")
+        if s is not None:
+            s.bytes -= v.charged
+        if v.identity is not None:
+            left = self._identity_bytes.get(v.identity, 0) - v.charged
+            if left > 0:
+                self._identity_bytes[v.identity] = left
+            else:
+                self._identity_bytes.pop(v.identity, None)
+        v.charged = 0
+
     # -- sessions ----------------------------------------------------------
-    def open_session(self, req: SessionOpen, peer_pid: int | None) -> SessionInfo:
+    def open_session(self, caller: Caller, label: str | None = None) -> SessionInfo:
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down")
-        pid, start, tracked = req.pid, None, False
-        if peer_pid:
-            # SO_PEERCRED is the kernel's word for who is on the other end of
-            # the unix socket: trust it over the pid the client claims.
-            pid = peer_pid
-            ident = proc_identity(pid, self.proc)
-            if ident is not None:
-                start, tracked = ident[0], True
-        else:
-            ident = proc_identity(pid, self.proc)
-            if ident is not None and req.start_time is not None and ident[0] == req.start_time:
-                start, tracked = ident[0], True
-        sid = secrets.token_hex(16)
-        self.sessions[sid] = Session(sid, pid, start, tracked, req.label, self.clock())
+        s = self.sessions.open(caller, label=label)
         self._count("sessions_opened")
-        interval = None if tracked else self.session_ttl / 3
-        return SessionInfo(session=sid, pid=pid, tracked=tracked, heartbeat_interval=interval)
+        return self._session_info(s)
 
-    def heartbeat(self, sid: str) -> None:
-        self._session(sid)
+    def _session_info(self, s: Session) -> SessionInfo:
+        interval = None if s.tracked else s.ttl / 3
+        return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval)
 
-    def end_session(self, sid: str) -> bool:
-        s = self.sessions.pop(sid, None)
-        if s is None:
-            return False
+    def heartbeat(self, sid: str, caller: Caller) -> None:
+        self._session(sid, caller)
+
+    def close_session(self, sid: str, caller: Caller) -> None:
+        """The client ends its own session: it holds no view any more, so its
+        memory is safe to reuse."""
+        s = self.sessions.use(sid, caller)
+        self.end_session(s, verified=True)
+
+    def fork_session(self, sid: str, caller: Caller) -> ForkInfo:
+        """A session for a child about to be forked, with copies of the
+        parent's leases (a writer's holds included)."""
+        parent = self._session(sid, caller)
+        child = self.sessions.open(caller, label=f"fork of {parent.label or sid[:8]}", claimed=False)
+        mapping = {}
+        for lid in sorted(parent.leases):
+            src = self.leases[lid]
+            mapping[str(lid)] = self.lease(child, src.version, count=False, hold=src.hold)
+        self._count("forks")
+        return ForkInfo(session=child.id, leases=mapping, claim_within=child.ttl)
+
+    def claim_session(self, sid: str, caller: Caller) -> SessionInfo:
+        s = self.sessions.use(sid, caller)
+        self.sessions.claim(s, caller)
+        return self._session_info(s)
+
+    def end_session(self, s: Session, *, verified: bool) -> None:
+        """Release a session's leases and reclaim its unpublished writes.
+
+        ``verified``: the broker knows no process of this session maps its
+        memory any more (the process is gone, or the client closed).  If not,
+        every block the session could reach is retired instead of reused."""
+        if self.sessions.get(s.id) is not s:
+            return
+        if not verified:
+            for lid in s.leases:
+                blk = self.leases[lid].version.block
+                if blk is not None:
+                    blk.tainted = True
+            for v in s.writing:
+                v.block.tainted = True
+        self.sessions.remove(s)
         for lid in list(s.leases):
             self._release_one(lid)
         for v in list(s.writing):
             self.abandon(v)
+        for fut in s.waits.values():
+            if not fut.done():
+                fut.set_result(None)
         self._count("sessions_ended")
-        return True
+        if not verified:
+            self._count("sessions_lapsed")
 
     def abandon(self, v: Version) -> None:
         """Reclaim a version that was allocated but never published."""
-        if v.owner and v.owner in self.sessions:
-            self.sessions[v.owner].writing.discard(v)
+        if v.owner:
+            s = self.sessions.get(v.owner)
+            if s is not None:
+                s.writing.discard(v)
         e = self.entries.get(v.name)
         if e is not None and e.writing.get(v.number) is v:
             del e.writing[v.number]
-            self._drop_entry_if_empty(e)
+            if e.ready is None and not e.writing:
+                self._drop_entry(e)
         self._retire(v)
         self._count("writes_reclaimed")
 
-    def _drop_entry_if_empty(self, e: Entry) -> None:
-        if e.ready is None and not e.writing and self.entries.get(e.name) is e:
-            del self.entries[e.name]
-
     def reap(self) -> list[str]:
         """End sessions whose process died or that missed heartbeats."""
-        now = self.clock()
-        dead = []
-        for s in list(self.sessions.values()):
-            if s.tracked:
-                ident = proc_identity(s.pid, self.proc) if s.pid else None
-                if ident is None or ident[0] != s.start_time or ident[1] in ("Z", "X"):
-                    dead.append(s.id)
-            elif now - s.last_seen > self.session_ttl:
-                dead.append(s.id)
-        for sid in dead:
-            log.info("session %s (pid %s) is gone; reclaiming", sid[:8], self.sessions[sid].pid)
-            self.end_session(sid)
-        return dead
+        dead = self.sessions.dead()
+        for s, known in dead:
+            log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
+                     "is gone" if known else "missed its heartbeats")
+            self.end_session(s, verified=known)
+        return [s.id for s, _ in dead]
 
     def expire(self) -> list[str]:
         now = self.clock()
@@ -282,7 +358,46 @@ class Broker:
         for n in gone:
             self.delete(n)
             self._count("expired")
+        if self.limits.alloc_ttl:
+            for s in self.sessions.values():
+                for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
+                    # The writer is alive and may still be copying into it.
+                    v.block.tainted = True
+                    self.abandon(v)
+                    self._count("allocs_expired")
         return gone
+
+    # -- memory --------------------------------------------------------------
+    async def _block(self, nbytes: int) -> Block:
+        """A block for ``nbytes``; a new segment is made in a worker thread."""
+        blk = self.pool.try_alloc(nbytes)
+        if blk is not None:
+            return blk
+        size, dedicated = self.pool.plan(nbytes)
+        self.pool.reserve(size)
+        try:
+            seg = await asyncio.get_running_loop().run_in_executor(self._creator, self._create, size)
+        except BaseException:
+            self.pool.unreserve(size)
+            raise
+        with self._fresh_lock:
+            self._fresh.discard(seg)
+        return self.pool.take(self.pool.add(seg, dedicated), nbytes)
+
+    def _create(self, size: int) -> Segment:
+        seg = self.pool.create(size)
+        with self._fresh_lock:
+            if self._closed:  # the broker shut down while this segment was made
+                seg.unlink()
+                raise BrokerUnavailable("the broker is shutting down")
+            self._fresh.add(seg)
+        return seg
+
+    def _unlink_later(self, seg: Segment) -> None:
+        if self._closed:
+            seg.unlink()
+        else:
+            self._unlinker.submit(seg.unlink)
 
     # -- writing -----------------------------------------------------------
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
@@ -306,31 +421,38 @@ class Broker:
             )
         return shape, dt.name, dt.itemsize, nbytes
 
-    def alloc(self, sid: str | None, req: AllocRequest) -> Version:
-        s = self._session(sid)
+    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest) -> tuple[Version, int | None]:
+        """A new version in the writing state, and the writer's hold if asked."""
+        s = self._session(sid, caller)
         shape, dtype, itemsize, nbytes = self._check_alloc(req)
+        self._charge(s, nbytes, req.name)
         try:
-            block = self.pool.alloc(nbytes)
+            block = await self._block(nbytes)
         except PoolExhausted as exc:
+            self._count("quota_refusals")
             raise OutOfMemory(
                 f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
                 f"or start the broker with a larger --max-memory"
             ) from None
-        e = self.entries.get(req.name)
-        if e is None:
-            e = self.entries[req.name] = Entry(req.name, next_version=self._last_version.pop(req.name, 0) + 1)
+        if self.closing or self.sessions.get(s.id) is not s:
+            self.pool.free(block)  # never handed out: nobody maps it
+            self._session(sid, caller)  # raises the reason
+        e = self._entry(req.name)
         v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=req.ttl, entry=e)
+        if self.limits.alloc_ttl:
+            v.deadline = self.clock() + self.limits.alloc_ttl
         e.next_version += 1
         e.writing[v.number] = v
         s.writing.add(v)
         self.bytes_in_use += nbytes
         self.versions_live += 1
+        self._record_charge(s, v)
         self._count("allocs")
-        return v
+        self._count("bytes_put", nbytes)
+        return v, (self.lease(s, v, count=False, hold=True) if req.hold else None)
 
-    def publish(self, sid: str | None, name: str, number: int) -> Version:
-        s = self._session(sid)
+    def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.entries.get(name)
         v = e.writing.get(number) if e is not None else None
         if v is None:
@@ -339,14 +461,31 @@ class Broker:
                     self.abandon(orphan)  # its name was deleted while it was written
             raise TensorNotFound(
                 f"no unpublished version {number} of {name!r}: it was published already, "
-                f"deleted while being written, or reclaimed when its writer's session ended"
+                f"deleted while being written, or reclaimed (its writer's session ended, or it "
+                f"stayed unpublished longer than --alloc-ttl)"
             )
         if v.owner != s.id:
             raise Conflict(f"version {number} of {name!r} belongs to another session")
+        return v
+
+    def publish(self, sid: str | None, caller: Caller, name: str, number: int) -> Version:
+        s = self._session(sid, caller)
+        return self._publish(s, self._writing(s, name, number))
+
+    def publish_many(self, sid: str | None, caller: Caller, items: list[tuple[str, int]]) -> list[Version]:
+        """All or nothing: every item is checked before any is published."""
+        s = self._session(sid, caller)
+        if len(set(items)) != len(items):
+            raise InvalidRequest("a batch publishes each (name, version) once")
+        versions = [self._writing(s, name, number) for name, number in items]
+        return [self._publish(s, v) for v in versions]
+
+    def _publish(self, s: Session, v: Version) -> Version:
+        e = v.entry
         assert e is not None
-        del e.writing[number]
+        del e.writing[v.number]
         s.writing.discard(v)
-        v.state, v.owner = "ready", None
+        v.state, v.owner, v.deadline = "ready", None, None
         old = e.ready
         if old is not None and old.number > v.number:
             # A newer version was published first; this one is superseded at once.
@@ -357,21 +496,21 @@ class Broker:
         if old is not None:
             self._retire(old)
         self._count("publishes")
-        ev = self._events.pop(name, None)
-        if ev is not None:
-            ev.set()
+        w = self._waits.pop(v.name, None)
+        if w is not None:
+            w.event.set()
         return v
 
-    def abort(self, sid: str | None, name: str, number: int) -> None:
+    def abort(self, sid: str | None, caller: Caller, name: str, number: int) -> None:
         """Give back a version this session allocated and will not publish."""
-        s = self._session(sid)
+        s = self._session(sid, caller)
         for v in list(s.writing):
             if v.name == name and v.number == number:
                 self.abandon(v)
                 return
         raise TensorNotFound(f"this session is not writing version {number} of {name!r}")
 
-    def put_inline(self, sid: str | None, req: AllocRequest, data: bytes) -> Version:
+    async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest, data: bytes) -> Version:
         """Allocate, fill and publish a small tensor whose bytes came in the request."""
         shape, _, _, nbytes = self._check_alloc(req)
         if nbytes > INLINE_MAX:
@@ -380,11 +519,11 @@ class Broker:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
             )
-        v = self.alloc(sid, req)
+        v, _ = await self.alloc(sid, caller, req)
         if nbytes:
             m = self._map(v.block.segment)
             byte_view(m, v.block.offset, nbytes, writable=True)[:] = memoryview(data)
-        return self.publish(sid, req.name, v.number)
+        return self.publish(sid, caller, req.name, v.number)
 
     def _forget_mapping(self, segment: str) -> None:
         self._maps.pop(segment, None)
@@ -395,19 +534,20 @@ class Broker:
             m = self._maps[segment] = PosixMapping(segment, writable=True)
         return m
 
-    def link(self, sid: str | None, name: str, lease_id: int, ttl: float | None = None) -> Version:
+    def link(self, sid: str | None, caller: Caller, name: str, lease_id: int,
+             ttl: float | None = None) -> Version:
         """Publish the bytes a lease holds as the next version of ``name``, without a copy.
 
         The new version shares the block; the memory is freed when every
         version that shares it is gone."""
-        s = self._session(sid)
+        s = self._session(sid, caller)
         lease = self.leases.get(lease_id)
         if lease is None or lease.session != s.id or lease.version.block is None:
             raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source tensor again")
         src = lease.version
-        e = self.entries.get(name)
-        if e is None:
-            e = self.entries[name] = Entry(name, next_version=self._last_version.pop(name, 0) + 1)
+        if src.state != "ready":
+            raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
+        e = self._entry(name)
         src.block.refs += 1
         v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
                     s.id, ttl=ttl, entry=e)
@@ -416,7 +556,7 @@ class Broker:
         s.writing.add(v)
         self.versions_live += 1
         self._count("links")
-        return self.publish(sid, name, v.number)
+        return self._publish(s, v)
 
     # -- reading -----------------------------------------------------------
     def _ready(self, name: str, newer_than: int) -> Version | None:
@@ -425,62 +565,137 @@ class Broker:
             return None
         return e.ready
 
-    def lease(self, s: Session, v: Version) -> int:
+    def lease(self, s: Session, v: Version, request: str | None = None, *, count: bool = True,
+              hold: bool = False) -> int:
         lid = next(self._lease_ids)
-        self.leases[lid] = Lease(lid, s.id, v)
+        self.leases[lid] = Lease(lid, s.id, v, request, hold)
         s.leases.add(lid)
+        if request is not None:
+            s.by_request.setdefault(request, []).append(lid)
         v.readers += 1
-        if v.entry is not None:
+        if v.entry is not None and not hold:
             v.entry.readers += 1
-        self._count("gets")
+        if count:
+            self._count("gets")
+            self._count("bytes_got", v.nbytes)
         return lid
 
-    async def get(self, sid: str | None, name: str, timeout: float | None,
-                  newer_than: int = 0) -> tuple[Version, int]:
-        s = self._session(sid)
-        v = self._ready(name, newer_than)
-        if v is not None:
-            return v, self.lease(s, v)
-        if timeout is not None and timeout <= 0:
-            raise self._not_found(name)
-        self._count("waits")  # gets that had to wait for a publish
+    async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
+                  newer_than: int = 0, *, request: str | None = None,
+                  gone: Awaitable[Any] | None = None) -> tuple[Version, int]:
+        """Lease the newest ready version of ``name``, waiting up to ``timeout``
+        seconds (None: forever).  ``gone`` resolves if the client hangs up."""
+        return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
+
+    async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
+                       *, request: str | None = None,
+                       gone: Awaitable[Any] | None = None) -> list[tuple[Version, int]]:
+        """All of them under one deadline, or an error and none."""
+        return await self._get_all(sid, caller, names, timeout, 0, request, gone)
+
+    async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
+                       newer_than: int, request: str | None,
+                       gone: Awaitable[Any] | None) -> list[tuple[Version, int]]:
+        s = self._session(sid, caller)
+        got: list[tuple[Version, int]] = []
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            for name in names:
+                v = self._ready(name, newer_than)
+                if v is None:
+                    if timeout == 0:
+                        raise self._not_found(name)
+                    v = await self._wait(s, name, newer_than, deadline, timeout, request, gone)
+                    s = self._session(sid, caller)  # raises if shutting down or the session ended
+                got.append((v, self.lease(s, v, request)))
+        except BaseException:
+            self._release_ids(s, [lid for _, lid in got])
+            raise
+        return got
+
+    async def _wait(self, s: Session, name: str, newer_than: int, deadline: float | None,
+                    timeout: float | None, request: str | None,
+                    gone: Awaitable[Any] | None) -> Version:
         loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            ev = self._events.get(name)
-            if ev is None:
-                ev = self._events[name] = asyncio.Event()
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise TensorNotFound(
-                    f"tensor {name!r} was not published within {timeout:g} s ({self._known()})"
-                )
-            closing = self._closing_wait()
-            waiter: asyncio.Future[Any] = asyncio.ensure_future(ev.wait())
-            try:
-                await asyncio.wait({waiter, closing}, timeout=remaining,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                closing.cancel()
-            s = self._session(sid)  # raises if shutting down or the session ended meanwhile
-            v = self._ready(name, newer_than)
-            if v is not None:
-                return v, self.lease(s, v)
+        if deadline is not None and deadline <= loop.time():
+            raise self._timed_out(name, newer_than, timeout)
+        self._count("waits")  # gets that had to wait for a publish
+        cancel: asyncio.Future[None] = loop.create_future()
+        if request is not None:
+            s.waits[request] = cancel
+        stops: set[asyncio.Future[Any]] = {cancel, self._closing_wait()}
+        if gone is not None:
+            stops.add(asyncio.ensure_future(gone))
+        w = self._waits.get(name)
+        if w is None:
+            w = self._waits[name] = _Wait()
+        w.count += 1
+        try:
+            while True:
+                waiter = asyncio.ensure_future(w.event.wait())
+                remaining = None if deadline is None else deadline - loop.time()
+                try:
+                    done, _ = await asyncio.wait({waiter, *stops}, timeout=remaining,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                if done & stops:
+                    self._session(s.id, Caller(s.owner))  # shutting down, or the session ended
+                    raise ClientGone(name)
+                v = self._ready(name, newer_than)
+                if v is not None:
+                    return v
+                if not done:
+                    raise self._timed_out(name, newer_than, timeout)
+                if self._waits.get(name) is not w:  # set and popped by a publish of another version
+                    w.count -= 1
+                    w = self._waits.get(name) or self._waits.setdefault(name, _Wait())
+                    w.count += 1
+        finally:
+            w.count -= 1
+            if w.count == 0 and self._waits.get(name) is w:
+                del self._waits[name]  # nobody waits: the state goes with the last waiter
+            for f in stops:
+                if f is not cancel:
+                    f.cancel()
+            if request is not None and s.waits.get(request) is cancel:
+                del s.waits[request]
+
+    def _timed_out(self, name: str, newer_than: int, timeout: float | None) -> TensorNotFound:
+        e = self.entries.get(name)
+        within = f"within {timeout:g} s" if timeout is not None else "in time"
+        if newer_than and e is not None and e.ready is not None:
+            return TensorNotFound(
+                f"no version of {name!r} newer than v{newer_than} was published {within} "
+                f"(the newest is v{e.ready.number})"
+            )
+        return TensorNotFound(f"tensor {name!r} was not published {within} ({self._known()})")
 
     def _closing_wait(self) -> asyncio.Future[Any]:
         if self._closing_event is None:
             self._closing_event = asyncio.Event()
         return asyncio.ensure_future(self._closing_event.wait())
 
-    def release(self, sid: str | None, lease_ids: list[int]) -> int:
+    def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
+                requests: list[str] | None = None) -> int:
+        """Release this session's leases (others' ids are ignored), and cancel
+        requests whose answers the client never read."""
         s = self.sessions.get(sid or "")
-        if s is None:
+        if s is None or s.owner != caller.identity:
             # Only the session that took a lease may release it: leases of an
             # ended session are gone already, and anyone else's must stay.
             return 0
+        n = self._release_ids(s, lease_ids)
+        for rid in requests or ():
+            fut = s.waits.get(rid)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            n += self._release_ids(s, s.by_request.get(rid, []))
+        return n
+
+    def _release_ids(self, s: Session, lease_ids: list[int]) -> int:
         n = 0
-        for lid in lease_ids:
+        for lid in list(lease_ids):
             lease = self.leases.get(lid)
             if lease is not None and lease.session == s.id:
                 self._release_one(lid)
@@ -492,9 +707,15 @@ class Broker:
         s = self.sessions.get(lease.session)
         if s is not None:
             s.leases.discard(lid)
+            if lease.request is not None:
+                ids = s.by_request.get(lease.request)
+                if ids is not None:
+                    ids.remove(lid)
+                    if not ids:
+                        del s.by_request[lease.request]
         v = lease.version
         v.readers -= 1
-        if v.entry is not None:
+        if v.entry is not None and not lease.hold:
             v.entry.readers -= 1
         self._maybe_free(v)
         self._count("releases")
@@ -503,15 +724,15 @@ class Broker:
     def delete(self, name: str) -> None:
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down")
-        e = self.entries.pop(name, None)
+        e = self.entries.get(name)
         if e is None:
-            raise self._not_found(name)
+            raise TensorNotFound(f"tensor {name!r} not found ({self._known()}); nothing to delete")
+        self._drop_entry(e)
         if e.ready is not None:
             self._retire(e.ready)
         # Versions being written stay reserved until their writer publishes
         # (which then fails with 404) or its session ends: freeing them now
         # would let a new tensor land under the writer's copy.
-        self._last_version[name] = e.next_version - 1
         self._count("deletes")
 
     def list(self) -> list[TensorInfo]:
@@ -525,6 +746,7 @@ class Broker:
 
     def stat(self) -> Stat:
         return Stat(bytes_in_use=self.bytes_in_use, bytes_reserved=self.pool.reserved,
+                    bytes_retired=self.pool.retired, retired_total=self.pool.retired_total,
                     max_memory=self.pool.max_memory,
                     tensors=sum(1 for e in self.entries.values() if e.ready is not None),
                     versions=self.versions_live, leases=len(self.leases),
@@ -540,6 +762,21 @@ class Broker:
 
     def close(self) -> None:
         self.closing = True
+        with self._fresh_lock:
+            self._closed = True
+        self._creator.shutdown(wait=True)
+        self._unlinker.shutdown(wait=True)
+        for seg in self._fresh:  # made, but the request that wanted it never resumed
+            seg.unlink()
+        self._fresh.clear()
         self._maps.clear()
         self.pool.close()
         log.info("unlinked all shared memory (pid %d)", os.getpid())
+
+
+def local_session(broker: Broker, label: str = "broker") -> str:
+    """A session owned by the broker itself (internal work and tests)."""
+    return broker.open_session(LOCAL, label).session
+
+
+__all__ = ["Broker", "Caller", "ClientGone", "DepotError", "Limits", "Version", "local_session"]

@@ -27,8 +27,8 @@ def _serve(args: argparse.Namespace) -> int:
         for field in ("max_memory", "warm_memory"):
             if getattr(settings, field) != "auto":
                 parse_size(getattr(settings, field))
-        parse_size(settings.segment_size)
-        parse_size(settings.prealloc)
+        for field in ("segment_size", "prealloc", "max_memory_per_session", "max_memory_per_token"):
+            parse_size(getattr(settings, field))
     except ValueError as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 2
@@ -43,8 +43,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     app = create_app(settings)
     app.state.on_close = lambda: close_all(listens, socks)
+    PeerCredProtocol.max_connections = settings.max_connections
+    _raise_fd_limit()
     config = uvicorn.Config(app, http=PeerCredProtocol, lifespan="on", log_config=None,
-                            access_log=False, timeout_keep_alive=300, timeout_graceful_shutdown=5,
+                            access_log=False, timeout_keep_alive=120, timeout_graceful_shutdown=5,
                             log_level=uvicorn_level)
     urls = ", ".join(ln.url for ln in listens)
     ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
@@ -55,6 +57,18 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         close_all(listens, socks)
     return 0 if server.started else 1
+
+
+def _raise_fd_limit() -> None:
+    """Every connection is a file descriptor: allow as many as the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -112,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", help="bearer token required on TCP listeners")
     s.add_argument("--reap-interval", type=float, help="seconds between liveness checks (default 0.5)")
     s.add_argument("--session-ttl", type=float, help="heartbeat timeout for untracked sessions (default 15)")
+    s.add_argument("--alloc-ttl", type=float,
+                   help="seconds an allocation may stay unpublished before it is reclaimed (default 600; 0: never)")
+    s.add_argument("--max-sessions", type=int, help="sessions the broker holds at most (default 16384)")
+    s.add_argument("--max-sessions-per-peer", type=int,
+                   help="sessions one process, or one token over TCP, may hold (default 256)")
+    s.add_argument("--max-memory-per-session", help="bytes one session may hold, e.g. 1GiB (default: no limit)")
+    s.add_argument("--max-memory-per-token",
+                   help="bytes one identity (a uid, or a token) may hold, e.g. 4GiB (default: no limit)")
+    s.add_argument("--max-connections", type=int,
+                   help="open connections; beyond it the longest-idle one is closed (default 4096)")
     s.add_argument("--log-level", help="debug, info, warning (default info)")
     s.set_defaults(func=_serve)
 

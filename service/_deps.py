@@ -1,35 +1,60 @@
-"""Dependencies and middleware shared by the routers.
+"""What the routers share: who is calling, the one error body, idempotent
+requests, and the ASGI middleware that guards every request.
 
 Hot routes declare no FastAPI dependencies at all: solving them costs more
 per request than the broker's own work (and a plain ``def`` dependency even
-hops to a worker thread).  They take the ``Request`` and the session header
-directly.
+hops to a worker thread).  They take the ``Request`` and read the session
+header directly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from .._errors import AuthError
-from ._broker import Broker
-
-SESSION_HEADER = "x-tensordepot-session"
-RELEASE_HEADER = "x-tensordepot-release"
-
-
-def peer_pid(request: Request) -> int | None:
-    """The pid the kernel reports for a unix-socket peer (SO_PEERCRED), if any."""
-    cred = getattr(request.state, "peercred", None)
-    return cred[0] if cred else None
-
+from .._errors import AuthError, DepotError, InvalidRequest
+from .._proto import (
+    CANCEL_HEADER,
+    MAX_BODY_BYTES,
+    MAX_RELEASE_IDS,
+    RELEASE_HEADER,
+    REQUEST_HEADER,
+    SERVER_HEADER,
+    SESSION_HEADER,
+)
+from .._version import __version__
+from ._broker import Broker, ClientGone
+from ._sessions import Caller
 
 SessionHeader = Annotated[str | None, Header(alias=SESSION_HEADER,
                                              description="the id from POST /v1/sessions")]
+RequestHeader = Annotated[str | None, Header(alias=REQUEST_HEADER, max_length=64,
+                                             description="a client-chosen id: a resend with the "
+                                                         "same id gets the first answer")]
+
+
+def caller_of(scope: Any) -> Caller:
+    """Who sent this request: the authenticated principal when there is one,
+    else the unix peer's uid; the pid only when the kernel reported it."""
+    state = scope.get("state") or {}
+    cred = state.get("peercred")
+    pid = cred[0] if cred else None
+    principal = state.get("principal")
+    if principal is not None:
+        return Caller(principal.id, pid)
+    if cred:
+        return Caller(f"uid:{cred[1]}", pid)
+    return Caller("tcp", None)
+
+
+def caller(request: Request) -> Caller:
+    return caller_of(request.scope)
 
 
 def broker_of(request: Request) -> Broker:
@@ -37,8 +62,7 @@ def broker_of(request: Request) -> Broker:
 
     Routes call this instead of declaring ``Depends(get_broker)``: each
     sub-dependency costs FastAPI more per request than our whole handler, and
-    the control plane's speed is the product (issue: B5 against a bare
-    endpoint)."""
+    the control plane's speed is the product (README, Benchmarks: B5)."""
     broker: Broker = request.app.state.broker
     return broker
 
@@ -48,36 +72,159 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
-class PiggybackedReleases:
-    """ASGI middleware: any request may carry ``x-tensordepot-release: 1,2,3``,
-    lease ids the client dropped since its last request.  They are released
-    before the request is handled, so dropping tensors costs no round trip of
-    its own.  Ids that are not the session's own are ignored."""
+def json_response(body: str | bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+async def hangup(request: Request) -> None:
+    """Resolves when the client closes the connection (the request body has
+    been read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a request that changes state at most once per request id.
+
+    A client resends a request whose answer it did not get (a connection cut
+    mid-response).  With the same ``x-tensordepot-request`` id in the same
+    session, the resend gets the first answer, kept for the last few ids,
+    instead of a second allocation, lease or publish."""
+    rid = request.headers.get(REQUEST_HEADER)
+    broker = broker_of(request)
+    s = broker.sessions.get(request.headers.get(SESSION_HEADER) or "") if rid else None
+    if s is None or rid is None or len(rid) > 64 or s.owner != caller(request).identity:
+        try:
+            return await run()
+        except ClientGone:
+            return error_response(409, "cancelled", "the client hung up or cancelled this request")
+    while True:
+        hit = s.answers.get(rid)
+        if hit is not None:
+            return Response(hit[1], status_code=hit[0], media_type="application/json")
+        first = s.running.get(rid)
+        if first is None:
+            break
+        await asyncio.shield(first)  # the first attempt is still running: wait for its answer
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    s.running[rid] = done
+    try:
+        try:
+            resp = await run()
+        except DepotError as exc:
+            resp = error_response(exc.status, exc.code, str(exc))
+        except ClientGone:  # nobody got an answer: a resend runs again
+            return error_response(409, "cancelled", "the client hung up or cancelled this request")
+        s.remember(rid, resp.status_code, bytes(resp.body))
+        return resp
+    finally:
+        s.running.pop(rid, None)
+        done.set_result(None)
+
+
+def _ids(raw: bytes, what: str) -> list[bytes]:
+    ids = [x.strip() for x in raw.split(b",") if x.strip()]
+    if len(ids) > MAX_RELEASE_IDS:
+        raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per request")
+    return ids
+
+
+class Guard:
+    """ASGI middleware around every request:
+
+    * refuses bodies over ``MAX_BODY_BYTES`` with 413, whether announced with
+      Content-Length or streamed chunked;
+    * releases the lease ids that ride on ``x-tensordepot-release`` and
+      cancels the request ids on ``x-tensordepot-cancel`` (dropping tensors
+      costs no round trip of its own); ids that are not the session's own are
+      ignored."""
 
     _release = RELEASE_HEADER.encode()
+    _cancel = CANCEL_HEADER.encode()
     _session = SESSION_HEADER.encode()
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            ids = sid = None
-            for key, value in scope["headers"]:
-                if key == self._release:
-                    ids = value
-                elif key == self._session:
-                    sid = value.decode("latin-1")
-            if ids and sid:
-                # Starlette puts the app in the scope before middleware runs.
-                broker: Broker | None = getattr(scope["app"].state, "broker", None)
-                try:
-                    lease_ids = [int(x) for x in ids.split(b",") if x.strip()]
-                except ValueError:
-                    lease_ids = []
-                if broker is not None and lease_ids:
-                    broker.release(sid, lease_ids)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            receive = self._check(scope, receive)
+        except DepotError as exc:
+            await error_response(exc.status, exc.code, str(exc))(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    def _check(self, scope: Any, receive: Any) -> Any:
+        releases = cancels = sid = None
+        length = None
+        for key, value in scope["headers"]:
+            if key == self._release:
+                releases = value
+            elif key == self._cancel:
+                cancels = value
+            elif key == self._session:
+                sid = value.decode("latin-1")
+            elif key == b"content-length":
+                length = value
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            raise _too_large()
+        if (releases or cancels) and sid:
+            lease_ids = []
+            for x in _ids(releases or b"", RELEASE_HEADER):
+                if x.isdigit():
+                    lease_ids.append(int(x))
+            requests = [x.decode("latin-1") for x in _ids(cancels or b"", CANCEL_HEADER)]
+            # Starlette puts the app in the scope before middleware runs.
+            broker: Broker | None = getattr(scope["app"].state, "broker", None)
+            if broker is not None:
+                broker.release(sid, caller_of(scope), lease_ids, requests)
+        if length is not None:
+            return receive
+        seen = 0
+
+        async def counted() -> Any:  # a body without Content-Length (chunked)
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                raise _too_large()
+            return message
+
+        return counted
+
+
+class MarkServer:
+    """ASGI middleware, outermost: every response says it comes from a
+    tensordepot broker (``x-tensordepot-broker: <version>``), errors of the
+    layers inside included, so a client can tell a broker from any other
+    HTTP server on the same URL."""
+
+    _server = (SERVER_HEADER.encode(), __version__.encode())
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_marked(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self._server]
+            await send(message)
+
+        await self.app(scope, receive, send_marked)
+
+
+def _too_large() -> DepotError:
+    exc = InvalidRequest(f"the request body is over {MAX_BODY_BYTES} bytes; send large tensors "
+                         f"through /v1/alloc and shared memory, and batches in parts")
+    exc.status, exc.code = 413, "too_large"
+    return exc
 
 
 class TokenAuth:

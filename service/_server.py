@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
+import signal
 import socket
 import stat
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +34,8 @@ from urllib.parse import urlsplit
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .._proto import MAX_HEADER_BYTES, SERVER_HEADER
+from .._version import __version__
 from .config import Settings
 
 log = logging.getLogger("tensordepot.broker")
@@ -144,11 +150,31 @@ def close_all(listens: list[Listen], socks: list[socket.socket]) -> None:
                 os.unlink(ln.path)
 
 
+def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{SERVER_HEADER}: {__version__}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
 class PeerCredProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, plus the peer's (pid, uid, gid) on unix sockets."""
+    """uvicorn's httptools protocol, plus what keeps one peer from starving the rest:
+
+    * the peer's (pid, uid, gid) on unix sockets, from SO_PEERCRED;
+    * a request head larger than ``MAX_HEADER_BYTES`` is answered 431 and the
+      connection closed, before uvicorn collects it;
+    * at most ``max_connections`` connections: a new one beyond that closes
+      the connection that has been idle longest, or is refused with 503 if
+      none is idle."""
+
+    max_connections = 4096
+    _in_head = True
+    _head = 0
+    _last_active = 0.0
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self._last_active = time.monotonic()
         sock = transport.get_extra_info("socket")
         cred = None
         unix = sock is not None and sock.family == socket.AF_UNIX
@@ -159,6 +185,38 @@ class PeerCredProtocol(HttpToolsProtocol):
         # app_state is copied into each request's scope["state"]; this
         # connection gets its own copy with the peer in it.
         self.app_state = {**self.app_state, "peercred": cred, "unix": unix}
+        if len(self.connections) > self.max_connections and not self._evict_idle():
+            transport.write(_raw_error(503, "Service Unavailable", "broker_unavailable",
+                                       f"the broker has {len(self.connections) - 1} connections "
+                                       f"open (--max-connections) and none is idle; retry later"))
+            transport.close()
+
+    def _evict_idle(self) -> bool:
+        idle = [c for c in self.connections
+                if c is not self and isinstance(c, PeerCredProtocol)
+                and (c.cycle is None or c.cycle.response_complete)]
+        if not idle:
+            return False
+        min(idle, key=lambda c: c._last_active).transport.close()
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        self._last_active = time.monotonic()
+        if self._in_head:
+            self._head += len(data)
+        super().data_received(data)
+        if self._in_head and self._head > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self.transport.write(_raw_error(431, "Request Header Fields Too Large", "too_large",
+                                            f"the request head is over {MAX_HEADER_BYTES} bytes"))
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head = False, 0
+        super().on_headers_complete()
 
 
 class Server(uvicorn.Server):
@@ -180,6 +238,12 @@ class Server(uvicorn.Server):
                 yield
             finally:
                 self._captured_signals.clear()
+        # Cleanup is done and the process is on its way out: a repeated
+        # SIGTERM (a supervisor that sends one per second) must not turn a
+        # clean exit into a death by signal.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)

@@ -19,7 +19,7 @@ from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
-from ._deps import PiggybackedReleases, TokenAuth, error_response
+from ._deps import Guard, MarkServer, TokenAuth, error_response
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -30,9 +30,11 @@ log = logging.getLogger("tensordepot.broker")
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
     for status, what in ((400, "bad input"), (401, "missing or wrong token (TCP only)"),
+                         (403, "not allowed: another client's session, or a missing scope"),
                          (404, "unknown name or route"), (409, "conflict with the tensor's state"),
-                         (422, "malformed request"), (503, "the broker is shutting down"),
-                         (507, "out of memory (--max-memory)"))
+                         (413, "request body too large"), (422, "malformed request"),
+                         (429, "a per-client limit (sessions)"), (503, "the broker is shutting down"),
+                         (507, "out of memory (--max-memory, or a per-session/per-token quota)"))
 }
 
 
@@ -58,7 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         mode = 0o600 if cfg.gid() is None else 0o660
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=mode, gid=cfg.gid())
-        broker = Broker(pool, session_ttl=cfg.session_ttl)
+        broker = Broker(pool, limits=cfg.limits())
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
         # server.run() never runs: cleanup lives here, in the lifespan.
@@ -85,10 +87,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
-    app.add_middleware(tensors.HotPaths)  # innermost of ours: releases and auth come first
-    app.add_middleware(PiggybackedReleases)
-    if settings.token:  # added last, so it runs first: no release without the token
+    app.add_middleware(Guard)  # body limits and piggybacked releases, after auth
+    if settings.token:  # added late, so it runs early: no release without the token
         app.add_middleware(TokenAuth, token=settings.token)
+    app.add_middleware(MarkServer)  # outermost: every answer says who sent it
 
     @app.exception_handler(DepotError)
     async def _depoterror_response(request: Request, exc: DepotError) -> JSONResponse:
@@ -103,8 +105,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    for module in (tensors, batch, sessions, system):  # hot routes first: matching is linear
+    for module in (tensors, batch, sessions, system):
         app.include_router(module.router, responses=ERROR_RESPONSES)
+    # Matching is linear: the hot routes go first, as plain Starlette routes
+    # (their FastAPI declarations above stay for the OpenAPI document).
+    app.router.routes[:0] = tensors.HOT_ROUTES
     return app
 
 

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .._defaults import default_socket_path
+from ._broker import Limits
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
@@ -47,6 +48,12 @@ class Settings(BaseSettings):
     token: str = Field("", description="bearer token required on TCP listeners")
     reap_interval: float = Field(0.5, gt=0, description="seconds between liveness checks")
     session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout for sessions whose pid cannot be checked")
+    alloc_ttl: float = Field(600.0, ge=0, description="unpublished allocations expire after this many seconds (0: never)")
+    max_sessions: int = Field(16384, gt=0, description="sessions the broker holds at most")
+    max_sessions_per_peer: int = Field(256, gt=0, description="sessions one process (or one token over TCP) may hold")
+    max_memory_per_session: str = Field("0", description="bytes one session may hold (0: no limit)")
+    max_memory_per_token: str = Field("0", description="bytes one identity (uid or token) may hold (0: no limit)")
+    max_connections: int = Field(4096, gt=0, description="open connections; beyond it the longest-idle is closed")
     log_level: str = Field("info")
 
     @field_validator("listen", mode="before")
@@ -68,6 +75,12 @@ class Settings(BaseSettings):
         if self.warm_memory == "auto":
             return min(2 << 30, self.max_memory_bytes())
         return parse_size(self.warm_memory)
+
+    def limits(self) -> Limits:
+        return Limits(session_ttl=self.session_ttl, alloc_ttl=self.alloc_ttl,
+                      max_sessions=self.max_sessions, max_sessions_per_peer=self.max_sessions_per_peer,
+                      max_memory_per_session=parse_size(self.max_memory_per_session),
+                      max_memory_per_identity=parse_size(self.max_memory_per_token))
 
     def prefix(self) -> str:
         if self.shm_prefix:

@@ -4,54 +4,108 @@ numpy releases the GIL inside large copies, so splitting one copy across a
 few threads uses several cores' worth of memory bandwidth.  A single thread
 tops out well below the machine's bandwidth (DESIGN.md: 105 ms against 64 ms
 per GiB on two cores).
+
+Two promises the callers rely on:
+
+* **A copy that raises has stopped writing.**  When the calling thread is
+  interrupted (Ctrl-C) or a piece fails, pieces not yet started are
+  cancelled and the running ones are waited for before the exception
+  propagates, so the caller may give the memory back at once: no thread is
+  still writing into it (README, Lifetime: M1).  Pieces are at most
+  ``_PIECE`` bytes, so that wait is short.
+* **Fork-safe.**  A forked child has none of its parent's threads; the
+  executor is re-created in the child on first use.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 _MIN_PARALLEL = 8 << 20  # below this, thread hand-off costs more than it saves
+_PIECE = 64 << 20  # the most one thread copies before it can notice a cancel
 _CHUNK_ALIGN = 1 << 16
 _threads = max(1, min(os.cpu_count() or 1, 8))
 _executor: ThreadPoolExecutor | None = None
+_owner_pid = os.getpid()
+
+
+def _forget_executor() -> None:
+    global _executor, _owner_pid
+    _executor, _owner_pid = None, os.getpid()
+
+
+os.register_at_fork(after_in_child=_forget_executor)
 
 
 def _pool() -> ThreadPoolExecutor:
     global _executor
-    if _executor is None:
+    if _executor is None or _owner_pid != os.getpid():
+        _forget_executor()
         _executor = ThreadPoolExecutor(_threads, thread_name_prefix="tensordepot-copy")
     return _executor
 
 
-def copy_into(dst: Any, src: Any) -> None:
-    """Copy ``src`` (any strides) into ``dst`` (C-contiguous, same shape and item size)."""
+def _wait_all(futures: list[Future[Any]], stop: threading.Event | None = None) -> None:
+    """Wait for every piece; on any exception (Ctrl-C included) cancel what has
+    not started and wait for what has, then re-raise."""
+    try:
+        for f in futures:
+            f.result()
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        for f in futures:
+            f.cancel()
+        pending = [f for f in futures if not f.done()]
+        while pending:
+            try:
+                for f in pending:
+                    f.exception()  # blocks until that piece has stopped
+                pending = []
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C: keep waiting, the threads still write
+                pending = [f for f in pending if not f.done()]
+        raise
+
+
+def _pieces(dst: Any, src: Any) -> list[tuple[Any, Any]]:
+    """Split a copy into at most ``_PIECE``-byte pieces along the outermost axis."""
     import numpy as np
 
     nbytes = dst.nbytes
-    if nbytes < _MIN_PARALLEL or _threads == 1:
-        np.copyto(dst, src, casting="no")
-        return
-    futures = []
+    n = max(_threads, -(-nbytes // _PIECE))
     if src.flags.c_contiguous:
         d = dst.reshape(-1).view(np.uint8)
         s = src.reshape(-1).view(np.uint8)
-        step = -(-nbytes // _threads)
+        step = -(-nbytes // n)
         step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN
-        for start in range(0, nbytes, step):
-            futures.append(_pool().submit(np.copyto, d[start:start + step], s[start:start + step]))
-    else:
-        # Split along the outermost axis with more than one row.
-        axis = next((i for i, n in enumerate(src.shape) if n > 1), 0)
-        rows = src.shape[axis]
-        step = max(1, -(-rows // _threads))
-        idx = [slice(None)] * src.ndim
-        for start in range(0, rows, step):
-            idx[axis] = slice(start, start + step)
-            futures.append(_pool().submit(np.copyto, dst[tuple(idx)], src[tuple(idx)], "no"))
-    for f in futures:
-        f.result()
+        return [(d[i:i + step], s[i:i + step]) for i in range(0, nbytes, step)]
+    axis = next((i for i, k in enumerate(src.shape) if k > 1), 0)
+    rows = src.shape[axis]
+    step = max(1, -(-rows // n))
+    out = []
+    idx: list[Any] = [slice(None)] * src.ndim
+    for start in range(0, rows, step):
+        idx[axis] = slice(start, start + step)
+        out.append((dst[tuple(idx)], src[tuple(idx)]))
+    return out
+
+
+def _copy(d: Any, s: Any) -> None:
+    import numpy as np
+
+    np.copyto(d, s, casting="no")
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src`` (any strides) into ``dst`` (C-contiguous, same shape and item size)."""
+    if dst.nbytes < _MIN_PARALLEL or _threads == 1:
+        _copy(dst, src)
+        return
+    pool = _pool()
+    _wait_all([pool.submit(_copy, d, s) for d, s in _pieces(dst, src)])
 
 
 def copy_many(pairs: list[tuple[Any, Any]]) -> None:
@@ -59,16 +113,20 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
 
     A state dict is hundreds of tensors that are each too small to split, so
     whole tensors are dealt out to the threads, largest first, to the least
-    loaded one; tensors big enough to split are copied with ``copy_into``."""
-    import numpy as np
-
+    loaded one; tensors big enough to split are split into pieces."""
     total = sum(d.nbytes for d, _ in pairs)
     if total < _MIN_PARALLEL or _threads == 1:
         for d, s in pairs:
-            np.copyto(d, s, casting="no")
+            _copy(d, s)
         return
-    big = [(d, s) for d, s in pairs if d.nbytes >= _MIN_PARALLEL]
-    small = sorted(((d, s) for d, s in pairs if d.nbytes < _MIN_PARALLEL), key=lambda p: -p[0].nbytes)
+    jobs: list[tuple[Any, Any]] = []
+    small = []
+    for d, s in pairs:
+        if d.nbytes >= _MIN_PARALLEL:
+            jobs.extend(_pieces(d, s))
+        else:
+            small.append((d, s))
+    small.sort(key=lambda p: -p[0].nbytes)
     buckets: list[list[tuple[Any, Any]]] = [[] for _ in range(_threads)]
     loads = [0] * _threads
     for d, s in small:
@@ -76,12 +134,15 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
         buckets[i].append((d, s))
         loads[i] += d.nbytes
 
+    stop = threading.Event()
+
     def run(bucket: list[tuple[Any, Any]]) -> None:
         for d, s in bucket:
-            np.copyto(d, s, casting="no")
+            if stop.is_set():
+                return
+            _copy(d, s)
 
-    futures = [_pool().submit(run, b) for b in buckets if b]
-    for d, s in big:
-        copy_into(d, s)
-    for f in futures:
-        f.result()
+    pool = _pool()
+    futures = [pool.submit(run, b) for b in buckets if b]
+    futures += [pool.submit(_copy, d, s) for d, s in jobs]
+    _wait_all(futures, stop)

@@ -8,6 +8,18 @@ so the next put into them runs at memory bandwidth.  Free memory beyond
 exceeds ``max_memory``: when a new segment would not fit, warm free segments
 are unlinked first, and only then does ``alloc`` raise ``PoolExhausted``.
 Live data is never evicted.
+
+Memory that a process the broker cannot vouch for may still map (a lapsed
+session's leases, an expired unpublished write) is *retired*, never reused:
+its segment takes no new blocks and is unlinked as soon as its live blocks
+are gone; the kernel frees the pages when the last mapping goes.
+
+Creating a segment (``posix_fallocate`` runs at about 1 s per GiB) is split
+from placing a block so that the broker can create segments off its event
+loop: ``try_alloc`` places a block in existing memory or returns None;
+``plan`` + ``reserve`` account for a new segment; ``create`` makes it (in any
+thread); ``add`` hands it to the pool and ``take`` places the block in it.
+``alloc`` does all of that in one call for callers that may block.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ class _Seg:
     free_off: list[int] = field(default_factory=list)
     free_len: list[int] = field(default_factory=list)
     seq: int = 0  # creation order, for returning the oldest warm memory first
+    retired: int = 0  # bytes of retired blocks: the segment takes no new blocks
 
     @property
     def size(self) -> int:
@@ -62,6 +75,8 @@ class Block:
     size: int  # what is reserved (aligned)
     _seg: _Seg | None = None
     refs: int = 1  # versions sharing this block (the broker's count; the pool ignores it)
+    # A process the broker cannot vouch for may still map it: retire, never reuse.
+    tainted: bool = False
 
 
 class Pool:
@@ -71,7 +86,8 @@ class Pool:
     def __init__(self, prefix: str, *, max_memory: int, segment_size: int = 256 * MiB,
                  warm_bytes: int | None = None, align: int = 256, mode: int = 0o600,
                  gid: int | None = None, prefault: bool = True,
-                 segment_factory: Callable[..., Segment] = PosixSegment) -> None:
+                 segment_factory: Callable[..., Segment] = PosixSegment,
+                 unlinker: Callable[[Segment], None] | None = None) -> None:
         if segment_size <= 0 or segment_size % _PAGE:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
@@ -86,6 +102,12 @@ class Pool:
         self._seq = itertools.count()
         self.reserved = 0  # bytes in all segments
         self.used = 0  # bytes reserved by live blocks
+        self.retired = 0  # bytes of retired blocks in segments not yet unlinked
+        self.retired_total = 0  # bytes ever retired
+        self.pending = 0  # bytes of segments reserved but not yet added
+        # Unlinking a large tmpfs file frees its pages and takes time: the
+        # broker passes a function that does it in a worker thread.
+        self._unlinker = unlinker or (lambda seg: seg.unlink())
         self.on_drop: Callable[[str], None] | None = None  # told each segment name it unlinks
 
     # -- queries ---------------------------------------------------------
@@ -97,48 +119,124 @@ class Pool:
         return list(self._segs)
 
     def warm_free(self) -> int:
-        return self.reserved - self.used
+        return self.reserved - self.pending - self.used - self.retired
 
     # -- allocation ------------------------------------------------------
-    def alloc(self, nbytes: int) -> Block:
-        """Reserve ``nbytes`` (0 is allowed).  Raises PoolExhausted."""
+    def _size(self, nbytes: int) -> int:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        size = max(_round_up(nbytes, self.align), self.align)
+        return max(_round_up(nbytes, self.align), self.align)
+
+    def alloc(self, nbytes: int) -> Block:
+        """Reserve ``nbytes`` (0 is allowed), creating a segment here if needed.
+        Raises PoolExhausted."""
+        blk = self.try_alloc(nbytes)
+        if blk is not None:
+            return blk
+        size, dedicated = self.plan(nbytes)
+        self.reserve(size)
+        try:
+            seg = self.create(size)
+        except BaseException:
+            self.unreserve(size)
+            raise
+        return self.take(self.add(seg, dedicated), nbytes)
+
+    def try_alloc(self, nbytes: int) -> Block | None:
+        """A block in memory that already exists, or None."""
+        size = self._size(nbytes)
         if size > self.dedicated_threshold:
-            return self._alloc_dedicated(nbytes)
+            return self._reuse_dedicated(nbytes)
         for s in self._segs.values():
-            if not s.dedicated:
+            if not s.dedicated and not s.retired:
                 blk = self._take(s, nbytes, size)
                 if blk is not None:
                     return blk
-        s = self._new_segment(self.segment_size, dedicated=False)
-        blk = self._take(s, nbytes, size)
-        assert blk is not None
+        return None
+
+    def plan(self, nbytes: int) -> tuple[int, bool]:
+        """(segment size, dedicated) of the segment a new ``nbytes`` block needs."""
+        size = self._size(nbytes)
+        if size > self.dedicated_threshold:
+            return _round_up(nbytes, _HUGE), True
+        return self.segment_size, False
+
+    def reserve(self, size: int) -> None:
+        """Count a segment of ``size`` against ``max_memory`` before it exists,
+        unlinking warm free segments if that makes room.  Raises PoolExhausted."""
+        if size > self.max_memory:
+            raise PoolExhausted(
+                f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} bytes)"
+            )
+        if self.reserved + size > self.max_memory:
+            self._shrink(self.max_memory - size, keep_one=False)
+        if self.reserved + size > self.max_memory:
+            raise PoolExhausted(
+                f"need {size} more bytes but {self.used} of {self.max_memory} bytes are in use "
+                f"by live tensors" + (f" and {self.retired} are retired" if self.retired else "")
+            )
+        self.reserved += size
+        self.pending += size
+
+    def unreserve(self, size: int) -> None:
+        """Undo ``reserve`` for a segment that could not be created."""
+        self.reserved -= size
+        self.pending -= size
+
+    def create(self, size: int) -> Segment:
+        """Make a segment (pre-faulted: slow).  Safe to call from any thread."""
+        try:
+            return self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
+                                 prefault=self._prefault)
+        except OSError as exc:
+            raise PoolExhausted(f"could not create a {size} byte segment in /dev/shm: {exc}") from exc
+
+    def add(self, seg: Segment, dedicated: bool) -> _Seg:
+        """Hand a segment made by ``create`` (after ``reserve``) to the pool."""
+        self.pending -= seg.size
+        s = _Seg(seg, dedicated, seq=next(self._seq))
+        if not dedicated:
+            s.free_off, s.free_len = [0], [seg.size]
+        self._segs[s.name] = s
+        return s
+
+    def take(self, s: _Seg, nbytes: int) -> Block:
+        """Place a block in the segment ``add`` just returned."""
+        if s.dedicated:
+            return self._claim_dedicated(s, nbytes)
+        blk = self._take(s, nbytes, self._size(nbytes))
+        assert blk is not None, "a new pool segment holds any pooled block"
         return blk
 
     def prewarm(self, nbytes: int) -> None:
         """Create pool segments up front until ``nbytes`` of pool space exist."""
         have = sum(s.size for s in self._segs.values() if not s.dedicated)
         while have < nbytes and self.reserved + self.segment_size <= self.max_memory:
-            self._new_segment(self.segment_size, dedicated=False)
+            self.reserve(self.segment_size)
+            try:
+                seg = self.create(self.segment_size)
+            except BaseException:
+                self.unreserve(self.segment_size)
+                raise
+            self.add(seg, dedicated=False)
             have += self.segment_size
 
-    def _alloc_dedicated(self, nbytes: int) -> Block:
+    def _reuse_dedicated(self, nbytes: int) -> Block | None:
         size = _round_up(nbytes, _HUGE)
         # Reuse the smallest warm free dedicated segment that fits without
         # wasting more than a quarter of it.
         best: _Seg | None = None
         for s in self._segs.values():
-            if (s.dedicated and s.used == 0 and size <= s.size <= size + size // 4
+            if (s.dedicated and s.used == 0 and not s.retired and size <= s.size <= size + size // 4
                     and (best is None or s.size < best.size)):
                 best = s
-        if best is None:
-            best = self._new_segment(size, dedicated=True)
-        best.free_off, best.free_len = [], []
-        best.used = best.size
-        self.used += best.size
-        return Block(best.name, 0, nbytes, best.size, best)
+        return None if best is None else self._claim_dedicated(best, nbytes)
+
+    def _claim_dedicated(self, s: _Seg, nbytes: int) -> Block:
+        s.free_off, s.free_len = [], []
+        s.used = s.size
+        self.used += s.size
+        return Block(s.name, 0, nbytes, s.size, s)
 
     def _take(self, s: _Seg, nbytes: int, size: int) -> Block | None:
         for i, length in enumerate(s.free_len):  # first fit keeps low offsets busy
@@ -154,45 +252,46 @@ class Pool:
                 return Block(s.name, off, nbytes, size, s)
         return None
 
-    def _new_segment(self, size: int, *, dedicated: bool) -> _Seg:
-        if size > self.max_memory:
-            raise PoolExhausted(
-                f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} bytes)"
-            )
-        if self.reserved + size > self.max_memory:
-            self._shrink(self.max_memory - size, keep_one=False)
-        if self.reserved + size > self.max_memory:
-            raise PoolExhausted(
-                f"need {size} more bytes but {self.used} of {self.max_memory} bytes are in use "
-                f"by live tensors"
-            )
-        try:
-            seg = self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
-                                prefault=self._prefault)
-        except OSError as exc:
-            raise PoolExhausted(f"could not create a {size} byte segment in /dev/shm: {exc}") from exc
-        s = _Seg(seg, dedicated, seq=next(self._seq))
-        if not dedicated:
-            s.free_off, s.free_len = [0], [size]
-        self._segs[s.name] = s
-        self.reserved += size
-        return s
-
     # -- freeing ---------------------------------------------------------
-    def free(self, blk: Block) -> None:
-        """Return a block.  Its memory stays warm, up to ``warm_bytes``."""
+    def _unhook(self, blk: Block) -> _Seg:
         s = blk._seg
         if s is None or self._segs.get(s.name) is not s:
             raise ValueError(f"block {blk} is not live in this pool")
         blk._seg = None
+        return s
+
+    def free(self, blk: Block) -> None:
+        """Return a block.  Its memory stays warm, up to ``warm_bytes``.
+        A tainted block is retired instead."""
+        if blk.tainted:
+            self.retire(blk)
+            return
+        s = self._unhook(blk)
         if s.dedicated:
             s.used = 0
             self.used -= s.size
         else:
-            self._insert_free(s, blk.offset, blk.size)
+            if not s.retired:  # a retired segment's free space is never handed out again
+                self._insert_free(s, blk.offset, blk.size)
             s.used -= blk.size
             self.used -= blk.size
+            if s.retired and s.used == 0:
+                self._drop(s)
         self._shrink(self.used + self.warm_bytes)
+
+    def retire(self, blk: Block) -> None:
+        """Give up a block that some process may still map: its bytes are never
+        handed to another tensor.  Its segment takes no new blocks, and is
+        unlinked once its other blocks are freed."""
+        s = self._unhook(blk)
+        s.used -= blk.size
+        self.used -= blk.size
+        self.retired_total += blk.size
+        if s.dedicated or s.used == 0:
+            self._drop(s)
+        else:
+            s.retired += blk.size
+            self.retired += blk.size
 
     def _insert_free(self, s: _Seg, off: int, size: int) -> None:
         i = bisect.bisect_left(s.free_off, off)
@@ -226,12 +325,14 @@ class Pool:
     def _drop(self, s: _Seg) -> None:
         del self._segs[s.name]
         self.reserved -= s.size
-        s.seg.unlink()
+        self.retired -= s.retired
+        self._unlinker(s.seg)
         if self.on_drop is not None:
             self.on_drop(s.name)
 
     def close(self) -> None:
-        """Unlink every segment (broker shutdown)."""
+        """Unlink every segment, here and now (broker shutdown)."""
         for s in list(self._segs.values()):
-            self._drop(s)
-        self.used = 0
+            del self._segs[s.name]
+            s.seg.unlink()
+        self.reserved = self.used = self.retired = self.pending = 0

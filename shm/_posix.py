@@ -32,8 +32,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _PROT_READ = 0x1
 _PROT_WRITE = 0x2
 _MAP_SHARED = 0x01
+_MAP_PRIVATE = 0x02
+_MAP_FIXED = 0x10
 _MAP_POPULATE = 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+# mmap offsets must be multiples of the page size (mmap(2)); a window over
+# [offset, offset + n) maps the whole pages around it.
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -107,6 +112,105 @@ class PosixSegment:
 
 def _munmap(address: int, size: int) -> None:
     _libc.munmap(address, size)
+
+
+def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int, what: str) -> int:
+    addr = _libc.mmap(address, size, prot, flags, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {what} failed: {os.strerror(err)}")
+    return int(addr)
+
+
+class SegmentFile:
+    """An open segment, from which this process maps windows.
+
+    Opening costs a path lookup; mapping a window of an open file costs one
+    mmap(2), so clients keep one ``SegmentFile`` per segment and map a window
+    per tensor.  The fd is closed when the object is garbage collected, which
+    happens after every window made from it is gone (windows hold it)."""
+
+    _fd = -1
+
+    def __init__(self, name: str, *, writable: bool) -> None:
+        self.name = name
+        self.writable = writable
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        fd = os.open(segment_path(name), flags | os.O_CLOEXEC)
+        try:
+            self.size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def window(self, offset: int, nbytes: int, *, writable: bool, populate: bool = False) -> Window:
+        return Window(self, offset, nbytes, writable=writable, populate=populate)
+
+    def exists(self) -> bool:
+        """Whether the segment still has its name (the broker has not unlinked it)."""
+        return os.path.exists(segment_path(self.name))
+
+
+class Window:
+    """One mapping of ``[offset, offset + nbytes)`` of a segment.
+
+    * A *reader* window is ``MAP_PRIVATE`` and writable: published bytes are
+      read in place (the page cache's own pages, no copy), and a stray write
+      through a consumer that ignores read-only flags (torch, jax) lands on a
+      private copy of that page in this process only.  It never reaches the
+      segment, and it never faults.
+    * A *writer* window is ``MAP_SHARED``: writes go to the segment.  After
+      publish, ``make_private`` replaces it in place with a ``MAP_PRIVATE``
+      mapping of the same pages (``MAP_FIXED``, so every view's pointer stays
+      valid): from then on a write through the writer's old views stays in the
+      writer and can never change what readers see.
+
+    The window is unmapped when this object is garbage collected, after every
+    view that references it (numpy arrays, DLPack capsules, torch tensors)."""
+
+    kind = KIND
+    address: int = 0
+
+    def __init__(self, file: SegmentFile, offset: int, nbytes: int, *, writable: bool,
+                 populate: bool = False) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > file.size:
+            raise ValueError(f"window [{offset}, {offset + nbytes}) is outside segment {file.name!r} "
+                             f"of {file.size} bytes")
+        self.file, self.name, self.writable = file, file.name, writable
+        start = offset - offset % PAGE
+        self._len = max(-(-(offset + nbytes) // PAGE) * PAGE - start, PAGE)
+        self._start = start
+        if writable:
+            flags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
+        else:
+            flags = _MAP_PRIVATE
+        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file.fd, start,
+                           repr(file.name))
+        self.address = self._base + offset - start
+        self.size = nbytes
+        self._finalizer = weakref.finalize(self, _munmap, self._base, self._len)
+
+    @property
+    def shared(self) -> bool:
+        return self.writable
+
+    def make_private(self) -> None:
+        """Turn a writer window into a private one, in place (see the class docstring)."""
+        if not self.writable:
+            return
+        _mmap(self._base, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED,
+              self.file.fd, self._start, repr(self.name))
+        self.writable = False
+
+    def __repr__(self) -> str:
+        mode = "shared" if self.writable else "private"
+        return f"Window({self.name!r}, {mode}, size={self.size}, at=0x{self.address:x})"
 
 
 class PosixMapping:

@@ -40,6 +40,17 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
     raise AssertionError(f"timed out after {timeout} s waiting for {what or cond} (last: {last!r})")
 
 
+def file_position(ptr: int) -> tuple[str, int]:
+    """(file, offset in it) of the memory at ``ptr`` in this process, from /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return (parts[5] if len(parts) > 5 else ""), int(parts[2], 16) + ptr - lo
+    raise AssertionError(f"{ptr:#x} is in no mapping")
+
+
 def shm_entries(prefix: str) -> list[str]:
     return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
 

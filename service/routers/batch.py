@@ -2,47 +2,67 @@
 
 from __future__ import annotations
 
-import math
+from fastapi import APIRouter, Request, Response
 
-from fastapi import APIRouter, Request
-
-from ..._errors import DepotError
+from ..._proto import MAX_WAIT
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
-from .._deps import SessionHeader, broker_of
+from .._broker import Version
+from .._deps import RequestHeader, SessionHeader, broker_of, caller, hangup, json_response, once
 
 router = APIRouter(prefix="/v1/batch", tags=["batch"])
 
 
+def _handles(request: Request, pairs: list[tuple[Version, int | None]]) -> Response:
+    broker = broker_of(request)
+    return json_response(HandleList(items=[broker.handle(v, lease) for v, lease in pairs])
+                         .model_dump_json())
+
+
 @router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
-async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None) -> HandleList:
+async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None,
+                     request_id: RequestHeader = None) -> Response:
     broker = broker_of(request)
-    done = []
-    try:
-        for item in req.items:
-            done.append(broker.alloc(session, item))
-    except DepotError:
-        # All or nothing: a batch that does not fit leaves no half-written state dict.
-        for v in done:
-            broker.abandon(v)
-        raise
-    return HandleList(items=[broker.handle(v) for v in done])
+
+    async def run() -> Response:
+        done: list[tuple[Version, int | None]] = []
+        try:
+            for item in req.items:
+                done.append(await broker.alloc(session, caller(request), item))
+        except BaseException:
+            # All or nothing: a batch that does not fit leaves no half-written state dict.
+            for v, hold in done:
+                if hold is not None:
+                    broker.release(session, caller(request), [hold])
+                broker.abandon(v)
+            raise
+        return _handles(request, done)
+
+    return await once(request, run)
 
 
-@router.post("/publish", response_model=HandleList, summary="Publish many versions at once")
-async def publish_many(req: BatchPublish, request: Request, session: SessionHeader = None) -> HandleList:
+@router.post("/publish", response_model=HandleList,
+             summary="Publish many versions at once (all of them, or none)")
+async def publish_many(req: BatchPublish, request: Request, session: SessionHeader = None,
+                       request_id: RequestHeader = None) -> Response:
     broker = broker_of(request)
-    return HandleList(items=[broker.handle(broker.publish(session, i.name, i.version)) for i in req.items])
+
+    async def run() -> Response:
+        versions = broker.publish_many(session, caller(request), [(i.name, i.version) for i in req.items])
+        return _handles(request, [(v, None) for v in versions])
+
+    return await once(request, run)
 
 
-@router.post("/get", response_model=HandleList, summary="Lease many tensors at once")
-async def get_many(req: BatchGet, request: Request, session: SessionHeader = None) -> HandleList:
+@router.post("/get", response_model=HandleList,
+             summary="Lease many tensors at once, under one deadline (all of them, or none)")
+async def get_many(req: BatchGet, request: Request, session: SessionHeader = None,
+                   request_id: RequestHeader = None) -> Response:
     broker = broker_of(request)
-    timeout = None if req.timeout is None or math.isinf(req.timeout) else req.timeout
-    got: list[tuple[object, int]] = []
-    try:
-        for name in req.names:
-            got.append(await broker.get(session, name, timeout))
-    except DepotError:
-        broker.release(session, [lease for _, lease in got])
-        raise
-    return HandleList(items=[broker.handle(v, lease) for v, lease in got])  # type: ignore[arg-type]
+    timeout = None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
+
+    async def run() -> Response:
+        got = await broker.get_many(session, caller(request), req.names, timeout, request=request_id,
+                                    gone=None if timeout == 0 else hangup(request))
+        return _handles(request, list(got))
+
+    return await once(request, run)

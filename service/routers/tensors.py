@@ -1,16 +1,31 @@
-"""Tensors: allocate, publish, put, get (long poll), release, delete, list."""
+"""Tensors: allocate, publish, put, get (long poll), release, delete, list.
+
+The two hottest requests, ``GET /v1/tensors/{name}`` and ``POST
+/v1/put/{name}``, are served by plain Starlette routes placed ahead of
+FastAPI's (``HOT_ROUTES``, inserted by ``app.create_app``): FastAPI's
+routing, dependency solving and parameter validation cost more than twice a
+bare endpoint's whole request.  They parse and check their own parameters,
+exactly as their FastAPI declarations below document them (which serve the
+OpenAPI document), and their errors go through the app's exception handlers
+like every other route's.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+import re
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ValidationError
+from starlette.routing import Route
 
-from ..._errors import DepotError, InvalidRequest
+from ..._errors import InvalidRequest
+from ..._proto import MAX_WAIT, REQUEST_HEADER, SESSION_HEADER
 from ..._wire import (
     INLINE_MAX,
+    MAX_NDIM,
+    NAME_PATTERN,
     AllocRequest,
     Handle,
     LinkRequest,
@@ -18,32 +33,47 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
-from .._deps import SESSION_HEADER, SessionHeader, broker_of, error_response
+from .._deps import (
+    RequestHeader,
+    SessionHeader,
+    broker_of,
+    caller,
+    hangup,
+    json_response,
+    once,
+)
 
 router = APIRouter(prefix="/v1", tags=["tensors"])
+_NAME = re.compile(NAME_PATTERN)
 
 
 def _json(handle: Handle) -> Response:
     # Serialised here: FastAPI would validate the model against response_model
     # again on the way out; the model is already valid by construction.
-    return Response(handle.model_dump_json(), media_type="application/json")
+    return json_response(handle.model_dump_json())
 
 
 class Released(BaseModel):
     released: int
 
 
-# The hot read path parses its own parameters: FastAPI's per-parameter
-# machinery costs more than the lease itself.  They are documented here.
+_SESSION_PARAM = {"name": SESSION_HEADER, "in": "header", "required": True,
+                  "schema": {"type": "string"}, "description": "the id from POST /v1/sessions"}
+_NAME_PARAM = {"name": "name", "in": "path", "required": True,
+               "schema": {"type": "string", "pattern": NAME_PATTERN},
+               "description": "printable ASCII without spaces, 1 to 512 characters"}
+
+# The hot routes parse their own parameters; this is what they enforce.
 _GET_PARAMS = {"parameters": [
+    _NAME_PARAM,
     {"name": "timeout", "in": "query", "required": False,
-     "schema": {"type": "number", "minimum": 0, "default": 0},
-     "description": "seconds to wait for a publish; 0: none; inf: forever"},
+     "schema": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "enum": ["inf"]}],
+                "default": 0},
+     "description": f"seconds to wait for a publish; 0: none; inf (or over {MAX_WAIT:g}): forever"},
     {"name": "newer_than", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 0, "default": 0},
      "description": "only a version newer than this"},
-    {"name": SESSION_HEADER, "in": "header", "required": True, "schema": {"type": "string"},
-     "description": "the id from POST /v1/sessions"},
+    _SESSION_PARAM,
 ]}
 
 
@@ -53,10 +83,17 @@ def _bad_query(message: str) -> InvalidRequest:
     return exc
 
 
+def _name(request: Request) -> str:
+    name: str = request.path_params["name"]
+    if not _NAME.match(name):
+        shown = name if len(name) <= 60 else name[:60] + f"... ({len(name)} characters)"
+        raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no spaces")
+    return name
+
+
 async def get_tensor(request: Request) -> Response:
-    """GET /v1/tensors/{name}.  ``HotPaths`` calls this directly, ahead of
-    FastAPI's routing and parameter machinery, which cost more than the lease
-    itself; the declaration below documents it and serves it otherwise."""
+    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
+    name = _name(request)
     q = request.query_params
     try:
         timeout = float(q.get("timeout", 0.0))
@@ -65,46 +102,23 @@ async def get_tensor(request: Request) -> Response:
         raise _bad_query("timeout must be a number of seconds (or inf), newer_than an integer") from None
     if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
         raise _bad_query("timeout and newer_than must be >= 0")
+    wait = None if timeout > MAX_WAIT else timeout
     broker = broker_of(request)
-    v, lease = await broker.get(request.headers.get(SESSION_HEADER), request.path_params["name"],
-                                None if math.isinf(timeout) else timeout, newer_than)
-    return _json(broker.handle(v, lease))
+    rid = request.headers.get(REQUEST_HEADER)
 
+    async def run() -> Response:
+        ready = broker._ready(name, newer_than) is not None
+        v, lease = await broker.get(request.headers.get(SESSION_HEADER), caller(request), name, wait,
+                                    newer_than, request=rid,
+                                    gone=None if ready or wait == 0 else hangup(request))
+        return _json(broker.handle(v, lease))
 
-@router.get("/tensors/{name:path}", response_model=Handle, openapi_extra=_GET_PARAMS,
-            summary="Lease the newest published version, waiting up to `timeout` seconds")
-async def get_tensor_documented(name: str, request: Request) -> Response:
-    return await get_tensor(request)
-
-
-@router.post("/alloc", response_model=Handle,
-             summary="Allocate a new version (state 'writing') to fill in place")
-async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None) -> Response:
-    broker = broker_of(request)
-    return _json(broker.handle(broker.alloc(session, req)))
-
-
-@router.post("/publish", response_model=Handle, summary="Make a written version visible")
-async def publish(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
-    broker = broker_of(request)
-    return _json(broker.handle(broker.publish(session, req.name, req.version)))
-
-
-@router.post("/abort", status_code=204,
-             summary="Give back an allocated version that will not be published")
-async def abort(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
-    broker_of(request).abort(session, req.name, req.version)
-    return Response(status_code=204)
-
-
-_OCTETS = {"requestBody": {"required": True, "content": {"application/octet-stream": {
-    "schema": {"type": "string", "format": "binary",
-               "description": f"the tensor's C-ordered bytes, at most {INLINE_MAX}"}}}}}
+    return await once(request, run)
 
 
 async def put(request: Request) -> Response:
-    """POST /v1/put/{name}, served like ``get_tensor``."""
-    name = request.path_params["name"]
+    """POST /v1/put/{name} (a hot route; see the module docstring)."""
+    name = _name(request)
     q = request.query_params
     length = request.headers.get("content-length", "")
     if not length.isdigit() or int(length) > INLINE_MAX:
@@ -116,42 +130,111 @@ async def put(request: Request) -> Response:
         ttl = float(q["ttl"]) if q.get("ttl") else None
     except ValueError:
         ttl = -1.0
-    if ttl is not None and not ttl > 0:
-        raise _bad_query("ttl must be a number of seconds > 0")
+    if ttl is not None and not (0 < ttl < math.inf):
+        raise _bad_query("ttl must be a finite number of seconds > 0")
+    shape = q.get("shape", "")
+    if len(shape) > 400:
+        raise _bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
     try:
-        shape = q.get("shape", "")
         dims = [int(d) for d in shape.split(",")] if shape else []
         req = AllocRequest(name=name, shape=dims, dtype=q["dtype"], ttl=ttl)
     except (ValueError, ValidationError) as exc:
         raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
     broker = broker_of(request)
-    body = await request.body()
-    return _json(broker.handle(broker.put_inline(request.headers.get(SESSION_HEADER), req, body)))
+
+    async def run() -> Response:
+        body = await request.body()
+        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
+        return _json(broker.handle(v))
+
+    return await once(request, run)
+
+
+HOT_ROUTES = [
+    Route("/v1/tensors/{name:path}", get_tensor, methods=["GET"]),
+    Route("/v1/put/{name:path}", put, methods=["POST"]),
+]
+
+
+@router.get("/tensors/{name:path}", response_model=Handle, openapi_extra=_GET_PARAMS,
+            summary="Lease the newest published version, waiting up to `timeout` seconds")
+async def get_tensor_documented(request: Request) -> Response:
+    return await get_tensor(request)
+
+
+@router.post("/alloc", response_model=Handle,
+             summary="Allocate a new version (state 'writing') to fill in place")
+async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None,
+                request_id: RequestHeader = None) -> Response:
+    broker = broker_of(request)
+
+    async def run() -> Response:
+        v, hold = await broker.alloc(session, caller(request), req)
+        return _json(broker.handle(v, hold))
+
+    return await once(request, run)
+
+
+@router.post("/publish", response_model=Handle, summary="Make a written version visible")
+async def publish(req: PublishRequest, request: Request, session: SessionHeader = None,
+                  request_id: RequestHeader = None) -> Response:
+    broker = broker_of(request)
+
+    async def run() -> Response:
+        return _json(broker.handle(broker.publish(session, caller(request), req.name, req.version)))
+
+    return await once(request, run)
+
+
+@router.post("/abort", status_code=204,
+             summary="Give back an allocated version that will not be published")
+async def abort(req: PublishRequest, request: Request, session: SessionHeader = None,
+                request_id: RequestHeader = None) -> Response:
+    broker = broker_of(request)
+
+    async def run() -> Response:
+        broker.abort(session, caller(request), req.name, req.version)
+        return Response(status_code=204)
+
+    return await once(request, run)
+
+
+_OCTETS = {
+    "parameters": [_NAME_PARAM, _SESSION_PARAM],
+    "requestBody": {"required": True, "content": {"application/octet-stream": {
+        "schema": {"type": "string", "format": "binary",
+                   "description": f"the tensor's C-ordered bytes, at most {INLINE_MAX}"}}}},
+}
 
 
 @router.post("/put/{name:path}", response_model=Handle, openapi_extra=_OCTETS,
              summary="Allocate, fill and publish a small tensor in one round trip")
 async def put_documented(
-    name: str,
     request: Request,
     dtype: Annotated[str, Query(max_length=40, examples=["float32"])],
     shape: Annotated[str, Query(max_length=400, description="comma-separated dims; empty for a scalar")] = "",
     ttl: Annotated[float | None, Query(gt=0, description="delete this many seconds after publish")] = None,
-    session: SessionHeader = None,
 ) -> Response:
     return await put(request)
 
 
 @router.post("/link", response_model=Handle,
              summary="Publish a leased version's bytes under another name, without a copy")
-async def link(req: LinkRequest, request: Request, session: SessionHeader = None) -> Response:
+async def link(req: LinkRequest, request: Request, session: SessionHeader = None,
+               request_id: RequestHeader = None) -> Response:
     broker = broker_of(request)
-    return _json(broker.handle(broker.link(session, req.name, req.lease, req.ttl)))
+
+    async def run() -> Response:
+        return _json(broker.handle(broker.link(session, caller(request), req.name, req.lease, req.ttl)))
+
+    return await once(request, run)
 
 
-@router.post("/release", response_model=Released, summary="Release leases taken by get")
+@router.post("/release", response_model=Released,
+             summary="Release leases, and cancel requests whose answers were never read")
 async def release(req: ReleaseRequest, request: Request, session: SessionHeader = None) -> Released:
-    return Released(released=broker_of(request).release(session, req.leases))
+    n = broker_of(request).release(session, caller(request), req.leases, req.requests)
+    return Released(released=n)
 
 
 @router.get("/tensors", response_model=TensorList, summary="List tensors")
@@ -164,37 +247,3 @@ async def list_tensors(request: Request) -> TensorList:
 async def delete_tensor(name: str, request: Request) -> Response:
     broker_of(request).delete(name)
     return Response(status_code=204)
-
-
-class HotPaths:
-    """ASGI middleware that serves the two hottest requests, GET
-    /v1/tensors/{name} and POST /v1/put/{name}, before FastAPI routes them.
-
-    Routing, dependency solving and parameter validation cost FastAPI more
-    than twice a bare endpoint's whole request; the control plane's speed is
-    the product (README, Benchmarks: B5).  The handlers are the same functions
-    the documented routes call, and errors get the same body as everywhere."""
-
-    _GET = "/v1/tensors/"
-    _PUT = "/v1/put/"
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            path, method = scope["path"], scope["method"]
-            handler = None
-            if method == "GET" and path.startswith(self._GET) and len(path) > len(self._GET):
-                handler, name = get_tensor, path[len(self._GET):]
-            elif method == "POST" and path.startswith(self._PUT) and len(path) > len(self._PUT):
-                handler, name = put, path[len(self._PUT):]
-            if handler is not None:
-                scope["path_params"] = {"name": name}
-                try:
-                    response = await handler(Request(scope, receive))
-                except DepotError as exc:
-                    response = error_response(exc.status, exc.code, str(exc))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -22,6 +22,7 @@ import pytest
 from _harness import BrokerProc, wait_for
 from _workerio import Worker, metrics, proc_state
 from tensordepot import BrokerUnavailable, Client, InvalidRequest, Stat, TensorInfo, TensorNotFound
+from tensordepot._proto import proc_stat
 from tensordepot.client._transport import Transport
 
 N = 1 << 18  # float64 elements: 2 MiB, so puts take the alloc + publish path
@@ -442,10 +443,11 @@ def test_stat_and_tensor_info(broker: BrokerProc) -> None:
         w = c.empty("c", (10,), "float64")  # 80 bytes, never published
         a1, a2 = c.get("a"), c.get("a")
         st = c.stat()
+        # Three leases: two readers of "a", and the writer's own hold on "c".
         assert (st.bytes_in_use, st.tensors, st.leases, st.sessions) == (
             8000 + (1 << 20) + 80,
             2,
-            2,
+            3,
             1,
         )
 
@@ -464,7 +466,7 @@ def test_stat_and_tensor_info(broker: BrokerProc) -> None:
             int(shown["tensors"]),
             int(shown["leases"]),
             int(shown["sessions"]),
-        ) == (st.bytes_in_use, 2, 2, 2), out
+        ) == (st.bytes_in_use, 2, 3, 2), out
 
         rows = {line.split()[0]: line.split() for line in _cli(broker.url, "ls").splitlines()}
         assert rows["NAME"][-2:] == ["READERS", "STATE"]
@@ -528,12 +530,13 @@ def _free_port() -> int:
 
 
 def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., BrokerProc]) -> None:
-    """Over TCP the broker cannot read the peer's pid.  A claimed pid counts only
-    if its start time matches; otherwise the session lives on heartbeats."""
+    """Over TCP the broker cannot read the peer's pid, and a pid a client merely
+    claims is never trusted (not even with its real start time, or pid 1): such
+    sessions live on heartbeats."""
     tcp = f"http://127.0.0.1:{_free_port()}"
     b = broker_factory("--listen", tcp, "--session-ttl", "1")
     with Client(tcp) as honest:
-        assert honest._session.tracked, "a client that sends its real pid and start time is tracked"
+        assert not honest._session.tracked, "a pid claimed over TCP must not make a session tracked"
     t = Transport(tcp)
     try:
 
@@ -541,7 +544,7 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
             info = t.request("POST", "/v1/sessions", {"pid": pid, "start_time": start})
             return {"x-tensordepot-session": info["session"]}, info
 
-        beating, info1 = session(os.getpid(), 1)  # our pid, a wrong start time: a reused pid
+        beating, info1 = session(1, _start_time(1))  # pid 1 with its real start time
         silent, info2 = session(os.getpid(), None)
         for i in (info1, info2):
             assert not i["tracked"] and i["heartbeat_interval"] == pytest.approx(1 / 3)
@@ -552,15 +555,21 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
         t0 = time.monotonic()
 
         def silent_reaped() -> bool:
-            t.request("POST", f"/v1/sessions/{beating['x-tensordepot-session']}/heartbeat")
+            t.request("POST", f"/v1/sessions/{beating['x-tensordepot-session']}/heartbeat",
+                      headers=beating)
             st = b.stat()
             return st.leases == 1 and st.sessions == 2  # `beating` and the stat's own
 
         wait_for(silent_reaped, 10, interval=0.1, what="the silent session to be reaped")
         assert time.monotonic() - t0 >= 0.9, "reaped before its heartbeat ttl"
-        t.request("DELETE", f"/v1/sessions/{beating['x-tensordepot-session']}")
+        t.request("DELETE", f"/v1/sessions/{beating['x-tensordepot-session']}", headers=beating)
     finally:
         t.close()
+
+
+def _start_time(pid: int) -> int | None:
+    ident = proc_stat(pid)
+    return None if ident is None else ident[0]
 
 
 def _fork_with_pid(pid: int) -> subprocess.Popen[bytes] | None:

@@ -277,7 +277,7 @@ def test_conflicts_are_409(app: App) -> None:
     r = app.tc.post("/v1/publish", json={"name": "w", "version": h["version"]}, headers=app.headers())
     assert_error(r, 409, "conflict", "another session")
     assert_error(app.alloc("x", [4], sid="0" * 32), 409, "unknown_session", "open a new one")
-    assert_error(app.tc.delete("/v1/sessions/" + "0" * 32), 409, "conflict")
+    assert_error(app.tc.delete("/v1/sessions/" + "0" * 32), 409, "unknown_session")
     assert_error(app.tc.post("/v1/sessions/nope/heartbeat"), 409, "unknown_session")
     assert app.tc.delete(f"/v1/sessions/{other}").status_code == 204  # reclaims w's version
     check_accounting(app.broker)
@@ -317,7 +317,7 @@ def test_shutting_down_is_503(app: App) -> None:
     waiter = threading.Thread(target=lambda: results.append(
         app.tc.get("/v1/tensors/never?timeout=60", headers=app.headers())))
     waiter.start()
-    wait_for(lambda: "never" in app.broker._events, 10, what="the get to wait")
+    wait_for(lambda: "never" in app.broker._waits, 10, what="the get to wait")
     app.on_loop(app.broker.begin_shutdown)
     waiter.join(10)
     assert not waiter.is_alive(), "a waiting get must wake when the broker shuts down"

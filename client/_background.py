@@ -1,0 +1,172 @@
+"""The client's background thread: sends lease releases and request
+cancellations, heartbeats heartbeat sessions, and forgets segments the
+broker unlinked.
+
+Finalizers (a view dying) only append to a deque and write one byte to a
+pipe: they may run in any thread at any time, even inside this thread's own
+code, so they must not take locks.  Releases wait up to ``_COALESCE``
+seconds for company, or ride on the client's next request.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .._errors import DepotError
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+log = logging.getLogger("tensordepot.client")
+_COALESCE = 0.01  # seconds a queued release may wait for company (or a request to ride)
+
+Key = tuple[str, int]  # (session id, lease id): ids restart with each broker
+
+
+class Background:
+    """One daemon thread per Client."""
+
+    def __init__(self, client: Client) -> None:
+        self.pending: collections.deque[Key] = collections.deque()
+        self.cancels: collections.deque[tuple[str, str]] = collections.deque()
+        self.live: set[Key] = set()  # leases some view still holds
+        # After fork: the parent's (session, lease) -> the child's copy of it.
+        self.renamed: dict[Key, Key] = {}
+        self._client = client
+        self.heartbeat: float | None = None
+        self._start()
+
+    def _start(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._stop = False
+        self._armed = False
+        self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
+        self.thread.start()
+
+    def after_fork(self, renamed: dict[Key, Key]) -> None:
+        """In a forked child: the parent's thread is gone and its pipe is the
+        parent's.  Start our own, keep only the leases the child now holds."""
+        for fd in (self._r, self._w):
+            os.close(fd)
+        self.pending.clear()
+        self.cancels.clear()
+        self.renamed = renamed
+        self.live = {renamed[k] for k in self.live if k in renamed}
+        self._start()
+
+    # -- what finalizers and calls queue -----------------------------------
+    def track(self, sid: str, lease_id: int) -> None:
+        self.live.add((sid, lease_id))
+
+    def release_later(self, sid: str, lease_id: int) -> None:
+        key = self.renamed.get((sid, lease_id), (sid, lease_id))
+        self.live.discard(key)
+        self.pending.append(key)
+        self._wake()
+
+    def cancel_later(self, sid: str, request_id: str) -> None:
+        """A request whose answer was never read (Ctrl-C, a client-side timeout):
+        the broker releases whatever it granted to it."""
+        self.cancels.append((sid, request_id))
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._armed:
+            self._armed = True
+            try:
+                os.write(self._w, b"x")
+            except OSError:
+                pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def take(self, limit: int = 4096) -> tuple[list[int], list[str]]:
+        """Pending lease ids and request ids of the current session, for a
+        request to carry (or for ``flush``).  Those of an earlier session ended
+        with it (the broker restarted, or reaped it), and their ids may now
+        name leases of the current session: they are dropped, never sent."""
+        sid = self._client._sid
+        ids: list[int] = []
+        while self.pending and len(ids) < limit:
+            try:
+                owner, lease_id = self.pending.popleft()
+            except IndexError:
+                break
+            if owner == sid:
+                ids.append(lease_id)
+        rids: list[str] = []
+        while self.cancels and len(rids) < limit:
+            try:
+                owner, rid = self.cancels.popleft()
+            except IndexError:
+                break
+            if owner == sid:
+                rids.append(rid)
+        return ids, rids
+
+    def give_back(self, ids: list[int], rids: list[str]) -> None:
+        """A request that carried these failed before the broker answered: queue
+        them again (releasing twice is harmless; ids are never reused)."""
+        sid = self._client._sid
+        self.pending.extend((sid, i) for i in ids)
+        self.cancels.extend((sid, r) for r in rids)
+        self._wake()
+
+    def flush(self) -> None:
+        ids, rids = self.take(1 << 20)
+        if ids or rids:
+            try:
+                self._client._call("POST", "/v1/release", {"leases": ids, "requests": rids},
+                                   background=True)
+            except DepotError as exc:  # the broker is gone: its leases are gone with it
+                log.debug("release of %d lease(s) failed: %s", len(ids), exc)
+
+    # -- the thread ------------------------------------------------------------
+    def _run(self) -> None:
+        last_beat = last_prune = time.monotonic()
+        client = self._client
+        while not self._stop:
+            wait = 1.0 if self.heartbeat is None else min(1.0, self.heartbeat)
+            try:
+                readable, _, _ = select.select([self._r], [], [], wait)
+                if readable:
+                    os.read(self._r, 4096)
+                    # Coalesce: releases queued in the next few milliseconds go in
+                    # one request, and a foreground request may carry them first.
+                    # Still armed meanwhile, so they do not wake us again.
+                    time.sleep(_COALESCE)
+                    self._armed = False
+            except OSError:
+                break
+            client._claim_if_forked()
+            self.flush()
+            now = time.monotonic()
+            if self.heartbeat is not None and now - last_beat >= self.heartbeat:
+                last_beat = now
+                try:
+                    client._call("POST", f"/v1/sessions/{client._sid}/heartbeat", background=True)
+                except DepotError:
+                    pass
+            if now - last_prune >= 2.0:
+                last_prune = now
+                client._prune_files()
+            client._maybe_finish_close()
+
+    def stop(self) -> None:
+        self._stop = True
+        try:
+            os.write(self._w, b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

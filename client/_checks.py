@@ -1,0 +1,97 @@
+"""Argument checks at the API boundary: every bad input becomes a
+``DepotError`` that names the argument, what was given and what is allowed.
+
+Timeouts are validated here once (README, Lifetime: M6): ``None`` and
+``inf`` wait forever, NaN and negative values are refused, and no value can
+overflow a socket timeout or produce JSON that is not JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._errors import InvalidRequest, InvalidType
+from .._proto import MAX_WAIT
+from .._wire import NAME_PATTERN
+
+_NAME = re.compile(NAME_PATTERN)
+NAME_RULE = "1 to 512 printable ASCII characters, no spaces"
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to a sane length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def check_name(name: Any, what: str = "name") -> str:
+    if not isinstance(name, str):
+        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} {shown(name)}")
+    if not _NAME.match(name):
+        raise InvalidRequest(f"{what} {shown(name)} is not a valid tensor name: use {NAME_RULE}")
+    return name
+
+
+def check_names(names: Any) -> list[str]:
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise InvalidType(f"names must be a list of tensor names, not {type(names).__name__} "
+                          f"{shown(names)}; for one name use get()")
+    return [check_name(n, "each name") for n in names]
+
+
+def check_mapping(tensors: Any) -> Mapping[str, Any]:
+    if not isinstance(tensors, Mapping):
+        raise InvalidType(f"put_many takes a mapping of name -> tensor (a state dict), not "
+                          f"{type(tensors).__name__}")
+    for name in tensors:
+        check_name(name, "each name")
+    return tensors
+
+
+def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
+    """Seconds to wait, or None for forever."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise InvalidType(f"{what} must be a number of seconds or None (wait forever), not "
+                          f"{type(timeout).__name__} {shown(timeout)}")
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise InvalidRequest(f"{what} must be >= 0 seconds, or None to wait forever; got {t}")
+    return None if t > MAX_WAIT else t
+
+
+def check_ttl(ttl: Any) -> float | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
+        raise InvalidType(f"ttl must be a number of seconds or None, not {type(ttl).__name__} {shown(ttl)}")
+    t = float(ttl)
+    if not 0 < t < math.inf:
+        raise InvalidRequest(f"ttl must be a finite number of seconds > 0, or None; got {t}")
+    return t
+
+
+def check_version(v: Any, what: str = "newer_than") -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} {shown(v)}")
+    if v < 0:
+        raise InvalidRequest(f"{what} must be >= 0, got {v}")
+    return int(v)
+
+
+def check_shape(shape: Any) -> list[int]:
+    try:
+        dims = list(shape)
+    except TypeError:
+        raise InvalidType(f"shape must be a sequence of ints, not {type(shape).__name__} {shown(shape)}") from None
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+            raise InvalidType(f"shape must hold ints, not {shown(d)} in {shown(shape)}")
+        if d < 0:
+            raise InvalidRequest(f"shape {shown(shape)} has a negative dimension")
+    return [int(d) for d in dims]

@@ -1,0 +1,194 @@
+"""Sessions: who a client is, whether it is still alive, and what it may touch.
+
+A session belongs to the identity that opened it (the SO_PEERCRED uid on a
+unix socket, the token on TCP): only that identity may use, heartbeat,
+fork, claim or close it.  Liveness is checked in one of two ways:
+
+* **tracked**: the broker itself knows the pid (SO_PEERCRED) and its start
+  time, and the session ends when that process is gone.  Nothing the client
+  says about its pid is trusted;
+* **heartbeat**: the session ends when the client has not been heard from for
+  ``session_ttl`` seconds.  Such a session is *unverifiable*: the process may
+  be paused, not dead, and may still map what it was given.  Its memory is
+  therefore retired, never reused (README, Lifetime: M1).
+
+Everything here runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .._errors import Conflict, Forbidden, InvalidRequest, LimitExceeded
+from .._proto import REQUEST_CACHE, UNKNOWN_SESSION, proc_stat
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from ._broker import Version
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: a stable identity, and the pid the kernel vouches for."""
+
+    identity: str
+    peer_pid: int | None = None  # SO_PEERCRED on a unix socket; never a claimed pid
+
+    @property
+    def peer(self) -> str:
+        """What the per-peer session limit counts: the process, else the identity."""
+        return f"pid:{self.peer_pid}" if self.peer_pid else self.identity
+
+
+LOCAL = Caller("broker")  # the broker's own sessions (tests, internal work)
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    owner: str  # Caller.identity of whoever opened it
+    peer: str
+    pid: int | None
+    start_time: int | None
+    tracked: bool
+    label: str | None
+    last_seen: float
+    ttl: float  # heartbeat sessions end after this long unheard
+    claimed: bool = True  # False for a forked child's session until the child claims it
+    leases: set[int] = field(default_factory=set)
+    writing: set[Version] = field(default_factory=set)
+    bytes: int = 0  # bytes of versions it allocated that are still alive (quota)
+    # Idempotency: answers to recent request ids, and gets still waiting.
+    answers: OrderedDict[str, tuple[int, bytes]] = field(default_factory=OrderedDict)
+    running: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    by_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> leases
+    waits: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # request id -> cancel
+
+    def remember(self, rid: str, status: int, body: bytes) -> None:
+        self.answers[rid] = (status, body)
+        while len(self.answers) > REQUEST_CACHE:
+            self.answers.popitem(last=False)
+
+
+class Sessions:
+    """The table of sessions, with the limits that keep it bounded."""
+
+    def __init__(self, *, session_ttl: float, claim_window: float, max_sessions: int,
+                 max_per_peer: int, clock: Callable[[], float], proc: str = "/proc") -> None:
+        self.session_ttl = session_ttl
+        self.claim_window = claim_window
+        self.max_sessions = max_sessions
+        self.max_per_peer = max_per_peer
+        self.clock = clock
+        self.proc = proc
+        self.table: dict[str, Session] = {}
+        self._per_peer: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.table))
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self.table
+
+    def __getitem__(self, sid: str) -> Session:
+        return self.table[sid]
+
+    def values(self) -> list[Session]:
+        return list(self.table.values())
+
+    def get(self, sid: str) -> Session | None:
+        return self.table.get(sid)
+
+    def open(self, caller: Caller, *, label: str | None, claimed: bool = True) -> Session:
+        if len(self.table) >= self.max_sessions:
+            raise LimitExceeded(
+                f"the broker holds {len(self.table)} sessions, its limit (--max-sessions); "
+                f"close clients you no longer use"
+            )
+        if self._per_peer.get(caller.peer, 0) >= self.max_per_peer:
+            raise LimitExceeded(
+                f"{caller.peer} already holds {self.max_per_peer} sessions (--max-sessions-per-peer); "
+                f"share one Client per process instead of opening one per call"
+            )
+        pid, start, tracked = None, None, False
+        if claimed and caller.peer_pid:
+            # SO_PEERCRED is the kernel's word for who is on the other end of
+            # the unix socket; a pid a client merely claims is never trusted.
+            ident = proc_stat(caller.peer_pid, self.proc)
+            if ident is not None:
+                pid, start, tracked = caller.peer_pid, ident[0], True
+        ttl = self.session_ttl if claimed else self.claim_window
+        s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
+                    self.clock(), ttl, claimed=claimed)
+        self.table[s.id] = s
+        self._per_peer[caller.peer] = self._per_peer.get(caller.peer, 0) + 1
+        return s
+
+    def claim(self, s: Session, caller: Caller) -> None:
+        """A forked child takes over the session its parent made for it."""
+        if s.claimed:
+            raise Conflict(f"session {s.id[:8]}... was claimed already")
+        self._per_peer[s.peer] -= 1
+        s.claimed, s.peer, s.ttl = True, caller.peer, self.session_ttl
+        self._per_peer[s.peer] = self._per_peer.get(s.peer, 0) + 1
+        if caller.peer_pid:
+            ident = proc_stat(caller.peer_pid, self.proc)
+            if ident is not None:
+                s.pid, s.start_time, s.tracked = caller.peer_pid, ident[0], True
+
+    def use(self, sid: str | None, caller: Caller) -> Session:
+        """The session ``sid`` if ``caller`` owns it; refreshes its heartbeat."""
+        if not sid:
+            raise InvalidRequest(
+                "this call needs a session: send the x-tensordepot-session header "
+                "(POST /v1/sessions opens one; the Python Client does this for you)"
+            )
+        s = self.table.get(sid)
+        if s is None:
+            exc = Conflict(
+                f"session {sid[:8]}... is unknown: it ended (process exit, missed heartbeats) "
+                f"or the broker restarted; open a new one"
+            )
+            exc.code = UNKNOWN_SESSION
+            raise exc
+        if s.owner != caller.identity:
+            raise Forbidden(
+                f"session {sid[:8]}... belongs to another client; use the session your own "
+                f"POST /v1/sessions returned"
+            )
+        s.last_seen = self.clock()
+        return s
+
+    def remove(self, s: Session) -> None:
+        if self.table.pop(s.id, None) is None:
+            return
+        left = self._per_peer[s.peer] - 1
+        if left:
+            self._per_peer[s.peer] = left
+        else:
+            del self._per_peer[s.peer]
+
+    def dead(self) -> list[tuple[Session, bool]]:
+        """Sessions to end now, each with whether the broker *knows* its process
+        is gone (True) or only stopped hearing from it (False)."""
+        now = self.clock()
+        out: list[tuple[Session, bool]] = []
+        alive: dict[int, Any] = {}  # one /proc read per pid, however many sessions it has
+        for s in self.table.values():
+            if s.tracked and s.pid:
+                if s.pid not in alive:
+                    alive[s.pid] = proc_stat(s.pid, self.proc)
+                ident = alive[s.pid]
+                if ident is None or ident[0] != s.start_time or ident[1] in ("Z", "X"):
+                    out.append((s, True))
+            elif now - s.last_seen > s.ttl:
+                out.append((s, False))
+        return out
