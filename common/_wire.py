@@ -19,15 +19,23 @@ INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
 
 
 class _Frozen(BaseModel):
+    """What a client sends: unknown fields are refused (422), never ignored."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ErrorDetail(_Frozen):
+class _Answer(BaseModel):
+    """What the broker sends: a client ignores fields a newer broker added."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class ErrorDetail(_Answer):
     code: str = Field(examples=["not_found"])
     message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish it?"])
 
 
-class ErrorBody(_Frozen):
+class ErrorBody(_Answer):
     error: ErrorDetail
 
 
@@ -37,14 +45,14 @@ class SessionOpen(_Frozen):
     label: str | None = Field(None, max_length=200)
 
 
-class SessionInfo(_Frozen):
+class SessionInfo(_Answer):
     session: str
     pid: int | None
     tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by heartbeat")
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
 
 
-class ForkInfo(_Frozen):
+class ForkInfo(_Answer):
     """A session made for a child process about to be forked, holding copies
     of the parent's leases, so that the views the child inherits stay valid.
     The child claims it (POST /v1/sessions/{session}/claim) within the claim
@@ -65,7 +73,7 @@ class AllocRequest(_Frozen):
                                           "keeps the memory theirs after publish, delete or supersede")
 
 
-class Handle(_Frozen):
+class Handle(_Answer):
     """Where a tensor version lives.  Metadata only."""
 
     name: str
@@ -101,7 +109,7 @@ class ReleaseRequest(_Frozen):
                     "and their waits cancelled")
 
 
-class TensorInfo(_Frozen):
+class TensorInfo(_Answer):
     name: str
     version: int
     shape: list[int]
@@ -113,7 +121,7 @@ class TensorInfo(_Frozen):
     expires_in: float | None = None
 
 
-class Stat(_Frozen):
+class Stat(_Answer):
     """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
 
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
@@ -127,6 +135,7 @@ class Stat(_Frozen):
     leases: int
     sessions: int
     segments: int
+    waiting: int = Field(0, description="gets parked now, waiting for a publish")
 
 
 class BatchAlloc(_Frozen):
@@ -143,14 +152,14 @@ class BatchGet(_Frozen):
                                   description="one deadline for the whole batch, in seconds; null: forever")
 
 
-class HandleList(_Frozen):
+class HandleList(_Answer):
     items: list[Handle]
 
 
-class TensorList(_Frozen):
+class TensorList(_Answer):
     items: list[TensorInfo]
 
 
-class Health(_Frozen):
+class Health(_Answer):
     status: Literal["ok", "shutting_down"]
     version: str

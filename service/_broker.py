@@ -149,6 +149,7 @@ class Broker:
         self.leases: dict[int, Lease] = {}
         self.bytes_in_use = 0
         self.versions_live = 0
+        self.waiting = 0  # gets parked now
         self.closing = False
         self._lease_ids = itertools.count(1)
         self._waits: dict[str, _Wait] = {}
@@ -630,6 +631,7 @@ class Broker:
         if w is None:
             w = self._waits[name] = _Wait()
         w.count += 1
+        self.waiting += 1
         try:
             while True:
                 waiter = asyncio.ensure_future(w.event.wait())
@@ -652,6 +654,7 @@ class Broker:
                     w = self._waits.get(name) or self._waits.setdefault(name, _Wait())
                     w.count += 1
         finally:
+            self.waiting -= 1
             w.count -= 1
             if w.count == 0 and self._waits.get(name) is w:
                 del self._waits[name]  # nobody waits: the state goes with the last waiter
@@ -750,7 +753,7 @@ class Broker:
                     max_memory=self.pool.max_memory,
                     tensors=sum(1 for e in self.entries.values() if e.ready is not None),
                     versions=self.versions_live, leases=len(self.leases),
-                    sessions=len(self.sessions), segments=self.pool.segments)
+                    sessions=len(self.sessions), segments=self.pool.segments, waiting=self.waiting)
 
     # -- shutdown ------------------------------------------------------------
     def begin_shutdown(self) -> None:

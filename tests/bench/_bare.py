@@ -3,9 +3,10 @@
     python tests/bench/_bare.py /tmp/dir/bare.sock
 
 The uvicorn settings are the broker's (service/_cli.py): httptools, a unix
-socket bound by us with mode 0600, keep-alive 300 s, lifespan on, no access
-log.  The endpoint returns a constant JSON body of the size of a get's handle
-and does nothing else, so the gap to the broker is the broker's own work.
+socket bound by us with mode 0600, lifespan on, no access log.  The endpoint
+returns a constant JSON body of the size of a get's handle, with the header
+by which the client recognises a broker, and does nothing else, so the gap to
+the broker is the broker's own work.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from tensordepot._proto import SERVER_HEADER
+from tensordepot._version import __version__
 
 HANDLE = {
     "name": "b5.small",
@@ -35,14 +39,15 @@ HANDLE = {
 
 def create_app() -> FastAPI:
     app = FastAPI()
+    marked = {SERVER_HEADER: __version__}
 
     @app.get("/v1/tensors/{name:path}")
-    async def get_tensor(name: str) -> dict[str, object]:
-        return HANDLE
+    async def get_tensor(name: str) -> JSONResponse:
+        return JSONResponse(HANDLE, headers=marked)
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"}, headers=marked)
 
     return app
 
@@ -63,7 +68,7 @@ def main(path: str) -> None:
         lifespan="on",
         log_config=None,
         access_log=False,
-        timeout_keep_alive=300,
+        timeout_keep_alive=120,
         timeout_graceful_shutdown=5,
         log_level="warning",
     )

@@ -1,0 +1,276 @@
+"""The mishaps users cause, with real processes: no live view ever sees
+another tensor's bytes (README, Lifetime: M1 to M8).
+
+Each test makes one mishap happen to a real worker (a writer that keeps its
+views, SIGSTOP past the session TTL in another pid namespace, Ctrl-C in the
+middle of a copy or a wait, fork), then makes the broker hand the memory in
+question to *another* tensor if it would, and checks that tensor's bytes,
+and the worker's own views, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, wait_for
+from _workerio import Worker
+from tensordepot import Client, Stat, TensorNotFound
+
+MiB = 1 << 20
+N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(*args: str) -> Worker:
+        w = Worker("mishap", *args)
+        started.append(w)
+        w.expect("ready")
+        return w
+
+    yield start
+    for w in started:
+        if w.proc.poll() is None:
+            os.kill(w.pid, signal.SIGCONT)
+        w.close()
+
+
+def churn(c: Client, name: str, n: int, fill: float, times: int = 4) -> np.ndarray:
+    """Put ``name`` a few times, so that a range freed too early is reused, and
+    return a view of the last version (a reader holding it)."""
+    for _ in range(times):
+        c.put(name, np.full(n, fill, dtype=np.float32))
+    return np.from_dlpack(c.get(name))
+
+
+def same(view: np.ndarray, fill: float) -> bool:
+    return bool(view.tobytes() == np.full(view.shape, fill, dtype=np.float32).tobytes())
+
+
+def stat_when(c: Client, pred: Callable[[Stat], bool], what: str, timeout: float = 10) -> Stat:
+    def check() -> Stat | None:
+        st = c.stat()
+        return st if pred(st) else None
+
+    return wait_for(check, timeout, what=what)  # type: ignore[no-any-return]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# -- M1/M2: a writer's views outlive its version ------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["supersede", "delete", "ttl"])
+def test_writer_views_never_reach_another_tensor(broker: BrokerProc, workers: Callable[..., Worker],
+                                                 how: str) -> None:
+    w = workers(broker.url)
+    w.ask(f"empty a {N} 1.0" + (" 0.5" if how == "ttl" else ""), "ok")
+    with broker.client() as c:
+        if how == "supersede":
+            c.put("a", np.full(N, 2.0, dtype=np.float32))
+        elif how == "delete":
+            c.delete("a")
+        else:
+            wait_for(lambda: not any(i.name == "a" for i in c.list()), 10, what="'a' to expire")
+        held = churn(c, "b", N, 7.0)
+        w.ask("scribble a -999", "ok")  # through the writer's numpy and torch views
+        assert same(held, 7.0), "a writer's stale view changed another tensor's bytes"
+        assert same(np.from_dlpack(c.get("b")), 7.0)
+        if how == "supersede":
+            assert same(np.from_dlpack(c.get("a")), 2.0)
+        w.ask("drop a", "ok")
+        del held
+
+
+def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+    w = workers(broker.url)
+    w.ask(f"empty a {N} 1.0", "ok")
+    with broker.client() as c:
+        held = np.from_dlpack(c.get("a"))
+        w.ask("scribble a 5.0", "ok")
+        assert same(held, 1.0) and same(np.from_dlpack(c.get("a")), 1.0), "published bytes changed"
+        del held
+
+
+# -- M1: a paused client the broker cannot vouch for --------------------------------------------
+
+
+def _in_pid_namespace() -> list[str] | None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    ok = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                        check=False)
+    return ["unshare", "--pid", "--fork", "--mount-proc"] if ok.returncode == 0 else None
+
+
+@pytest.mark.parametrize("holds", ["reader", "writer"])
+def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[..., BrokerProc],
+                                                   holds: str) -> None:
+    """A client in another pid namespace, over TCP: the broker cannot check its
+    pid, so it lives on heartbeats.  SIGSTOP it past --session-ttl: it is
+    reaped, and the memory it may still map is retired, never reused."""
+    prefix = _in_pid_namespace()
+    if prefix is None:
+        pytest.skip("needs root and unshare --pid to put the client in another pid namespace")
+    tcp = f"http://127.0.0.1:{free_port()}"
+    broker_factory("--listen", tcp, "--session-ttl", "1")
+    w = Worker("mishap", tcp, wrap=prefix)  # its pid in its namespace is 1 or 2
+    proc = w.proc
+    try:
+        w.expect("ready")
+        with Client(tcp) as c:
+            if holds == "reader":
+                c.put("a", np.full(N, 1.0, dtype=np.float32))
+                w.ask("get a", "ok")
+            else:
+                w.ask(f"hold a {N} 1.0", "ok")
+            os.kill(proc.pid, signal.SIGSTOP)  # unshare: the whole namespace's tree stops with it
+            for p in _children(proc.pid):
+                os.kill(p, signal.SIGSTOP)
+            stat_when(c, lambda s: s.sessions == 1, "the paused session to be reaped", 15)
+            if holds == "reader":
+                c.delete("a")  # the paused reader's version is gone now; its bytes stay retired
+            # Retired: never handed out again (its segment is unlinked once nothing
+            # else lives in it; the paused process keeps its own mapping).
+            stat_when(c, lambda s: s.retired_total >= MiB, "the paused client's memory to be retired")
+            held = churn(c, "b", N, 7.0)
+            for p in [proc.pid, *_children(proc.pid)]:
+                os.kill(p, signal.SIGCONT)
+            if holds == "reader":
+                assert w.ask("check a", "") == "same", "a resumed reader sees other bytes"
+            else:
+                w.ask("scribble a -999", "ok")
+            assert same(held, 7.0) and same(np.from_dlpack(c.get("b")), 7.0)
+            w.send("exit")
+            assert w.wait() == 0, w.stderr()
+            del held
+            c.delete("b")
+            stat_when(c, lambda s: s.bytes_retired == 0 and s.bytes_in_use == 0,
+                      "the retired segment to go once nothing else lives in it")
+    finally:
+        w.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in _children(k)]
+
+
+# -- M1: Ctrl-C in the middle of a copy -----------------------------------------------------------
+
+
+def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., BrokerProc],
+                                                workers: Callable[..., Worker]) -> None:
+    b = broker_factory(max_memory="4GiB")
+    w = workers(b.url)
+    w.ask("bigput warm 512", "putting")
+    w.expect("done", timeout=120)  # the segment now exists and stays warm
+    with b.client() as c:
+        c.delete("warm")
+        w.send("bigput x 512")  # a non-contiguous source: split by rows over the copy threads
+        w.expect("putting")
+        stat_when(c, lambda s: s.bytes_in_use >= 500 * MiB, "the allocation to be made", 30)
+        os.kill(w.pid, signal.SIGINT)
+        w.expect("interrupted", timeout=60)
+        # The aborted range is free; the next put lands in it.
+        assert not any(i.name == "x" for i in c.list())
+        c.put("y", np.full(128 * MiB, 7.0, dtype=np.float32))
+        got = np.from_dlpack(c.get("y"))
+        assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
+        w.ask("put z 1 0", "ok")  # the worker carries on after the interrupt
+        assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
+        del got
+
+
+# -- M8: fork -----------------------------------------------------------------------------------------
+
+
+def test_fork_child_client_works_and_inherited_views_hold(broker: BrokerProc,
+                                                          workers: Callable[..., Worker],
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    fifo = str(tmp_path_factory.mktemp("fork") / "cmds")
+    os.mkfifo(fifo)
+    w = workers(broker.url)
+    w.ask("bigput warm 64", "putting")  # the copy threads exist in the parent
+    w.expect("done")
+    with broker.client() as c:
+        c.put("a", np.full(N, 1.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        w.ask(f"empty e {N} 4.0", "ok")
+        w.send(f"fork {fifo}")
+        w.expect("forked")
+        w.expect("child put", timeout=60)  # the inherited Client works; a hang fails here
+        with open(fifo, "w") as cmds:
+            # The parent lets go of everything; the memory would be reused.
+            w.ask("drop a", "ok")
+            w.ask("drop e", "ok")
+            c.delete("a")
+            c.delete("e")
+            held = churn(c, "b", N, 7.0)
+            cmds.write("check a\n")
+            cmds.flush()
+            assert w.expect("child") == "child same", "a forked child's inherited view changed"
+            cmds.write("scribble e -999\n")
+            cmds.flush()
+            w.expect("child ok")
+            assert same(held, 7.0) and same(np.from_dlpack(c.get("b")), 7.0)
+            assert same(np.from_dlpack(c.get("child.put")), 3.0)
+            cmds.write("exit\n")
+        del held
+
+
+# -- M3: versions only grow ---------------------------------------------------------------------------
+
+
+def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+    with broker.client() as c:
+        for i in range(3):
+            c.put("v", np.full(4, float(i), dtype=np.float32))
+        assert c.get("v").version == 3
+        c.delete("v")
+        w = workers(broker.url)
+        w.ask("hold v 4 1.0", "ok")  # an empty() of the same name, never published...
+        w.kill()
+        w.wait()  # ...and reclaimed when its writer dies
+        stat_when(c, lambda s: s.versions == 0, "the dead writer's version to be reclaimed")
+        waiter = workers(broker.url)
+        waiter.send("waitget v")
+        waiter.expect("waiting")
+        v = c.put("v", np.full(4, 9.0, dtype=np.float32))
+        assert v > 4, f"after v3 and a reclaimed v4, the next version is {v}"
+        assert waiter.expect("got").split()[1] == str(v)
+        with pytest.raises(TensorNotFound, match="newer than v5"):
+            c.get("v", timeout=0.2, newer_than=v)
+
+
+# -- M4: leases nobody holds -----------------------------------------------------------------------
+
+
+def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+    w = workers(broker.url)
+    w.send("waitget later")
+    w.expect("waiting")
+    with broker.client() as c:
+        stat_when(c, lambda s: s.sessions == 2, "the worker's session")
+        os.kill(w.pid, signal.SIGINT)
+        w.expect("interrupted")
+        c.put("later", np.zeros(4, dtype=np.float32))  # published after the client gave up
+        assert w.ask("leases", "n") == "n 0"
+        stat_when(c, lambda s: s.leases == 0, "no lease for a wait the client abandoned", 5)
+        w.ask("get later", "ok")  # the process carries on
+        assert c.stat().leases == 1

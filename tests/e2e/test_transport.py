@@ -1,0 +1,186 @@
+"""The control plane under a misbehaving network and careless callers, with a
+real broker (README, Lifetime: M4, M6): requests are applied once, framing
+is HTTP's, timeouts are checked once, and nothing a client drops is lost."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, wait_for
+from _relay import Relay
+from tensordepot import BrokerUnavailable, Client, InvalidRequest, InvalidType, TensorNotFound
+
+
+def test_a_put_whose_answer_was_cut_is_applied_once(broker: BrokerProc) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        relay.cut_next_response(40)  # mid-head: the broker has put, the client never heard
+        assert c.put("w", np.arange(8, dtype=np.float32)) == 1, "the resend made a second version"
+        big = np.arange(1 << 18, dtype=np.float32)  # through alloc + publish
+        relay.cut_next_response(150)  # the alloc's answer, mid-body
+        assert c.put("big", big) == 1
+        st = c.stat()
+        assert (st.versions, st.bytes_in_use) == (2, 32 + big.nbytes), "an orphaned allocation was left"
+        assert np.array_equal(np.from_dlpack(c.get("big")), big)
+
+
+def test_a_get_whose_answer_was_cut_takes_one_lease(broker: BrokerProc) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        c.put("w", np.arange(8, dtype=np.float32))
+        relay.cut_next_response(60)
+        t = c.get("w")
+        assert c.stat().leases == 1
+        del t
+        wait_for(lambda: c.stat().leases == 0, 5, what="the one lease to be released")
+
+
+def test_chunked_responses_are_understood(broker: BrokerProc) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        relay.chunked = True
+        c.put("w", np.arange(1000, dtype=np.int64))
+        assert np.array_equal(np.from_dlpack(c.get("w")), np.arange(1000))
+        assert [i.name for i in c.list()] == ["w"]
+        assert c.stat().tensors == 1
+
+
+def test_releases_riding_on_a_failed_request_are_not_lost(broker: BrokerProc) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        c.put("w", np.arange(8, dtype=np.float32))
+        t = c.get("w")
+        lease = t._lease_id()
+        assert c._bg is not None
+        c._bg._armed = True  # hold the background thread back: the release must ride a request
+        del t  # queued for release; the next request carries it...
+        relay.drop_next_request()  # ...and that request never reaches the broker
+        with pytest.raises(BrokerUnavailable):
+            c._call("POST", "/v1/sessions/x/claim")  # a request that is not resent
+        assert any(f"x-tensordepot-release: {lease}".encode() in r for r in relay.requests)
+        wait_for(lambda: c.stat().leases == 0, 5, what="the release to be sent again")
+
+
+def test_not_a_broker_says_so(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import http.server
+    import socketserver
+
+    class Plain(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(501)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", "20")
+            self.end_headers()
+            self.wfile.write(b"<html>nope</html>   ")
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Plain) as srv:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(BrokerUnavailable, match=r"is not a tensordepot broker"):
+            Client(url)
+        srv.shutdown()
+
+
+# -- timeouts, checked once -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300, None], ids=["inf", "1e300", "None"])
+def test_forever_is_forever_for_get_and_get_many(broker: BrokerProc, timeout: float | None) -> None:
+    with broker.client() as c, broker.client() as producer:
+        got: list[object] = []
+
+        def read() -> None:
+            got.append(c.get("late", timeout=timeout).version)
+            got.append(sorted(c.get_many(["late", "later"], timeout=timeout)))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        wait_for(lambda: producer.stat().waiting == 1, 5, what="the reader to wait")
+        producer.put("late", np.zeros(2, dtype=np.float32))
+        wait_for(lambda: len(got) == 1 and producer.stat().waiting == 1, 10,
+                 what="the get to return and get_many to wait")
+        producer.put("later", np.zeros(2, dtype=np.float32))
+        reader.join(10)
+        assert got == [1, ["late", "later"]]
+        assert c.stat().tensors == 2  # the pooled connection still works
+
+
+def test_get_many_forever_sends_json(broker: BrokerProc) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        c.put("x", np.zeros(1, dtype=np.float32))
+        c.get_many(["x"], timeout=None)
+        body = relay.requests[-1].partition(b"\r\n\r\n")[2]
+        parsed = json.loads(body, parse_constant=lambda s: pytest.fail(f"not JSON: {s}"))
+        assert parsed["timeout"] is None
+
+
+@pytest.mark.parametrize("bad,exc", [(math.nan, InvalidRequest), (-1, InvalidRequest),
+                                     ("5", InvalidType), ([], InvalidType), (True, InvalidType)],
+                         ids=["nan", "negative", "str", "list", "bool"])
+def test_bad_timeouts_are_refused(broker: BrokerProc, bad: object, exc: type[Exception]) -> None:
+    with broker.client() as c:
+        c.put("x", np.zeros(1, dtype=np.float32))
+        for call in (lambda: c.get("x", timeout=bad), lambda: c.get_many(["x"], timeout=bad)):  # type: ignore[arg-type]
+            with pytest.raises(exc, match="timeout"):
+                call()
+        assert c.stat().leases == 0
+
+
+# -- get_many: one deadline, nothing granted after the client gave up ---------------------------------
+
+
+def test_get_many_has_one_deadline(broker: BrokerProc) -> None:
+    with broker.client() as c, broker.client() as producer:
+        done: list[object] = []
+        t0 = time.monotonic()
+
+        def read() -> None:
+            try:
+                done.append(c.get_many(["x", "y"], timeout=1.0))
+            except TensorNotFound as exc:
+                done.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        wait_for(lambda: time.monotonic() - t0 > 0.6, 2, interval=0.01, what="0.6 s")
+        producer.put("x", np.zeros(1, dtype=np.float32))  # inside the deadline
+        wait_for(lambda: time.monotonic() - t0 > 1.3 or done, 3, interval=0.01, what="1.3 s")
+        producer.put("y", np.zeros(1, dtype=np.float32))  # past the batch's one deadline
+        reader.join(10)
+        assert isinstance(done[0], TensorNotFound), f"the batch waited past its deadline: {done[0]}"
+        assert time.monotonic() - t0 < 2.5
+        wait_for(lambda: producer.stat().leases == 0, 5, what="no lease left from the failed batch")
+
+
+def test_publish_many_is_all_or_nothing(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        items = [{"name": n, "shape": [2], "dtype": "float32"} for n in ("p", "q")]
+        hs = c._call("POST", "/v1/batch/alloc", {"items": items}, rid=c._rid())["items"]
+        bad = [{"name": "p", "version": hs[0]["version"]}, {"name": "q", "version": 99}]
+        with pytest.raises(TensorNotFound):
+            c._call("POST", "/v1/batch/publish", {"items": bad}, rid=c._rid())
+        assert all(i.state == "writing" for i in c.list()), "part of a failed batch was published"
+        good = [{"name": h["name"], "version": h["version"]} for h in hs]
+        c._call("POST", "/v1/batch/publish", {"items": good}, rid=c._rid())
+        assert sorted(i.name for i in c.list() if i.state == "ready") == ["p", "q"]
+
+
+def test_put_of_a_tensor_from_a_dead_broker_copies_it(broker_factory: Callable[..., BrokerProc]) -> None:
+    """A lease id from before a broker restart may name another lease now: a
+    re-put of such a tensor copies its bytes, it never links by that id."""
+    b = broker_factory()
+    with b.client() as c:
+        c.put("old", np.full(1000, 3.0, dtype=np.float32))
+        stale = c.get("old")
+        b.kill()
+        b.start()
+        c.put("other", np.full(1000, 8.0, dtype=np.float32))
+        other = c.get("other")  # a lease of the new session, probably with the same id
+        assert c.put("copy", stale) == 1
+        assert np.array_equal(np.from_dlpack(c.get("copy")), np.full(1000, 3.0, dtype=np.float32))
+        del stale, other
