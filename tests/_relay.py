@@ -141,7 +141,7 @@ class Relay:
         except OSError:
             pass
 
-    def __enter__(self) -> Relay:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
