@@ -16,8 +16,9 @@ OUTSIDE = re.compile(r"\.\./shared|/work/shared|\.parent\s*/\s*[\"']shared[\"']"
 
 
 def tracked(*folders: str) -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-z", "--", *folders], cwd=ROOT, capture_output=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--", *folders], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     return [p for p in out.decode().split("\0") if p]
 
 
@@ -32,6 +33,9 @@ def test_tests_and_ci_refer_to_nothing_outside_the_repository() -> None:
             text = (ROOT / rel).read_text()
         except UnicodeDecodeError:
             continue
-        offenders += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
-                      if OUTSIDE.search(line)]
+        offenders += [
+            f"{rel}:{n}: {line.strip()}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if OUTSIDE.search(line)
+        ]
     assert not offenders, "the suite reaches outside the repository:\n" + "\n".join(offenders)
