@@ -273,6 +273,7 @@ class Broker:
                 dead.append(s.id)
         for sid in dead:
             log.info("session %s (pid %s) is gone; reclaiming", sid[:8], self.sessions[sid].pid)
+            self._count("sessions_reaped")
             self.end_session(sid)
         return dead
 
@@ -312,6 +313,7 @@ class Broker:
         try:
             block = self.pool.alloc(nbytes)
         except PoolExhausted as exc:
+            self._count("quota_refusals")
             raise OutOfMemory(
                 f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
                 f"or start the broker with a larger --max-memory"
@@ -357,6 +359,7 @@ class Broker:
         if old is not None:
             self._retire(old)
         self._count("publishes")
+        self._count("bytes_put", v.nbytes)
         ev = self._events.pop(name, None)
         if ev is not None:
             ev.set()
@@ -433,6 +436,7 @@ class Broker:
         if v.entry is not None:
             v.entry.readers += 1
         self._count("gets")
+        self._count("bytes_got", v.nbytes)
         return lid
 
     async def get(self, sid: str | None, name: str, timeout: float | None,

@@ -20,6 +20,7 @@ from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
 from ._deps import PiggybackedReleases, TokenAuth, error_response
+from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -89,6 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(PiggybackedReleases)
     if settings.token:  # added last, so it runs first: no release without the token
         app.add_middleware(TokenAuth, token=settings.token)
+    # Outermost of ours: times every request, refused ones and hot paths included.
+    app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None), lambda: app.routes)
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
 
     @app.exception_handler(DepotError)
     async def _depoterror_response(request: Request, exc: DepotError) -> JSONResponse:
