@@ -224,10 +224,12 @@ class BrokerCollector(Collector):
         for name, help_text, value in (
             ("memory_in_use_bytes", "Bytes held by tensor versions, pending deletes included.",
              st.bytes_in_use),
-            ("memory_reserved_bytes", "Shared memory the broker holds in segments, warm free "
-             "space included.", st.bytes_reserved),
-            ("memory_warm_free_bytes", "Reserved shared memory that no tensor uses, kept warm "
-             "for reuse.", broker.pool.warm_free()),
+            ("memory_reserved_bytes",
+             "Shared memory the broker holds in segments, warm free space included.",
+             st.bytes_reserved),
+            ("memory_warm_free_bytes",
+             "Reserved shared memory that no tensor uses, kept warm for reuse.",
+             broker.pool.warm_free()),
             ("memory_limit_bytes", "The most shared memory the broker may hold (--max-memory).",
              st.max_memory),
             ("segments", "Shared-memory segments the broker holds.", st.segments),

@@ -25,7 +25,7 @@ INSTALL = "pip install -e . && "
 
 
 def bash_blocks(text: str) -> list[str]:
-    return re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    return re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
 
 
 def setup_command(readme: str) -> str:
