@@ -350,6 +350,7 @@ class Broker:
         for s, known in dead:
             log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
                      "is gone" if known else "missed its heartbeats")
+            self._count("sessions_reaped")
             self.end_session(s, verified=known)
         return [s.id for s, _ in dead]
 
@@ -450,7 +451,6 @@ class Broker:
         self.versions_live += 1
         self._record_charge(s, v)
         self._count("allocs")
-        self._count("bytes_put", nbytes)
         return v, (self.lease(s, v, count=False, hold=True) if req.hold else None)
 
     def _writing(self, s: Session, name: str, number: int) -> Version:
@@ -497,6 +497,7 @@ class Broker:
         if old is not None:
             self._retire(old)
         self._count("publishes")
+        self._count("bytes_put", v.nbytes)
         w = self._waits.pop(v.name, None)
         if w is not None:
             w.event.set()

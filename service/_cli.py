@@ -1,4 +1,11 @@
-"""The ``tensordepot`` command: serve, ls, rm, stat."""
+"""The ``tensordepot`` command: serve, and the client commands ls, stat, rm, wait.
+
+The client commands import only the client (numpy, pydantic): FastAPI,
+uvicorn and the broker load inside ``serve``, so ``tensordepot ls`` costs
+little more than ``import tensordepot``.  Every client command takes
+``--json``; results go to stdout, problems to stderr, and the exit status is
+0 on success, 1 on failure, 2 on a usage error.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,60 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import time
 from typing import Any
 
-from .._defaults import default_url
+from .._defaults import ENV_TOKEN, default_url
+from .._version import __version__
+
+log = logging.getLogger("tensordepot.cli")
+
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def format_size(n: int) -> str:
+    """A byte count for people: ``1610612736`` -> ``"1.5 GiB"``, ``512`` -> ``"512 B"``."""
+    if n < 1024:
+        return f"{n} B"
+    value, k = n / 1024, 0
+    while round(value, 1) >= 1024 and k < len(_UNITS) - 1:  # 1023.96 KiB shows as 1 MiB
+        value, k = value / 1024, k + 1
+    return f"{value:.1f}".removesuffix(".0") + " " + _UNITS[k]
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+def _check_sizes(settings: Any) -> int:
+    """Parse every size setting; return --max-memory in bytes.  Raises ValueError."""
+    from .config import parse_size
+
+    for field in ("max_memory", "warm_memory", "segment_size", "prealloc", "max_memory_per_session",
+                  "max_memory_per_token"):
+        value = getattr(settings, field)
+        if value == "auto" and field in ("max_memory", "warm_memory"):
+            continue
+        try:
+            parse_size(value)
+        except ValueError as exc:
+            raise ValueError(f"{_flag(field)}: {exc}") from None
+    max_memory: int = settings.max_memory_bytes()
+    if max_memory <= 0:
+        raise ValueError(
+            f"{_flag('max_memory')} is {settings.max_memory!r}, which leaves no memory for "
+            f"tensors; give a size such as 8GiB, or leave it out for half of /dev/shm"
+        )
+    return max_memory
+
+
+def _flag(field: str) -> str:
+    return f"--{field.replace('_', '-')} (or $TENSORDEPOT_{field.upper()})"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -18,22 +75,23 @@ def _serve(args: argparse.Namespace) -> int:
     from .._errors import DepotError
     from ._server import ListenError, PeerCredProtocol, Server, bind_all, close_all
     from .app import create_app
-    from .config import Settings, parse_size
+    from .config import Settings, shm_capacity
 
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items()
                                  if k in Settings.model_fields and v is not None}
     try:
         settings = Settings(**overrides)
-        for field in ("max_memory", "warm_memory"):
-            if getattr(settings, field) != "auto":
-                parse_size(getattr(settings, field))
-        for field in ("segment_size", "prealloc", "max_memory_per_session", "max_memory_per_token"):
-            parse_size(getattr(settings, field))
+        max_memory = _check_sizes(settings)
     except ValueError as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    capacity = shm_capacity()
+    if max_memory > capacity:
+        log.warning("--max-memory %s is more than /dev/shm holds (%s): puts will fail with "
+                    "out of memory once /dev/shm is full; lower --max-memory or enlarge "
+                    "/dev/shm (docker: shm_size)", format_size(max_memory), format_size(capacity))
     # uvicorn's own start/stop lines only at debug: we log one ready line ourselves.
     uvicorn_level = "debug" if logging.getLogger().level <= logging.DEBUG else "warning"
     try:
@@ -50,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
                             log_level=uvicorn_level)
     urls = ", ".join(ln.url for ln in listens)
     ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
-             f"max-memory {settings.max_memory_bytes() / 2**30:.1f} GiB, prefix {settings.prefix()}")
+             f"max-memory {max_memory / 2**30:.1f} GiB, prefix {settings.prefix()}")
     server = Server(config, ready)
     try:
         server.run(sockets=socks)
@@ -71,6 +129,9 @@ def _raise_fd_limit() -> None:
             pass
 
 
+# -- client commands ------------------------------------------------------------------------------
+
+
 def _client(args: argparse.Namespace) -> Any:
     from ..client import Client
 
@@ -81,35 +142,109 @@ def _ls(args: argparse.Namespace) -> int:
     with _client(args) as c:
         items = c.list()
     if args.json:
-        print(json.dumps([i.model_dump() for i in items], indent=2))
+        _print_json([i.model_dump() for i in items])
         return 0
-    print(f"{'NAME':40} {'VER':>5} {'DTYPE':>12} {'SHAPE':20} {'BYTES':>12} {'READERS':>7} STATE")
-    for i in items:
-        print(f"{i.name:40} {i.version:>5} {i.dtype:>12} {tuple(i.shape)!s:20} {i.nbytes:>12} "
-              f"{i.readers:>7} {i.state}")
-    return 0
-
-
-def _rm(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        for name in args.names:
-            c.delete(name)
+    rows = [(i.name, str(i.version), i.dtype, str(tuple(i.shape)),
+             str(i.nbytes) if args.bytes else format_size(i.nbytes), str(i.readers), i.state)
+            for i in items]
+    head = ("NAME", "VER", "DTYPE", "SHAPE", "BYTES" if args.bytes else "SIZE", "READERS", "STATE")
+    widths = [max([len(head[k])] + [len(r[k]) for r in rows]) for k in range(len(head))]
+    right = {1, 4, 5}  # numbers line up on the right
+    for row in [head, *rows]:
+        cells = [cell.rjust(w) if k in right else cell.ljust(w)
+                 for k, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        print("  ".join(cells).rstrip())
     return 0
 
 
 def _stat(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        st = c.stat()
+        st = c.stat().model_dump()
     if args.json:
-        print(json.dumps(st.model_dump(), indent=2))
-    else:
-        for key, value in st.model_dump().items():
-            print(f"{key:15} {value}")
+        _print_json(st)
+        return 0
+    for key, value in st.items():
+        sized = "bytes" in key or "memory" in key
+        print(f"{key:15} {format_size(value) if sized and not args.bytes else value}")
     return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from .._errors import InvalidRequest, TensorNotFound
+
+    deleted: list[str] = []
+    missing: list[str] = []
+    refused: dict[str, str] = {}
+    with _client(args) as c:
+        for name in args.names:  # one bad name does not stop the others
+            try:
+                c.delete(name)
+            except TensorNotFound:
+                missing.append(name)
+                print(f"tensordepot rm: cannot remove {name!r}: no such tensor", file=sys.stderr)
+            except InvalidRequest as exc:
+                refused[name] = str(exc)
+                print(f"tensordepot rm: cannot remove {name!r}: {exc}", file=sys.stderr)
+            else:
+                deleted.append(name)
+    if args.json:
+        _print_json({"deleted": deleted, "missing": missing, "refused": refused})
+    return 1 if missing or refused else 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    from .._errors import BrokerUnavailable
+    from ..client._transport import Transport
+
+    url = args.url or default_url()
+    start = time.monotonic()
+    deadline = start + args.timeout
+    transport = Transport(url, token=args.token or os.environ.get(ENV_TOKEN))
+    why = "nothing answered"
+    try:
+        while True:
+            try:
+                # /healthz needs no session and no token; it says "ok" once the
+                # broker serves, and "shutting_down" while an old one exits.
+                health = transport.request("GET", "/healthz",
+                                           timeout=max(deadline - time.monotonic(), 0.05))
+            except BrokerUnavailable as exc:
+                why = str(exc)
+            else:
+                if isinstance(health, dict) and health.get("status") == "ok":
+                    waited = time.monotonic() - start
+                    if args.json:
+                        _print_json({"url": url, "status": "ok", "version": health.get("version"),
+                                     "waited": round(waited, 3)})
+                    else:
+                        print(f"broker ready at {url} (tensordepot {health.get('version')}, "
+                              f"waited {waited:.2f} s)")
+                    return 0
+                why = f"the broker answered {health!r}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    finally:
+        transport.close()
+    print(f"tensordepot wait: no broker answered at {url} within {args.timeout:g} s ({why}); "
+          f"start one with `tensordepot serve`, or point --url (or $TENSORDEPOT_URL) at its socket",
+          file=sys.stderr)
+    return 1
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensordepot", description="Zero-copy tensor exchange broker.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the broker in the foreground",
@@ -117,15 +252,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", action="append", metavar="URL",
                    help="unix:///path.sock or http://host:port (repeatable); "
                         "default unix://<default socket>")
-    s.add_argument("--max-memory", help="shared memory the broker may hold, e.g. 8GiB (default: half of /dev/shm)")
+    s.add_argument("--max-memory", help="shared memory the broker may hold, more than 0, "
+                                        "e.g. 8GiB (default: half of /dev/shm)")
     s.add_argument("--segment-size", help="pooled segment size (default 256MiB)")
-    s.add_argument("--warm-memory", help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
+    s.add_argument("--warm-memory",
+                   help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
     s.add_argument("--prealloc", help="pool memory created at start (default 256MiB)")
-    s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first --listen)")
-    s.add_argument("--shm-group", help="group allowed to map segments (mode 0660); default: owner only")
+    s.add_argument("--shm-prefix",
+                   help="segment name prefix (default: derived from the first --listen)")
+    s.add_argument("--shm-group",
+                   help="group allowed to map segments (mode 0660); default: owner only")
     s.add_argument("--token", help="bearer token required on TCP listeners")
-    s.add_argument("--reap-interval", type=float, help="seconds between liveness checks (default 0.5)")
-    s.add_argument("--session-ttl", type=float, help="heartbeat timeout for untracked sessions (default 15)")
+    s.add_argument("--reap-interval", type=float,
+                   help="seconds between liveness checks (default 0.5)")
+    s.add_argument("--session-ttl", type=float,
+                   help="heartbeat timeout for untracked sessions (default 15)")
     s.add_argument("--alloc-ttl", type=float,
                    help="seconds an allocation may stay unpublished before it is reclaimed (default 600; 0: never)")
     s.add_argument("--max-sessions", type=int, help="sessions the broker holds at most (default 16384)")
@@ -139,27 +280,54 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", help="debug, info, warning (default info)")
     s.set_defaults(func=_serve)
 
-    for name, fn, helptext in (("ls", _ls, "list tensors"), ("stat", _stat, "show accounting"),
-                               ("rm", _rm, "delete tensors")):
-        c = sub.add_parser(name, help=helptext)
-        c.add_argument("--url", default=None, help=f"broker URL (default $TENSORDEPOT_URL or {default_url()})")
-        c.add_argument("--token", default=None, help="bearer token for TCP")
+    commands = (("ls", _ls, "list tensors"), ("stat", _stat, "show memory and lifetime accounting"),
+                ("rm", _rm, "delete tensors; goes on past missing names (exit 1 if any)"),
+                ("wait", _wait, "wait until the broker answers (exit 0), or time out (exit 1)"))
+    for name, fn, helptext in commands:
+        c = sub.add_parser(name, help=helptext, description=helptext)
+        c.add_argument("--url", default=None,
+                       help=f"broker URL (default $TENSORDEPOT_URL or {default_url()})")
+        c.add_argument("--token", default=None,
+                       help="bearer token for TCP (default $TENSORDEPOT_TOKEN)")
+        c.add_argument("--json", action="store_true", help="print JSON")
+        if name in ("ls", "stat"):
+            c.add_argument("--bytes", action="store_true", help="sizes as byte counts, not 1.5 GiB")
         if name == "rm":
             c.add_argument("names", nargs="+", metavar="NAME")
-        else:
-            c.add_argument("--json", action="store_true", help="print JSON")
+        if name == "wait":
+            c.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
+                           help="give up after S seconds (default 30)")
         c.set_defaults(func=fn)
     return p
 
 
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``tensordepot ls | head -1``).
+
+    Python ignores SIGPIPE, so the write raised EPIPE instead of ending the
+    process.  Point stdout at /dev/null, so that the interpreter's last flush
+    cannot fail again, and exit as the shell reports a tool that SIGPIPE
+    ended (128 + 13), without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "serve":
-        from .._errors import DepotError
+    if args.command == "serve":
+        return int(args.func(args))
+    from .._errors import DepotError
 
-        try:
-            return int(args.func(args))
-        except DepotError as exc:
-            print(f"tensordepot {args.command}: {exc}", file=sys.stderr)
-            return 1
-    return int(args.func(args))
+    try:
+        rc = int(args.func(args))
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+    except BrokenPipeError:
+        return _closed_pipe()
+    except DepotError as exc:
+        print(f"tensordepot {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return rc

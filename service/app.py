@@ -20,6 +20,7 @@ from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
 from ._deps import Guard, MarkServer, TokenAuth, error_response
+from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -90,6 +91,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(Guard)  # body limits and piggybacked releases, after auth
     if settings.token:  # added late, so it runs early: no release without the token
         app.add_middleware(TokenAuth, token=settings.token)
+    # Times every request, refused ones and hot paths included.
+    app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None), lambda: app.routes)
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     app.add_middleware(MarkServer)  # outermost: every answer says who sent it
 
     @app.exception_handler(DepotError)

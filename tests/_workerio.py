@@ -115,8 +115,9 @@ def proc_state(pid: int) -> str | None:
     return data[data.rfind(b")") + 2 :].split()[0].decode()
 
 
-def metrics(url: str) -> dict[str, float]:
-    """The broker's Prometheus counters and gauges, by name."""
+def http_get(url: str, target: str) -> tuple[int, dict[str, str], str]:
+    """GET ``target`` from the broker at a ``unix://`` URL, with no session:
+    (status, headers with lower-case names, body)."""
     import http.client
     import socket
 
@@ -130,10 +131,17 @@ def metrics(url: str) -> dict[str, float]:
 
     conn = _Conn("localhost", timeout=10)
     try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
+        conn.request("GET", target)
+        resp = conn.getresponse()
+        body = resp.read().decode()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
     finally:
         conn.close()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The broker's Prometheus samples, by name (with labels, as written)."""
+    text = http_get(url, "/metrics")[2]
     out: dict[str, float] = {}
     for ln in text.splitlines():
         if ln and not ln.startswith("#"):

@@ -14,10 +14,11 @@ PACKAGES = ["tensordepot", "tensordepot.client", "tensordepot.service", "tensord
 def public_names(module: types.ModuleType) -> list[str]:
     """Names a user would see: not private, not a submodule (importing
     ``tensordepot.client`` binds ``client`` on its parent), not a __future__ flag."""
+    names = dir(module)  # a package that loads its names lazily (PEP 562) lists them in __dir__
     return [
-        name for name, value in vars(module).items()
+        name for name in names
         if (not name.startswith("_") or name == "__version__")
-        and not isinstance(value, (types.ModuleType, __future__._Feature))
+        and not isinstance(getattr(module, name), (types.ModuleType, __future__._Feature))
     ]
 
 

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 from ..._version import __version__
 from ..._wire import Health, Stat
 from .._deps import broker_of
+from .._metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["system"])
 
@@ -25,11 +26,4 @@ async def stat(request: Request) -> Stat:
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
-    broker = broker_of(request)
-    st = broker.stat()
-    lines = []
-    for key, value in st.model_dump().items():
-        lines += [f"# TYPE tensordepot_{key} gauge", f"tensordepot_{key} {value}"]
-    for key, value in sorted(broker.counters.items()):
-        lines += [f"# TYPE tensordepot_{key}_total counter", f"tensordepot_{key}_total {value}"]
-    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)

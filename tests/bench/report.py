@@ -1,12 +1,14 @@
 """Turn the suite's JSON into the README's table and a PNG plot.
 
-    python tests/bench/report.py bench-results/bench.json
-        [--readme README.md] [--plot docs/bench.png] [--no-readme]
+    python tests/bench/report.py bench-results/bench.json [--readme [README.md]]
+        [--plot docs/bench.png | --no-plot]
 
-The Markdown (the command, date and machine, a table with one row per goal,
-the plot, and the JSON medians) replaces whatever stands between
-``<!-- bench:begin -->`` and ``<!-- bench:end -->`` in the README, and is
-printed too.  A missed goal stays in the table with its reason.
+It prints the Markdown (the command, date and machine, a table with one row
+per goal, the plot, and the JSON medians) and saves the plot, which needs
+matplotlib (``pip install -e '.[bench]'``).  Only with ``--readme`` does the
+Markdown also replace whatever stands between ``<!-- bench:begin -->`` and
+``<!-- bench:end -->`` in the README (the repository's, unless a path is
+given).  A missed goal stays in the table with its reason.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def markdown(r: dict[str, Any], json_path: str, plot_rel: str | None) -> str:
     lines = [
         (
             f"Measured on {date} ({r['mode']} mode) with `{r['command']}`, on {machine_line(r)}. "
-            f"Table and plot: `python tests/bench/report.py {json_path}`."
+            f"Table and plot: `python tests/bench/report.py {json_path} --readme`."
         ),
         "",
     ]
@@ -202,7 +204,12 @@ def _bars(
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "report.py: the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -324,27 +331,38 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", help="the JSON that tests/bench/run.py wrote")
     ap.add_argument(
-        "--readme", default=str(ROOT / "README.md"), help="README to update between the markers"
+        "--readme",
+        nargs="?",
+        const=str(ROOT / "README.md"),
+        default=None,
+        metavar="README",
+        help="also rewrite the table between the markers in README (without a path: the "
+        "repository's README.md); without this flag the Markdown is only printed",
     )
     ap.add_argument(
         "--plot", default=str(ROOT / "docs" / "bench.png"), help="where to save the PNG"
     )
-    ap.add_argument("--no-readme", action="store_true", help="print the Markdown only")
+    ap.add_argument("--no-plot", action="store_true", help="no PNG (and no matplotlib needed)")
     args = ap.parse_args(argv)
     r = json.loads(Path(args.json).read_text())
-    readme, png = Path(args.readme), Path(args.plot)
-    plot(r, png)
-    rel = os.path.relpath(png.resolve(), readme.resolve().parent)
+    readme = Path(args.readme) if args.readme else None
+    png = None if args.no_plot else Path(args.plot)
+    if png is not None:
+        plot(r, png)
+    base = (readme or ROOT / "README.md").resolve().parent  # the plot's link is relative to it
+    rel = os.path.relpath(png.resolve(), base) if png is not None else None
     json_shown = (
         os.path.relpath(Path(args.json).resolve(), ROOT)
         if Path(args.json).resolve().is_relative_to(ROOT)
         else args.json
     )
     block = markdown(r, json_shown, rel)
-    if not args.no_readme:
+    if readme is not None:
         update_readme(readme, block)
     print(block)
-    print(f"\nplot: {png}" + ("" if args.no_readme else f"; README: {readme}"), file=sys.stderr)
+    done = [f"plot: {png}"] if png is not None else []
+    done.append(f"README: {readme}" if readme else "README unchanged (--readme writes it)")
+    print("\n" + "; ".join(done), file=sys.stderr)
     return 0
 
 

@@ -458,7 +458,7 @@ def test_stat_and_tensor_info(broker: BrokerProc) -> None:
             "c": ("writing", 0),
         }
 
-        out = _cli(broker.url, "stat")
+        out = _cli(broker.url, "stat", "--bytes")
         shown = dict(line.split(None, 1) for line in out.splitlines())
         # The CLI's own session is one more.
         assert (

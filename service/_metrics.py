@@ -1,0 +1,251 @@
+"""Prometheus metrics for ``GET /metrics``, one registry per app.
+
+Each app owns a ``CollectorRegistry`` of its own (never prometheus_client's
+global default), so several brokers in one process (tests, embedding) do
+not clash.  Two sources fill it:
+
+* ``RequestMetrics``, a pure ASGI middleware outside every other one, times
+  each HTTP request, whoever serves it (a route, or a middleware that
+  answers hot paths itself), and labels it with the method, the *template*
+  of the route the path matches (``/v1/tensors/{name}``, never the raw
+  path, so tensor names cannot multiply series) and the status.
+* ``BrokerCollector`` reads the broker at scrape time: its plain event
+  counters (``Broker.counters``) and its memory and lifetime accounting.
+  Nothing on the broker's hot paths touches prometheus_client.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .._version import __version__
+
+if TYPE_CHECKING:
+    from ._broker import Broker
+
+Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNMATCHED = "unmatched"  # the route label of a path no route serves (a 404)
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+# Control-plane requests take about a millisecond; a get may wait up to its timeout.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Broker.counters key -> HELP.  A key missing here is still exported, with a generic HELP.
+COUNTERS = {
+    "allocs": "Tensor versions allocated (put, empty, put_many).",
+    "publishes": "Tensor versions published.",
+    "links": "Versions published by sharing another tensor's bytes, without a copy.",
+    "gets": "Leases handed out by get and get_many.",
+    "waits": "Gets that had to wait for a publish.",
+    "releases": "Leases released.",
+    "deletes": "Names deleted, by delete or by their ttl running out.",
+    "expired": "Names deleted because their ttl ran out.",
+    "sessions_opened": "Client sessions opened.",
+    "sessions_ended": "Client sessions ended: closed, reaped, or at shutdown.",
+    "sessions_reaped": "Sessions reclaimed because their process died or their heartbeats stopped.",
+    "writes_reclaimed": "Unpublished versions reclaimed: their writer's session ended, they were "
+                        "aborted, or their batch failed.",
+    "quota_refusals": "Allocations refused with 507 because --max-memory or /dev/shm was full.",
+}
+# Counters of bytes, labelled with the device that holds them.
+BYTE_COUNTERS = {
+    "bytes_put": "Bytes of tensor versions published (a shared, uncopied version counts too).",
+    "bytes_got": "Bytes of tensor versions leased by get and get_many.",
+}
+DEVICE = "cpu"  # the only device this broker serves
+
+_PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
+_NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _leaves(routes: Iterable[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(full path template, route) for every route in a routing tree, in match order.
+
+    Leaves have ``path`` and ``path_regex`` (starlette's Route, FastAPI's
+    APIRoute).  Containers hold more routes: a Mount or Router in
+    ``routes`` (a Mount's ``path`` prefixes them), and an included FastAPI
+    router, which newer FastAPI keeps whole rather than copying its routes,
+    in ``original_router.routes`` (its routes carry their router's prefix)."""
+    for route in routes:
+        path = getattr(route, "path", None)
+        if isinstance(path, str) and getattr(route, "path_regex", None) is not None \
+                and getattr(route, "routes", None) is None:
+            yield prefix + path, route
+            continue
+        children = getattr(route, "routes", None)
+        if children is None:
+            children = getattr(getattr(route, "original_router", None), "routes", None)
+        if children is not None:
+            yield from _leaves(children, prefix + (path if isinstance(path, str) else ""))
+
+
+def _pattern(path: str) -> re.Pattern[str]:
+    """The regex starlette compiles for a path template: ``{x:path}`` matches
+    across slashes, any other parameter within one segment."""
+    parts, pos = ["^"], 0
+    for m in _PARAM.finditer(path):
+        param = ".*" if m.group(0).endswith(":path}") else "[^/]+"
+        parts += [re.escape(path[pos:m.start()]), param]
+        pos = m.end()
+    parts += [re.escape(path[pos:]), "$"]
+    return re.compile("".join(parts))
+
+
+class RouteTemplates:
+    """Path -> the template of the first route whose pattern matches it.
+
+    Built from the app's routes on first use, after every router is
+    included.  A static path is one dict lookup; a path with parameters is
+    checked against the few parametrised routes, their literal prefix
+    first.  Results are not cached: paths carry tensor names, so a cache
+    would grow with every name ever asked for."""
+
+    def __init__(self, routes: Callable[[], Iterable[Any]]) -> None:
+        self._routes = routes
+        self._static: dict[str, str] | None = None
+        self._params: list[tuple[str, re.Pattern[str], str]] = []
+
+    def _build(self) -> dict[str, str]:
+        static: dict[str, str] = {}
+        for path, _ in _leaves(self._routes()):
+            if "{" not in path:
+                static.setdefault(path, path)
+            else:
+                template = _PARAM.sub(r"{\1}", path)  # "{name:path}" -> "{name}"
+                self._params.append((path[:path.index("{")], _pattern(path), template))
+        self._static = static
+        return static
+
+    def __call__(self, path: str) -> str:
+        static = self._static if self._static is not None else self._build()
+        hit = static.get(path)
+        if hit is not None:
+            return hit
+        for prefix, regex, template in self._params:
+            if path.startswith(prefix) and regex.match(path):
+                return template
+        return UNMATCHED
+
+
+class Metrics:
+    """An app's registry, its request histogram, and the broker collector."""
+
+    def __init__(self, broker: Callable[[], Broker | None],
+                 routes: Callable[[], Iterable[Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.latency = Histogram(
+            "tensordepot_http_request_duration_seconds",
+            "Time from a request's arrival to the end of its response, by method, route "
+            "template and status; a get that waits for a publish counts its wait.",
+            ["method", "route", "status"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.route_of = RouteTemplates(routes)
+        self._children: dict[tuple[str, str, int], Any] = {}
+        self.registry.register(BrokerCollector(broker))
+
+    def observe(self, method: str, path: str, status: int, seconds: float) -> None:
+        if method not in METHODS:  # clients may send any word as a method
+            method = "other"
+        key = (method, self.route_of(path), status)
+        child = self._children.get(key)
+        if child is None:  # labels() costs more than observe(): keep each child
+            child = self._children[key] = self.latency.labels(key[0], key[1], str(status))
+        child.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """Pure ASGI middleware: times every HTTP request into ``Metrics``."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the server answers if the app raises before responding
+
+        async def send_and_note(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.observe(scope["method"], scope["path"], status,
+                                 time.perf_counter() - start)
+
+
+class BrokerCollector(Collector):
+    """The broker's counters and accounting, read when Prometheus scrapes.
+
+    ``broker`` returns the live broker, or None before the lifespan has made
+    one (then only the request histogram is exported)."""
+
+    def __init__(self, broker: Callable[[], Broker | None]) -> None:
+        self._broker = broker
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("tensordepot_build_info", "The broker's version; always 1.",
+                                 labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        broker = self._broker()
+        if broker is None:
+            return
+        counters = dict(broker.counters)
+        for key, help_text in COUNTERS.items():
+            yield CounterMetricFamily(f"tensordepot_{key}", help_text, value=counters.pop(key, 0))
+        for key, help_text in BYTE_COUNTERS.items():
+            yield _per_device(CounterMetricFamily(f"tensordepot_{key}", help_text,
+                                                  labels=["device"]), counters.pop(key, 0))
+        for key, value in sorted(counters.items()):  # counted by the broker, not described here
+            name = _NOT_A_NAME.sub("_", key)
+            yield CounterMetricFamily(f"tensordepot_{name}", f"Broker events counted as {key!r}.",
+                                      value=value)
+
+        st = broker.stat()
+        for name, help_text, value in (
+            ("memory_in_use_bytes", "Bytes held by tensor versions, pending deletes included.",
+             st.bytes_in_use),
+            ("memory_reserved_bytes",
+             "Shared memory the broker holds in segments, warm free space included.",
+             st.bytes_reserved),
+            ("memory_warm_free_bytes",
+             "Reserved shared memory that no tensor uses, kept warm for reuse.",
+             broker.pool.warm_free()),
+            ("memory_limit_bytes", "The most shared memory the broker may hold (--max-memory).",
+             st.max_memory),
+            ("segments", "Shared-memory segments the broker holds.", st.segments),
+        ):
+            yield _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,
+                                                labels=["device"]), value)
+        for name, help_text, value in (
+            ("tensors", "Names with a published version.", st.tensors),
+            ("versions", "Tensor versions holding memory: being written, current, or still read.",
+             st.versions),
+            ("leases", "Leases held by readers.", st.leases),
+            ("sessions", "Open client sessions.", st.sessions),
+        ):
+            yield GaugeMetricFamily(f"tensordepot_{name}", help_text, value=value)
+
+
+def _per_device(family: Family, value: float) -> Family:
+    family.add_metric([DEVICE], value)
+    return family

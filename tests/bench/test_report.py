@@ -1,0 +1,55 @@
+"""report.py writes the README only when asked (--readme).
+
+It runs from a copy of the repository's layout in a temporary folder, so a
+report.py that writes the README by default changes the copy's README, never
+the real one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _harness import ROOT
+
+README = "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\n## Next\n"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "tests" / "bench" / "report.py", tmp_path / "tests" / "bench")
+    shutil.copy(ROOT / "docs" / "bench.json", tmp_path / "docs")  # a full run's results
+    (tmp_path / "README.md").write_text(README)
+    return tmp_path
+
+
+def report(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run([sys.executable, "tests/bench/report.py", "docs/bench.json", "--no-plot",
+                          *args], capture_output=True, text=True, timeout=60, cwd=repo,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_report_prints_and_leaves_the_readme_alone(repo: Path) -> None:
+    res = report(repo)
+    assert "| B1.copy |" in res.stdout and "report.py docs/bench.json --readme" in res.stdout
+    assert (repo / "README.md").read_text() == README
+    assert "README unchanged" in res.stderr
+
+
+def test_report_writes_the_readme_when_asked(repo: Path) -> None:
+    res = report(repo, "--readme")
+    text = (repo / "README.md").read_text()
+    assert "old" not in text and text.endswith("<!-- bench:end -->\n\n## Next\n")
+    assert res.stdout.strip() in text
+
+    other = repo / "other.md"
+    other.write_text(README)
+    report(repo, "--readme", str(other))
+    assert "| B1.copy |" in other.read_text()
