@@ -22,6 +22,7 @@ from ..shm._copy import copy_into, copy_many
 from ..shm._posix import array_at
 from ._tensor import SharedTensor, _Lease
 from ._transport import Transport
+from ._trust import trusted_uids
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -192,7 +193,10 @@ class Client:
 
     ``url`` is ``unix:///path.sock`` or ``http://host:port``; by default
     ``$TENSORDEPOT_URL``, then the default socket.  ``token`` (or
-    ``$TENSORDEPOT_TOKEN``) is sent on TCP.  Use it as a context manager, or
+    ``$TENSORDEPOT_TOKEN``) is sent as a bearer token.  The broker behind a
+    unix socket, and every segment mapped, must belong to this process's uid,
+    root, or ``trust_uid`` (or ``$TENSORDEPOT_TRUST_UID``): else
+    ``UntrustedBroker``.  Use it as a context manager, or
     call ``close()``; closing never raises.  Create clients after ``fork()``:
     a Client belongs to the process that made it.
     """
@@ -201,10 +205,13 @@ class Client:
     _bg: _Background | None = None
 
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
-                 label: str | None = None) -> None:
+                 label: str | None = None,
+                 trust_uid: int | str | Iterable[int | str] | None = None) -> None:
         self.url = url or default_url()
         self._pid = os.getpid()
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout)
+        self._trust = trusted_uids(trust_uid)
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout,
+                                    trust=self._trust)
         self._maps: dict[tuple[str, bool], PosixMapping] = {}
         self._maps_lock = threading.Lock()
         self._sid = ""
@@ -262,7 +269,8 @@ class Client:
                     try:
                         # Writers pre-fault the whole mapping in one call; readers map
                         # lazily so a get costs the same for 1 KiB as for 1 GiB.
-                        m = PosixMapping(segment, writable=writable, populate=writable)
+                        m = PosixMapping(segment, writable=writable, populate=writable,
+                                         trust=self._trust)
                     except FileNotFoundError:
                         raise BrokerUnavailable(
                             f"segment {segment} is missing from /dev/shm: the broker restarted or "

@@ -29,6 +29,7 @@ from .._errors import (
     OutOfMemory,
     TensorNotFound,
 )
+from ._trust import check_broker_socket
 
 _BY_STATUS: dict[int, type[DepotError]] = {
     400: InvalidRequest, 401: AuthError, 403: AuthError, 404: TensorNotFound, 409: Conflict,
@@ -101,7 +102,8 @@ class Transport:
     """Thread-safe: each request borrows an idle connection (or opens one), so
     a thread blocked in a long poll never stalls another thread's calls."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
+                 trust: frozenset[int] | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             path = (parts.netloc + parts.path) if parts.netloc else parts.path
@@ -114,6 +116,7 @@ class Transport:
                 except OSError:
                     sock.close()
                     raise
+                check_broker_socket(sock, path, trust)  # who listens there?  (UntrustedBroker)
                 return sock
 
             self._connect = connect

@@ -10,11 +10,13 @@ from ._errors import AuthError as AuthError
 from ._errors import BrokerUnavailable as BrokerUnavailable
 from ._errors import Conflict as Conflict
 from ._errors import DepotError as DepotError
+from ._errors import Forbidden as Forbidden
 from ._errors import InvalidRequest as InvalidRequest
 from ._errors import OutOfMemory as OutOfMemory
 from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
+from ._errors import UntrustedBroker as UntrustedBroker
 from ._version import __version__ as __version__
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
@@ -27,6 +29,7 @@ __all__ = [
     "Client",
     "Conflict",
     "DepotError",
+    "Forbidden",
     "InvalidRequest",
     "OutOfMemory",
     "SharedTensor",
@@ -35,5 +38,6 @@ __all__ = [
     "TensorInfo",
     "TensorNotFound",
     "TensorReleased",
+    "UntrustedBroker",
     "__version__",
 ]

@@ -4,7 +4,9 @@
      ├── BrokerUnavailable      the broker cannot be reached (not running, killed, shutting down)
      ├── TensorNotFound         no such name (or no ready version of it)
      ├── OutOfMemory            the allocation does not fit in --max-memory (HTTP 507)
-     ├── AuthError              missing or wrong token (HTTP 401/403)
+     ├── AuthError              missing or unknown credentials (HTTP 401)
+     │    ├── Forbidden          known credentials, but not allowed to do that (HTTP 403)
+     │    └── UntrustedBroker    the socket or a segment belongs to a user this client does not trust
      ├── InvalidRequest         bad input: dtype, shape, name, byte counts (HTTP 400/422)
      ├── Conflict               the request clashes with the tensor's state (HTTP 409)
      ├── TensorReleased         you released this tensor and then used it
@@ -51,10 +53,27 @@ class OutOfMemory(DepotError, MemoryError):
 
 
 class AuthError(DepotError):
-    """The request lacked a valid token."""
+    """The request carried no credentials the broker knows (no or a wrong token)."""
 
     code = "unauthorized"
     status = 401
+
+
+class Forbidden(AuthError):
+    """The broker knows who is asking, and that identity may not do this
+    (a missing scope, a name outside the token's prefix, a uid not allowed)."""
+
+    code = "forbidden"
+    status = 403
+
+
+class UntrustedBroker(AuthError):
+    """Raised by the client, never sent by the broker (so it has no status of its own): the socket it reached, or a segment it
+    was told to map, belongs to a user it does not trust (or is writable by
+    anyone).  Someone may be impersonating the broker."""
+
+    code = "untrusted_broker"
+    status = 403
 
 
 class InvalidRequest(DepotError, ValueError):
@@ -87,6 +106,6 @@ class TensorBroken(DepotError):
 
 ERRORS_BY_CODE: dict[str, type[DepotError]] = {
     cls.code: cls
-    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError,
+    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError, Forbidden,
                 InvalidRequest, Conflict, TensorReleased, TensorBroken)
 }

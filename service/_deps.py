@@ -8,14 +8,11 @@ directly.
 
 from __future__ import annotations
 
-import hmac
-import json
 from typing import Annotated, Any
 
 from fastapi import Header, Request
 from fastapi.responses import JSONResponse
 
-from .._errors import AuthError
 from ._broker import Broker
 
 SESSION_HEADER = "x-tensordepot-session"
@@ -78,34 +75,3 @@ class PiggybackedReleases:
                 if broker is not None and lease_ids:
                     broker.release(sid, lease_ids)
         await self.app(scope, receive, send)
-
-
-class TokenAuth:
-    """ASGI middleware: TCP requests need ``Authorization: Bearer <token>`` when
-    a token is configured.  Unix-socket peers are authorised by the socket's
-    file mode (0600); /healthz stays open for health checks."""
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (scope["type"] == "http" and not scope.get("state", {}).get("unix")
-                and scope["path"] != "/healthz" and not self._ok(scope)):
-            err = AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
-                            "(Client(token=...) or $TENSORDEPOT_TOKEN)")
-            body = json.dumps({"error": {"code": err.code, "message": str(err)}}).encode()
-            await send({"type": "http.response.start", "status": err.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()),
-                                    (b"www-authenticate", b"Bearer")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope: Any) -> bool:
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.token)
-        return False

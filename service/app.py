@@ -18,8 +18,9 @@ from .._version import __version__
 from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
+from ._auth import AuthMiddleware, AuthPolicy, check_routes, load_policy
 from ._broker import Broker
-from ._deps import PiggybackedReleases, TokenAuth, error_response
+from ._deps import PiggybackedReleases, error_response
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
 
@@ -29,7 +30,9 @@ log = logging.getLogger("tensordepot.broker")
 # default 422 schema, {"detail": [...]}, is not what the error boundary sends).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
-    for status, what in ((400, "bad input"), (401, "missing or wrong token (TCP only)"),
+    for status, what in ((400, "bad input"), (401, "no or unknown credentials (a bearer token)"),
+                         (403, ("not allowed: a missing scope, a name outside the token's prefix, "
+                                "or a unix peer whose uid is not admitted")),
                          (404, "unknown name or route"), (409, "conflict with the tensor's state"),
                          (422, "malformed request"), (503, "the broker is shutting down"),
                          (507, "out of memory (--max-memory)"))
@@ -44,8 +47,9 @@ def _describe(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the broker app.  ``settings`` defaults to the environment."""
+def create_app(settings: Settings | None = None, policy: AuthPolicy | None = None) -> FastAPI:
+    """Build the broker app.  ``settings`` defaults to the environment, and
+    ``policy`` (who may do what) to ``load_policy(settings)``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,9 +59,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         removed = sweep(prefix, keep={lock.name})
         if removed:
             log.warning("removed %d segment(s) left behind by a dead broker", len(removed))
-        mode = 0o600 if cfg.gid() is None else 0o660
+        auth: AuthPolicy = app.state.auth_policy
+        if auth.insecure_no_auth:
+            log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may read, "
+                        "overwrite and delete every tensor")
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
-                    warm_bytes=cfg.warm_memory_bytes(), mode=mode, gid=cfg.gid())
+                    warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
         broker = Broker(pool, session_ttl=cfg.session_ttl)
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
@@ -85,10 +92,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
+    app.state.auth_policy = policy = policy or load_policy(settings)
     app.add_middleware(tensors.HotPaths)  # innermost of ours: releases and auth come first
     app.add_middleware(PiggybackedReleases)
-    if settings.token:  # added last, so it runs first: no release without the token
-        app.add_middleware(TokenAuth, token=settings.token)
+    # Added last, so it runs first: nothing (not even a piggybacked release)
+    # happens before the request's principal is known and allowed.
+    app.add_middleware(AuthMiddleware, policy=policy)
 
     @app.exception_handler(DepotError)
     async def _depoterror_response(request: Request, exc: DepotError) -> JSONResponse:
@@ -105,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for module in (tensors, batch, sessions, system):  # hot routes first: matching is linear
         app.include_router(module.router, responses=ERROR_RESPONSES)
+    check_routes(app.routes)
     return app
 
 

@@ -18,6 +18,7 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
+from .._auth import principal_of, require_name
 from .._deps import SESSION_HEADER, SessionHeader, broker_of, error_response
 
 router = APIRouter(prefix="/v1", tags=["tensors"])
@@ -80,12 +81,14 @@ async def get_tensor_documented(name: str, request: Request) -> Response:
 @router.post("/alloc", response_model=Handle,
              summary="Allocate a new version (state 'writing') to fill in place")
 async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
     return _json(broker.handle(broker.alloc(session, req)))
 
 
 @router.post("/publish", response_model=Handle, summary="Make a written version visible")
 async def publish(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
     return _json(broker.handle(broker.publish(session, req.name, req.version)))
 
@@ -93,6 +96,7 @@ async def publish(req: PublishRequest, request: Request, session: SessionHeader 
 @router.post("/abort", status_code=204,
              summary="Give back an allocated version that will not be published")
 async def abort(req: PublishRequest, request: Request, session: SessionHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker_of(request).abort(session, req.name, req.version)
     return Response(status_code=204)
 
@@ -145,6 +149,7 @@ async def put_documented(
 @router.post("/link", response_model=Handle,
              summary="Publish a leased version's bytes under another name, without a copy")
 async def link(req: LinkRequest, request: Request, session: SessionHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
     return _json(broker.handle(broker.link(session, req.name, req.lease, req.ttl)))
 
@@ -156,7 +161,8 @@ async def release(req: ReleaseRequest, request: Request, session: SessionHeader 
 
 @router.get("/tensors", response_model=TensorList, summary="List tensors")
 async def list_tensors(request: Request) -> TensorList:
-    return TensorList(items=broker_of(request).list())
+    principal = principal_of(request)  # a prefix-limited token sees only its own names
+    return TensorList(items=[i for i in broker_of(request).list() if principal.may_use(i.name)])
 
 
 @router.delete("/tensors/{name:path}", status_code=204,

@@ -80,15 +80,19 @@ def test_a_precreated_segment_name_is_never_attached(tmp_path_factory: pytest.Te
         os.unlink(path)
 
 
-@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"), pytest.param("[::]", id="ipv6-any")])
-def test_exposed_tcp_without_token_refuses_to_start(host: str) -> None:
+@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"), pytest.param("[::]", id="ipv6-any"),
+                                  pytest.param("127.0.0.1", id="loopback")])
+def test_tcp_without_token_refuses_to_start(host: str) -> None:
+    """Loopback too: every local user can reach it."""
     port = free_port()
     prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
     url = f"http://{host}:{port}"
     for res in (serve("--listen", url, "--shm-prefix", prefix),
                 serve(env={"TENSORDEPOT_LISTEN": url, "TENSORDEPOT_SHM_PREFIX": prefix})):
         assert res.returncode == 1, (res.returncode, res.stderr)
-        assert "reachable beyond loopback; set --token (or TENSORDEPOT_TOKEN)" in res.stderr, res.stderr
+        assert f"--listen {url} needs a token" in res.stderr, res.stderr
+        assert "--token-file PATH (or TENSORDEPOT_TOKEN)" in res.stderr, res.stderr
+        assert "--insecure-no-auth" in res.stderr, res.stderr
         assert "tensordepot ready" not in res.stdout + res.stderr
         assert "Traceback" not in res.stderr
     assert shm_entries(prefix) == []
@@ -125,7 +129,7 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
         assert [i.name for i in c.list()] == ["over-tcp"]
     monkeypatch.delenv("TENSORDEPOT_TOKEN")
 
-    # The unix socket is guarded by its file mode: no token is asked for.
+    # On the unix socket the kernel vouches for the peer's uid (ours): no token is asked for.
     with b.client() as c:
         assert np.array_equal(np.from_dlpack(c.get("over-tcp")), data)
 
@@ -133,6 +137,8 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
     env = {k: v for k, v in os.environ.items() if k != "TENSORDEPOT_TOKEN"}
     res = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 1 and "missing or wrong token" in res.stderr, res.stderr
-    res = subprocess.run([*cli, "--token", token], check=False, capture_output=True, text=True,
+    # --token=VALUE: a random token may start with "-", which argparse would take for an option.
+    res = subprocess.run([*cli, f"--token={token}"], check=False, capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0 and "bytes_in_use" in res.stdout, res.stderr
+    assert "--token is visible to every local user in the process list" in res.stderr
