@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,20 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what or cond} (last: {last!r})")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``tensordepot serve`` with only these settings, for one that must refuse to start."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
+    return subprocess.run([sys.executable, "-m", "tensordepot", "serve", *args], check=False,
+                          capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 
 def shm_entries(prefix: str) -> list[str]:

@@ -531,7 +531,7 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
     """Over TCP the broker cannot read the peer's pid.  A claimed pid counts only
     if its start time matches; otherwise the session lives on heartbeats."""
     tcp = f"http://127.0.0.1:{_free_port()}"
-    b = broker_factory("--listen", tcp, "--session-ttl", "1")
+    b = broker_factory("--listen", tcp, "--session-ttl", "1", "--insecure-no-auth")
     with Client(tcp) as honest:
         assert honest._session.tracked, "a client that sends its real pid and start time is tracked"
     t = Transport(tcp)
