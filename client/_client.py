@@ -210,8 +210,8 @@ class Client:
         self.url = url or default_url()
         self._pid = os.getpid()
         self._trust = trusted_uids(trust_uid)
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout,
-                                    trust=self._trust)
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN),
+                                    timeout=timeout, trust=self._trust)
         self._maps: dict[tuple[str, bool], PosixMapping] = {}
         self._maps_lock = threading.Lock()
         self._sid = ""

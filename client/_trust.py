@@ -38,7 +38,8 @@ def trusted_uids(extra: int | str | Iterable[int | str] | None = None) -> frozen
         raise InvalidRequest(f"trust_uid / ${ENV_TRUST_UID}: {exc}") from None
 
 
-def check_broker_socket(sock: socket.socket, path: str, trusted: frozenset[int] | None = None) -> None:
+def check_broker_socket(sock: socket.socket, path: str,
+                        trusted: frozenset[int] | None = None) -> None:
     """Raise UntrustedBroker (closing ``sock``) unless the process listening on
     the connected unix socket ``sock`` runs as a trusted uid (default: ``trusted_uids()``)."""
     if trusted is None:
@@ -51,7 +52,7 @@ def check_broker_socket(sock: socket.socket, path: str, trusted: frozenset[int] 
     sock.close()
     names = ", ".join(describe_uid(u) for u in sorted(trusted))
     raise UntrustedBroker(
-        f"the broker socket {path} is served by uid {describe_uid(uid)}, which this client does not "
-        f"trust (trusted: {names}); another user may have taken over its directory "
+        f"the broker socket {path} is served by uid {describe_uid(uid)}, which this client does "
+        f"not trust (trusted: {names}); another user may have taken over its directory "
         f"(ls -ld {os.path.dirname(path)}). If that user really runs your broker, pass "
         f"Client(trust_uid={uid}) or set ${ENV_TRUST_UID}={uid}")

@@ -108,7 +108,8 @@ def _check_secret(secret: str, where: str) -> bytes:
     if len(secret) < MIN_TOKEN_LENGTH or not _TOKEN_RE.match(secret):
         raise AuthConfigError(
             f"{where}: a token must be at least {MIN_TOKEN_LENGTH} printable ASCII characters "
-            f"without spaces; make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+            f"without spaces; make one with: "
+            f"python -c 'import secrets; print(secrets.token_urlsafe(32))'")
     return secret.encode()
 
 
@@ -128,8 +129,8 @@ def read_token_file(path: str) -> list[Token]:
             raise AuthConfigError(f"--token-file {path} is not a regular file")
         if st.st_uid not in (me, 0):
             raise AuthConfigError(
-                f"--token-file {path} belongs to uid {describe_uid(st.st_uid)}, not to this broker's "
-                f"uid {describe_uid(me)} or root; whoever owns it can change the tokens: "
+                f"--token-file {path} belongs to uid {describe_uid(st.st_uid)}, not to this "
+                f"broker's uid {describe_uid(me)} or root; whoever owns it can change the tokens: "
                 f"chown {describe_uid(me).split()[0]} {path}")
         if st.st_mode & 0o077:
             raise AuthConfigError(
@@ -152,8 +153,8 @@ def read_token_file(path: str) -> list[Token]:
         for word in words[2:]:
             key, eq, value = word.partition("=")
             if not eq or key not in ("prefix", "name") or key in options or not value:
-                raise AuthConfigError(f"{where}: unknown option {key!r}; options are prefix=<p> and "
-                                      f"name=<n>, each at most once")
+                raise AuthConfigError(f"{where}: unknown option {key!r}; options are prefix=<p> "
+                                      f"and name=<n>, each at most once")
             options[key] = value
         name = options.get("name")
         if name is not None and not _LABEL_RE.match(name):
@@ -243,8 +244,8 @@ def load_policy(settings: Settings) -> AuthPolicy:
         secrets_seen.add(t.secret)
         names_seen.add(t.name)
     if settings.insecure_no_auth and tokens:
-        raise AuthConfigError("--insecure-no-auth turns authentication off, yet a token is configured; "
-                              "drop one of the two")
+        raise AuthConfigError("--insecure-no-auth turns authentication off, yet a token is "
+                              "configured; drop one of the two")
     me = os.geteuid()
     try:
         allow_uids = frozenset(user_id(u) for u in settings.allow_uid)
@@ -254,8 +255,8 @@ def load_policy(settings: Settings) -> AuthPolicy:
         raise AuthConfigError(str(exc)) from None
     if len(allow_gids) > 1:
         raise AuthConfigError(
-            f"--allow-gid names {len(allow_gids)} groups, but the socket and the segments carry one "
-            f"group; make one group for every peer")
+            f"--allow-gid names {len(allow_gids)} groups, but the socket and the segments carry "
+            f"one group; make one group for every peer")
     if shm_gid is not None and allow_gids and allow_gids != {shm_gid}:
         raise AuthConfigError(
             f"--allow-gid {describe_gid(next(iter(allow_gids)))} differs from --shm-group "
@@ -274,17 +275,18 @@ def load_policy(settings: Settings) -> AuthPolicy:
         member = _is_member(uid, file_gid)
         if member is False:
             raise AuthConfigError(
-                f"--allow-uid {describe_uid(uid)} is not in group {describe_gid(file_gid)}, so it could "
-                f"not open the socket or the segments; add it (usermod -aG) or pick its group")
+                f"--allow-uid {describe_uid(uid)} is not in group {describe_gid(file_gid)}, so it "
+                f"could not open the socket or the segments; add it (usermod -aG) or pick its "
+                f"group")
         if member is None:
             log.warning("cannot tell whether uid %s is in group %s (not in this host's user "
                         "database); it must be, to open the socket", uid, file_gid)
-    if file_gid is not None and me != 0 and file_gid != os.getegid() and file_gid not in os.getgroups():
+    if file_gid is not None and me != 0 and file_gid not in (os.getegid(), *os.getgroups()):
         raise AuthConfigError(
             f"this broker (uid {describe_uid(me)}) is not in group {describe_gid(file_gid)}, so it "
             f"cannot give its socket and segments to that group; run it as a member of the group")
-    return AuthPolicy(tuple(tokens), settings.insecure_no_auth, me, allow_uids, allow_gids, file_gid,
-                      group_writable=bool(allow_gids or others))
+    return AuthPolicy(tuple(tokens), settings.insecure_no_auth, me, allow_uids, allow_gids,
+                      file_gid, group_writable=bool(allow_gids or others))
 
 
 # -- which route needs what ------------------------------------------------------------
@@ -366,7 +368,8 @@ def check_routes(routes: Iterable[Any]) -> None:
             if (method, path) not in {(r.method, r.path) for r in ROUTES}:
                 missing.append(f"{method} {path}")
     if missing:
-        raise RuntimeError(f"routes without a scope in service/_auth.py ROUTES: {', '.join(missing)}")
+        raise RuntimeError(f"routes without a scope in service/_auth.py ROUTES: "
+                           f"{', '.join(missing)}")
 
 
 # -- helpers for the routes ---------------------------------------------------------------
@@ -393,8 +396,9 @@ def require_names(principal: Principal, names: Iterable[str]) -> None:
 
 def _missing_scope(principal: Principal, needed: str, method: str, template: str) -> Forbidden:
     has = f"scope {principal.scope!r}" if principal.scope else "no scope"
-    return Forbidden(f"forbidden: {method} {template} needs the {needed!r} scope, and {principal.id} "
-                     f"has {has}; use a token with scope {needed!r} (see --token-file)")
+    return Forbidden(f"forbidden: {method} {template} needs the {needed!r} scope, and "
+                     f"{principal.id} has {has}; use a token with scope {needed!r} "
+                     f"(see --token-file)")
 
 
 # -- the middleware ------------------------------------------------------------------
@@ -451,14 +455,15 @@ class AuthMiddleware:
             if self.policy.admits(uid, gid, state.get("peergroups", ())):
                 principal = Principal(f"uid:{uid}", "unix", SCOPES[ADMIN], uid=uid, pid=pid)
                 if conn is not None:
-                    conn["principal"] = principal  # the kernel's credentials hold for the connection
+                    # The kernel's credentials hold for the whole connection.
+                    conn["principal"] = principal
                 return principal
             token = _bearer(scope)
             if token is None:
                 raise Forbidden(
-                    f"forbidden: uid {describe_uid(uid)} may not use this broker, which runs as uid "
-                    f"{describe_uid(self.policy.broker_uid)}; start the broker with --allow-uid "
-                    f"{uid} or --allow-gid GROUP, or send a token")
+                    f"forbidden: uid {describe_uid(uid)} may not use this broker, which runs as "
+                    f"uid {describe_uid(self.policy.broker_uid)}; start the broker with "
+                    f"--allow-uid {uid} or --allow-gid GROUP, or send a token")
             t = self.policy.match(token)
             if t is None:
                 return None

@@ -84,9 +84,9 @@ def parse_listen(url: str) -> Listen:
 def _refuse_dir(path: str, st: os.stat_result, problem: str, fix: str) -> ListenError:
     return ListenError(
         f"the socket directory {path} {problem} (owner uid {describe_uid(st.st_uid)}, mode "
-        f"{stat.S_IMODE(st.st_mode):04o}); whoever can write it can replace the socket with their own "
-        f"and receive your clients' tensors. {fix}, or use --listen unix:///<a directory of yours>/"
-        f"broker.sock: a missing directory is created with mode 0700")
+        f"{stat.S_IMODE(st.st_mode):04o}); whoever can write it can replace the socket with their "
+        f"own and receive your clients' tensors. {fix}, or use --listen "
+        f"unix:///<a directory of yours>/broker.sock: a missing directory is created with mode 0700")
 
 
 def _socket_dir(path: str, policy: AuthPolicy) -> None:
@@ -128,8 +128,8 @@ def _socket_dir(path: str, policy: AuthPolicy) -> None:
         if not reachable:
             raise ListenError(
                 f"the socket directory {parent} (mode {stat.S_IMODE(st.st_mode):04o}) does not let "
-                f"group {policy.file_gid} reach the socket; run chgrp {policy.file_gid} {parent} && "
-                f"chmod 0750 {parent}, or use a directory the broker creates itself")
+                f"group {policy.file_gid} reach the socket; run chgrp {policy.file_gid} {parent} "
+                f"&& chmod 0750 {parent}, or use a directory the broker creates itself")
 
 
 def _bind_unix(path: str, policy: AuthPolicy) -> socket.socket:
@@ -180,7 +180,7 @@ def bind_all(settings: Settings, policy: AuthPolicy) -> tuple[list[Listen], list
     listens = [parse_listen(u) for u in settings.listen_urls()]
     for ln in listens:
         if ln.family == "tcp" and not policy.tokens and not policy.insecure_no_auth:
-            where = "anyone who can reach it" if not ln.loopback else "every local user (loopback too)"
+            where = "every local user (loopback too)" if ln.loopback else "anyone who reaches it"
             raise ListenError(
                 f"--listen {ln.url} needs a token: {where} could otherwise read, overwrite and "
                 f"delete every tensor. Give --token-file PATH (or TENSORDEPOT_TOKEN); to run "

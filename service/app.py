@@ -61,8 +61,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             log.warning("removed %d segment(s) left behind by a dead broker", len(removed))
         auth: AuthPolicy = app.state.auth_policy
         if auth.insecure_no_auth:
-            log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may read, "
-                        "overwrite and delete every tensor")
+            log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may "
+                        "read, overwrite and delete every tensor")
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
         broker = Broker(pool, session_ttl=cfg.session_ttl)
@@ -112,9 +112,11 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    for module in (tensors, batch, sessions, system):  # hot routes first: matching is linear
+    modules = (tensors, batch, sessions, system)
+    for module in modules:  # hot routes first: matching is linear
         app.include_router(module.router, responses=ERROR_RESPONSES)
-    check_routes(app.routes)
+    # Included routers are wrapped in app.routes; their own lists hold the routes.
+    check_routes([*app.routes, *(r for m in modules for r in m.router.routes)])
     return app
 
 

@@ -44,15 +44,15 @@ class Settings(BaseSettings):
     warm_memory: str = Field("auto", description="free memory kept warm for reuse; auto: 2GiB or max-memory")
     prealloc: str = Field("256MiB", description="pool memory to create and pre-fault at start")
     shm_prefix: str = Field("", description="segment name prefix; default derived from the first --listen")
-    shm_group: str = Field("", description="group of the socket (0660) and segments (0640, or 0660 with "
-                                            "--allow-uid/--allow-gid); default none (0600)")
+    shm_group: str = Field("", description="group of the socket (0660) and segments (0640, or "
+                                            "0660 with --allow-uid/--allow-gid); default none (0600)")
     token: str = Field("", description="an admin bearer token (prefer --token-file: argv is public)")
     token_file: str = Field("", description="file of bearer tokens with scopes, one per line")
     insecure_no_auth: bool = Field(False, description="let TCP listeners run without any token")
     allow_uid: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="unix-socket peers (uid or user name) admitted besides the broker's own uid")
+        default_factory=list, description="unix-socket peers (uid or name) admitted, as admin")
     allow_gid: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="unix-socket peers in this group (gid or name) are admitted")
+        default_factory=list, description="unix-socket peers in this group (gid or name) admitted")
     reap_interval: float = Field(0.5, gt=0, description="seconds between liveness checks")
     session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout for sessions whose pid cannot be checked")
     log_level: str = Field("info")
@@ -86,7 +86,7 @@ class Settings(BaseSettings):
         return f"tensordepot-{digest}-"
 
     def gid(self) -> int | None:
-        """The ``--shm-group``, as a gid (None: not set).  Raises ValueError for an unknown group."""
+        """The ``--shm-group`` as a gid (None: not set); ValueError for an unknown group."""
         return group_id(self.shm_group) if self.shm_group else None
 
 

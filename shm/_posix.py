@@ -133,7 +133,7 @@ def check_segment(fd: int, name: str, trust: Collection[int] | None = None) -> N
     elif mode & 0o002:
         problem = f"its mode {mode:04o} lets every user write it"
     elif mode & 0o020 and st.st_uid != me and st.st_gid not in (os.getegid(), *os.getgroups()):
-        problem = f"its mode {mode:04o} lets group {st.st_gid}, which this process is not in, write it"
+        problem = f"its mode {mode:04o} lets group {st.st_gid} (this process is not in it) write it"
     if problem:
         raise UntrustedBroker(
             f"refusing to map segment {name}: {problem}. The broker that handed it out may be an "
