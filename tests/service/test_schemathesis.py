@@ -8,9 +8,10 @@ and content types it documents, and that every body matches its documented
 schema.  Bounded to about two minutes in all
 (``TENSORDEPOT_SCHEMATHESIS_EXAMPLES`` examples per route, 40 by default).
 
-Requests carry an admin token, and half of them a real session (the others
-a made-up one), so they reach the broker's own checks rather than stopping
-at authentication.  Long polls are capped at 0.2 s.
+Two requests in three carry an admin token, the third a write token limited
+to names starting with "w"; half carry a real session (the others a made-up
+one), so they reach the broker's own checks rather than stopping at
+authentication.  Long polls are capped at 0.2 s.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 class Live:
-    def __init__(self) -> None:
-        self.token = secrets.token_urlsafe(24)
+    def __init__(self, tmp: str) -> None:
+        self.token, team = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+        tokens = os.path.join(tmp, "tokens")
+        with open(os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(f"{team} write prefix=w name=team\n")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.broker = BrokerProc("--listen", self.base, "--max-memory", "64MiB", "--segment-size",
-                                 "4MiB", "--session-ttl", "1",
+                                 "4MiB", "--session-ttl", "1", "--token-file", tokens,
                                  env={"TENSORDEPOT_TOKEN": self.token})
         self.auth = {"Authorization": f"Bearer {self.token}"}
+        self.team = {"Authorization": f"Bearer {team}"}
         # Tracked by our pid and its start time (no heartbeats needed); the
         # sessions the fuzz opens live on heartbeats and lapse within a second.
         with open("/proc/self/stat", "rb") as f:
@@ -62,8 +67,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    lv = Live()
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    lv = Live(str(tmp_path_factory.mktemp("schemathesis")))
     try:
         served = requests.get(f"{lv.base}/openapi.json", headers=lv.auth, timeout=30).json()
         assert served == DOC, "the broker serves the document the cases were generated from"
@@ -83,11 +88,13 @@ DOC = create_app(Settings(token="", insecure_no_auth=False)).openapi()
 schema = schemathesis.openapi.from_dict(DOC)
 
 
-def _tame(case: Any, live: Live) -> None:
-    """A real session for half the cases (decided by the case's own content,
-    so a failure reproduces), and no long poll beyond 0.2 s."""
+def _tame(case: Any, live: Live) -> dict[str, str]:
+    """A real session for half the cases and the prefix token for a third
+    (decided by the case's own content, so a failure reproduces), and no long
+    poll beyond 0.2 s.  Returns the credentials to send."""
+    digest = zlib.crc32(repr((case.body, case.path_parameters, case.query)).encode())
     headers = case.headers if case.headers is not None else {}
-    if SESSION in headers and zlib.crc32(repr(case.body).encode() + case.path.encode()) % 2:
+    if SESSION in headers and digest % 2:
         headers[SESSION] = live.sid
     query = case.query or {}
     try:
@@ -100,11 +107,12 @@ def _tame(case: Any, live: Live) -> None:
         t = body["timeout"]
         if t is None or (isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0.2):
             body["timeout"] = 0.2
+    return live.team if digest % 3 == 0 else live.auth
 
 
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 def test_every_route_conforms_and_never_fails(case: Any, live: Live) -> None:
-    _tame(case, live)
-    case.call_and_validate(base_url=live.base, headers=live.auth, checks=CHECKS, timeout=30)
+    credentials = _tame(case, live)
+    case.call_and_validate(base_url=live.base, headers=credentials, checks=CHECKS, timeout=30)
