@@ -30,6 +30,7 @@ from ._checks import (
 from ._fork import register
 from ._source import Source, dtype_name
 from ._tensor import SharedTensor, _Lease
+from ._trust import trusted_uids
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -40,8 +41,11 @@ class Client:
 
     ``url`` is ``unix:///path.sock`` or ``http://host:port``; by default
     ``$TENSORDEPOT_URL``, then the default socket.  ``token`` (or
-    ``$TENSORDEPOT_TOKEN``) is sent on TCP.  Use it as a context manager, or
-    call ``close()``; closing never raises.
+    ``$TENSORDEPOT_TOKEN``) is sent as a bearer token.  The broker behind a
+    unix socket, and every segment mapped, must belong to this process's uid,
+    root, or ``trust_uid`` (or ``$TENSORDEPOT_TRUST_UID``): else
+    ``UntrustedBroker``.  Use it as a context manager, or call ``close()``;
+    closing never raises.
 
     A Client may be shared by threads.  It survives ``fork()``: the child gets
     a session of its own that holds the views it inherited (README, Lifetime:
@@ -51,7 +55,8 @@ class Client:
     _bg: Background | None = None
 
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
-                 label: str | None = None) -> None:
+                 label: str | None = None,
+                 trust_uid: int | str | Iterable[int | str] | None = None) -> None:
         from ._transport import Transport
 
         self.url = url or default_url()
@@ -59,7 +64,9 @@ class Client:
         io_timeout = check_timeout(timeout, "timeout")
         if not io_timeout:
             raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=io_timeout)
+        self._trust = trusted_uids(trust_uid)
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=io_timeout,
+                                    trust=self._trust)
         # One open file per segment; windows (one mmap per tensor) are made from them.
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
@@ -148,7 +155,8 @@ class Client:
                 f = self._files.get(key)
                 if f is None:
                     try:
-                        f = self._files[key] = SegmentFile(segment, writable=writable)
+                        f = self._files[key] = SegmentFile(segment, writable=writable,
+                                                           trust=self._trust)
                     except FileNotFoundError:
                         raise BrokerUnavailable(
                             f"segment {segment} is missing from /dev/shm: the broker restarted or "

@@ -43,6 +43,7 @@ from .._errors import (
     TensorNotFound,
 )
 from .._proto import MAX_WAIT, SERVER_HEADER
+from ._trust import check_broker_socket
 
 _BY_STATUS: dict[int, type[DepotError]] = {
     400: InvalidRequest, 401: AuthError, 403: Forbidden, 404: TensorNotFound, 409: Conflict,
@@ -140,7 +141,8 @@ class Transport:
 
     A forked child never uses its parent's connections: it opens its own."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
+                 trust: frozenset[int] | None = None) -> None:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             path = (parts.netloc + parts.path) if parts.netloc else parts.path
@@ -155,6 +157,7 @@ class Transport:
                 except OSError:
                     sock.close()
                     raise
+                check_broker_socket(sock, path, trust)  # who listens there?  (UntrustedBroker)
                 return sock
 
             self._connect = connect

@@ -18,6 +18,7 @@ from ._errors import OutOfMemory as OutOfMemory
 from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
+from ._errors import UntrustedBroker as UntrustedBroker
 from ._version import __version__ as __version__
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
@@ -41,5 +42,6 @@ __all__ = [
     "TensorInfo",
     "TensorNotFound",
     "TensorReleased",
+    "UntrustedBroker",
     "__version__",
 ]

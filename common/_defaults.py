@@ -6,6 +6,7 @@ import os
 
 ENV_URL = "TENSORDEPOT_URL"
 ENV_TOKEN = "TENSORDEPOT_TOKEN"
+ENV_TRUST_UID = "TENSORDEPOT_TRUST_UID"  # uids (or names) whose broker and segments a client trusts
 SYSTEM_SOCKET = "/run/tensordepot/broker.sock"
 
 

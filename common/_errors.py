@@ -5,7 +5,8 @@
      ├── TensorNotFound         no such name (or no ready version of it)
      ├── OutOfMemory            the allocation does not fit in --max-memory (HTTP 507)
      ├── AuthError              missing or unknown credentials (HTTP 401)
-     │    └── Forbidden         known, but not allowed to do this (HTTP 403)
+     │    ├── Forbidden         known credentials, but not allowed to do that (HTTP 403)
+     │    └── UntrustedBroker   the socket or a segment belongs to a user this client does not trust
      ├── InvalidRequest         bad input: dtype, shape, name, byte counts (HTTP 400/422);
      │    │                     also a ValueError
      │    └── InvalidType       an argument of the wrong type; also a TypeError
@@ -62,9 +63,19 @@ class AuthError(DepotError):
 
 
 class Forbidden(AuthError):
-    """The caller is known but may not do this (another's session, a missing scope)."""
+    """The broker knows who is asking, and that identity may not do this
+    (a missing scope, a name outside the token's prefix, a uid not allowed)."""
 
     code = "forbidden"
+    status = 403
+
+
+class UntrustedBroker(AuthError):
+    """Raised by the client, never sent by the broker: the socket it reached,
+    or a segment it was told to map, belongs to a user it does not trust (or
+    is writable by anyone).  Someone may be impersonating the broker."""
+
+    code = "untrusted_broker"
     status = 403
 
 

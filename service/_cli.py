@@ -73,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .._errors import DepotError
+    from ._auth import AuthConfigError, load_policy
     from ._server import ListenError, PeerCredProtocol, Server, bind_all, close_all
     from .app import create_app
     from .config import Settings, shm_capacity
@@ -92,14 +93,23 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning("--max-memory %s is more than /dev/shm holds (%s): puts will fail with "
                     "out of memory once /dev/shm is full; lower --max-memory or enlarge "
                     "/dev/shm (docker: shm_size)", format_size(max_memory), format_size(capacity))
+    if args.token is not None:
+        logging.getLogger("tensordepot.broker").warning(
+            "--token is visible to every local user in the process list (/proc/%d/cmdline); "
+            "use --token-file or TENSORDEPOT_TOKEN", os.getpid())
+    try:
+        policy = load_policy(settings)
+    except AuthConfigError as exc:
+        print(f"tensordepot serve: {exc}", file=sys.stderr)
+        return 2
     # uvicorn's own start/stop lines only at debug: we log one ready line ourselves.
     uvicorn_level = "debug" if logging.getLogger().level <= logging.DEBUG else "warning"
     try:
-        listens, socks = bind_all(settings)
+        listens, socks = bind_all(settings, policy)
     except (ListenError, DepotError, OSError) as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 1
-    app = create_app(settings)
+    app = create_app(settings, policy)
     app.state.on_close = lambda: close_all(listens, socks)
     PeerCredProtocol.max_connections = settings.max_connections
     _raise_fd_limit()
@@ -135,6 +145,9 @@ def _raise_fd_limit() -> None:
 def _client(args: argparse.Namespace) -> Any:
     from ..client import Client
 
+    if args.token is not None:
+        print("tensordepot: --token is visible to every local user in the process list; "
+              "prefer $TENSORDEPOT_TOKEN", file=sys.stderr)
     return Client(args.url, token=args.token)
 
 
@@ -258,11 +271,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm-memory",
                    help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
     s.add_argument("--prealloc", help="pool memory created at start (default 256MiB)")
-    s.add_argument("--shm-prefix",
-                   help="segment name prefix (default: derived from the first --listen)")
-    s.add_argument("--shm-group",
-                   help="group allowed to map segments (mode 0660); default: owner only")
-    s.add_argument("--token", help="bearer token required on TCP listeners")
+    s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first --listen)")
+    s.add_argument("--shm-group", metavar="GROUP",
+                   help="group of the socket (0660) and the segments (0640: the group maps them "
+                        "read-only; 0660 with --allow-uid/--allow-gid); default: owner only (0600)")
+    s.add_argument("--allow-uid", action="append", metavar="UID",
+                   help="also admit this user on the unix socket, as admin (repeatable; needs "
+                        "--shm-group, a group it is in)")
+    s.add_argument("--allow-gid", action="append", metavar="GID",
+                   help="also admit members of this group on the unix socket, as admin; the socket "
+                        "and segments become group GID, mode 0660")
+    s.add_argument("--token-file", metavar="PATH",
+                   help="bearer tokens, one per line: '<token> <scope> [prefix=<p>] [name=<n>]', "
+                        "scope read, write or admin; mode 0600")
+    s.add_argument("--token", help="an admin bearer token (visible in the process list: prefer "
+                                   "--token-file or TENSORDEPOT_TOKEN)")
+    s.add_argument("--insecure-no-auth", action="store_true", default=None,
+                   help="let TCP listeners run without a token (anyone who reaches them may do "
+                        "anything)")
     s.add_argument("--reap-interval", type=float,
                    help="seconds between liveness checks (default 0.5)")
     s.add_argument("--session-ttl", type=float,

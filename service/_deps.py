@@ -225,34 +225,3 @@ def _too_large() -> DepotError:
                          f"through /v1/alloc and shared memory, and batches in parts")
     exc.status, exc.code = 413, "too_large"
     return exc
-
-
-class TokenAuth:
-    """ASGI middleware: TCP requests need ``Authorization: Bearer <token>`` when
-    a token is configured.  Unix-socket peers are authorised by the socket's
-    file mode (0600); /healthz stays open for health checks."""
-
-    def __init__(self, app: Any, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (scope["type"] == "http" and not scope.get("state", {}).get("unix")
-                and scope["path"] != "/healthz" and not self._ok(scope)):
-            err = AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
-                            "(Client(token=...) or $TENSORDEPOT_TOKEN)")
-            body = json.dumps({"error": {"code": err.code, "message": str(err)}}).encode()
-            await send({"type": "http.response.start", "status": err.status,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()),
-                                    (b"www-authenticate", b"Bearer")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-    def _ok(self, scope: Any) -> bool:
-        for key, value in scope["headers"]:
-            if key == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.token)
-        return False

@@ -3,20 +3,26 @@
 We bind every socket ourselves and hand them to ``Server.serve(sockets=...)``:
 
 * uvicorn's ``uds=`` option creates the socket with mode 0666 (any local
-  user could connect); ours is created under umask 077 and chmod 0600;
+  user could connect); ours is created under umask 077 and chmod 0600 (0660
+  for a configured group);
+* the socket's directory must be the broker's own: created 0700 (0750 for a
+  group) when missing, and refused when it belongs to someone else or others
+  may write it, since whoever can write the directory can swap the socket
+  for their own and receive every client's tensors;
 * a stale socket file from a dead broker is replaced, but a live broker on
   the same path makes us refuse to start;
-* TCP beyond loopback requires a token.
+* TCP listeners, loopback included, require a token (or --insecure-no-auth).
 
 The ASGI scope carries no peer credentials, so ``PeerCredProtocol`` (a
 subclass of uvicorn's httptools protocol, pinned in pyproject.toml) reads
-SO_PEERCRED when a unix connection is made and exposes it as
-``request.state.peercred``.
+SO_PEERCRED and SO_PEERGROUPS when a unix connection is made and exposes them
+as ``request.state.peercred`` and ``request.state.peergroups``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
@@ -36,6 +42,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .._proto import MAX_HEADER_BYTES, SERVER_HEADER
 from .._version import __version__
+from .._ids import describe_uid
+from ._auth import AuthPolicy
 from .config import Settings
 
 log = logging.getLogger("tensordepot.broker")
@@ -79,10 +87,59 @@ def parse_listen(url: str) -> Listen:
     raise ListenError(f"--listen {url!r}: use unix:///path.sock or http://host:port")
 
 
-def _bind_unix(path: str) -> socket.socket:
+def _refuse_dir(path: str, st: os.stat_result, problem: str, fix: str) -> ListenError:
+    return ListenError(
+        f"the socket directory {path} {problem} (owner uid {describe_uid(st.st_uid)}, mode "
+        f"{stat.S_IMODE(st.st_mode):04o}); whoever can write it can replace the socket with their "
+        f"own and receive your clients' tensors. {fix}, or use --listen "
+        f"unix:///<a directory of yours>/broker.sock: a missing directory is created with mode 0700")
+
+
+def _socket_dir(path: str, policy: AuthPolicy) -> None:
+    """Create the socket's directory (0700, or 0750 with the policy's group), or
+    check that an existing one is safe: ours, and writable by nobody else, and
+    its ancestors writable only by us or root (or sticky, like /tmp)."""
     parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+    me = policy.broker_uid
+    if not os.path.lexists(parent):
+        os.makedirs(parent, mode=policy.dir_mode, exist_ok=True)
+        if policy.file_gid is not None:
+            os.chown(parent, -1, policy.file_gid)
+        os.chmod(parent, policy.dir_mode)  # makedirs' mode is filtered by the umask
+    lst = os.lstat(parent)
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (me, 0):
+        raise _refuse_dir(parent, lst, "is a symlink owned by someone else",
+                          f"Remove it (rm {parent})")
+    st = os.stat(parent)
+    if st.st_uid != me:
+        raise _refuse_dir(parent, st, f"belongs to another user, not to this broker's uid "
+                          f"{describe_uid(me)}", f"Remove it as its owner or root (rm -r {parent})")
+    if st.st_mode & 0o022:
+        raise _refuse_dir(parent, st, "is writable by group or others", f"Run chmod go-w {parent}")
+    # Each ancestor: only we or root may rename entries in it (sticky dirs
+    # such as /tmp let no one rename another user's entry).
+    real = os.path.realpath(parent)
+    up = os.path.dirname(real)
+    while True:
+        ast = os.stat(up)
+        sticky = bool(ast.st_mode & stat.S_ISVTX)
+        if ast.st_uid not in (me, 0) or (ast.st_mode & 0o022 and not sticky):
+            raise _refuse_dir(up, ast, f"(above the socket directory {parent}) lets another user "
+                              f"rename what it holds", "Choose a path under directories you own")
+        if up == os.path.dirname(up):
+            break
+        up = os.path.dirname(up)
+    if policy.file_gid is not None:
+        reachable = st.st_mode & 0o001 or (st.st_gid == policy.file_gid and st.st_mode & 0o010)
+        if not reachable:
+            raise ListenError(
+                f"the socket directory {parent} (mode {stat.S_IMODE(st.st_mode):04o}) does not let "
+                f"group {policy.file_gid} reach the socket; run chgrp {policy.file_gid} {parent} "
+                f"&& chmod 0750 {parent}, or use a directory the broker creates itself")
+
+
+def _bind_unix(path: str, policy: AuthPolicy) -> socket.socket:
+    _socket_dir(path, policy)
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise ListenError(f"{path} exists and is not a socket; remove it or pick another path")
@@ -104,7 +161,9 @@ def _bind_unix(path: str) -> socket.socket:
         sock.bind(path)
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    if policy.file_gid is not None:
+        os.chown(path, -1, policy.file_gid)
+    os.chmod(path, policy.socket_mode)
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
@@ -123,18 +182,21 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def bind_all(settings: Settings) -> tuple[list[Listen], list[socket.socket]]:
+def bind_all(settings: Settings, policy: AuthPolicy) -> tuple[list[Listen], list[socket.socket]]:
     listens = [parse_listen(u) for u in settings.listen_urls()]
     for ln in listens:
-        if ln.family == "tcp" and not ln.loopback and not settings.token:
+        if ln.family == "tcp" and not policy.tokens and not policy.insecure_no_auth:
+            where = "every local user (loopback too)" if ln.loopback else "anyone who reaches it"
             raise ListenError(
-                f"--listen {ln.url} is reachable beyond loopback; set --token "
-                f"(or TENSORDEPOT_TOKEN) so that only clients with it can connect"
+                f"--listen {ln.url} needs a token: {where} could otherwise read, overwrite and "
+                f"delete every tensor. Give --token-file PATH (or TENSORDEPOT_TOKEN); to run "
+                f"without authentication anyway, add --insecure-no-auth"
             )
     socks: list[socket.socket] = []
     try:
         for ln in listens:
-            socks.append(_bind_unix(ln.path) if ln.family == "unix" else _bind_tcp(ln.host, ln.port))
+            socks.append(_bind_unix(ln.path, policy) if ln.family == "unix"
+                         else _bind_tcp(ln.host, ln.port))
     except BaseException:
         close_all(listens[:len(socks)], socks)  # only what we bound: never a live broker's socket
         raise
@@ -150,6 +212,25 @@ def close_all(listens: list[Listen], socks: list[socket.socket]) -> None:
                 os.unlink(ln.path)
 
 
+# Linux's SO_PEERGROUPS (4.13+; the socket module has no name for it): the
+# peer's supplementary groups, as the kernel saw them at connect(2).
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+def _peer_groups(sock: Any) -> tuple[int, ...]:
+    size = 64 * 4
+    while size <= 65536 * 4:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:  # more groups than the buffer holds
+                size *= 4
+                continue
+            return ()  # an older kernel: the primary gid (SO_PEERCRED) still counts
+        return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
+    return ()
+
+
 def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
@@ -158,9 +239,12 @@ def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
 
 
 class PeerCredProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, plus what keeps one peer from starving the rest:
+    """uvicorn's httptools protocol, plus the peer's identity, plus what keeps
+    one peer from starving the rest:
 
-    * the peer's (pid, uid, gid) on unix sockets, from SO_PEERCRED;
+    * the peer's (pid, uid, gid) and supplementary groups on unix sockets, from
+      SO_PEERCRED and SO_PEERGROUPS, and a dict private to the connection
+      (``state["connection"]``);
     * a request head larger than ``MAX_HEADER_BYTES`` is answered 431 and the
       connection closed, before uvicorn collects it;
     * at most ``max_connections`` connections: a new one beyond that closes
@@ -177,14 +261,17 @@ class PeerCredProtocol(HttpToolsProtocol):
         self._last_active = time.monotonic()
         sock = transport.get_extra_info("socket")
         cred = None
+        groups: tuple[int, ...] = ()
         unix = sock is not None and sock.family == socket.AF_UNIX
         if unix:
             fmt = "3i"
             raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
             cred = struct.unpack(fmt, raw)
+            groups = _peer_groups(sock)
         # app_state is copied into each request's scope["state"]; this
         # connection gets its own copy with the peer in it.
-        self.app_state = {**self.app_state, "peercred": cred, "unix": unix}
+        self.app_state = {**self.app_state, "peercred": cred, "peergroups": groups, "unix": unix,
+                          "connection": {}}
         if len(self.connections) > self.max_connections and not self._evict_idle():
             transport.write(_raw_error(503, "Service Unavailable", "broker_unavailable",
                                        f"the broker has {len(self.connections) - 1} connections "

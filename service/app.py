@@ -18,8 +18,9 @@ from .._version import __version__
 from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
+from ._auth import AuthMiddleware, AuthPolicy, check_routes, load_policy
 from ._broker import Broker
-from ._deps import Guard, MarkServer, TokenAuth, error_response
+from ._deps import Guard, MarkServer, error_response
 from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
 from .routers import batch, sessions, system, tensors
@@ -30,8 +31,9 @@ log = logging.getLogger("tensordepot.broker")
 # default 422 schema, {"detail": [...]}, is not what the error boundary sends).
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
-    for status, what in ((400, "bad input"), (401, "missing or wrong token (TCP only)"),
-                         (403, "not allowed: another client's session, or a missing scope"),
+    for status, what in ((400, "bad input"), (401, "no or unknown credentials (a bearer token)"),
+                         (403, ("not allowed: a missing scope, a name outside the token's prefix, "
+                                "a unix peer whose uid is not admitted, or another client's session")),
                          (404, "unknown name or route"), (409, "conflict with the tensor's state"),
                          (413, "request body too large"), (422, "malformed request"),
                          (429, "a per-client limit (sessions)"), (503, "the broker is shutting down"),
@@ -47,8 +49,9 @@ def _describe(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the broker app.  ``settings`` defaults to the environment."""
+def create_app(settings: Settings | None = None, policy: AuthPolicy | None = None) -> FastAPI:
+    """Build the broker app.  ``settings`` defaults to the environment, and
+    ``policy`` (who may do what) to ``load_policy(settings)``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,9 +61,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         removed = sweep(prefix, keep={lock.name})
         if removed:
             log.warning("removed %d segment(s) left behind by a dead broker", len(removed))
-        mode = 0o600 if cfg.gid() is None else 0o660
+        auth: AuthPolicy = app.state.auth_policy
+        if auth.insecure_no_auth:
+            log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may "
+                        "read, overwrite and delete every tensor")
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
-                    warm_bytes=cfg.warm_memory_bytes(), mode=mode, gid=cfg.gid())
+                    warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
         broker = Broker(pool, limits=cfg.limits())
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
@@ -88,9 +94,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
+    app.state.auth_policy = policy = policy or load_policy(settings)
     app.add_middleware(Guard)  # body limits and piggybacked releases, after auth
-    if settings.token:  # added late, so it runs early: no release without the token
-        app.add_middleware(TokenAuth, token=settings.token)
+    # Added after the ones above, so it runs before them: nothing (not even a
+    # piggybacked release) happens before the request's principal is known and allowed.
+    app.add_middleware(AuthMiddleware, policy=policy)
     # Times every request, refused ones and hot paths included.
     app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None), lambda: app.routes)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
@@ -109,8 +117,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    for module in (tensors, batch, sessions, system):
+    modules = (tensors, batch, sessions, system)
+    for module in modules:
         app.include_router(module.router, responses=ERROR_RESPONSES)
+    # Included routers are wrapped in app.routes; their own lists hold the routes.
+    check_routes([*app.routes, *(r for m in modules for r in m.router.routes)])
     # Matching is linear: the hot routes go first, as plain Starlette routes
     # (their FastAPI declarations above stay for the OpenAPI document).
     app.router.routes[:0] = tensors.HOT_ROUTES

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .._defaults import default_socket_path
 from ._broker import Limits
+from .._ids import group_id
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
@@ -44,8 +45,15 @@ class Settings(BaseSettings):
     warm_memory: str = Field("auto", description="free memory kept warm for reuse; auto: 2GiB or max-memory")
     prealloc: str = Field("256MiB", description="pool memory to create and pre-fault at start")
     shm_prefix: str = Field("", description="segment name prefix; default derived from the first --listen")
-    shm_group: str = Field("", description="group that may map segments (mode 0640/0660); default none (0600)")
-    token: str = Field("", description="bearer token required on TCP listeners")
+    shm_group: str = Field("", description="group of the socket (0660) and segments (0640, or "
+                                            "0660 with --allow-uid/--allow-gid); default none (0600)")
+    token: str = Field("", description="an admin bearer token (prefer --token-file: argv is public)")
+    token_file: str = Field("", description="file of bearer tokens with scopes, one per line")
+    insecure_no_auth: bool = Field(False, description="let TCP listeners run without any token")
+    allow_uid: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="unix-socket peers (uid or name) admitted, as admin")
+    allow_gid: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="unix-socket peers in this group (gid or name) admitted")
     reap_interval: float = Field(0.5, gt=0, description="seconds between liveness checks")
     session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout for sessions whose pid cannot be checked")
     alloc_ttl: float = Field(600.0, ge=0, description="unpublished allocations expire after this many seconds (0: never)")
@@ -56,11 +64,13 @@ class Settings(BaseSettings):
     max_connections: int = Field(4096, gt=0, description="open connections; beyond it the longest-idle is closed")
     log_level: str = Field("info")
 
-    @field_validator("listen", mode="before")
+    @field_validator("listen", "allow_uid", "allow_gid", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         if isinstance(v, str):
             return [p for p in (s.strip() for s in v.split(",")) if p]
+        if isinstance(v, (list, tuple)):
+            return [str(p) for p in v]
         return v
 
     def listen_urls(self) -> list[str]:
@@ -89,11 +99,9 @@ class Settings(BaseSettings):
         return f"tensordepot-{digest}-"
 
     def gid(self) -> int | None:
-        if not self.shm_group:
-            return None
-        import grp
+        """The ``--shm-group`` as a gid (None: not set); ValueError for an unknown group."""
+        return group_id(self.shm_group) if self.shm_group else None
 
-        return grp.getgrnam(self.shm_group).gr_gid if not self.shm_group.isdigit() else int(self.shm_group)
 
 
 @lru_cache

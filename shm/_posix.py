@@ -20,8 +20,13 @@ import fcntl
 import os
 import re
 import secrets
+import stat
 import weakref
+from collections.abc import Collection
 from typing import Any
+
+from .._errors import UntrustedBroker
+from .._ids import describe_uid
 
 SHM_DIR = "/dev/shm"
 KIND = "posix"
@@ -110,6 +115,55 @@ class PosixSegment:
         return f"PosixSegment({self.name!r}, size={self.size})"
 
 
+def check_segment(fd: int, name: str, trust: Collection[int] | None = None) -> None:
+    """Refuse to map a segment a trusted broker would not have made.
+
+    The owner must be a trusted uid (``trust``; by default this process's
+    uid and root), and nobody outside the owner and its group may write it:
+    never world-writable, and group-writable only for a group this process is
+    in (the broker's --allow-gid group) or when the segment is our own.  A
+    segment that fails is someone else's memory: writing our tensor into it
+    would hand them the bytes, and reading from it would let them change what
+    we read.  Raises UntrustedBroker.
+    """
+    st = os.fstat(fd)
+    me = os.geteuid()
+    trusted = {me, 0} if trust is None else trust
+    mode = stat.S_IMODE(st.st_mode)
+    problem = ""
+    if not stat.S_ISREG(st.st_mode):
+        problem = "it is not a regular file"
+    elif st.st_uid not in trusted:
+        problem = f"it belongs to uid {describe_uid(st.st_uid)}, a user this process does not trust"
+    elif mode & 0o002:
+        problem = f"its mode {mode:04o} lets every user write it"
+    elif mode & 0o020 and st.st_uid != me and st.st_gid not in (os.getegid(), *os.getgroups()):
+        problem = f"its mode {mode:04o} lets group {st.st_gid} (this process is not in it) write it"
+    if problem:
+        raise UntrustedBroker(
+            f"refusing to map segment {name}: {problem}. The broker that handed it out may be an "
+            f"impostor (check who serves its socket); if a user you trust runs your broker, pass "
+            f"Client(trust_uid=...) or set $TENSORDEPOT_TRUST_UID")
+
+
+def open_segment(name: str, flags: int, trust: Collection[int] | None = None) -> int:
+    """Open a segment to map it; the caller owns the fd.  Refuses a symlink
+    (O_NOFOLLOW) and anything ``check_segment`` refuses, with UntrustedBroker."""
+    try:
+        fd = os.open(segment_path(name), flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UntrustedBroker(f"refusing to map segment {name}: it is a symbolic link, which a "
+                              f"broker never creates") from None
+    try:
+        check_segment(fd, name, trust)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _munmap(address: int, size: int) -> None:
     _libc.munmap(address, size)
 
@@ -132,11 +186,11 @@ class SegmentFile:
 
     _fd = -1
 
-    def __init__(self, name: str, *, writable: bool) -> None:
+    def __init__(self, name: str, *, writable: bool, trust: Collection[int] | None = None) -> None:
         self.name = name
         self.writable = writable
-        flags = os.O_RDWR if writable else os.O_RDONLY
-        fd = os.open(segment_path(name), flags | os.O_CLOEXEC)
+        # Only a segment a trusted broker made (see check_segment).
+        fd = open_segment(name, os.O_RDWR if writable else os.O_RDONLY, trust)
         try:
             self.size = os.fstat(fd).st_size
         except OSError:
@@ -227,11 +281,12 @@ class PosixMapping:
     address: int = 0
     size: int = 0
 
-    def __init__(self, name: str, *, writable: bool, populate: bool = False) -> None:
+    def __init__(self, name: str, *, writable: bool, populate: bool = False,
+                 trust: Collection[int] | None = None) -> None:
         self.name = name
         self.writable = writable
         flags = os.O_RDWR if writable else os.O_RDONLY
-        fd = os.open(segment_path(name), flags | os.O_CLOEXEC)
+        fd = open_segment(name, flags, trust)  # refuses memory that a trusted broker did not make
         try:
             size = os.fstat(fd).st_size
             if size == 0:

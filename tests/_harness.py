@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,20 @@ def file_position(ptr: int) -> tuple[str, int]:
             if lo <= ptr < hi:
                 return (parts[5] if len(parts) > 5 else ""), int(parts[2], 16) + ptr - lo
     raise AssertionError(f"{ptr:#x} is in no mapping")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``tensordepot serve`` with only these settings, for one that must refuse to start."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
+    return subprocess.run([sys.executable, "-m", "tensordepot", "serve", *args], check=False,
+                          capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 
 def shm_entries(prefix: str) -> list[str]:

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..._proto import MAX_WAIT
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
+from .._auth import principal_of, require_names
 from .._broker import Version
 from .._deps import RequestHeader, SessionHeader, broker_of, caller, hangup, json_response, once
 
@@ -21,6 +22,7 @@ def _handles(request: Request, pairs: list[tuple[Version, int | None]]) -> Respo
 @router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
 async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None,
                      request_id: RequestHeader = None) -> Response:
+    require_names(principal_of(request), (i.name for i in req.items))  # before anything is allocated
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -44,6 +46,7 @@ async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader =
              summary="Publish many versions at once (all of them, or none)")
 async def publish_many(req: BatchPublish, request: Request, session: SessionHeader = None,
                        request_id: RequestHeader = None) -> Response:
+    require_names(principal_of(request), (i.name for i in req.items))
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -57,6 +60,7 @@ async def publish_many(req: BatchPublish, request: Request, session: SessionHead
              summary="Lease many tensors at once, under one deadline (all of them, or none)")
 async def get_many(req: BatchGet, request: Request, session: SessionHeader = None,
                    request_id: RequestHeader = None) -> Response:
+    require_names(principal_of(request), req.names)
     broker = broker_of(request)
     timeout = None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
 

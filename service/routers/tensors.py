@@ -33,6 +33,7 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
+from .._auth import principal_of, require_name
 from .._deps import (
     RequestHeader,
     SessionHeader,
@@ -166,6 +167,7 @@ async def get_tensor_documented(request: Request) -> Response:
              summary="Allocate a new version (state 'writing') to fill in place")
 async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None,
                 request_id: RequestHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -178,6 +180,7 @@ async def alloc(req: AllocRequest, request: Request, session: SessionHeader = No
 @router.post("/publish", response_model=Handle, summary="Make a written version visible")
 async def publish(req: PublishRequest, request: Request, session: SessionHeader = None,
                   request_id: RequestHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -190,6 +193,7 @@ async def publish(req: PublishRequest, request: Request, session: SessionHeader 
              summary="Give back an allocated version that will not be published")
 async def abort(req: PublishRequest, request: Request, session: SessionHeader = None,
                 request_id: RequestHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -222,6 +226,7 @@ async def put_documented(
              summary="Publish a leased version's bytes under another name, without a copy")
 async def link(req: LinkRequest, request: Request, session: SessionHeader = None,
                request_id: RequestHeader = None) -> Response:
+    require_name(principal_of(request), req.name)
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -239,7 +244,8 @@ async def release(req: ReleaseRequest, request: Request, session: SessionHeader 
 
 @router.get("/tensors", response_model=TensorList, summary="List tensors")
 async def list_tensors(request: Request) -> TensorList:
-    return TensorList(items=broker_of(request).list())
+    principal = principal_of(request)  # a prefix-limited token sees only its own names
+    return TensorList(items=[i for i in broker_of(request).list() if principal.may_use(i.name)])
 
 
 @router.delete("/tensors/{name:path}", status_code=204,

@@ -12,6 +12,7 @@ directory, the files the Dockerfile copies onto the repository's).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from _harness import shm_entries, wait_for
+from _harness import free_port, shm_entries, wait_for
 from tensordepot._defaults import ENV_TOKEN, ENV_URL
 from tensordepot.service import Settings
 from tensordepot.service.config import parse_size
@@ -285,21 +286,24 @@ def run_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_compose_commands_run_as_processes(run_dir: str) -> None:
-    compose = load(DOCKER / "compose.yaml", {})
-    broker_svc = compose["services"]["broker"]
+def host_paths(broker_svc: dict[str, Any], run_dir: str) -> dict[str, str]:
+    """The socket volume becomes a fresh directory (the broker creates its
+    socket in it, as in the container); copied files are the repo's own."""
     volume_target = broker_svc["volumes"][0].split(":")[1]
-    # The socket volume becomes a fresh directory (the broker creates its
-    # socket in it, as in the container); copied files are the repo's own.
     paths = {volume_target: os.path.join(run_dir, "run")}
-    paths |= {dest: str(src) for dest, src in copies().items() if src.is_file()}
-    broker = Container(broker_svc, paths)
+    return paths | {dest: str(src) for dest, src in copies().items() if src.is_file()}
+
+
+@contextlib.contextmanager
+def healthy_broker(broker: Container, broker_svc: dict[str, Any], run_dir: str
+                   ) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """Run the broker's command until its compose healthcheck passes; yield
+    (process, socket path, log path).  Whatever is left is killed and swept."""
     settings = Settings(listen=broker.env["TENSORDEPOT_LISTEN"].split(","),
                         shm_prefix=broker.env.get("TENSORDEPOT_SHM_PREFIX", ""))
     prefix = settings.prefix()
     sock = settings.listen_urls()[0].removeprefix("unix://")
     assert sock.startswith(run_dir), sock
-
     log_path = os.path.join(run_dir, "broker.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(broker.command, env=broker.env, stdout=log, stderr=subprocess.STDOUT,
@@ -312,6 +316,28 @@ def test_compose_commands_run_as_processes(run_dir: str) -> None:
 
         wait_for(healthy, seconds(broker_svc["healthcheck"]["start_period"]) + 30, interval=0.2,
                  what="the compose healthcheck to pass")
+        yield proc, sock, log_path
+        assert shm_entries(prefix) == [], "SIGTERM must unlink every segment"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for entry in shm_entries(prefix):
+            os.unlink(os.path.join("/dev/shm", entry))
+
+
+def stop(proc: subprocess.Popen[bytes], broker_svc: dict[str, Any], log_path: str) -> None:
+    """docker stop: the stop signal, then the grace period."""
+    proc.send_signal(getattr(signal, broker_svc["stop_signal"]))
+    assert proc.wait(seconds(broker_svc["stop_grace_period"])) == 0, Path(log_path).read_text()
+
+
+def test_compose_commands_run_as_processes(run_dir: str) -> None:
+    compose = load(DOCKER / "compose.yaml", {})
+    broker_svc = compose["services"]["broker"]
+    paths = host_paths(broker_svc, run_dir)
+    broker = Container(broker_svc, paths)
+    with healthy_broker(broker, broker_svc, run_dir) as (proc, sock, log_path):
         assert os.stat(sock).st_mode & 0o777 == 0o600
 
         workers = {n: s for n, s in compose["services"].items() if n != "broker"}
@@ -325,15 +351,33 @@ def test_compose_commands_run_as_processes(run_dir: str) -> None:
         assert names == ["example/weights"], names
         stat = json.loads(broker.run(["tensordepot", "stat", "--json"]).stdout)
         assert stat["leases"] == 0 and stat["bytes_in_use"] >= 4 << 20, stat
-
-        # docker stop: the stop signal, then the grace period.
-        proc.send_signal(getattr(signal, broker_svc["stop_signal"]))
-        assert proc.wait(seconds(broker_svc["stop_grace_period"])) == 0, Path(log_path).read_text()
-        assert shm_entries(prefix) == [], "SIGTERM must unlink every segment"
+        stop(proc, broker_svc, log_path)
         assert not os.path.exists(sock)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for entry in shm_entries(prefix):
-            os.unlink(os.path.join("/dev/shm", entry))
+
+
+def test_the_tcp_override_needs_its_token(run_dir: str) -> None:
+    """compose.tcp.yaml: TCP clients need $TENSORDEPOT_TOKEN, and the broker refuses to
+    start without it."""
+    merged = merge(load(DOCKER / "compose.yaml", OVERRIDE_ENV),
+                   load(DOCKER / "compose.tcp.yaml", OVERRIDE_ENV))
+    broker_svc = merged["services"]["broker"]
+    broker = Container(broker_svc, host_paths(broker_svc, run_dir))
+    port = free_port()
+    listen = broker.env["TENSORDEPOT_LISTEN"]
+    assert listen.endswith(":7420"), listen  # the container port; on the host, a free one
+    broker.env["TENSORDEPOT_LISTEN"] = listen.removesuffix(":7420") + f":{port}"
+    tcp = f"http://127.0.0.1:{port}"
+
+    tokenless = {k: v for k, v in broker.env.items() if k != ENV_TOKEN}
+    res = subprocess.run(broker.command, env=tokenless, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 1 and "needs a token" in res.stderr, res.stderr
+
+    with healthy_broker(broker, broker_svc, run_dir) as (proc, _, log_path):
+        # The CLI reads $TENSORDEPOT_TOKEN, which the compose file sets.
+        assert broker.run(["tensordepot", "stat", "--url", tcp]).returncode == 0
+        wrong = f"from tensordepot import Client; Client({tcp!r}, token='x' * 20)"
+        anonymous = broker.run(["python", "-c", wrong])
+        assert anonymous.returncode == 1, anonymous.stderr
+        assert "AuthError: missing or wrong token" in anonymous.stderr, anonymous.stderr
+        stop(proc, broker_svc, log_path)

@@ -534,7 +534,7 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
     claims is never trusted (not even with its real start time, or pid 1): such
     sessions live on heartbeats."""
     tcp = f"http://127.0.0.1:{_free_port()}"
-    b = broker_factory("--listen", tcp, "--session-ttl", "1")
+    b = broker_factory("--listen", tcp, "--session-ttl", "1", "--insecure-no-auth")
     with Client(tcp) as honest:
         assert not honest._session.tracked, "a pid claimed over TCP must not make a session tracked"
     t = Transport(tcp)

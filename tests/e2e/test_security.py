@@ -3,6 +3,7 @@ and what an exposed TCP listener requires."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -13,25 +14,13 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
-from _harness import TEST_PREFIX, BrokerProc, shm_entries
+from _harness import TEST_PREFIX, BrokerProc, free_port, serve_once, shm_entries, wait_for
 from tensordepot import AuthError, Client
 from tensordepot.shm import PosixSegment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-    return subprocess.run([sys.executable, "-m", "tensordepot", "serve", *args], check=False,
-                          capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 
 def test_socket_is_0600_in_a_0700_directory(broker_factory: Callable[..., BrokerProc],
@@ -80,15 +69,19 @@ def test_a_precreated_segment_name_is_never_attached(tmp_path_factory: pytest.Te
         os.unlink(path)
 
 
-@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"), pytest.param("[::]", id="ipv6-any")])
-def test_exposed_tcp_without_token_refuses_to_start(host: str) -> None:
-    port = free_port()
+@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"), pytest.param("[::]", id="ipv6-any"),
+                                  pytest.param("127.0.0.1", id="loopback")])
+def test_tcp_without_token_refuses_to_start(host: str) -> None:
+    """Loopback too: every local user can reach it."""
+    port = free_port("0.0.0.0")
     prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
     url = f"http://{host}:{port}"
-    for res in (serve("--listen", url, "--shm-prefix", prefix),
-                serve(env={"TENSORDEPOT_LISTEN": url, "TENSORDEPOT_SHM_PREFIX": prefix})):
+    for res in (serve_once("--listen", url, "--shm-prefix", prefix),
+                serve_once(env={"TENSORDEPOT_LISTEN": url, "TENSORDEPOT_SHM_PREFIX": prefix})):
         assert res.returncode == 1, (res.returncode, res.stderr)
-        assert "reachable beyond loopback; set --token (or TENSORDEPOT_TOKEN)" in res.stderr, res.stderr
+        assert f"--listen {url} needs a token" in res.stderr, res.stderr
+        assert "--token-file PATH (or TENSORDEPOT_TOKEN)" in res.stderr, res.stderr
+        assert "--insecure-no-auth" in res.stderr, res.stderr
         assert "tensordepot ready" not in res.stdout + res.stderr
         assert "Traceback" not in res.stderr
     assert shm_entries(prefix) == []
@@ -100,7 +93,7 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TENSORDEPOT_TOKEN", raising=False)
     token = secrets.token_urlsafe(24)
-    port = free_port()
+    port = free_port("0.0.0.0")
     b = broker_factory("--listen", f"http://0.0.0.0:{port}",
                        env={"TENSORDEPOT_TOKEN": token})  # env, not argv: argv is world-readable
     tcp = f"http://127.0.0.1:{port}"
@@ -125,7 +118,7 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
         assert [i.name for i in c.list()] == ["over-tcp"]
     monkeypatch.delenv("TENSORDEPOT_TOKEN")
 
-    # The unix socket is guarded by its file mode: no token is asked for.
+    # On the unix socket the kernel vouches for the peer's uid (ours): no token is asked for.
     with b.client() as c:
         assert np.array_equal(np.from_dlpack(c.get("over-tcp")), data)
 
@@ -133,6 +126,68 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
     env = {k: v for k, v in os.environ.items() if k != "TENSORDEPOT_TOKEN"}
     res = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 1 and "missing or wrong token" in res.stderr, res.stderr
-    res = subprocess.run([*cli, "--token", token], check=False, capture_output=True, text=True,
+    # --token=VALUE: a random token may start with "-", which argparse would take for an option.
+    res = subprocess.run([*cli, f"--token={token}"], check=False, capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0 and "bytes_in_use" in res.stdout, res.stderr
+    assert "--token is visible to every local user in the process list" in res.stderr
+
+
+def test_insecure_no_auth_starts_and_warns_on_each_connection(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    port = free_port()
+    b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--insecure-no-auth")
+    assert "TCP listeners run with --insecure-no-auth" in b.log()
+
+    def warnings() -> int:
+        return b.log().count("unauthenticated TCP connection from 127.0.0.1:")
+
+    first = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    second = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        for _ in range(3):  # one connection, several requests: one warning
+            first.request("GET", "/v1/stat")
+            with first.getresponse() as r:
+                assert r.status == 200, r.read()
+                r.read()
+        wait_for(lambda: warnings() == 1, what="a warning for the first connection")
+        second.request("GET", "/v1/stat")
+        with second.getresponse() as r:
+            assert r.status == 200
+            r.read()
+        wait_for(lambda: warnings() == 2, what="a warning for the second connection")
+    finally:
+        first.close()
+        second.close()
+    assert warnings() == 2
+
+    # A token and --insecure-no-auth contradict each other.
+    res = serve_once("--listen", f"http://127.0.0.1:{free_port()}", "--insecure-no-auth",
+                     env={"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)})
+    assert res.returncode == 2 and "drop one of the two" in res.stderr, res.stderr
+
+
+def test_token_on_the_command_line_warns(broker_factory: Callable[..., BrokerProc]) -> None:
+    b = broker_factory("--listen", f"http://127.0.0.1:{free_port()}",
+                       f"--token={secrets.token_urlsafe(24)}")
+    assert "--token is visible to every local user in the process list (/proc/" in b.log()
+
+
+def test_short_tokens_and_bad_token_files_refuse_to_start(tmp_path: Path) -> None:
+    tcp = f"http://127.0.0.1:{free_port()}"
+    res = serve_once("--listen", tcp, env={"TENSORDEPOT_TOKEN": "short"})
+    assert res.returncode == 2, res.stderr
+    assert "at least 16 printable ASCII characters" in res.stderr, res.stderr
+    secret = secrets.token_urlsafe(24)
+    path = tmp_path / "tokens"
+    for text, mode, expect in (
+            (f"{secret} admin\n", 0o644, "other users can read or change the tokens; chmod 600"),
+            (f"{secret} superuser\n", 0o600, "line 1: write '<token> <scope>"),
+            (f"# ops\n\n{secret} read path=x\n", 0o600, "line 3: unknown option 'path'"),
+            (f"{secret} read\n{secret} write\n", 0o600, "configured twice"),
+            ("# nothing\n", 0o600, "holds no token")):
+        path.write_text(text)
+        path.chmod(mode)
+        res = serve_once("--listen", tcp, "--token-file", str(path))
+        assert res.returncode == 2 and expect in res.stderr, (text, res.stderr)
+        assert secret not in res.stderr + res.stdout, "a message must never show a token"

@@ -4,7 +4,8 @@ document, and a fuzz test that throws malformed input at every route.
 ``with TestClient(create_app(settings))`` runs the real lifespan, so every
 app here owns a real pool under its own segment prefix; the fixture checks
 that /dev/shm holds nothing of it afterwards.  TestClient is not a unix
-socket, so a configured token applies to it.
+socket: it is a TCP peer, so the apps here run with --insecure-no-auth unless
+they are given a token.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ MiB = 1 << 20
 MAX_MEMORY = 8 * MiB
 SESSION = "x-tensordepot-session"
 RELEASE = "x-tensordepot-release"
-ERROR_STATUSES = {"400", "401", "404", "409", "422", "503", "507"}
+ERROR_STATUSES = {"400", "401", "403", "404", "409", "422", "503", "507"}
 
 
 class App:
@@ -77,7 +78,8 @@ def small_settings(prefix: str, **overrides: Any) -> Settings:
     """A small broker under its own prefix; the listen URL is never bound."""
     kw: dict[str, Any] = {"listen": ["unix:///nonexistent/broker.sock"], "shm_prefix": prefix,
                           "max_memory": str(MAX_MEMORY), "segment_size": "1MiB", "prealloc": "0",
-                          "warm_memory": "2MiB", "token": "", "shm_group": ""}
+                          "warm_memory": "2MiB", "token": "", "shm_group": "",
+                          "insecure_no_auth": not overrides.get("token")}
     return Settings(**{**kw, **overrides})
 
 
