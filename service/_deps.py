@@ -10,15 +10,13 @@ header directly.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Header, Request
 from fastapi.responses import JSONResponse, Response
 
-from .._errors import AuthError, DepotError, InvalidRequest
+from .._errors import DepotError, InvalidRequest
 from .._proto import (
     CANCEL_HEADER,
     MAX_BODY_BYTES,

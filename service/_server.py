@@ -40,9 +40,9 @@ from urllib.parse import urlsplit
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .._ids import describe_uid
 from .._proto import MAX_HEADER_BYTES, SERVER_HEADER
 from .._version import __version__
-from .._ids import describe_uid
 from ._auth import AuthPolicy
 from .config import Settings
 
