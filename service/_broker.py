@@ -584,20 +584,20 @@ class Broker:
 
     async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
                   newer_than: int = 0, *, request: str | None = None,
-                  gone: Awaitable[Any] | None = None) -> tuple[Version, int]:
+                  gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[Version, int]:
         """Lease the newest ready version of ``name``, waiting up to ``timeout``
-        seconds (None: forever).  ``gone`` resolves if the client hangs up."""
+        seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
         return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
 
     async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
                        *, request: str | None = None,
-                       gone: Awaitable[Any] | None = None) -> list[tuple[Version, int]]:
+                       gone: Callable[[], Awaitable[Any]] | None = None) -> list[tuple[Version, int]]:
         """All of them under one deadline, or an error and none."""
         return await self._get_all(sid, caller, names, timeout, 0, request, gone)
 
     async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
                        newer_than: int, request: str | None,
-                       gone: Awaitable[Any] | None) -> list[tuple[Version, int]]:
+                       gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
         s = self._session(sid, caller)
         got: list[tuple[Version, int]] = []
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -617,7 +617,7 @@ class Broker:
 
     async def _wait(self, s: Session, name: str, newer_than: int, deadline: float | None,
                     timeout: float | None, request: str | None,
-                    gone: Awaitable[Any] | None) -> Version:
+                    gone: Callable[[], Awaitable[Any]] | None) -> Version:
         loop = asyncio.get_running_loop()
         if deadline is not None and deadline <= loop.time():
             raise self._timed_out(name, newer_than, timeout)
@@ -627,7 +627,7 @@ class Broker:
             s.waits[request] = cancel
         stops: set[asyncio.Future[Any]] = {cancel, self._closing_wait()}
         if gone is not None:
-            stops.add(asyncio.ensure_future(gone))
+            stops.add(asyncio.ensure_future(gone()))  # only now: a wait that never starts needs none
         w = self._waits.get(name)
         if w is None:
             w = self._waits[name] = _Wait()

@@ -87,7 +87,8 @@ async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Resp
     A client resends a request whose answer it did not get (a connection cut
     mid-response).  With the same ``x-tensordepot-request`` id in the same
     session, the resend gets the first answer, kept for the last few ids,
-    instead of a second allocation, lease or publish."""
+    instead of a second allocation, lease or publish.  An id replays only for
+    the same method and path: reused on another route, it runs anew."""
     rid = request.headers.get(REQUEST_HEADER)
     broker = broker_of(request)
     s = broker.sessions.get(request.headers.get(SESSION_HEADER) or "") if rid else None
@@ -96,16 +97,17 @@ async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Resp
             return await run()
         except ClientGone:
             return error_response(409, "cancelled", "the client hung up or cancelled this request")
+    key = f"{request.method} {request.url.path} {rid}"
     while True:
-        hit = s.answers.get(rid)
+        hit = s.answers.get(key)
         if hit is not None:
             return Response(hit[1], status_code=hit[0], media_type="application/json")
-        first = s.running.get(rid)
+        first = s.running.get(key)
         if first is None:
             break
         await asyncio.shield(first)  # the first attempt is still running: wait for its answer
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    s.running[rid] = done
+    s.running[key] = done
     try:
         try:
             resp = await run()
@@ -113,10 +115,10 @@ async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Resp
             resp = error_response(exc.status, exc.code, str(exc))
         except ClientGone:  # nobody got an answer: a resend runs again
             return error_response(409, "cancelled", "the client hung up or cancelled this request")
-        s.remember(rid, resp.status_code, bytes(resp.body))
+        s.remember(key, resp.status_code, bytes(resp.body))
         return resp
     finally:
-        s.running.pop(rid, None)
+        s.running.pop(key, None)
         done.set_result(None)
 
 

@@ -66,7 +66,7 @@ async def get_many(req: BatchGet, request: Request, session: SessionHeader = Non
 
     async def run() -> Response:
         got = await broker.get_many(session, caller(request), req.names, timeout, request=request_id,
-                                    gone=None if timeout == 0 else hangup(request))
+                                    gone=None if timeout == 0 else lambda: hangup(request))
         return _handles(request, list(got))
 
     return await once(request, run)

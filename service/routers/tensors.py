@@ -111,7 +111,7 @@ async def get_tensor(request: Request) -> Response:
         ready = broker._ready(name, newer_than) is not None
         v, lease = await broker.get(request.headers.get(SESSION_HEADER), caller(request), name, wait,
                                     newer_than, request=rid,
-                                    gone=None if ready or wait == 0 else hangup(request))
+                                    gone=None if ready or wait == 0 else lambda: hangup(request))
         return _json(broker.handle(v, lease))
 
     return await once(request, run)
