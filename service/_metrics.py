@@ -55,7 +55,12 @@ COUNTERS = {
     "sessions_reaped": "Sessions reclaimed because their process died or their heartbeats stopped.",
     "writes_reclaimed": "Unpublished versions reclaimed: their writer's session ended, they were "
                         "aborted, or their batch failed.",
-    "quota_refusals": "Allocations refused with 507 because --max-memory or /dev/shm was full.",
+    "quota_refusals": "Allocations refused with 507: --max-memory, /dev/shm, or a per-session "
+                      "or per-token quota was full.",
+    "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired, "
+                       "never reused.",
+    "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired.",
+    "forks": "Sessions made for forked children, holding copies of their parent's leases.",
 }
 # Counters of bytes, labelled with the device that holds them.
 BYTE_COUNTERS = {
@@ -232,6 +237,9 @@ class BrokerCollector(Collector):
              broker.pool.warm_free()),
             ("memory_limit_bytes", "The most shared memory the broker may hold (--max-memory).",
              st.max_memory),
+            ("memory_retired_bytes",
+             "Bytes never to be reused, because a process the broker cannot vouch for may still "
+             "map them; freed with their segment.", st.bytes_retired),
             ("segments", "Shared-memory segments the broker holds.", st.segments),
         ):
             yield _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,
@@ -242,6 +250,7 @@ class BrokerCollector(Collector):
              st.versions),
             ("leases", "Leases held by readers.", st.leases),
             ("sessions", "Open client sessions.", st.sessions),
+            ("waiting", "Gets parked now, waiting for a publish.", st.waiting),
         ):
             yield GaugeMetricFamily(f"tensordepot_{name}", help_text, value=value)
 

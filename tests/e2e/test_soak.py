@@ -1,5 +1,9 @@
-"""Issue 3 soak: worker processes put, get, delete and fill tensors on shared
-names while the test SIGKILLs and respawns them.  Every read is verified
+"""Soak: worker processes put, get, delete and fill tensors on shared names
+while the test SIGKILLs and respawns them, interrupts them (SIGINT, in the
+middle of copies too), and pauses them (SIGSTOP, past the session TTL for
+the workers on TCP, whose sessions live on heartbeats).  Workers also fork
+with views alive and put non-contiguous arrays.  Every read is verified, and
+every view a worker holds is re-verified after whatever happened to it
 (tests/workers/lifetime_soak.py); at the end nothing may be left: no leases,
 no bytes once the names are deleted, nothing in /dev/shm.
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import select
 import signal
 import time
@@ -18,12 +23,14 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, free_port, wait_for
 from _workerio import Worker, metrics
 
 SOAK_S = float(os.environ.get("TENSORDEPOT_SOAK_SECONDS", "60"))
 N_WORKERS = 8
-KILL_EVERY = (0.1, 0.5)  # seconds between SIGKILLs, uniformly drawn
+KILL_EVERY = (0.1, 0.5)  # seconds between mishaps, uniformly drawn
+SESSION_TTL = 1.0  # for the workers on TCP; a pause of PAUSE_S outlives it
+PAUSE_S = 1.6
 
 
 def _counters(words: list[str]) -> Counter[str]:
@@ -36,16 +43,22 @@ def test_soak_kill_and_respawn(
 ) -> None:
     seed = int(os.environ.get("TENSORDEPOT_SOAK_SEED", str(time.time_ns() % 2**32)))
     rng = random.Random(seed)
-    b = broker_factory()
+    token = secrets.token_urlsafe(24)
+    tcp = f"http://127.0.0.1:{free_port()}"
+    b = broker_factory("--listen", tcp, "--session-ttl", str(SESSION_TTL),
+                       env={"TENSORDEPOT_TOKEN": token})
     t_start = time.monotonic()
     end = t_start + SOAK_S
     end_wall = time.time() + SOAK_S  # the workers stop themselves then
 
-    zygote = Worker("lifetime_soak", b.url, repr(end_wall))
+    # Workers with an odd seed use TCP (heartbeat sessions); the others the unix socket.
+    zygote = Worker("lifetime_soak", b.url, repr(end_wall), tcp, env={"TENSORDEPOT_TOKEN": token})
     alive: set[int] = set()
     ready: set[int] = set()
     done: set[int] = set()
     killed: set[int] = set()
+    paused: dict[int, float] = {}  # pid -> when to SIGCONT it
+    mishaps: Counter[str] = Counter()
     last: dict[int, Counter[str]] = {}  # latest counters of each worker
     totals: Counter[str] = Counter()
     spawns = 0
@@ -94,16 +107,31 @@ def test_soak_kill_and_respawn(
             spawn()
         next_kill = time.monotonic() + rng.uniform(*KILL_EVERY)
         while time.monotonic() < end:
-            pump(min(next_kill, end) - time.monotonic())
+            wake = min([next_kill, end, *paused.values()])
+            pump(wake - time.monotonic())
             now = time.monotonic()
-            if now >= next_kill and now < end - 0.5:
-                candidates = sorted((alive & ready) - done - killed)
+            for pid in [p for p, t in paused.items() if t <= now or now >= end - PAUSE_S]:
+                os.kill(pid, signal.SIGCONT)
+                del paused[pid]
+            if now >= next_kill and now < end - PAUSE_S - 0.5:
+                candidates = sorted((alive & ready) - done - killed - set(paused))
                 if candidates:
                     pid = rng.choice(candidates)
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                    spawn()
+                    what = rng.choices(["kill", "interrupt", "pause"], [2, 2, 1])[0]
+                    if what == "kill":
+                        os.kill(pid, signal.SIGKILL)
+                        killed.add(pid)
+                        spawn()
+                    elif what == "interrupt":
+                        os.kill(pid, signal.SIGINT)
+                    else:
+                        os.kill(pid, signal.SIGSTOP)
+                        paused[pid] = now + PAUSE_S
+                    mishaps[what] += 1
                 next_kill = now + rng.uniform(*KILL_EVERY)
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+        paused.clear()
         # The workers stop at the deadline by themselves, report, and are reaped.
         wind_down = time.monotonic() + 60
         while alive or len(done) + len(killed) < spawns:
@@ -113,6 +141,8 @@ def test_soak_kill_and_respawn(
         zygote.proc.stdin.close()  # type: ignore[union-attr]
         assert zygote.wait() == 0, zygote.stderr()
     finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
         zygote.close()
     kills = len(killed)
 
@@ -134,24 +164,31 @@ def test_soak_kill_and_respawn(
             c.delete(name)
         st = c.stat()
     assert (st.leases, st.bytes_in_use, st.versions, st.tensors) == (0, 0, 0, 0), st
+    assert st.bytes_retired == 0, f"retired memory outlived everything that lived beside it: {st}"
     broker_counts = metrics(b.url)
     assert b.stop() == 0, b.log()
     b.expect_dead = True  # type: ignore[attr-defined]
     left = b.segments()
     assert left == [], f"/dev/shm still holds {left}"
 
-    assert kills >= SOAK_S, f"only {kills} kills in {SOAK_S:g} s"
+    assert kills >= SOAK_S / 2, f"only {kills} kills in {SOAK_S:g} s"
+    assert mishaps["interrupt"] >= SOAK_S / 2 and mishaps["pause"] >= SOAK_S / 6, mishaps
     assert totals["reads"] >= 10 * SOAK_S, totals
     reaped = int(broker_counts.get("tensordepot_sessions_ended_total", 0))
     with capsys.disabled():
         print(
             f"\nsoak (seed {seed}): {time.monotonic() - t_start:.0f} s, {N_WORKERS} workers, "
-            f"{kills} SIGKILLs survived; {totals['ops']} operations: {totals['reads']} verified reads "
-            f"+ {totals['rechecks']} re-checks of held views, {totals['puts']} puts, "
+            f"{kills} SIGKILLs, {mishaps['interrupt']} SIGINTs ({totals['interrupted']} cut an "
+            f"operation short), {mishaps['pause']} SIGSTOPs of {PAUSE_S:g} s (TTL {SESSION_TTL:g} s "
+            f"on TCP) survived; {totals['ops']} operations: {totals['reads']} verified reads "
+            f"+ {totals['rechecks']} re-checks of held views, {totals['puts']} puts "
+            f"({totals['strided']} non-contiguous), {totals['forks']} forks with views alive, "
             f"{totals['publishes']} empty+publish, {totals['abandoned']} abandoned writes, "
             f"{totals['deletes']} deletes, {totals['misses']} not-found, "
             f"{totals['reconnects']} reconnects; broker: {reaped} sessions ended, "
             f"{int(broker_counts.get('tensordepot_writes_reclaimed_total', 0))} writes reclaimed, "
             f"{int(broker_counts.get('tensordepot_expired_total', 0))} ttl expiries, "
+            f"{int(broker_counts.get('tensordepot_sessions_lapsed_total', 0))} sessions lapsed, "
+            f"{st.retired_total} bytes retired, "
             f"{len(remaining)} names deleted at the end; then 0 leases, 0 bytes in use, /dev/shm clean"
         )

@@ -1,4 +1,6 @@
-"""Soak workers: random put/get/delete/empty on a few shared names until a deadline.
+"""Soak workers: random put/get/delete/empty on a few shared names until a deadline,
+with the mishaps users cause: Ctrl-C (SIGINT) anywhere, including in the middle
+of a copy, non-contiguous sources, and fork() with views alive.
 
 This process is a zygote: it imports everything once, then forks one worker
 per "spawn SEED" line on stdin, so a SIGKILLed worker is replaced in
@@ -11,7 +13,8 @@ name, whoever wrote it: uint64 elements, ``[seed, n, pattern(seed, n)...]``.
 A view kept across other operations is re-verified against the seed first
 read from it, which catches memory that was freed and reused too early.
 
-argv: URL DEADLINE (time.time() at which workers stop)
+argv: URL DEADLINE [URL2] (time.time() at which workers stop; workers with an odd
+seed use URL2 when given, a TCP listener whose sessions live on heartbeats)
 stdout, one line per write (atomic below PIPE_BUF, so workers never interleave):
   "zygote ready"; "spawned PID"; "PID ready"; "PID n <k=v counters>" every few
   operations; "PID done <counters>"; "PID CORRUPT <what>" on a bad read (the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import select
+import signal
 import sys
 import time
 import traceback
@@ -74,6 +78,52 @@ def emit(text: str) -> None:
     os.write(1, f"{os.getpid()} {text}\n".encode())
 
 
+def noncontiguous(arr: np.ndarray) -> np.ndarray:
+    """The same values, as a strided view of a larger array."""
+    wide = np.zeros((arr.shape[0], 2), dtype=arr.dtype)
+    wide[:, 0] = arr
+    return wide[:, 0]
+
+
+def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: random.Random) -> str:
+    """fork(): the child re-verifies the views it inherited, puts and gets
+    through the Client it inherited, and exits 0 (3 on a bad read)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            for view, s, what in held:
+                verify(view, "forked child: " + what, s)
+            name = f"fork{os.getpid()}"
+            c.put(name, make(rng.getrandbits(63), 1000))
+            verify(np.from_dlpack(c.get(name)), name)
+            c.delete(name)
+        except Corrupt as exc:
+            emit(f"CORRUPT {exc}")
+            code = 3
+        except BaseException:  # noqa: BLE001 (report anything, then leave through os._exit)
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except KeyboardInterrupt:
+            continue
+        if got:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            raise Corrupt("a forked child hung")
+        time.sleep(0.005)
+    if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
+        raise Corrupt(f"a forked child ended with status {status}")
+    return "forks"
+
+
 def work(url: str, seed: int, deadline: float) -> int:
     rng = random.Random(seed)
     count: Counter[str] = Counter()
@@ -89,70 +139,99 @@ def work(url: str, seed: int, deadline: float) -> int:
             verify(view, what, s)
             count["rechecks"] += 1
 
+    armed = [False]
+
+    def on_sigint(signum: int, frame: object) -> None:
+        # Ctrl-C lands only inside an operation, where it is what the soak tests.
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def one_op(c: Client) -> Client:
+        name = rng.choice(NAMES)
+        op = rng.random()
+        armed[0] = True
+        try:
+            if op < 0.25:
+                n = size(rng)
+                ttl = rng.uniform(0.2, 2.0) if rng.random() < 0.1 else None
+                src = make(rng.getrandbits(63), n)
+                if rng.random() < 0.3:
+                    src = noncontiguous(src)
+                    count["strided"] += 1
+                c.put(name, src, ttl=ttl)
+                count["puts"] += 1
+            elif op < 0.35:
+                n = size(rng)
+                out = c.empty(name, (n + 2,), "uint64")
+                np.from_dlpack(out)[...] = make(rng.getrandbits(63), n)
+                if rng.random() < 0.05:
+                    count["abandoned"] += 1  # never published: reclaimed when the session ends
+                else:
+                    try:
+                        out.publish()
+                        count["publishes"] += 1
+                    except TensorBroken as exc:
+                        # Another worker deleted the name while this one wrote it.
+                        assert isinstance(exc.__cause__, TensorNotFound), exc
+                        count["misses"] += 1
+                del out
+            elif op < 0.70:
+                t = c.get(name, timeout=0.05 if rng.random() < 0.1 else 0)
+                view = np.from_dlpack(t)
+                what = f"{name} v{t.version}"
+                del t
+                s = verify(view, what)
+                count["reads"] += 1
+                if rng.random() < 0.3:
+                    if len(held) >= MAX_HELD:
+                        old = held.pop(rng.randrange(len(held)))
+                        verify(old[0], old[2], old[1])
+                        count["rechecks"] += 1
+                    held.append((view, s, what))
+                del view
+            elif op < 0.75:
+                got = c.get_many(rng.sample(NAMES, 2))
+                for nm, t in got.items():
+                    verify(np.from_dlpack(t), f"{nm} v{t.version}")
+                    count["reads"] += 1
+                del got
+            elif op < 0.87:
+                c.delete(name)
+                count["deletes"] += 1
+            elif op < 0.95:
+                check_held()
+            elif op < 0.985:
+                for info in c.list():
+                    assert info.state in ("writing", "ready") and info.readers >= 0, info
+                count["lists"] += 1
+            elif op < 0.995:
+                count[fork_and_check(c, held, rng)] += 1
+            else:
+                # Close with views alive: they keep their leases; a new client carries on.
+                c.close()
+                c = Client(url, label=f"soak-{seed}")
+                count["reconnects"] += 1
+        except TensorNotFound:
+            count["misses"] += 1
+        except KeyboardInterrupt:  # Ctrl-C: whatever it cut short, the worker carries on
+            count["interrupted"] += 1
+        finally:
+            armed[0] = False
+        if c._closed or c._closing:  # interrupted between close() and a new Client
+            c = Client(url, label=f"soak-{seed}")
+        count["ops"] += 1
+        if count["ops"] % 5 == 0:
+            report("n")
+        return c
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         while time.time() < deadline:
-            name = rng.choice(NAMES)
-            op = rng.random()
             try:
-                if op < 0.25:
-                    n = size(rng)
-                    ttl = rng.uniform(0.2, 2.0) if rng.random() < 0.1 else None
-                    c.put(name, make(rng.getrandbits(63), n), ttl=ttl)
-                    count["puts"] += 1
-                elif op < 0.35:
-                    n = size(rng)
-                    out = c.empty(name, (n + 2,), "uint64")
-                    np.from_dlpack(out)[...] = make(rng.getrandbits(63), n)
-                    if rng.random() < 0.05:
-                        count["abandoned"] += 1  # never published: reclaimed when the session ends
-                    else:
-                        try:
-                            out.publish()
-                            count["publishes"] += 1
-                        except TensorBroken as exc:
-                            # Another worker deleted the name while this one wrote it.
-                            assert isinstance(exc.__cause__, TensorNotFound), exc
-                            count["misses"] += 1
-                    del out
-                elif op < 0.70:
-                    t = c.get(name, timeout=0.05 if rng.random() < 0.1 else 0)
-                    view = np.from_dlpack(t)
-                    what = f"{name} v{t.version}"
-                    del t
-                    s = verify(view, what)
-                    count["reads"] += 1
-                    if rng.random() < 0.3:
-                        if len(held) >= MAX_HELD:
-                            old = held.pop(rng.randrange(len(held)))
-                            verify(old[0], old[2], old[1])
-                            count["rechecks"] += 1
-                        held.append((view, s, what))
-                    del view
-                elif op < 0.75:
-                    got = c.get_many(rng.sample(NAMES, 2))
-                    for nm, t in got.items():
-                        verify(np.from_dlpack(t), f"{nm} v{t.version}")
-                        count["reads"] += 1
-                    del got
-                elif op < 0.87:
-                    c.delete(name)
-                    count["deletes"] += 1
-                elif op < 0.95:
-                    check_held()
-                elif op < 0.995:
-                    for info in c.list():
-                        assert info.state in ("writing", "ready") and info.readers >= 0, info
-                    count["lists"] += 1
-                else:
-                    # Close with views alive: they keep their leases; a new client carries on.
-                    c.close()
-                    c = Client(url, label=f"soak-{seed}")
-                    count["reconnects"] += 1
-            except TensorNotFound:
-                count["misses"] += 1
-            count["ops"] += 1
-            if count["ops"] % 5 == 0:
-                report("n")
+                c = one_op(c)
+            except KeyboardInterrupt:  # landed just outside an operation's own handler
+                armed[0] = False
+                count["interrupted"] += 1
         check_held()
     except Corrupt as exc:
         emit(f"CORRUPT seed={seed}: {exc}")
@@ -180,6 +259,7 @@ def child(url: str, seed: int, deadline: float) -> None:
 
 def main() -> int:
     url, deadline = sys.argv[1], float(sys.argv[2])
+    url2 = sys.argv[3] if len(sys.argv) > 3 else url
     children: set[int] = set()
     buf, eof = b"", False
     os.write(1, b"zygote ready\n")
@@ -195,7 +275,7 @@ def main() -> int:
                 assert cmd == b"spawn", line
                 pid = os.fork()
                 if pid == 0:
-                    child(url, int(seed), deadline)
+                    child(url2 if int(seed) % 2 else url, int(seed), deadline)
                 children.add(pid)
                 os.write(1, f"spawned {pid}\n".encode())
         while children:
