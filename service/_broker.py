@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .._errors import BrokerUnavailable, Conflict, InvalidRequest, OutOfMemory, TensorNotFound
 from .._wire import (
@@ -80,6 +80,30 @@ class Session:
 
 
 @dataclass(eq=False)
+class Replica:
+    """Where a version pulled from a peer came from (set by service/_peers.py)."""
+
+    peer: str  # the peer's Flight URL it was copied from
+    origin: str  # Flight URL of the broker that published it
+    instance: str  # that broker's id for its run: version numbers restart with a broker
+    version: int  # its version there
+    checked_at: float  # when a peer last confirmed it is the newest (broker clock)
+
+
+class PeerHook(Protocol):
+    """Pull-through from brokers on other hosts (service/_peers.py)."""
+
+    poll_interval: float  # how often a waiting get asks the peers again
+
+    async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
+        """A get missed, or hit a replica: publish a newer replica of ``name``
+        if a peer has one, or raise."""
+
+    def explain(self, name: str) -> str:
+        """What the peers said about ``name``, for a not-found message."""
+
+
+@dataclass(eq=False)
 class Version:
     name: str
     number: int
@@ -93,6 +117,7 @@ class Version:
     readers: int = 0
     ttl: float | None = None
     entry: Entry | None = None  # the incarnation of the name it was written under
+    replica: Replica | None = None  # pulled from a peer
 
     @property
     def nbytes(self) -> int:
@@ -146,6 +171,7 @@ class Broker:
         # for "newer than N" never mistakes a re-created name for an old one.
         self._last_version: dict[str, int] = {}
         self.counters: dict[str, int] = {}
+        self.peers: PeerHook | None = None  # set when --peer is given
 
     # -- helpers -----------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -178,8 +204,9 @@ class Broker:
         return f"known: {shown}"
 
     def _not_found(self, name: str) -> TensorNotFound:
+        peers = "" if self.peers is None else self.peers.explain(name)
         return TensorNotFound(
-            f"tensor {name!r} not found ({self._known()}); did the producer publish it? "
+            f"tensor {name!r} not found ({self._known()}){peers}; did the producer publish it? "
             f"pass timeout= to wait for it"
         )
 
@@ -192,9 +219,11 @@ class Broker:
     def _info(self, e: Entry, v: Version) -> TensorInfo:
         readers = e.readers
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
+        r = v.replica
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
                           nbytes=v.nbytes, device="cpu", state=v.state, readers=readers,
-                          expires_in=expires)
+                          expires_in=expires, origin=r.origin if r else None,
+                          origin_version=r.version if r else None)
 
     def _maybe_free(self, v: Version) -> None:
         if not v.current and v.readers == 0 and v.block is not None:
@@ -439,6 +468,11 @@ class Broker:
                   newer_than: int = 0) -> tuple[Version, int]:
         s = self._session(sid)
         v = self._ready(name, newer_than)
+        if self.peers is not None and (v is None or v.replica is not None):
+            # A miss, or a replica that may be stale: the peers may publish one here.
+            await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+            s = self._session(sid)
+            v = self._ready(name, newer_than)
         if v is not None:
             return v, self.lease(s, v)
         if timeout is not None and timeout <= 0:
@@ -452,9 +486,13 @@ class Broker:
                 ev = self._events[name] = asyncio.Event()
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
+                peers = "" if self.peers is None else self.peers.explain(name)
                 raise TensorNotFound(
                     f"tensor {name!r} was not published within {timeout:g} s ({self._known()})"
+                    f"{peers}"
                 )
+            if self.peers is not None:  # wake up to ask the peers again
+                remaining = min(self.peers.poll_interval, remaining or math.inf)
             closing = self._closing_wait()
             waiter: asyncio.Future[Any] = asyncio.ensure_future(ev.wait())
             try:
@@ -465,6 +503,10 @@ class Broker:
                 closing.cancel()
             s = self._session(sid)  # raises if shutting down or the session ended meanwhile
             v = self._ready(name, newer_than)
+            if v is None and self.peers is not None:
+                await self.peers.before_get(name, newer_than, True)
+                s = self._session(sid)
+                v = self._ready(name, newer_than)
             if v is not None:
                 return v, self.lease(s, v)
 
@@ -499,6 +541,12 @@ class Broker:
         self._maybe_free(v)
         self._count("releases")
 
+    def view(self, v: Version, *, writable: bool = False) -> Any:
+        """The bytes of ``v`` as a flat uint8 numpy array over the broker's own
+        mapping: the Flight service streams them, the peers fill replicas.
+        The array keeps the mapping alive after the pool unlinks the segment."""
+        return byte_view(self._map(v.block.segment), v.block.offset, v.nbytes, writable=writable)
+
     # -- names ---------------------------------------------------------------
     def delete(self, name: str) -> None:
         if self.closing:
@@ -519,7 +567,7 @@ class Broker:
         for name in sorted(self.entries):
             e = self.entries[name]
             v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number, default=None)
-            if v is not None:
+            if v is not None and not (v.state == "writing" and v.replica is not None):  # pulls in flight
                 out.append(self._info(e, v))
         return out
 

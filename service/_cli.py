@@ -41,12 +41,23 @@ def _serve(args: argparse.Namespace) -> int:
     except (ListenError, DepotError, OSError) as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 1
+    try:
+        flight = _bind_hosts(settings)
+    except ListenError as exc:
+        close_all(listens, socks)
+        print(f"tensordepot serve: {exc}", file=sys.stderr)
+        return 1
     app = create_app(settings)
+    app.state.flight = flight
     app.state.on_close = lambda: close_all(listens, socks)
     config = uvicorn.Config(app, http=PeerCredProtocol, lifespan="on", log_config=None,
                             access_log=False, timeout_keep_alive=300, timeout_graceful_shutdown=5,
                             log_level=uvicorn_level)
     urls = ", ".join(ln.url for ln in listens)
+    if flight is not None:
+        urls += f", flight {flight.url}"
+    if settings.peer:
+        urls += f", peers {', '.join(settings.peer)}"
     ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
              f"max-memory {settings.max_memory_bytes() / 2**30:.1f} GiB, prefix {settings.prefix()}")
     server = Server(config, ready)
@@ -55,6 +66,28 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         close_all(listens, socks)
     return 0 if server.started else 1
+
+
+def _bind_hosts(settings: Any) -> Any:
+    """The Flight endpoint, listening (or None), after checking the peer
+    settings, so that a bad address fails here and not in the running broker."""
+    from ._server import ListenError
+
+    if not (settings.flight or settings.peer):
+        return None
+    try:
+        from ..shm._arrow import import_flight, parse_flight_url
+
+        import_flight()
+        from ._flight import bind_flight
+
+        for url in settings.peer:
+            parse_flight_url(url, "--peer")
+        if settings.peer_tls_ca and not os.path.isfile(settings.peer_tls_ca):
+            raise ValueError(f"--peer-tls-ca {settings.peer_tls_ca}: no such file")
+    except (ImportError, ValueError) as exc:
+        raise ListenError(str(exc)) from None
+    return bind_flight(settings) if settings.flight else None
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -94,6 +127,14 @@ def _stat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        for name in args.names:
+            version = c.push(name, args.to, token=args.to_token, tls_ca=args.tls_ca)
+            print(f"{name}: version {version} at {args.to}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensordepot", description="Zero-copy tensor exchange broker.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reap-interval", type=float, help="seconds between liveness checks (default 0.5)")
     s.add_argument("--session-ttl", type=float, help="heartbeat timeout for untracked sessions (default 15)")
     s.add_argument("--log-level", help="debug, info, warning (default info)")
+    hosts = s.add_argument_group("across hosts (Arrow Flight; pip install 'tensordepot[flight]')")
+    hosts.add_argument("--flight", metavar="URL",
+                       help="serve tensors to other hosts: grpc://HOST:PORT or grpc+tls://HOST:PORT")
+    hosts.add_argument("--flight-tls-cert", metavar="PEM", help="certificate for grpc+tls://")
+    hosts.add_argument("--flight-tls-key", metavar="PEM", help="private key for grpc+tls://")
+    hosts.add_argument("--flight-token-file", metavar="FILE",
+                       help="more Flight tokens, one per line: TOKEN read|write|admin [NAME-PREFIX]")
+    hosts.add_argument("--peer", action="append", metavar="URL",
+                       help="pull tensors missing here from this broker's --flight URL (repeatable)")
+    hosts.add_argument("--peer-refresh", type=float, metavar="S",
+                       help="seconds a replica is served before its peers are asked for a newer "
+                            "version; 0: on every get (default 1)")
+    hosts.add_argument("--peer-timeout", type=float, metavar="S",
+                       help="seconds to wait for a peer's answer or next chunk (default 5)")
+    hosts.add_argument("--peer-token", help="token sent to peers (default: --token); prefer "
+                                            "TENSORDEPOT_PEER_TOKEN, argv is visible to other users")
+    hosts.add_argument("--peer-tls-ca", metavar="PEM", help="CA bundle for grpc+tls:// peers")
     s.set_defaults(func=_serve)
 
     for name, fn, helptext in (("ls", _ls, "list tensors"), ("stat", _stat, "show accounting"),
@@ -125,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--json", action="store_true", help="print JSON")
         c.set_defaults(func=fn)
+
+    push = sub.add_parser("push", help="send tensors to a broker on another host (Arrow Flight)")
+    push.add_argument("names", nargs="+", metavar="NAME")
+    push.add_argument("--to", required=True, metavar="URL",
+                      help="the other broker's --flight URL, grpc://HOST:PORT or grpc+tls://HOST:PORT")
+    push.add_argument("--url", default=None, help=f"local broker URL (default $TENSORDEPOT_URL or {default_url()})")
+    push.add_argument("--token", default=None, help="bearer token for the local broker over TCP")
+    push.add_argument("--to-token", default=None,
+                      help="token for the other broker (default $TENSORDEPOT_PEER_TOKEN)")
+    push.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle for a grpc+tls:// --to")
+    push.set_defaults(func=_push)
     return p
 
 

@@ -65,11 +65,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             pool.prewarm(parse_size(cfg.prealloc))
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
+            hosts = None
+            if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
+                from ._hosts import connect  # imports pyarrow
+
+                hosts = connect(cfg, broker, getattr(app.state, "flight", None))
+                app.state.metric_sources += hosts.metric_sources
             try:
                 yield
             finally:
                 reaper.cancel()
                 broker.begin_shutdown()
+                if hosts is not None:
+                    await hosts.close()
         finally:
             broker.close()
             lock.release()
@@ -85,6 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     settings = settings or get_settings()
     app.state.settings = settings
+    app.state.metric_sources = []  # callables that return more /metrics lines
     app.add_middleware(tensors.HotPaths)  # innermost of ours: releases and auth come first
     app.add_middleware(PiggybackedReleases)
     if settings.token:  # added last, so it runs first: no release without the token

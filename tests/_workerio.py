@@ -19,12 +19,13 @@ from _harness import WORKERS
 class Worker:
     """``tests/workers/<script>.py`` with pipes on stdin and stdout."""
 
-    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.script = script
         # Open for the worker's whole life; close() closes it.
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKERS / f"{script}.py"), *args],
+            [*(launcher or []), sys.executable, str(WORKERS / f"{script}.py"), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,

@@ -32,4 +32,6 @@ async def metrics(request: Request) -> Response:
         lines += [f"# TYPE tensordepot_{key} gauge", f"tensordepot_{key} {value}"]
     for key, value in sorted(broker.counters.items()):
         lines += [f"# TYPE tensordepot_{key}_total counter", f"tensordepot_{key}_total {value}"]
+    for source in request.app.state.metric_sources:  # peers and Flight, when configured
+        lines += source()
     return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
