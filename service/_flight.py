@@ -47,6 +47,7 @@ from ..shm._arrow import (
     read_into,
     schema,
 )
+from ..shm import array_at
 from ._broker import Broker, Version
 from ._peers import PEER_HEADER, VIA, VIA_HEADER, Traffic
 from ._scopes import Scopes, parse_token_file
@@ -340,21 +341,21 @@ class FlightService:
         name, version = parse_ticket(raw_ticket)
         self.scopes.authorize(call.token, "read", name)
         sid, meta, view = self._on_loop(self._lookup(name, version, call.via, keep=True))
-        lease = _StreamLease(self, sid)
+        # The lease ends when the last Arrow buffer over these bytes is freed:
+        # gRPC may still hold the last chunks after the stream's generator ends.
+        leased = array_at(view.ctypes.data, (len(view),), None, "|u1", writable=False,
+                          owner=(view, _StreamLease(self, sid)))
         sch = schema(meta.model_dump_json())
-        return fl.GeneratorStream(sch, self._stream(lease, view, sch, call.peer))
+        return fl.GeneratorStream(sch, self._stream(leased, sch, call.peer))
 
-    def _stream(self, lease: _StreamLease, view: Any, sch: Any, peer: str) -> Iterator[Any]:
+    def _stream(self, view: Any, sch: Any, peer: str) -> Iterator[Any]:
         fl = import_flight()
         self.traffic.add(peer, "streams_served", 1)
-        try:
-            for batch in batches(view, sch):
-                if self._closing:
-                    raise fl.FlightUnavailableError("the broker is shutting down; retry", b"broker_unavailable")
-                yield batch
-                self.traffic.add(peer, "bytes_served", batch.num_rows)
-        finally:
-            lease.close()
+        for batch in batches(view, sch):
+            if self._closing:
+                raise fl.FlightUnavailableError("the broker is shutting down; retry", b"broker_unavailable")
+            yield batch
+            self.traffic.add(peer, "bytes_served", batch.num_rows)
 
     def do_put(self, call: _Call, descriptor: Any, reader: Any, writer: Any) -> None:
         import pyarrow as pa
@@ -384,14 +385,12 @@ class FlightService:
 
 
 class _StreamLease:
-    """Ends a stream's session when the stream finishes or is dropped, even
-    if it was never read (a generator that never started runs no ``finally``)."""
+    """Ends a stream's session (and so its lease) when it is garbage: when the
+    stream and every buffer gRPC holds over its bytes are gone, in whatever
+    thread drops the last one."""
 
     def __init__(self, service: FlightService, sid: str) -> None:
-        self._fin = weakref.finalize(self, service._release_later, sid)
-
-    def close(self) -> None:
-        self._fin()
+        weakref.finalize(self, service._release_later, sid)
 
 
 def bind_flight(settings: Any) -> FlightService:

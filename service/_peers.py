@@ -81,10 +81,6 @@ class Traffic:
                 d = self.by_peer.setdefault(peer, {})
             d[key] = d.get(key, 0) + n
 
-    def get(self, peer: str, key: str) -> float:
-        with self._lock:
-            return self.by_peer.get(peer, {}).get(key, 0)
-
     def lines(self, metrics: list[tuple[str, str, str, dict[str, str]]]) -> list[str]:
         """Prometheus text: for each (name, type, help, {sample suffix: key}),
         one sample per peer and suffix."""
@@ -120,7 +116,13 @@ class _Transfer:
     peer: str
     last: float  # time.monotonic() of the last chunk
     reader: Any = None
-    stalled: bool = False
+    stalled: bool = False  # the watchdog cancelled it
+    stopped: bool = False  # its get was cancelled: stop writing
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.reader is not None:
+            self.reader.cancel()
 
 
 class Peers:
@@ -260,11 +262,18 @@ class Peers:
                                         f"but shape {m.shape} of {m.dtype} is {v.nbytes}")
             view = broker.view(v, writable=True)
             start = time.monotonic()
+            t = _Transfer(f.peer, start)
+            job = asyncio.get_running_loop().run_in_executor(self._executor, self._transfer, f,
+                                                             view, via, t)
             try:
-                await self._run(self._transfer, f, view, via)
+                await asyncio.shield(job)
             except DepotError:
                 self.traffic.add(f.peer, "failures", 1)
                 raise
+            finally:
+                if not job.done():  # cancelled: the allocation goes back only once nothing writes to it
+                    t.stop()
+                    await asyncio.wait({job})
             self.traffic.add(f.peer, "transfers", 1)
             self.traffic.add(f.peer, "seconds", time.monotonic() - start)
             v.replica.checked_at = broker.clock()
@@ -302,19 +311,23 @@ class Peers:
         except (pa.ArrowException, ValueError) as exc:
             raise self._error(peer, exc, f"when asked for {name!r}") from None
 
-    def _transfer(self, f: _Found, view: Any, via: tuple[str, ...]) -> None:
+    def _transfer(self, f: _Found, view: Any, via: tuple[str, ...], t: _Transfer) -> None:
         import pyarrow as pa
 
         fl = import_flight()
         m = f.meta
         what = f"while sending {m.name!r} v{m.version}"
-        t = _Transfer(f.peer, time.monotonic())
         with self._lock:
+            if t.stopped:
+                raise BrokerUnavailable(f"the pull of {m.name!r} was cancelled")
             self._active.add(t)
         try:
             deadline = self.timeout + m.nbytes / MIN_RATE
-            reader = t.reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
-                                                            self._options(via, deadline))
+            reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
+                                                 self._options(via, deadline))
+            t.last, t.reader = time.monotonic(), reader
+            if t.stopped:
+                reader.cancel()
             sent = FlightMeta.model_validate_json(meta_json(reader.schema))
             if sent != m:
                 raise ValueError(f"the stream describes {sent}, not {m}")
@@ -323,7 +336,7 @@ class Peers:
                 t.last = time.monotonic()
                 self.traffic.add(f.peer, "bytes_pulled", n)
 
-            got = read_into(reader, view, progress, lambda: self._closing)
+            got = read_into(reader, view, progress, lambda: self._closing or t.stopped)
             if got != m.nbytes:
                 raise BrokerUnavailable(f"peer {f.peer} sent {got} of {m.nbytes} bytes {what}")
         except (pa.ArrowException, ValueError, InterruptedError) as exc:
@@ -369,7 +382,7 @@ class Peers:
                 stalled = [t for t in self._active if t.reader is not None and now - t.last > self.timeout]
             for t in stalled:
                 t.stalled = True
-                t.reader.cancel()
+                t.stop()
 
     async def close(self) -> None:
         """Stop: transfers in flight fail (their allocations are given back)."""
@@ -378,8 +391,7 @@ class Peers:
             self._watchdog.cancel()
         with self._lock:
             for t in self._active:
-                if t.reader is not None:
-                    t.reader.cancel()
+                t.stop()
         if self._inflight:
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
         await asyncio.to_thread(self._executor.shutdown, wait=True)

@@ -286,6 +286,18 @@ def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(paused: Callab
     assert peer_metric(p.b.url, "peer_transfers_total", p.relay.url) == 0
 
 
+def test_a_transfer_that_stalls_is_abandoned_after_the_peer_timeout(
+        paused: Callable[..., Paused]) -> None:
+    p = paused("w", 16 * MiB, "--peer-timeout", "1")  # the network goes quiet, nothing closes
+    line = p.reader.line(60)
+    assert line.startswith("error BrokerUnavailable"), line
+    assert f"peer {p.relay.url} sent nothing for 1 s" in line, line
+    st = p.b.stat()
+    assert (st.bytes_in_use, st.versions, st.tensors) == (0, 0, 0), st
+    p.relay.release()
+    assert got(p.reader.ask("get w 30", "ok"))["sha"] == p.digest, "B did not recover"
+
+
 def test_a_stream_holds_a_lease_so_a_delete_mid_transfer_frees_nothing_early(
         paused: Callable[..., Paused]) -> None:
     p = paused("w", 32 * MiB, "--peer-refresh", "0")
