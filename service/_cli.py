@@ -65,6 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.run(sockets=socks)
     finally:
         close_all(listens, socks)
+        if flight is not None:  # when the app never started, nothing else stops it
+            flight.shutdown()
     return 0 if server.started else 1
 
 

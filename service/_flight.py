@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from pydantic import ValidationError
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import NAME_PATTERN, AllocRequest, FlightMeta, SessionOpen
+from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
     batches,
@@ -47,7 +49,6 @@ from ..shm._arrow import (
     read_into,
     schema,
 )
-from ..shm import array_at
 from ._broker import Broker, Version
 from ._peers import PEER_HEADER, VIA, VIA_HEADER, Traffic
 from ._scopes import Scopes, parse_token_file
@@ -168,6 +169,8 @@ class FlightService:
         self._broker: Broker | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._shut = False
+        self._shutdown_lock = threading.Lock()
         self._pid = os.getpid()
         self.instance = ""
         service = self
@@ -224,8 +227,15 @@ class FlightService:
     async def close(self) -> None:
         """Stop serving: streams end at their next chunk, then the server shuts
         down (off the event loop: shutdown waits for calls, which need it)."""
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop serving and wait for calls in progress.  Idempotent; never on the event loop."""
         self._closing = True
-        await asyncio.to_thread(self._server.shutdown)
+        with self._shutdown_lock:
+            if not self._shut:
+                self._shut = True
+                self._server.shutdown()
 
     def metric_lines(self) -> list[str]:
         return self.traffic.lines([

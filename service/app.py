@@ -64,13 +64,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # server.run() never runs: cleanup lives here, in the lifespan.
         try:
             pool.prewarm(parse_size(cfg.prealloc))
-            reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             hosts = None
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts import connect  # imports pyarrow
 
                 hosts = connect(cfg, broker, getattr(app.state, "flight", None))
                 app.state.metric_sources += hosts.metric_sources
+            reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:
                 yield
             finally:

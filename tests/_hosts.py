@@ -127,18 +127,18 @@ class Relay:
                 elif not want and key is not None:
                     sel.unregister(s)
             for key, _ in sel.select(timeout=0.5):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
-                if s is self._listen:
-                    client, _ = s.accept()
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
+                if ready is self._listen:
+                    client, _ = ready.accept()
                     upstream = socket.create_connection(self.target)
                     self._pairs[client], self._pairs[upstream] = upstream, client
                     self._from_target.add(upstream)
                     sel.register(client, selectors.EVENT_READ)
-                elif s is self._wake_r:
-                    s.recv(64)
+                elif ready is self._wake_r:
+                    ready.recv(64)
                 else:
-                    self._forward(sel, s)
+                    self._forward(sel, ready)
         sel.close()
 
     def _forward(self, sel: selectors.BaseSelector, s: socket.socket) -> None:

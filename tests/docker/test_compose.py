@@ -11,6 +11,7 @@ directory, the files the Dockerfile copies onto the repository's).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -372,6 +373,10 @@ def test_two_hosts_workers_join_their_own_broker_and_b_pulls_from_a() -> None:
     assert re.search(r'^flight = \["pyarrow', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
 
 
+def _healthy(box: Container) -> bool:
+    return box.run(["tensordepot", "stat"], timeout=60).returncode == 0
+
+
 def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
     """Host B's broker and consumer run in a mount namespace with its own
     /dev/shm, so the consumer's tensor can only have come over Flight."""
@@ -405,8 +410,8 @@ def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
             with open(tmp_path / f"{name}.log", "wb") as log:
                 procs.append(subprocess.Popen(box.command, env=box.env, stdout=log,
                                               stderr=subprocess.STDOUT, cwd=tmp_path))
-            wait_for(lambda box=box: box.run(["tensordepot", "stat"], timeout=60).returncode == 0,
-                     90, interval=0.2, what=f"{name} to pass its healthcheck")
+            wait_for(functools.partial(_healthy, box), 90, interval=0.2,
+                     what=f"{name} to pass its healthcheck")
         for name in ("producer-a", "consumer-b"):
             res = containers[name].run()
             assert res.returncode == 0, f"{name}: {res.stdout}\n{res.stderr}"

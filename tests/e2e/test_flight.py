@@ -42,7 +42,7 @@ ENV = {"TENSORDEPOT_TOKEN": TOKEN}
 
 def tensor(nbytes: int, seed: int) -> tuple[np.ndarray, str]:
     x = np.random.default_rng(seed).integers(0, 1 << 63, size=nbytes // 8, dtype=np.uint64)
-    return x, hashlib.sha256(x).hexdigest()
+    return x, hashlib.sha256(x.data).hexdigest()
 
 
 def port_of(url: str) -> int:
@@ -188,6 +188,12 @@ def test_a_get_on_another_host_waits_for_a_name_that_exists_nowhere_yet(
     with a.client() as c:
         c.put("later", x)
     assert got(r.line(60))["sha"] == digest
+    # get_many pulls what it misses the same way.
+    (y, dy), (z, dz) = tensor(2 * MiB, 10), tensor(3 * MiB, 11)
+    with a.client() as c:
+        c.put_many({"y": y, "z": z})
+    assert r.ask("many later,y,z", "ok").split()[1:] == [digest, dy, dz]
+    assert peer_metric(b.url, "peer_transfers_total", flight_url(a)) == 3
 
 
 def test_peers_chain(net: Net, workers: list[Worker]) -> None:
