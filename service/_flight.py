@@ -25,6 +25,7 @@ delete or supersede during a transfer never frees bytes still being sent.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -262,7 +263,7 @@ class FlightService:
         while True:
             try:
                 return fut.result(timeout=1.0)
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # not the builtin one before Python 3.11
                 if self._closing or loop.is_closed():
                     fut.cancel()
                     raise BrokerUnavailable("the broker is shutting down") from None
@@ -351,10 +352,11 @@ class FlightService:
         name, version = parse_ticket(raw_ticket)
         self.scopes.authorize(call.token, "read", name)
         sid, meta, view = self._on_loop(self._lookup(name, version, call.via, keep=True))
+        lease = _StreamLease(self, sid)  # from here on, dropping it ends the lease
         # The lease ends when the last Arrow buffer over these bytes is freed:
         # gRPC may still hold the last chunks after the stream's generator ends.
         leased = array_at(view.ctypes.data, (len(view),), None, "|u1", writable=False,
-                          owner=(view, _StreamLease(self, sid)))
+                          owner=(view, lease))
         sch = schema(meta.model_dump_json())
         return fl.GeneratorStream(sch, self._stream(leased, sch, call.peer))
 

@@ -104,6 +104,14 @@ class _Found:
     meta: FlightMeta
 
 
+class _Stale(DepotError):
+    """The version a peer named is gone there by the time it is fetched."""
+
+    def __init__(self, cause: DepotError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 @dataclass
 class _Outcome:
     found: bool = False
@@ -144,8 +152,10 @@ class Peers:
             (PEER_HEADER.encode(), (self_url or f"{socket.gethostname()}/{instance}").encode())]
         if token:
             self._headers.append((b"authorization", b"Bearer " + token.encode()))
-        self._executor = ThreadPoolExecutor(max(4, 2 * len(self.urls) + 2),
+        # Metadata calls never queue behind transfers: each has its own threads.
+        self._executor = ThreadPoolExecutor(max(4, 2 * len(self.urls)),
                                             thread_name_prefix="tensordepot-peer")
+        self._movers = ThreadPoolExecutor(4, thread_name_prefix="tensordepot-pull")
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._active: set[_Transfer] = set()
@@ -169,7 +179,8 @@ class Peers:
         if fut is None:
             fut = asyncio.ensure_future(self._refresh(name))
             self._inflight[name] = fut
-            fut.add_done_callback(lambda _: self._inflight.pop(name, None))
+            fut.add_done_callback(
+                lambda f: self._inflight.pop(name) if self._inflight.get(name) is f else None)
         outcome = await asyncio.shield(fut)
         if outcome.error is not None:
             raise type(outcome.error)(str(outcome.error))  # one instance per waiter
@@ -184,6 +195,17 @@ class Peers:
     # -- one lookup (and maybe one transfer) per name at a time ------------------------
     async def _refresh(self, name: str) -> _Outcome:
         via = (*VIA.get(), self.instance)
+        for _ in range(2):
+            out = await self._refresh_once(name, via)
+            # A version superseded at the source between the lookup and the
+            # transfer: look again.
+            if not isinstance(out.error, _Stale):
+                break
+        if isinstance(out.error, _Stale):
+            out.error = out.error.cause
+        return out
+
+    async def _refresh_once(self, name: str, via: tuple[str, ...]) -> _Outcome:
         answers = await asyncio.gather(*(self._run(self._ask, p, name, via) for p in self.urls),
                                        return_exceptions=True)
         found, out = [], _Outcome()
@@ -219,8 +241,10 @@ class Peers:
             return out
         try:
             await self._pull(best, via)
+        except TensorNotFound as exc:
+            out.error = _Stale(exc)
         except DepotError as exc:
-            if held is not None and held.replica is not None and not isinstance(exc, TensorNotFound):
+            if held is not None and held.replica is not None:
                 log.warning("serving replica %r v%d as it is: %s", name, held.number, exc)
                 held.replica.checked_at = broker.clock()
             else:
@@ -263,7 +287,7 @@ class Peers:
             view = broker.view(v, writable=True)
             start = time.monotonic()
             t = _Transfer(f.peer, start)
-            job = asyncio.get_running_loop().run_in_executor(self._executor, self._transfer, f,
+            job = asyncio.get_running_loop().run_in_executor(self._movers, self._transfer, f,
                                                              view, via, t)
             try:
                 await asyncio.shield(job)
@@ -394,7 +418,8 @@ class Peers:
                 t.stop()
         if self._inflight:
             await asyncio.gather(*self._inflight.values(), return_exceptions=True)
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        for pool in (self._executor, self._movers):
+            await asyncio.to_thread(pool.shutdown, wait=True)
         for c in self._clients.values():
             c.close()
 
