@@ -227,6 +227,7 @@ class Peers:
                     log.warning("serving replica %r v%d as it is: %s", name, held.number,
                                 self._unreachable(out))
                     held.replica.checked_at = broker.clock()
+                    out.found = True  # there is something to serve
                 else:
                     log.info("no peer holds %r any more; deleting its replica", name)
                     broker.delete(name)

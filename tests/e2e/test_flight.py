@@ -238,6 +238,24 @@ def test_brokers_that_peer_with_each_other_do_not_loop(net: Net, workers: list[W
 # -- failures -------------------------------------------------------------------------
 
 
+def test_a_replica_is_served_as_it_is_while_its_origin_is_unreachable(
+        net: Net, workers: list[Worker]) -> None:
+    a = net.origin()
+    host, b = net.remote("--peer", flight_url(a), "--peer-refresh", "0", "--peer-timeout", "2")
+    workers.append(r := net.reader(host, b))
+    x, digest = tensor(2 * MiB, 12)
+    with a.client() as c:
+        c.put("w", x)
+    assert got(r.ask("get w 0", "ok"))["sha"] == digest
+    assert a.stop() == 0 and a.segments() == []
+    a.expect_dead = True  # type: ignore[attr-defined]
+    g = got(r.ask("get w 0", "ok"))  # due for a check, which fails: the replica is served
+    assert (g["sha"], g["origin_version"]) == (digest, 1)
+    assert "serving replica 'w' v1 as it is" in b.log()
+    line = r.ask("get other 0", "error")  # a miss has nothing to serve
+    assert line.startswith("error BrokerUnavailable") and flight_url(a) in line, line
+
+
 @dataclass
 class Paused:
     a: BrokerProc
