@@ -64,9 +64,6 @@ class Host:
     def entries(self) -> list[str]:
         return sorted(os.listdir(self.shm_dir))
 
-    def broker(self, *args: str, **kw: object) -> BrokerProc:
-        return BrokerProc(*args, launcher=self.launcher, shm_dir=self.shm_dir, **kw)  # type: ignore[arg-type]
-
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
