@@ -367,6 +367,16 @@ class Client:
             raise
         return out
 
+    def push(self, name: str, to: str, *, token: str | None = None,
+             tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
+        """Send the newest version of ``name`` to the broker on another host whose
+        Flight endpoint is ``to`` (``grpc://HOST:PORT``, ``grpc+tls://``); returns
+        its version there.  ``token`` (default ``$TENSORDEPOT_PEER_TOKEN``) needs
+        write scope there.  Needs ``pip install 'tensordepot[flight]'``."""
+        from ._push import push
+
+        return push(self, name, to, token=token, tls_ca=tls_ca, timeout=timeout)
+
     # -- names ---------------------------------------------------------------
     def delete(self, name: str) -> None:
         """Remove ``name`` now; readers keep their bytes until they release them."""

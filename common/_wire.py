@@ -119,6 +119,9 @@ class TensorInfo(_Answer):
     state: Literal["writing", "ready"]
     readers: int = Field(description="live leases on this name's versions")
     expires_in: float | None = None
+    origin: str | None = Field(None, description="for a replica pulled from a peer: the Flight URL "
+                               "of the broker where the tensor was published")
+    origin_version: int | None = Field(None, description="for a replica: its version at the origin")
 
 
 class Stat(_Answer):
@@ -158,6 +161,26 @@ class HandleList(_Answer):
 
 class TensorList(_Answer):
     items: list[TensorInfo]
+
+
+class FlightMeta(_Frozen):
+    """What an Arrow Flight stream of a tensor carries in its schema metadata
+    (key ``tensordepot``), as JSON.  The stream itself is one ``uint8``
+    column whose record batches are consecutive chunks of the C-ordered bytes.
+
+    ``origin``, ``origin_instance`` and ``origin_version`` name the version
+    where it was first published: a replica of a replica keeps its origin, so
+    brokers compare versions of one lineage and never version numbers of
+    different brokers."""
+
+    name: Name
+    version: int = Field(ge=1, description="the version on the broker that sends it")
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
+    dtype: str = Field(max_length=40)
+    nbytes: int = Field(ge=0)
+    origin: str = Field("", max_length=1000, description="Flight URL of the publishing broker")
+    origin_instance: str = Field("", max_length=64, description="that broker's id for this run")
+    origin_version: int = Field(0, ge=0, description="the version there")
 
 
 class Health(_Answer):

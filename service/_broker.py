@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from .._errors import (
     BrokerUnavailable,
@@ -79,6 +79,30 @@ class Limits:
 
 
 @dataclass(eq=False)
+class Replica:
+    """Where a version pulled from a peer came from (set by service/_peers.py)."""
+
+    peer: str  # the peer's Flight URL it was copied from
+    origin: str  # Flight URL of the broker that published it
+    instance: str  # that broker's id for its run: version numbers restart with a broker
+    version: int  # its version there
+    checked_at: float  # when a peer last confirmed it is the newest (broker clock)
+
+
+class PeerHook(Protocol):
+    """Pull-through from brokers on other hosts (service/_peers.py)."""
+
+    poll_interval: float  # how often a waiting get asks the peers again
+
+    async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
+        """A get missed, or hit a replica: publish a newer replica of ``name``
+        if a peer has one, or raise."""
+
+    def explain(self, name: str) -> str:
+        """What the peers said about ``name``, for a not-found message."""
+
+
+@dataclass(eq=False)
 class Version:
     name: str
     number: int
@@ -96,6 +120,7 @@ class Version:
     creator: str | None = None  # session id
     identity: str | None = None  # creator's identity (per-identity quota)
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
+    replica: Replica | None = None  # pulled from a peer
 
     @property
     def nbytes(self) -> int:
@@ -168,6 +193,7 @@ class Broker:
         self._closed = False
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
+        self.peers: PeerHook | None = None  # set when --peer is given
 
     # -- helpers -----------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -186,8 +212,9 @@ class Broker:
         return f"known: {shown}"
 
     def _not_found(self, name: str) -> TensorNotFound:
+        peers = "" if self.peers is None else self.peers.explain(name)
         return TensorNotFound(
-            f"tensor {name!r} not found ({self._known()}); did the producer publish it? "
+            f"tensor {name!r} not found ({self._known()}){peers}; did the producer publish it? "
             f"pass timeout= to wait for it"
         )
 
@@ -199,9 +226,11 @@ class Broker:
 
     def _info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
+        r = v.replica
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
                           nbytes=v.nbytes, device="cpu", state=v.state, readers=e.readers,
-                          expires_in=expires)
+                          expires_in=expires, origin=r.origin if r else None,
+                          origin_version=r.version if r else None)
 
     def _maybe_free(self, v: Version) -> None:
         if not v.current and v.readers == 0 and v.block is not None:
@@ -285,6 +314,13 @@ class Broker:
         memory is safe to reuse."""
         s = self.sessions.use(sid, caller)
         self.end_session(s, verified=True)
+
+    def end_local_session(self, sid: str) -> None:
+        """End a session the broker opened for its own work (a Flight stream, a
+        pull): the broker knows when its own mappings are done with."""
+        s = self.sessions.get(sid)
+        if s is not None:
+            self.end_session(s, verified=True)
 
     def fork_session(self, sid: str, caller: Caller) -> ForkInfo:
         """A session for a child about to be forked, with copies of the
@@ -604,6 +640,11 @@ class Broker:
         try:
             for name in names:
                 v = self._ready(name, newer_than)
+                if self.peers is not None and (v is None or v.replica is not None):
+                    # A miss, or a replica that may be stale: the peers may publish one here.
+                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+                    s = self._session(sid, caller)
+                    v = self._ready(name, newer_than)
                 if v is None:
                     if timeout == 0:
                         raise self._not_found(name)
@@ -637,6 +678,8 @@ class Broker:
             while True:
                 waiter = asyncio.ensure_future(w.event.wait())
                 remaining = None if deadline is None else deadline - loop.time()
+                if self.peers is not None:  # wake up to ask the peers again
+                    remaining = min(self.peers.poll_interval, math.inf if remaining is None else remaining)
                 try:
                     done, _ = await asyncio.wait({waiter, *stops}, timeout=remaining,
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -646,9 +689,13 @@ class Broker:
                     self._session(s.id, Caller(s.owner))  # shutting down, or the session ended
                     raise ClientGone(name)
                 v = self._ready(name, newer_than)
+                if v is None and self.peers is not None:
+                    await self.peers.before_get(name, newer_than, True)
+                    self._session(s.id, Caller(s.owner))
+                    v = self._ready(name, newer_than)
                 if v is not None:
                     return v
-                if not done:
+                if deadline is not None and loop.time() >= deadline:
                     raise self._timed_out(name, newer_than, timeout)
                 if self._waits.get(name) is not w:  # set and popped by a publish of another version
                     w.count -= 1
@@ -673,7 +720,8 @@ class Broker:
                 f"no version of {name!r} newer than v{newer_than} was published {within} "
                 f"(the newest is v{e.ready.number})"
             )
-        return TensorNotFound(f"tensor {name!r} was not published {within} ({self._known()})")
+        peers = "" if self.peers is None else self.peers.explain(name)
+        return TensorNotFound(f"tensor {name!r} was not published {within} ({self._known()}){peers}")
 
     def _closing_wait(self) -> asyncio.Future[Any]:
         if self._closing_event is None:
@@ -724,6 +772,12 @@ class Broker:
         self._maybe_free(v)
         self._count("releases")
 
+    def view(self, v: Version, *, writable: bool = False) -> Any:
+        """The bytes of ``v`` as a flat uint8 numpy array over the broker's own
+        mapping: the Flight service streams them, the peers fill replicas.
+        The array keeps the mapping alive after the pool unlinks the segment."""
+        return byte_view(self._map(v.block.segment), v.block.offset, v.nbytes, writable=writable)
+
     # -- names ---------------------------------------------------------------
     def delete(self, name: str) -> None:
         if self.closing:
@@ -744,7 +798,7 @@ class Broker:
         for name in sorted(self.entries):
             e = self.entries[name]
             v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number, default=None)
-            if v is not None:
+            if v is not None and not (v.state == "writing" and v.replica is not None):  # pulls in flight
                 out.append(self._info(e, v))
         return out
 

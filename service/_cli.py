@@ -109,7 +109,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ListenError, DepotError, OSError) as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 1
+    try:
+        flight = _bind_hosts(settings, policy)
+    except ListenError as exc:
+        close_all(listens, socks)
+        print(f"tensordepot serve: {exc}", file=sys.stderr)
+        return 1
     app = create_app(settings, policy)
+    app.state.flight = flight
     app.state.on_close = lambda: close_all(listens, socks)
     PeerCredProtocol.max_connections = settings.max_connections
     _raise_fd_limit()
@@ -117,6 +124,10 @@ def _serve(args: argparse.Namespace) -> int:
                             access_log=False, timeout_keep_alive=120, timeout_graceful_shutdown=5,
                             log_level=uvicorn_level)
     urls = ", ".join(ln.url for ln in listens)
+    if flight is not None:
+        urls += f", flight {flight.url}"
+    if settings.peer:
+        urls += f", peers {', '.join(settings.peer)}"
     ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
              f"max-memory {max_memory / 2**30:.1f} GiB, prefix {settings.prefix()}")
     server = Server(config, ready)
@@ -124,6 +135,8 @@ def _serve(args: argparse.Namespace) -> int:
         server.run(sockets=socks)
     finally:
         close_all(listens, socks)
+        if flight is not None:  # when the app never started, nothing else stops it
+            flight.shutdown()
     return 0 if server.started else 1
 
 
@@ -137,6 +150,28 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             pass
+
+
+def _bind_hosts(settings: Any, policy: Any) -> Any:
+    """The Flight endpoint, listening (or None), after checking the peer
+    settings, so that a bad address fails here and not in the running broker."""
+    from ._server import ListenError
+
+    if not (settings.flight or settings.peer):
+        return None
+    try:
+        from ..shm._arrow import import_flight, parse_flight_url
+
+        import_flight()
+        from ._flight import bind_flight
+
+        for url in settings.peer:
+            parse_flight_url(url, "--peer")
+        if settings.peer_tls_ca and not os.path.isfile(settings.peer_tls_ca):
+            raise ValueError(f"--peer-tls-ca {settings.peer_tls_ca}: no such file")
+    except (ImportError, ValueError) as exc:
+        raise ListenError(str(exc)) from None
+    return bind_flight(settings, policy) if settings.flight else None
 
 
 # -- client commands ------------------------------------------------------------------------------
@@ -255,6 +290,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _push(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        for name in args.names:
+            version = c.push(name, args.to, token=args.to_token, tls_ca=args.tls_ca)
+            print(f"{name}: version {version} at {args.to}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensordepot", description="Zero-copy tensor exchange broker.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -304,6 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int,
                    help="open connections; beyond it the longest-idle one is closed (default 4096)")
     s.add_argument("--log-level", help="debug, info, warning (default info)")
+    hosts = s.add_argument_group("across hosts (Arrow Flight; pip install 'tensordepot[flight]')")
+    hosts.add_argument("--flight", metavar="URL",
+                       help="serve tensors to other hosts: grpc://HOST:PORT or grpc+tls://HOST:PORT")
+    hosts.add_argument("--flight-tls-cert", metavar="PEM", help="certificate for grpc+tls://")
+    hosts.add_argument("--flight-tls-key", metavar="PEM", help="private key for grpc+tls://")
+    hosts.add_argument("--peer", action="append", metavar="URL",
+                       help="pull tensors missing here from this broker's --flight URL (repeatable)")
+    hosts.add_argument("--peer-refresh", type=float, metavar="S",
+                       help="seconds a replica is served before its peers are asked for a newer "
+                            "version; 0: on every get (default 1)")
+    hosts.add_argument("--peer-timeout", type=float, metavar="S",
+                       help="seconds to wait for a peer's answer or next chunk (default 5)")
+    hosts.add_argument("--peer-token", help="token sent to peers (default: --token); prefer "
+                                            "TENSORDEPOT_PEER_TOKEN, argv is visible to other users")
+    hosts.add_argument("--peer-tls-ca", metavar="PEM", help="CA bundle for grpc+tls:// peers")
     s.set_defaults(func=_serve)
 
     commands = (("ls", _ls, "list tensors"), ("stat", _stat, "show memory and lifetime accounting"),
@@ -324,6 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--timeout", type=_seconds, default=30.0, metavar="S",
                            help="give up after S seconds (default 30)")
         c.set_defaults(func=fn)
+
+    push = sub.add_parser("push", help="send tensors to a broker on another host (Arrow Flight)")
+    push.add_argument("names", nargs="+", metavar="NAME")
+    push.add_argument("--to", required=True, metavar="URL",
+                      help="the other broker's --flight URL, grpc://HOST:PORT or grpc+tls://HOST:PORT")
+    push.add_argument("--url", default=None, help=f"local broker URL (default $TENSORDEPOT_URL or {default_url()})")
+    push.add_argument("--token", default=None, help="bearer token for the local broker over TCP")
+    push.add_argument("--to-token", default=None,
+                      help="token for the other broker (default $TENSORDEPOT_PEER_TOKEN)")
+    push.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle for a grpc+tls:// --to")
+    push.set_defaults(func=_push)
     return p
 
 

@@ -238,8 +238,8 @@ class BrokerCollector(Collector):
             ("memory_limit_bytes", "The most shared memory the broker may hold (--max-memory).",
              st.max_memory),
             ("memory_retired_bytes",
-             "Bytes never to be reused, because a process the broker cannot vouch for may still "
-             "map them; freed with their segment.", st.bytes_retired),
+             ("Bytes never to be reused, because a process the broker cannot vouch for may still "
+              "map them; freed with their segment."), st.bytes_retired),
             ("segments", "Shared-memory segments the broker holds.", st.segments),
         ):
             yield _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,

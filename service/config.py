@@ -64,6 +64,21 @@ class Settings(BaseSettings):
     max_connections: int = Field(4096, gt=0, description="open connections; beyond it the longest-idle is closed")
     log_level: str = Field("info")
 
+    # -- across hosts: Arrow Flight (service/_flight.py, service/_peers.py) ---------------
+    flight: str = Field("", description="serve tensors to other hosts: grpc://HOST:PORT or grpc+tls://HOST:PORT")
+    flight_tls_cert: str = Field("", description="PEM certificate file for a grpc+tls:// --flight")
+    flight_tls_key: str = Field("", description="PEM private key file for a grpc+tls:// --flight")
+    peer: Annotated[list[str], NoDecode] = Field(default_factory=list, description="pull tensors missing here from this broker's --flight URL; repeatable")
+    peer_refresh: float = Field(1.0, ge=0, description="seconds a replica is served before its peers are asked for a newer version; 0: every get")
+    peer_timeout: float = Field(5.0, gt=0, description="seconds to wait for a peer's answer, or for the next chunk of a transfer")
+    peer_token: str = Field("", description="bearer token sent to peers; default: --token")
+    peer_tls_ca: str = Field("", description="PEM CA bundle that signs the grpc+tls:// peers' certificates")
+
+    @field_validator("peer", mode="before")
+    @classmethod
+    def _split_peers(cls, v: object) -> object:
+        return [p for p in (s.strip() for s in v.split(",")) if p] if isinstance(v, str) else v
+
     @field_validator("listen", "allow_uid", "allow_gid", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:

@@ -66,15 +66,20 @@ def serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
                           capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
 
 
-def shm_entries(prefix: str) -> list[str]:
-    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(prefix))
+def shm_entries(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Names under ``shm_dir`` that start with ``prefix`` (none once a namespace's /dev/shm is gone)."""
+    try:
+        return sorted(e for e in os.listdir(shm_dir) if e.startswith(prefix))
+    except FileNotFoundError:
+        return []
 
 
 class BrokerProc:
     """A running ``tensordepot serve`` process."""
 
     def __init__(self, *args: str, max_memory: str = "2GiB", env: dict[str, str] | None = None,
-                 prefix: str | None = None, sock_dir: str | None = None) -> None:
+                 prefix: str | None = None, sock_dir: str | None = None,
+                 launcher: list[str] | None = None, shm_dir: str = "/dev/shm") -> None:
         self.dir = sock_dir or tempfile.mkdtemp(prefix="td-", dir="/tmp")  # AF_UNIX paths are short
         self.sock = os.path.join(self.dir, "broker.sock")
         self.url = "unix://" + self.sock
@@ -83,14 +88,16 @@ class BrokerProc:
                      "--prealloc", "0", "--reap-interval", "0.1", *args]
         self.env = {**os.environ, **(env or {})}
         self.log_path = os.path.join(self.dir, "broker.log")
+        self.launcher = launcher or []  # runs the broker elsewhere, e.g. in another mount namespace
+        self.shm_dir = shm_dir  # where its segments are seen from here
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         self._log = open(self.log_path, "ab")
         start = self._log.tell()  # a restart on the same dir appends: only new lines count
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensordepot", "serve", *self.args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+        argv = [*self.launcher, sys.executable, "-m", "tensordepot", "serve", *self.args]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=self.dir)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -115,7 +122,7 @@ class BrokerProc:
             return c.stat()
 
     def segments(self) -> list[str]:
-        return shm_entries(self.prefix)
+        return shm_entries(self.prefix, self.shm_dir)
 
     @property
     def alive(self) -> bool:
@@ -150,7 +157,7 @@ class BrokerProc:
         if self.alive:
             self.stop(signal.SIGKILL)
         for entry in self.segments():
-            os.unlink(os.path.join("/dev/shm", entry))
+            os.unlink(os.path.join(self.shm_dir, entry))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -20,6 +20,8 @@ import socket
 import tempfile
 import threading
 
+from typing_extensions import Self
+
 
 def _read_message(sock: socket.socket, buf: bytearray) -> bytes | None:
     """One HTTP message framed by Content-Length (what our clients and the

@@ -20,13 +20,13 @@ class Worker:
     """``tests/workers/<script>.py`` with pipes on stdin and stdout."""
 
     def __init__(self, script: str, *args: str, env: dict[str, str] | None = None,
-                 wrap: list[str] | None = None) -> None:
-        """``wrap``: a command that runs the worker (``unshare --pid --fork``, ...)."""
+                 launcher: list[str] | None = None) -> None:
+        """``launcher``: a command that runs the worker (``unshare --pid --fork``, ...)."""
         self.script = script
         # Open for the worker's whole life; close() closes it.
         self._err = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [*(wrap or []), sys.executable, str(WORKERS / f"{script}.py"), *args],
+            [*(launcher or []), sys.executable, str(WORKERS / f"{script}.py"), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,

@@ -26,4 +26,8 @@ async def stat(request: Request) -> Stat:
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+    text: bytes = request.app.state.metrics.render()
+    extra = [line for source in request.app.state.metric_sources for line in source()]  # Flight, peers
+    if extra:
+        text += ("\n".join(extra) + "\n").encode()
+    return Response(text, media_type=CONTENT_TYPE)

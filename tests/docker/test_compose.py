@@ -13,18 +13,21 @@ directory, the files the Dockerfile copies onto the repository's).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -38,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 SCHEMA = Path(__file__).resolve().parent / "compose-spec.json"
 COMPOSE_FILES = sorted(DOCKER.glob("compose*.yaml"))
-OVERRIDES = [p for p in COMPOSE_FILES if p.name != "compose.yaml"]
+HOSTS = DOCKER / "compose.hosts.yaml"  # a whole example of its own: two hosts
+OVERRIDES = [p for p in COMPOSE_FILES if p.name not in ("compose.yaml", HOSTS.name)]
 # What the overrides need from the environment to interpolate (compose.tcp.yaml
 # refuses to start without a token, as the broker does).
 OVERRIDE_ENV = {ENV_TOKEN: "a-long-random-secret"}
@@ -136,7 +140,7 @@ def errors(schema: dict[str, Any], doc: Any) -> list[str]:
 
 def test_there_is_a_compose_file_and_a_gpu_variant() -> None:
     names = {p.name for p in COMPOSE_FILES}
-    assert {"compose.yaml", "compose.gpu.yaml"} <= names, names
+    assert {"compose.yaml", "compose.gpu.yaml", HOSTS.name} <= names, names
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in COMPOSE_FILES])
@@ -245,8 +249,10 @@ def test_dockerfile_installs_every_package_folder_and_runs_serve() -> None:
 class Container:
     """What a compose service would run, mapped onto this host."""
 
-    def __init__(self, service: dict[str, Any], paths: dict[str, str]) -> None:
+    def __init__(self, service: dict[str, Any], paths: dict[str, str],
+                 launcher: list[str] | None = None) -> None:
         self.paths = paths
+        self.launcher = launcher or []  # runs it on another "host" (tests/_hosts.py)
         env = {k: self.host(str(v)) for k, v in service.get("environment", {}).items()}
         # Only the compose file's TENSORDEPOT_* variables, none of this shell's.
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")} | env
@@ -266,7 +272,7 @@ class Container:
             head = [sys.executable, "-m", "tensordepot"]
         else:
             head = [str(script) if script.exists() else exe]
-        return head + [self.host(a) for a in args]
+        return self.launcher + head + [self.host(a) for a in args]
 
     def run(self, command: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(command) if command else self.command, env=self.env,
@@ -353,6 +359,97 @@ def test_compose_commands_run_as_processes(run_dir: str) -> None:
         assert stat["leases"] == 0 and stat["bytes_in_use"] >= 4 << 20, stat
         stop(proc, broker_svc, log_path)
         assert not os.path.exists(sock)
+
+
+# -- two hosts (compose.hosts.yaml) -------------------------------------------------------
+
+
+def _owner(svc: dict[str, Any]) -> str:
+    [owner] = svc["depends_on"]
+    return str(owner)
+
+
+def test_two_hosts_workers_join_their_own_broker_and_b_pulls_from_a() -> None:
+    services = load(HOSTS, OVERRIDE_ENV)["services"]
+    brokers = {n: s for n, s in services.items() if s["command"][:2] == ["tensordepot", "serve"]}
+    assert set(brokers) == {"broker-a", "broker-b"}
+    assert set(brokers["broker-a"]["volumes"]).isdisjoint(brokers["broker-b"]["volumes"])
+    for name, svc in services.items():
+        assert svc["build"]["args"]["EXTRAS"] == "flight", f"{name} lacks pyarrow"
+        if name in brokers:
+            assert svc["ipc"] == "shareable" and svc["environment"]["TENSORDEPOT_TOKEN"]
+            continue
+        owner = _owner(svc)
+        assert svc["ipc"] == svc["pid"] == f"service:{owner}", f"{name} must share {owner}'s namespaces"
+        assert set(svc["volumes"]) == set(brokers[owner]["volumes"]), f"{name} lacks {owner}'s socket"
+        assert svc["environment"][ENV_URL] == brokers[owner]["environment"]["TENSORDEPOT_LISTEN"]
+    flight = urlsplit(brokers["broker-a"]["environment"]["TENSORDEPOT_FLIGHT"])
+    peer = urlsplit(brokers["broker-b"]["environment"]["TENSORDEPOT_PEER"])
+    assert (peer.scheme, peer.hostname, peer.port) == (flight.scheme, "broker-a", flight.port)
+    assert _owner(brokers["broker-b"]) == "broker-a"
+    assert re.search(r'^flight = \["pyarrow', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+
+
+def _healthy(box: Container) -> bool:
+    return box.run(["tensordepot", "stat"], timeout=60).returncode == 0
+
+
+def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
+    """Host B's broker and consumer run in a mount namespace with its own
+    /dev/shm, so the consumer's tensor can only have come over Flight."""
+    from _hosts import Host, why_no_hosts
+
+    why = why_no_hosts()
+    if why:
+        pytest.skip(why)
+    services = load(HOSTS, OVERRIDE_ENV)["services"]
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    flight = urlsplit(services["broker-a"]["environment"]["TENSORDEPOT_FLIGHT"])
+    files = {dest: str(src) for dest, src in copies().items() if src.is_file()}
+    net = {f"{flight.scheme}://{flight.netloc}": f"grpc://127.0.0.1:{port}",
+           f"{flight.scheme}://broker-a:{flight.port}": f"grpc://127.0.0.1:{port}"}
+    host_b = Host()
+    procs: list[subprocess.Popen[bytes]] = []
+    prefixes: dict[str, tuple[str, str]] = {}
+    try:
+        containers = {}
+        for name, svc in services.items():
+            run = str(tmp_path / f"run-{name[-1]}")  # one socket volume per host
+            target = svc["volumes"][0].split(":")[1]
+            containers[name] = Container(svc, {target: run, **files, **net},
+                                         host_b.launcher if name.endswith("-b") else None)
+        for name in ("broker-a", "broker-b"):
+            box = containers[name]
+            settings = Settings(listen=box.env["TENSORDEPOT_LISTEN"].split(","))
+            shm = host_b.shm_dir if name.endswith("-b") else "/dev/shm"
+            prefixes[name] = (settings.prefix(), shm)
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                procs.append(subprocess.Popen(box.command, env=box.env, stdout=log,
+                                              stderr=subprocess.STDOUT, cwd=tmp_path))
+            wait_for(functools.partial(_healthy, box), 90, interval=0.2,
+                     what=f"{name} to pass its healthcheck")
+        for name in ("producer-a", "consumer-b"):
+            res = containers[name].run()
+            assert res.returncode == 0, f"{name}: {res.stdout}\n{res.stderr}"
+            assert ": ok" in res.stdout, res.stdout
+        assert f"from grpc://127.0.0.1:{port} (v1 there)" in res.stdout, res.stdout
+        listed = json.loads(containers["broker-b"].run(["tensordepot", "ls", "--json"]).stdout)
+        assert [(i["name"], i["origin_version"]) for i in listed] == [("example/weights", 1)]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        for name, (prefix, shm) in prefixes.items():
+            assert shm_entries(prefix, shm) == [], f"{name} left segments"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for prefix, shm in prefixes.values():
+            for entry in shm_entries(prefix, shm):
+                os.unlink(os.path.join(shm, entry))
+        host_b.close()
 
 
 def test_the_tcp_override_needs_its_token(run_dir: str) -> None:

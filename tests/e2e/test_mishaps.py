@@ -128,7 +128,7 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
         pytest.skip("needs root and unshare --pid to put the client in another pid namespace")
     tcp = f"http://127.0.0.1:{free_port()}"
     broker_factory("--listen", tcp, "--session-ttl", "1")
-    w = Worker("mishap", tcp, wrap=prefix)  # its pid in its namespace is 1 or 2
+    w = Worker("mishap", tcp, launcher=prefix)  # its pid in its namespace is 1 or 2
     proc = w.proc
     try:
         w.expect("ready")

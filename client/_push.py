@@ -1,0 +1,87 @@
+"""Pushing a tensor to a broker on another host with Arrow Flight's ``DoPut``.
+
+The bytes go from this process's read-only mapping of the local broker's
+segment into Flight's stream without a copy (``shm/_arrow.py``); the other
+broker allocates, fills and publishes them as its next version of the name.
+pyarrow is imported only when a push happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from .._wire import FlightMeta
+from ..shm._arrow import batches, import_flight, parse_flight_url, schema
+from ..shm._posix import array_at
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+ENV_PEER_TOKEN = "TENSORDEPOT_PEER_TOKEN"
+
+
+def _error(to: str, name: str, exc: Exception) -> DepotError:
+    import pyarrow as pa
+
+    fl = import_flight()
+    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
+    if isinstance(exc, (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError)):
+        err = AuthError(f"the broker at {to} refused the push of {name!r}: {msg}; "
+                        f"pass token= (or --to-token, $TENSORDEPOT_PEER_TOKEN) with write scope")
+        err.status = 403 if isinstance(exc, fl.FlightUnauthorizedError) else 401
+        return err
+    if isinstance(exc, pa.ArrowInvalid):
+        return InvalidRequest(f"the broker at {to} refused {name!r}: {msg}")
+    if isinstance(exc, pa.ArrowKeyError):
+        return TensorNotFound(f"the broker at {to}: {msg}")
+    return BrokerUnavailable(f"push of {name!r} to {to} failed: {msg}")
+
+
+def push(client: Client, name: str, to: str, *, token: str | None = None,
+         tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
+    """Send the newest version of ``name`` to the broker whose Flight endpoint
+    is ``to``; return the version it has there."""
+    import pyarrow as pa
+
+    fl = import_flight()
+    try:
+        url = parse_flight_url(to, "push to")
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    token = token if token is not None else os.environ.get(ENV_PEER_TOKEN)
+    if isinstance(tls_ca, str):
+        with open(tls_ca, "rb") as f:
+            tls_ca = f.read()
+    t = client.get(name)
+    try:
+        meta = FlightMeta(name=name, version=t.version, shape=list(t.shape), dtype=t.dtype,
+                          nbytes=t.nbytes)
+        # The bytes in C order: get() always hands out C-contiguous tensors.  The
+        # view holds the lease until the last batch that wraps it is gone.
+        flat = array_at(t._address, (t.nbytes,), None, "|u1", writable=False, owner=t._alive())
+        sch = schema(meta.model_dump_json())
+        headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+        options = fl.FlightCallOptions(timeout=timeout, headers=headers)
+        conn = fl.FlightClient(url.location(), tls_root_certs=tls_ca if url.tls else None)
+        try:
+            writer, reader = conn.do_put(fl.FlightDescriptor.for_path(name), sch, options)
+            try:
+                for batch in batches(flat, sch):
+                    writer.write_batch(batch)
+                writer.done_writing()
+                answer = reader.read()
+            finally:
+                writer.close()
+            if answer is None:
+                raise BrokerUnavailable(f"the broker at {to} did not confirm the push of {name!r}")
+            return int(json.loads(answer.to_pybytes())["version"])
+        except (pa.ArrowException, ValueError, KeyError) as exc:
+            raise _error(to, name, exc) from None
+        finally:
+            conn.close()
+    finally:
+        t.release()
+

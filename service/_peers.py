@@ -1,0 +1,449 @@
+"""Pull-through replicas: a get that misses here asks the peers over Arrow Flight.
+
+    tensordepot serve --peer grpc://hostA:8815 [--peer ...] [--peer-refresh 1] [--peer-timeout 5]
+
+On a miss, every peer is asked for the name at once (``GetFlightInfo``,
+each bounded by ``--peer-timeout``).  The first peer in ``--peer`` order that
+holds it names the lineage (the broker where it was published); among the
+peers holding copies of that lineage, the newest version wins.  It is
+streamed (``DoGet``) straight into an allocation in this broker's pool, made
+in a session of the broker's own, and published as a local *replica* that
+records its origin.  Every local worker then reads it zero copy: the bytes
+cross the network once per host, not once per worker.
+
+* Concurrent gets of one name share one lookup and one transfer (a future
+  per name).
+* A replica is served as it is for ``--peer-refresh`` seconds after a peer
+  last confirmed it.  After that, the next get asks the peers again (one
+  metadata call each) and fetches only a newer version.  If no peer can be
+  reached, the replica is served as it is and a warning is logged; if every
+  peer answers that the name is gone, the replica is deleted here too.
+* A transfer that fails part way (the peer died, the network dropped, or no
+  chunk came for ``--peer-timeout`` s) gives its allocation back: a partial
+  replica is never visible, and the get raises ``BrokerUnavailable`` naming
+  the peer.
+* Requests carry the ids of the brokers they passed through
+  (``x-tensordepot-via``); a broker that finds its own id there answers from
+  its own memory only, so peers may point at each other, or chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from .._errors import BrokerUnavailable, DepotError, TensorNotFound
+from .._wire import AllocRequest, FlightMeta
+from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
+from ._broker import Broker, Replica
+from ._sessions import LOCAL
+
+log = logging.getLogger("tensordepot.peers")
+
+VIA: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tensordepot_via", default=())
+VIA_HEADER = "x-tensordepot-via"  # ids of the brokers a request passed through
+PEER_HEADER = "x-tensordepot-peer"  # who is asking, for the other side's metrics
+MIN_RATE = 1 << 20  # bytes/s: a whole transfer's deadline is --peer-timeout plus nbytes at this rate
+
+
+def clean(exc: BaseException) -> str:
+    """A Flight error's own message, without pyarrow's appended detail."""
+    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
+    return msg.strip() or type(exc).__name__
+
+
+class Traffic:
+    """Counts per remote broker, updated from any thread.  The number of
+    remotes counted is bounded; the rest are counted as ``other``."""
+
+    LIMIT = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_peer: dict[str, dict[str, float]] = {}
+
+    def add(self, peer: str, key: str, n: float) -> None:
+        with self._lock:
+            d = self.by_peer.get(peer)
+            if d is None:
+                if len(self.by_peer) >= self.LIMIT:
+                    peer = "other"
+                d = self.by_peer.setdefault(peer, {})
+            d[key] = d.get(key, 0) + n
+
+    def lines(self, metrics: list[tuple[str, str, str, dict[str, str]]]) -> list[str]:
+        """Prometheus text: for each (name, type, help, {sample suffix: key}),
+        one sample per peer and suffix."""
+        with self._lock:
+            snap = {p: dict(d) for p, d in self.by_peer.items()}
+        out: list[str] = []
+        for name, kind, text, samples in metrics:
+            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            for peer in sorted(snap):
+                label = peer.replace("\\", "\\\\").replace('"', '\\"')
+                for suffix, key in samples.items():
+                    value = snap[peer].get(key, 0)
+                    shown = int(value) if float(value).is_integer() else value
+                    out.append(f'{name}{suffix}{{peer="{label}"}} {shown}')
+        return out
+
+
+@dataclass(frozen=True)
+class _Found:
+    peer: str
+    meta: FlightMeta
+
+
+class _Stale(DepotError):
+    """The version a peer named is gone there by the time it is fetched."""
+
+    def __init__(self, cause: DepotError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@dataclass
+class _Outcome:
+    found: bool = False
+    unreachable: dict[str, str] = field(default_factory=dict)  # peer -> why
+    error: DepotError | None = None  # a transfer that failed
+
+
+@dataclass(eq=False)
+class _Transfer:
+    peer: str
+    last: float  # time.monotonic() of the last chunk
+    reader: Any = None
+    stalled: bool = False  # the watchdog cancelled it
+    stopped: bool = False  # its get was cancelled: stop writing
+
+    def stop(self) -> None:
+        self.stopped = True
+        if self.reader is not None:
+            self.reader.cancel()
+
+
+class Peers:
+    """The peers of one broker; ``broker.peers`` is this object."""
+
+    def __init__(self, broker: Broker, urls: list[str], *, token: str = "", refresh: float = 1.0,
+                 timeout: float = 5.0, tls_ca: bytes | None = None, instance: str = "",
+                 self_url: str = "") -> None:
+        import_flight()
+        self.broker = broker
+        self.urls = [parse_flight_url(u, "--peer").url for u in urls]
+        self.refresh = refresh
+        self.timeout = timeout
+        self.poll_interval = min(max(refresh, 0.2), 1.0)
+        self.instance = instance
+        self.traffic = Traffic()
+        self._tls_ca = tls_ca
+        self._headers: list[tuple[bytes, bytes]] = [
+            (PEER_HEADER.encode(), (self_url or f"{socket.gethostname()}/{instance}").encode())]
+        if token:
+            self._headers.append((b"authorization", b"Bearer " + token.encode()))
+        # Metadata calls never queue behind transfers: each has its own threads.
+        self._executor = ThreadPoolExecutor(max(4, 2 * len(self.urls)),
+                                            thread_name_prefix="tensordepot-peer")
+        self._movers = ThreadPoolExecutor(4, thread_name_prefix="tensordepot-pull")
+        self._clients: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._active: set[_Transfer] = set()
+        self._inflight: dict[str, asyncio.Future[_Outcome]] = {}
+        self._notes: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._closing = False
+        self._watchdog: asyncio.Task[None] | None = None
+
+    # -- the broker's hook ---------------------------------------------------------
+    async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
+        if self._closing or self.instance in VIA.get():
+            return  # shutting down, or the request came through us: our own memory only
+        e = self.broker.entries.get(name)
+        held = e.ready if e is not None else None
+        if held is not None:
+            if held.replica is None:
+                return  # published here: peers never shadow a local tensor
+            if self.broker.clock() - held.replica.checked_at < self.refresh:
+                return
+        fut = self._inflight.get(name)
+        if fut is None:
+            fut = asyncio.ensure_future(self._refresh(name))
+            self._inflight[name] = fut
+            fut.add_done_callback(
+                lambda f: self._inflight.pop(name) if self._inflight.get(name) is f else None)
+        outcome = await asyncio.shield(fut)
+        if outcome.error is not None:
+            raise type(outcome.error)(str(outcome.error))  # one instance per waiter
+        if not outcome.found and outcome.unreachable and not can_wait \
+                and len(outcome.unreachable) == len(self.urls):
+            raise BrokerUnavailable(f"tensor {name!r} is not here and no peer could be asked: "
+                                    f"{self._unreachable(outcome)}")
+
+    def explain(self, name: str) -> str:
+        return self._notes.get(name, "")
+
+    # -- one lookup (and maybe one transfer) per name at a time ------------------------
+    async def _refresh(self, name: str) -> _Outcome:
+        via = (*VIA.get(), self.instance)
+        for _ in range(2):
+            out = await self._refresh_once(name, via)
+            # A version superseded at the source between the lookup and the
+            # transfer: look again.
+            if not isinstance(out.error, _Stale):
+                break
+        if isinstance(out.error, _Stale):
+            out.error = out.error.cause
+        return out
+
+    async def _refresh_once(self, name: str, via: tuple[str, ...]) -> _Outcome:
+        answers = await asyncio.gather(*(self._run(self._ask, p, name, via) for p in self.urls),
+                                       return_exceptions=True)
+        found, out = [], _Outcome()
+        for peer, a in zip(self.urls, answers):
+            if isinstance(a, FlightMeta):
+                found.append(_Found(peer, a))
+            elif isinstance(a, BaseException):
+                out.unreachable[peer] = str(a)
+        self._note(name, found, out)
+        broker = self.broker
+        e = broker.entries.get(name)
+        held = e.ready if e is not None else None
+        if held is not None and held.replica is None:
+            out.found = True  # published here meanwhile
+            return out
+        if not found:
+            if held is not None and held.replica is not None:
+                if out.unreachable:
+                    log.warning("serving replica %r v%d as it is: %s", name, held.number,
+                                self._unreachable(out))
+                    held.replica.checked_at = broker.clock()
+                    out.found = True  # there is something to serve
+                else:
+                    log.info("no peer holds %r any more; deleting its replica", name)
+                    broker.delete(name)
+            return out
+        out.found = True
+        first = found[0].meta.origin_instance
+        best = max((f for f in found if f.meta.origin_instance == first),
+                   key=lambda f: f.meta.origin_version)
+        if held is not None and held.replica is not None and held.replica.instance == first \
+                and held.replica.version >= best.meta.origin_version:
+            held.replica.checked_at = broker.clock()  # still the newest
+            return out
+        try:
+            await self._pull(best, via)
+        except TensorNotFound as exc:
+            out.error = _Stale(exc)
+        except DepotError as exc:
+            if held is not None and held.replica is not None:
+                log.warning("serving replica %r v%d as it is: %s", name, held.number, exc)
+                held.replica.checked_at = broker.clock()
+            else:
+                out.error = exc
+        return out
+
+    def _note(self, name: str, found: list[_Found], out: _Outcome) -> None:
+        if found:
+            note = ""
+        elif out.unreachable:
+            note = f"; peers could not be asked: {self._unreachable(out)}"
+        else:
+            note = f"; no peer holds it either (asked {', '.join(self.urls)})"
+        self._notes[name] = note
+        self._notes.move_to_end(name)
+        while len(self._notes) > 1024:
+            self._notes.popitem(last=False)
+
+    @staticmethod
+    def _unreachable(out: _Outcome) -> str:
+        return "; ".join(out.unreachable.values())
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _pull(self, f: _Found, via: tuple[str, ...]) -> None:
+        """Copy ``f`` into a new allocation here and publish it as a replica.
+        Until it is published nobody sees it; on any failure, ending the
+        session gives the allocation back."""
+        broker, m = self.broker, f.meta
+        sid = broker.open_session(LOCAL, "peer-pull").session
+        try:
+            v, _ = await broker.alloc(sid, LOCAL, AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
+            # Set in the same step as the alloc: list() hides replicas in flight.
+            v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
+            if v.nbytes != m.nbytes:
+                raise BrokerUnavailable(f"peer {f.peer} describes {m.name!r} as {m.nbytes} bytes, "
+                                        f"but shape {m.shape} of {m.dtype} is {v.nbytes}")
+            view = broker.view(v, writable=True)
+            start = time.monotonic()
+            t = _Transfer(f.peer, start)
+            job = asyncio.get_running_loop().run_in_executor(self._movers, self._transfer, f,
+                                                             view, via, t)
+            try:
+                await asyncio.shield(job)
+            except DepotError:
+                self.traffic.add(f.peer, "failures", 1)
+                raise
+            finally:
+                if not job.done():  # cancelled: the allocation goes back only once nothing writes to it
+                    t.stop()
+                    await asyncio.wait({job})
+            self.traffic.add(f.peer, "transfers", 1)
+            self.traffic.add(f.peer, "seconds", time.monotonic() - start)
+            v.replica.checked_at = broker.clock()
+            broker.publish(sid, LOCAL, m.name, v.number)
+        finally:
+            broker.end_local_session(sid)
+
+    # -- Flight calls (executor threads) -------------------------------------------------
+    def _client(self, peer: str) -> Any:
+        fl = import_flight()
+        with self._lock:
+            c = self._clients.get(peer)
+            if c is None:
+                tls = peer.startswith("grpc+tls://")
+                c = self._clients[peer] = fl.FlightClient(peer, tls_root_certs=self._tls_ca if tls else None)
+            return c
+
+    def _options(self, via: tuple[str, ...], timeout: float | None) -> Any:
+        fl = import_flight()
+        headers = [*self._headers, (VIA_HEADER.encode(), ",".join(via).encode())]
+        return fl.FlightCallOptions(timeout=timeout, headers=headers)
+
+    def _ask(self, peer: str, name: str, via: tuple[str, ...]) -> FlightMeta | None:
+        """The newest version ``peer`` holds of ``name``, or None."""
+        import pyarrow as pa
+
+        fl = import_flight()
+        self.traffic.add(peer, "checks", 1)
+        try:
+            info = self._client(peer).get_flight_info(fl.FlightDescriptor.for_path(name),
+                                                      self._options(via, self.timeout))
+            return FlightMeta.model_validate_json(meta_json(info.schema))
+        except pa.ArrowKeyError:
+            return None
+        except (pa.ArrowException, ValueError) as exc:
+            raise self._error(peer, exc, f"when asked for {name!r}") from None
+
+    def _transfer(self, f: _Found, view: Any, via: tuple[str, ...], t: _Transfer) -> None:
+        import pyarrow as pa
+
+        fl = import_flight()
+        m = f.meta
+        what = f"while sending {m.name!r} v{m.version}"
+        with self._lock:
+            if t.stopped:
+                raise BrokerUnavailable(f"the pull of {m.name!r} was cancelled")
+            self._active.add(t)
+        try:
+            deadline = self.timeout + m.nbytes / MIN_RATE
+            reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
+                                                 self._options(via, deadline))
+            t.last, t.reader = time.monotonic(), reader
+            if t.stopped:
+                reader.cancel()
+            sent = FlightMeta.model_validate_json(meta_json(reader.schema))
+            if sent != m:
+                raise ValueError(f"the stream describes {sent}, not {m}")
+
+            def progress(n: int) -> None:
+                t.last = time.monotonic()
+                self.traffic.add(f.peer, "bytes_pulled", n)
+
+            got = read_into(reader, view, progress, lambda: self._closing or t.stopped)
+            if got != m.nbytes:
+                raise BrokerUnavailable(f"peer {f.peer} sent {got} of {m.nbytes} bytes {what}")
+        except (pa.ArrowException, ValueError, InterruptedError) as exc:
+            if t.stalled:
+                raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s {what}; "
+                                        f"the partial copy was discarded") from None
+            raise self._error(f.peer, exc, what, partial=True) from None
+        finally:
+            with self._lock:
+                self._active.discard(t)
+
+    def _error(self, peer: str, exc: Exception, what: str, partial: bool = False) -> DepotError:
+        import pyarrow as pa
+
+        fl = import_flight()
+        msg = clean(exc)
+        tail = "; the partial copy was discarded" if partial else ""
+        if self._closing:
+            return BrokerUnavailable("the broker is shutting down")
+        if isinstance(exc, pa.ArrowKeyError):
+            return TensorNotFound(f"peer {peer} {what}: {msg}")
+        if isinstance(exc, (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError)):
+            return BrokerUnavailable(f"peer {peer} refused this broker's token {what} ({msg}); "
+                                     f"check --peer-token")
+        if isinstance(exc, fl.FlightTimedOutError):
+            return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
+                                     f"{what}{tail}")
+        if isinstance(exc, (ValidationError, ValueError)) and not isinstance(exc, pa.ArrowException):
+            return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "
+                                     f"stream {what}: {msg}{tail}")
+        return BrokerUnavailable(f"peer {peer} failed {what}: {msg}{tail}")
+
+    # -- lifetime -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Cancel transfers that have sent nothing for --peer-timeout seconds."""
+        while True:
+            await asyncio.sleep(min(self.timeout / 4, 1.0))
+            now = time.monotonic()
+            with self._lock:
+                stalled = [t for t in self._active if t.reader is not None and now - t.last > self.timeout]
+            for t in stalled:
+                t.stalled = True
+                t.stop()
+
+    async def close(self) -> None:
+        """Stop: transfers in flight fail (their allocations are given back)."""
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        with self._lock:
+            for t in self._active:
+                t.stop()
+        if self._inflight:
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        for pool in (self._executor, self._movers):
+            await asyncio.to_thread(pool.shutdown, wait=True)
+        for c in self._clients.values():
+            c.close()
+
+    def metric_lines(self) -> list[str]:
+        replicas = [e.ready for e in self.broker.entries.values()
+                    if e.ready is not None and e.ready.replica is not None]
+        out = [
+            "# HELP tensordepot_replicas Tensors held here as replicas pulled from peers",
+            "# TYPE tensordepot_replicas gauge",
+            f"tensordepot_replicas {len(replicas)}",
+            "# HELP tensordepot_replica_bytes Bytes of the replicas held here",
+            "# TYPE tensordepot_replica_bytes gauge",
+            f"tensordepot_replica_bytes {sum(v.nbytes for v in replicas)}",
+        ]
+        return out + self.traffic.lines([
+            ("tensordepot_peer_bytes_pulled_total", "counter",
+             "Bytes received from each peer (failed transfers included)", {"": "bytes_pulled"}),
+            ("tensordepot_peer_transfers_total", "counter", "Replicas pulled from each peer",
+             {"": "transfers"}),
+            ("tensordepot_peer_transfer_failures_total", "counter",
+             "Transfers from each peer that failed part way", {"": "failures"}),
+            ("tensordepot_peer_checks_total", "counter",
+             "Metadata calls (GetFlightInfo) to each peer", {"": "checks"}),
+            ("tensordepot_peer_transfer_seconds", "summary",
+             "Duration of the completed transfers from each peer",
+             {"_sum": "seconds", "_count": "transfers"}),
+        ])

@@ -1,0 +1,83 @@
+"""Who may do what over Arrow Flight: ``authorize(token, scope, name)``.
+
+Flight takes exactly the broker's HTTP tokens (``--token-file``,
+``TENSORDEPOT_TOKEN``, ``--token``), with the same scopes: ``read``
+(GetFlightInfo, DoGet, ListFlights), ``write`` (read and DoPut) or ``admin``,
+and the same name prefixes.  Tokens are compared in constant time, and
+error messages name the missing scope, never the token.  With
+``--insecure-no-auth`` and no token, every call is allowed.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._errors import AuthError, Forbidden
+
+if TYPE_CHECKING:
+    from ._auth import AuthPolicy
+
+SCOPES = ("read", "write", "admin")  # each includes the ones before it
+
+
+@dataclass(frozen=True)
+class Grant:
+    token: bytes
+    scope: str
+    prefix: str = ""
+
+
+class Scopes:
+    """The tokens Flight accepts.  With none configured, every call is allowed
+    (a Flight listener refuses to start without a token, unless the broker
+    runs with --insecure-no-auth)."""
+
+    def __init__(self, grants: list[Grant] | None = None) -> None:
+        self.grants = list(grants or [])
+
+    @classmethod
+    def of(cls, policy: AuthPolicy) -> Scopes:
+        return cls([Grant(t.secret, t.scope, t.prefix or "") for t in policy.tokens])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.grants)
+
+    def known(self, token: str | None) -> bool:
+        return not self.enabled or self._grant(token) is not None
+
+    def _grant(self, token: str | None) -> Grant | None:
+        if token is None:
+            return None
+        raw = token.encode()
+        found = None
+        for g in self.grants:  # no early exit: the time taken does not depend on which one matches
+            if hmac.compare_digest(raw, g.token):
+                found = found or g
+        return found
+
+    def authorize(self, token: str | None, scope: str, name: str | None) -> None:
+        """Raise AuthError (401) for a missing or unknown token, ``Forbidden``
+        (403) when it lacks ``scope`` on ``name`` (None: on every name)."""
+        if not self.enabled:
+            return
+        g = self._grant(token)
+        if g is None:
+            raise AuthError("missing or unknown token: send 'authorization: Bearer <token>'")
+        if SCOPES.index(g.scope) < SCOPES.index(scope):
+            raise Forbidden(f"this token has scope {g.scope!r}; this call needs {scope!r}")
+        if g.prefix and (name is None or not name.startswith(g.prefix)):
+            what = "every name" if name is None else f"{name!r}"
+            raise Forbidden(
+                f"this token's {scope!r} scope is limited to names starting with {g.prefix!r}, "
+                f"not {what}"
+            )
+
+    def allows(self, token: str | None, scope: str, name: str) -> bool:
+        try:
+            self.authorize(token, scope, name)
+        except AuthError:
+            return False
+        return True
