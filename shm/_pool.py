@@ -1,5 +1,7 @@
-"""Pooled, pre-faulted shared memory: where the broker places tensors.
+"""Pooled, pre-faulted memory: where the broker places tensors.
 
+One pool per device: POSIX shared memory for the CPU, CUDA blocks for each
+GPU (``segment_factory`` makes the segments; the logic here is the same).
 Tensors are aligned ranges inside large *pool segments*; a tensor larger
 than ``dedicated_threshold`` gets a *dedicated* segment of its own.  Freed
 ranges and freed dedicated segments stay allocated (their tmpfs pages warm)
@@ -27,6 +29,12 @@ _HUGE = 2 * MiB
 
 class PoolExhausted(MemoryError):
     """An allocation does not fit in the pool's memory limit."""
+
+
+def _describe(factory: Callable[..., Segment]) -> str:
+    """What a factory's segments are, for messages: "shared-memory", "CUDA", ..."""
+    kind = getattr(factory, "kind", "")
+    return {"posix": "shared-memory ", "cuda": "CUDA "}.get(kind, "")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -62,16 +70,19 @@ class Block:
     size: int  # what is reserved (aligned)
     _seg: _Seg | None = None
     refs: int = 1  # versions sharing this block (the broker's count; the pool ignores it)
+    device: str = "cpu"  # the pool's device: "cpu" or "cuda:GPU-<uuid>"
 
 
 class Pool:
-    """Places tensors in broker-owned POSIX shared memory.  Not thread-safe:
-    the broker calls it from its event loop only."""
+    """Places tensors in broker-owned segments of one device (POSIX shared
+    memory by default).  Not thread-safe: the broker calls it from its event
+    loop only."""
 
     def __init__(self, prefix: str, *, max_memory: int, segment_size: int = 256 * MiB,
                  warm_bytes: int | None = None, align: int = 256, mode: int = 0o600,
                  gid: int | None = None, prefault: bool = True,
-                 segment_factory: Callable[..., Segment] = PosixSegment) -> None:
+                 segment_factory: Callable[..., Segment] = PosixSegment,
+                 device: str = "cpu") -> None:
         if segment_size <= 0 or segment_size % _PAGE:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
@@ -82,6 +93,7 @@ class Pool:
         self.align = align
         self._mode, self._gid, self._prefault = mode, gid, prefault
         self._factory = segment_factory
+        self.device = device
         self._segs: dict[str, _Seg] = {}
         self._seq = itertools.count()
         self.reserved = 0  # bytes in all segments
@@ -138,7 +150,7 @@ class Pool:
         best.free_off, best.free_len = [], []
         best.used = best.size
         self.used += best.size
-        return Block(best.name, 0, nbytes, best.size, best)
+        return Block(best.name, 0, nbytes, best.size, best, device=self.device)
 
     def _take(self, s: _Seg, nbytes: int, size: int) -> Block | None:
         for i, length in enumerate(s.free_len):  # first fit keeps low offsets busy
@@ -151,7 +163,7 @@ class Pool:
                     s.free_len[i] -= size
                 s.used += size
                 self.used += size
-                return Block(s.name, off, nbytes, size, s)
+                return Block(s.name, off, nbytes, size, s, device=self.device)
         return None
 
     def _new_segment(self, size: int, *, dedicated: bool) -> _Seg:
@@ -170,7 +182,9 @@ class Pool:
             seg = self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
                                 prefault=self._prefault)
         except OSError as exc:
-            raise PoolExhausted(f"could not create a {size} byte segment in /dev/shm: {exc}") from exc
+            raise PoolExhausted(
+                f"could not create a {size} byte {_describe(self._factory)}segment: {exc}"
+            ) from exc
         s = _Seg(seg, dedicated, seq=next(self._seq))
         if not dedicated:
             s.free_off, s.free_len = [0], [size]
