@@ -40,6 +40,7 @@ from .._wire import (
 )
 from ..shm import PosixMapping, UnsupportedDType, byte_view, dtype_from_name
 from ..shm._pool import Block, Pool, PoolExhausted
+from ._cuda import CudaMemory
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -126,8 +127,10 @@ def c_strides(shape: tuple[int, ...]) -> list[int]:
 
 class Broker:
     def __init__(self, pool: Pool, *, session_ttl: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
+                 clock: Callable[[], float] = time.monotonic, proc: str = "/proc",
+                 cuda: CudaMemory | None = None) -> None:
         self.pool = pool
+        self.cuda = cuda if cuda is not None else CudaMemory()  # GPUs: nothing until first used
         self.session_ttl = session_ttl
         self.clock = clock
         self.proc = proc
@@ -146,6 +149,7 @@ class Broker:
         # for "newer than N" never mistakes a re-created name for an old one.
         self._last_version: dict[str, int] = {}
         self.counters: dict[str, int] = {}
+        self.cuda.count = self._count
 
     # -- helpers -----------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -184,6 +188,8 @@ class Broker:
         )
 
     def handle(self, v: Version, lease: int | None = None) -> Handle:
+        if v.block.device != "cpu":
+            return self.cuda.handle(v, lease, c_strides(v.shape))
         return Handle(name=v.name, version=v.number, kind="posix", segment=v.block.segment,
                       offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
                       strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state,
@@ -193,7 +199,7 @@ class Broker:
         readers = e.readers
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
-                          nbytes=v.nbytes, device="cpu", state=v.state, readers=readers,
+                          nbytes=v.nbytes, device=v.block.device, state=v.state, readers=readers,
                           expires_in=expires)
 
     def _maybe_free(self, v: Version) -> None:
@@ -202,7 +208,7 @@ class Broker:
             self.versions_live -= 1
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
-                self.pool.free(block)
+                (self.pool if block.device == "cpu" else self.cuda).free(block)
                 self.bytes_in_use -= block.nbytes
 
     def _retire(self, v: Version) -> None:
@@ -242,6 +248,7 @@ class Broker:
             self._release_one(lid)
         for v in list(s.writing):
             self.abandon(v)
+        self.cuda.end_session(self, s)
         self._count("sessions_ended")
         return True
 
@@ -287,9 +294,7 @@ class Broker:
     # -- writing -----------------------------------------------------------
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
         if req.device not in ("cpu", "cpu:0"):
-            raise InvalidRequest(
-                f"device {req.device!r} is not served by this broker; it serves 'cpu'"
-            )
+            self.cuda.check_device(req.device)
         try:
             dt = dtype_from_name(req.dtype)
         except UnsupportedDType as exc:
@@ -306,11 +311,14 @@ class Broker:
             )
         return shape, dt.name, dt.itemsize, nbytes
 
-    def alloc(self, sid: str | None, req: AllocRequest) -> Version:
+    def alloc(self, sid: str | None, req: AllocRequest, block: Block | None = None) -> Version:
+        """A new version in the writing state; ``block``: place it there (share)."""
         s = self._session(sid)
         shape, dtype, itemsize, nbytes = self._check_alloc(req)
         try:
-            block = self.pool.alloc(nbytes)
+            if block is None:
+                block = (self.pool.alloc(nbytes) if req.device in ("cpu", "cpu:0")
+                         else self.cuda.alloc(s, req, nbytes))
         except PoolExhausted as exc:
             raise OutOfMemory(
                 f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
@@ -432,6 +440,7 @@ class Broker:
         v.readers += 1
         if v.entry is not None:
             v.entry.readers += 1
+        self.cuda.on_lease(lid, v, s)
         self._count("gets")
         return lid
 
@@ -496,6 +505,7 @@ class Broker:
         v.readers -= 1
         if v.entry is not None:
             v.entry.readers -= 1
+        self.cuda.on_release(lease)
         self._maybe_free(v)
         self._count("releases")
 
@@ -528,7 +538,8 @@ class Broker:
                     max_memory=self.pool.max_memory,
                     tensors=sum(1 for e in self.entries.values() if e.ready is not None),
                     versions=self.versions_live, leases=len(self.leases),
-                    sessions=len(self.sessions), segments=self.pool.segments)
+                    sessions=len(self.sessions), segments=self.pool.segments,
+                    devices=self.cuda.stat())
 
     # -- shutdown ------------------------------------------------------------
     def begin_shutdown(self) -> None:
@@ -541,5 +552,6 @@ class Broker:
     def close(self) -> None:
         self.closing = True
         self._maps.clear()
+        self.cuda.close()
         self.pool.close()
         log.info("unlinked all shared memory (pid %d)", os.getpid())

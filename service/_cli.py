@@ -24,10 +24,11 @@ def _serve(args: argparse.Namespace) -> int:
                                  if k in Settings.model_fields and v is not None}
     try:
         settings = Settings(**overrides)
-        for field in ("max_memory", "warm_memory"):
+        for field in ("max_memory", "warm_memory", "cuda_memory"):
             if getattr(settings, field) != "auto":
                 parse_size(getattr(settings, field))
         parse_size(settings.segment_size)
+        parse_size(settings.cuda_segment_size)
         parse_size(settings.prealloc)
     except ValueError as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
@@ -89,8 +90,13 @@ def _stat(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st.model_dump(), indent=2))
     else:
-        for key, value in st.model_dump().items():
+        for key, value in st.model_dump(exclude={"devices"}).items():
             print(f"{key:15} {value}")
+        for dev in st.devices:
+            ctx = "unknown" if dev.context_bytes is None else dev.context_bytes
+            print(f"{dev.device}: in use {dev.bytes_in_use}, reserved {dev.bytes_reserved}, "
+                  f"pending {dev.bytes_pending}, shared {dev.bytes_shared}, max {dev.max_memory}, "
+                  f"context {ctx}")
     return 0
 
 
@@ -107,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--segment-size", help="pooled segment size (default 256MiB)")
     s.add_argument("--warm-memory", help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
     s.add_argument("--prealloc", help="pool memory created at start (default 256MiB)")
+    s.add_argument("--cuda-memory", help="device memory the broker may hold on each GPU, e.g. 16GiB "
+                                         "(default: half of each GPU's memory); nothing is allocated "
+                                         "on a GPU until a tensor is placed there")
+    s.add_argument("--cuda-segment-size", help="pooled CUDA block size (default 256MiB)")
     s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first --listen)")
     s.add_argument("--shm-group", help="group allowed to map segments (mode 0660); default: owner only")
     s.add_argument("--token", help="bearer token required on TCP listeners")

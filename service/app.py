@@ -19,9 +19,10 @@ from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._broker import Broker
+from ._cuda import CudaMemory
 from ._deps import PiggybackedReleases, TokenAuth, error_response
 from .config import Settings, get_settings, parse_size
-from .routers import batch, sessions, system, tensors
+from .routers import batch, cuda, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -58,7 +59,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         mode = 0o600 if cfg.gid() is None else 0o660
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=mode, gid=cfg.gid())
-        broker = Broker(pool, session_ttl=cfg.session_ttl)
+        gpus = CudaMemory(prefix + "cuda-", max_memory=cfg.cuda_memory_bytes(),
+                          segment_size=parse_size(cfg.cuda_segment_size))  # nothing on a GPU until used
+        broker = Broker(pool, session_ttl=cfg.session_ttl, cuda=gpus)
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
         # server.run() never runs: cleanup lives here, in the lifespan.
@@ -103,7 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    for module in (tensors, batch, sessions, system):  # hot routes first: matching is linear
+    for module in (tensors, batch, sessions, system, cuda):  # hot routes first: matching is linear
         app.include_router(module.router, responses=ERROR_RESPONSES)
     return app
 

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     segment_size: str = Field("256MiB", description="size of each pooled segment")
     warm_memory: str = Field("auto", description="free memory kept warm for reuse; auto: 2GiB or max-memory")
     prealloc: str = Field("256MiB", description="pool memory to create and pre-fault at start")
+    cuda_memory: str = Field("auto", description="device memory the broker may hold on each GPU; "
+                             "auto: half of the GPU's memory")
+    cuda_segment_size: str = Field("256MiB", description="size of each pooled CUDA block")
     shm_prefix: str = Field("", description="segment name prefix; default derived from the first --listen")
     shm_group: str = Field("", description="group that may map segments (mode 0640/0660); default none (0600)")
     token: str = Field("", description="bearer token required on TCP listeners")
@@ -68,6 +71,10 @@ class Settings(BaseSettings):
         if self.warm_memory == "auto":
             return min(2 << 30, self.max_memory_bytes())
         return parse_size(self.warm_memory)
+
+    def cuda_memory_bytes(self) -> int | None:
+        """The per-GPU limit; None (auto) is half of each GPU's memory, known once it is used."""
+        return None if self.cuda_memory == "auto" else parse_size(self.cuda_memory)
 
     def prefix(self) -> str:
         if self.shm_prefix:
