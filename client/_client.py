@@ -20,6 +20,7 @@ from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
 from ..shm import PosixMapping, UnsupportedDType, dtype_from_name, dtype_from_numpy, import_dlpack
 from ..shm._copy import copy_into, copy_many
 from ..shm._posix import array_at
+from . import _cuda_ops
 from ._tensor import SharedTensor, _Lease
 from ._transport import Transport
 
@@ -283,8 +284,11 @@ class Client:
             for key, m in list(self._maps.items()):
                 if not m.exists():
                     del self._maps[key]
+        _cuda_ops.prune(self)
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
+        if h.kind == "cuda":
+            return _cuda_ops.tensor(self, h, writable=writable)
         try:
             m = self._mapping(h.segment, writable)
         except DepotError:
@@ -301,13 +305,17 @@ class Client:
         return SharedTensor(self, h, m, lease, writable=writable)
 
     # -- writing -----------------------------------------------------------
-    def put(self, name: str, x: Any, *, ttl: float | None = None) -> int:
+    def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         ``x`` may be a numpy array, any ``__dlpack__`` object (torch, jax,
-        cupy host arrays), or anything numpy can turn into an array.
+        cupy, on the CPU or a GPU), or anything numpy can turn into an array.
         Non-contiguous input is stored contiguous.  The tensor outlives this
-        process; ``ttl`` deletes it that many seconds after publishing."""
+        process; ``ttl`` deletes it that many seconds after publishing.
+        ``device`` ("cpu", "cuda", "cuda:N", "cuda:GPU-<uuid>") is where the
+        copy goes; by default the input's own device."""
+        if _cuda_ops.involves_gpu(x, device):
+            return _cuda_ops.put(self, name, x, device=device, ttl=ttl)
         if isinstance(x, SharedTensor) and x._lease_id() is not None and x._client() is self:
             # Already in broker memory: the new version shares the bytes.
             body = {"name": name, "lease": x._lease_id(), "ttl": ttl}
@@ -362,11 +370,27 @@ class Client:
         """A writable tensor in broker memory: fill it in place, then ``publish()``.
         No copy is ever made.  Unpublished tensors are reclaimed if this process dies."""
         dt = _dtype_name(dtype)
-        h = self._alloc(name, shape, dt, ttl, device)
+        h = self._alloc(name, shape, dt, ttl, _cuda_ops.wire_device(device))
         return self._tensor(h, writable=True)
 
-    def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None) -> dict[str, int]:
-        """Put a whole state dict: one round trip to allocate, one to publish."""
+    def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
+              wait_on_close: float = 30.0) -> int:
+        """Publish a GPU tensor's own memory as the next version of ``name``, without a copy.
+
+        The name is withdrawn when this Client's session ends, and CUDA keeps
+        no promise to readers once this process frees the memory or exits:
+        readers get ``TensorBroken`` then.  ``close()`` waits up to
+        ``wait_on_close`` seconds for readers to release it.  ``stream``: the
+        stream the tensor was written on, if not the framework's current one.
+        ``put`` (a copy the broker owns) is the safer default."""
+        return _cuda_ops.share(self, name, tensor, ttl=ttl, stream=stream, wait_on_close=wait_on_close)
+
+    def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None,
+                 device: Any = None) -> dict[str, int]:
+        """Put a whole state dict: one round trip to allocate, one to publish.
+        GPU tensors stay on their GPU unless ``device`` says otherwise."""
+        if any(_cuda_ops.involves_gpu(x, device) for x in tensors.values()):
+            return _cuda_ops.put_many(self, tensors, device=device, ttl=ttl)
         sources = {name: _Source(x) for name, x in tensors.items()}
         try:
             items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
@@ -448,6 +472,10 @@ class Client:
         closing never pulls memory out from under a live tensor."""
         if self._closed or self._closing:
             return
+        try:
+            _cuda_ops.before_close(self)  # readers of this client's share()s release first
+        except DepotError:
+            pass
         self._closing = True
         with self._maps_lock:
             self._maps.clear()
