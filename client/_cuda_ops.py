@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tensordepot.client")
 _CUDA_KINDS = (kDLCUDA, kDLCUDAManaged)
+_PRUNE_AT_LEAST = 60.0  # s: a busy client still drops what the broker has freed this often
 
 
 @dataclass
@@ -60,6 +61,8 @@ class _State:
     opened: set[str] = field(default_factory=set)  # blocks this client opened
     shared: dict[str, list[Any]] = field(default_factory=dict)  # allocation -> tensors kept alive
     wait_on_close: float = 0.0
+    seen_requests: int = -1  # the Client's request count at the last background prune
+    last_prune: float = field(default_factory=time.monotonic)
 
 
 _states: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
@@ -515,6 +518,16 @@ def prune(client: Client, *, foreground: bool = False) -> None:
     st = _states.get(client)
     if st is None or not (st.opened or st.shared):
         return
+    if not foreground:
+        # In the background, ask only once the client has been idle since the
+        # last tick (or a minute has passed): a burst of work (a state dict)
+        # never has a request of ours in the middle of it.
+        now, count = time.monotonic(), client.round_trips
+        busy = count != st.seen_requests
+        st.seen_requests = count
+        if busy and now - st.last_prune < _PRUNE_AT_LEAST:
+            return
+        st.last_prune = now
     from ..shm import _cuda
 
     names = sorted(st.opened | set(st.shared))
@@ -524,6 +537,8 @@ def prune(client: Client, *, foreground: bool = False) -> None:
     except DepotError as exc:
         log.debug("cannot ask the broker which CUDA blocks live: %s", exc)
         return
+    if not foreground:
+        st.seen_requests = client.round_trips  # our own request is no sign of work
     gone = set(names) - set(reply.live)
     _cuda.forget(gone & st.opened)
     st.opened -= gone
