@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from tensordepot.shm._base import Segment
@@ -62,7 +62,7 @@ def gpu() -> FakeGpu:
 
 
 @pytest.fixture
-def make_pool(gpu: FakeGpu) -> Callable[..., Pool]:
+def make_pool(gpu: FakeGpu) -> Iterator[Callable[..., Pool]]:
     pools: list[Pool] = []
 
     def make(**kw: object) -> Pool:
@@ -72,7 +72,7 @@ def make_pool(gpu: FakeGpu) -> Callable[..., Pool]:
         pools.append(pool)
         return pool
 
-    yield make  # type: ignore[misc]
+    yield make
     for pool in pools:
         pool.close()
     assert gpu.live == {}, "close() must free every block"
