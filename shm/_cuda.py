@@ -58,7 +58,6 @@ _ERROR_NOT_READY = 600  # cudaErrorNotReady
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 _EVENT_IPC = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _EVENT_LOCAL = 0x2  # cudaEventDisableTiming
-_STREAM_NON_BLOCKING = 0x1
 INSTALL_HINT = "pip install 'tensordepot[cuda12]' (or [cuda13], matching the CUDA driver)"
 
 
@@ -93,13 +92,6 @@ def unavailable() -> str | None:
     except Exception as exc:  # noqa: BLE001  # cupy reports driver trouble as various errors
         return f"cupy cannot reach a GPU: {exc}"
     return None
-
-
-def require() -> None:
-    """Raise CudaError unless this process can use CUDA."""
-    reason = unavailable()
-    if reason is not None:
-        raise CudaError(reason)
 
 
 @contextlib.contextmanager
@@ -399,10 +391,6 @@ def open_mapping(name: str, handle: bytes, *, ordinal: int, size: int) -> CudaMa
                 m = _open[name] = CudaMapping(name, handle, ordinal=ordinal, size=size)
             _mappings[name] = m
     return m
-
-
-def mapped_names() -> list[str]:
-    return list(_mappings)
 
 
 def forget(names: list[str] | set[str]) -> None:
