@@ -17,6 +17,7 @@ from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
 from ..shm._copy import copy_into, copy_many
 from ..shm._posix import SegmentFile, Window, array_at
+from . import _cuda_ops
 from ._background import Background
 from ._checks import (
     check_mapping,
@@ -188,8 +189,11 @@ class Client:
                 if not f.exists():
                     del self._files[key]
                     self._fill_maps.pop(key[0], None)
+        _cuda_ops.prune(self)
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
+        if h.kind == "cuda":
+            return _cuda_ops.tensor(self, h, writable=writable)
         try:
             f = self._file(h.segment, writable)
             # A reader's window is private (a stray write never reaches the
@@ -220,15 +224,19 @@ class Client:
         return secrets.token_hex(12)
 
     # -- writing -----------------------------------------------------------
-    def put(self, name: str, x: Any, *, ttl: float | None = None) -> int:
+    def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         ``x`` may be a numpy array, any ``__dlpack__`` object (torch, jax,
-        cupy host arrays), or a number or list of numbers.  Non-contiguous
-        input is stored contiguous.  The tensor outlives this process; ``ttl``
-        deletes it that many seconds after publishing."""
+        cupy, on the CPU or a GPU), or a number or list of numbers.
+        Non-contiguous input is stored contiguous.  The tensor outlives this
+        process; ``ttl`` deletes it that many seconds after publishing.
+        ``device`` ("cpu", "cuda", "cuda:N", "cuda:GPU-<uuid>") is where the
+        copy goes; by default the input's own device."""
         check_name(name)
         ttl = check_ttl(ttl)
+        if _cuda_ops.involves_gpu(x, device):
+            return _cuda_ops.put(self, name, x, device=device, ttl=ttl)
         if isinstance(x, SharedTensor) and x._client() is self and x.published:
             lease = x._lease_id()
             if lease is not None and x._lease_session == self._sid:
@@ -292,13 +300,32 @@ class Client:
         stay readable, and a write through them no longer reaches anyone else."""
         check_name(name)
         dims = check_shape(shape)
-        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl), device, hold=True)
+        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl), _cuda_ops.wire_device(device),
+                        hold=True)
         return self._tensor(h, writable=True)
 
-    def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None) -> dict[str, int]:
-        """Put a whole state dict: one round trip to allocate, one to publish."""
+    def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
+              wait_on_close: float = 30.0) -> int:
+        """Publish a GPU tensor's own memory as the next version of ``name``, without a copy.
+
+        The name is withdrawn when this Client's session ends, and CUDA keeps
+        no promise to readers once this process frees the memory or exits:
+        readers get ``TensorBroken`` then.  ``close()`` waits up to
+        ``wait_on_close`` seconds for readers to release it.  ``stream``: the
+        stream the tensor was written on, if not the framework's current one.
+        ``put`` (a copy the broker owns) is the safer default."""
+        check_name(name)
+        return _cuda_ops.share(self, name, tensor, ttl=check_ttl(ttl), stream=stream,
+                               wait_on_close=wait_on_close)
+
+    def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None,
+                 device: Any = None) -> dict[str, int]:
+        """Put a whole state dict: one round trip to allocate, one to publish.
+        GPU tensors stay on their GPU unless ``device`` says otherwise."""
         check_mapping(tensors)
         ttl = check_ttl(ttl)
+        if any(_cuda_ops.involves_gpu(x, device) for x in tensors.values()):
+            return _cuda_ops.put_many(self, tensors, device=device, ttl=ttl)
         sources: dict[str, Source] = {}
         try:
             for name, x in tensors.items():
@@ -463,6 +490,10 @@ class Client:
         closing never pulls memory out from under a live tensor."""
         if self._closed or self._closing:
             return
+        try:
+            _cuda_ops.before_close(self)  # readers of this client's share()s release first
+        except DepotError:
+            pass
         self._closing = True
         with self._lock:
             self._files.clear()

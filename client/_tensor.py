@@ -164,7 +164,9 @@ class SharedTensor:
             ) from exc
         # Published bytes never change: from now on a write through this
         # tensor's views stays in this process (README, Lifetime: M2).
-        self._window.make_private()
+        make_private = getattr(self._window, "make_private", None)  # CPU windows; not CUDA blocks
+        if make_private is not None:
+            make_private()
         self.published, self.writable = True, False
         return self
 

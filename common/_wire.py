@@ -5,9 +5,11 @@ for small tensors)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 # A tensor name: printable ASCII without spaces, up to 512 characters.
 # Dots and slashes are fine ("model.layers.0.weight", "run/1/w").
@@ -73,6 +75,54 @@ class AllocRequest(_Frozen):
                                           "keeps the memory theirs after publish, delete or supersede")
 
 
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+GPU_UUID = r"^(GPU|MIG)-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+
+
+def encode_ipc(raw: bytes) -> str:
+    """A CUDA IPC handle (64 opaque bytes) as it crosses HTTP: base64."""
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(raw)}")
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_ipc(text: str) -> bytes:
+    """The 64 bytes of a CUDA IPC handle from its base64 text."""
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise ValueError("a CUDA IPC handle is base64 text") from None
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, not {len(raw)}")
+    return raw
+
+
+def _valid_ipc(text: str) -> str:
+    decode_ipc(text)
+    return text
+
+
+IpcHandle = Annotated[str, AfterValidator(_valid_ipc),
+                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88, max_length=88)]
+GpuUuid = Annotated[str, Field(pattern=GPU_UUID, examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
+
+
+class CudaHandle(_Answer):
+    """What a process needs to open a CUDA tensor: the block's IPC handle and
+    the broker's interprocess events.  Offsets are in ``Handle.offset``."""
+
+    uuid: GpuUuid = Field(description="the GPU; each process maps it to its own ordinal")
+    ipc_handle: IpcHandle = Field(description="cudaIpcMemHandle_t of the whole block")
+    block_size: int = Field(ge=0, description="bytes in the block the handle maps")
+    event: int | None = Field(None, description="id of the write event: wait on it before reading")
+    event_handle: IpcHandle | None = None
+    release_event: int | None = Field(None, description="id of this lease's event: record it on "
+                                      "every stream that used the tensor, then release")
+    release_event_handle: IpcHandle | None = None
+    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with it)")
+    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc stat 22)")
+
+
 class Handle(_Answer):
     """Where a tensor version lives.  Metadata only."""
 
@@ -88,6 +138,7 @@ class Handle(_Answer):
     device: str
     state: Literal["writing", "ready"]
     lease: int | None = Field(None, description="release it when done (get, and alloc with hold)")
+    cuda: CudaHandle | None = Field(None, description="kind 'cuda' only")
 
 
 class PublishRequest(_Frozen):
@@ -124,6 +175,21 @@ class TensorInfo(_Answer):
     origin_version: int | None = Field(None, description="for a replica: its version at the origin")
 
 
+class DeviceStat(_Answer):
+    """One GPU's memory, as the broker holds it."""
+
+    device: str = Field(examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+    bytes_in_use: int = Field(description="bytes of broker blocks held by tensor versions")
+    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space included")
+    bytes_pending: int = Field(description="freed bytes waiting for readers' kernels to finish")
+    bytes_shared: int = Field(description="producer-owned bytes published with share()")
+    max_memory: int = Field(description="--cuda-memory for this GPU")
+    segments: int
+    events: int = Field(description="interprocess events the broker created on this GPU")
+    context_bytes: int | None = Field(description="device memory the broker's CUDA context took "
+                                      "(NVML, measured when it was created); None if unknown")
+
+
 class Stat(_Answer):
     """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
 
@@ -139,6 +205,31 @@ class Stat(_Answer):
     sessions: int
     segments: int
     waiting: int = Field(0, description="gets parked now, waiting for a publish")
+    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until first used)")
+
+
+class ShareRequest(_Frozen):
+    """Publish producer-owned CUDA memory (``Client.share``): no copy."""
+
+    name: Name
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
+    dtype: str = Field(max_length=40)
+    device: str = Field(max_length=64, examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+    ipc_handle: IpcHandle
+    offset: int = Field(ge=0, description="the tensor's byte offset in the allocation")
+    alloc_size: int = Field(gt=0, description="bytes in the allocation the handle maps")
+    ttl: float | None = Field(None, gt=0)
+
+
+class LiveRequest(_Frozen):
+    segments: list[Annotated[str, Field(max_length=256)]] = Field(max_length=MAX_BATCH)
+
+
+class LiveReply(_Answer):
+    live: list[str] = Field(description="those the broker still has (a block, or a shared allocation)")
+    busy: list[str] = Field(description="those some lease, or a reader's queued kernel, still uses")
+    orphaned: list[str] = Field(default_factory=list,
+                                description="shared allocations whose producer has died or closed")
 
 
 class BatchAlloc(_Frozen):

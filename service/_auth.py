@@ -313,6 +313,8 @@ ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/sessions", READ),
     Rule("POST", "/v1/sessions/{session}/heartbeat", READ, "the session's owner"),
     Rule("POST", "/v1/sessions/{session}/fork", READ, "the session's owner"),
+    Rule("POST", "/v1/cuda/share", WRITE, "the name within the prefix"),
+    Rule("POST", "/v1/cuda/live", READ, "which blocks exist; no names"),
     Rule("POST", "/v1/sessions/{session}/claim", READ, "the identity that forked it"),
     Rule("DELETE", "/v1/sessions/{session}", READ, "the session's owner, or admin"),
     Rule("GET", "/v1/tensors", READ, "lists only names within the prefix"),

@@ -53,6 +53,7 @@ from .._wire import (
 from ..shm import PosixMapping, UnsupportedDType, byte_view, dtype_from_name
 from ..shm._base import Segment
 from ..shm._pool import Block, Pool, PoolExhausted
+from ._cuda import CudaMemory
 from ._sessions import LOCAL, Caller, Session, Sessions
 
 log = logging.getLogger("tensordepot.broker")
@@ -162,9 +163,11 @@ def c_strides(shape: tuple[int, ...]) -> list[int]:
 
 class Broker:
     def __init__(self, pool: Pool, *, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic, proc: str = "/proc") -> None:
+                 clock: Callable[[], float] = time.monotonic, proc: str = "/proc",
+                 cuda: CudaMemory | None = None) -> None:
         self.limits = limits or Limits()
         self.pool = pool
+        self.cuda = cuda if cuda is not None else CudaMemory()  # GPUs: nothing until first used
         self.clock = clock
         lim = self.limits
         self.sessions = Sessions(session_ttl=lim.session_ttl, claim_window=lim.claim_window,
@@ -194,6 +197,7 @@ class Broker:
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
         self.peers: PeerHook | None = None  # set when --peer is given
+        self.cuda.count = self._count
 
     # -- helpers -----------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -219,6 +223,8 @@ class Broker:
         )
 
     def handle(self, v: Version, lease: int | None = None) -> Handle:
+        if v.block.device != "cpu":
+            return self.cuda.handle(v, lease, c_strides(v.shape))
         return Handle(name=v.name, version=v.number, kind="posix", segment=v.block.segment,
                       offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
                       strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state,
@@ -228,7 +234,7 @@ class Broker:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         r = v.replica
         return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
-                          nbytes=v.nbytes, device="cpu", state=v.state, readers=e.readers,
+                          nbytes=v.nbytes, device=v.block.device, state=v.state, readers=e.readers,
                           expires_in=expires, origin=r.origin if r else None,
                           origin_version=r.version if r else None)
 
@@ -239,7 +245,8 @@ class Broker:
             self._uncharge(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
-                self.pool.free(block)  # retires it instead if it is tainted
+                # A tainted block is retired instead of freed.
+                (self.pool if block.device == "cpu" else self.cuda).free(block)
                 self.bytes_in_use -= block.nbytes
 
     def _retire(self, v: Version) -> None:
@@ -362,6 +369,7 @@ class Broker:
         for fut in s.waits.values():
             if not fut.done():
                 fut.set_result(None)
+        self.cuda.end_session(self, s)
         self._count("sessions_ended")
         if not verified:
             self._count("sessions_lapsed")
@@ -440,9 +448,7 @@ class Broker:
     # -- writing -----------------------------------------------------------
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
         if req.device not in ("cpu", "cpu:0"):
-            raise InvalidRequest(
-                f"device {req.device!r} is not served by this broker; it serves 'cpu'"
-            )
+            self.cuda.check_device(req.device)
         try:
             dt = dtype_from_name(req.dtype)
         except UnsupportedDType as exc:
@@ -459,21 +465,25 @@ class Broker:
             )
         return shape, dt.name, dt.itemsize, nbytes
 
-    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest) -> tuple[Version, int | None]:
-        """A new version in the writing state, and the writer's hold if asked."""
+    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                    block: Block | None = None) -> tuple[Version, int | None]:
+        """A new version in the writing state, and the writer's hold if asked.
+        ``block``: place it there (a producer's shared CUDA memory)."""
         s = self._session(sid, caller)
         shape, dtype, itemsize, nbytes = self._check_alloc(req)
         self._charge(s, nbytes, req.name)
         try:
-            block = await self._block(nbytes)
+            if block is None:
+                block = (await self._block(nbytes) if req.device in ("cpu", "cpu:0")
+                         else self.cuda.alloc(s, req, nbytes))
         except PoolExhausted as exc:
             self._count("quota_refusals")
             raise OutOfMemory(
                 f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
                 f"or start the broker with a larger --max-memory"
             ) from None
-        if self.closing or self.sessions.get(s.id) is not s:
-            self.pool.free(block)  # never handed out: nobody maps it
+        if self.closing or self.sessions.get(s.id) is not s:  # it ended while a segment was made
+            (self.pool if block.device == "cpu" else self.cuda).free(block)  # nobody maps it yet
             self._session(sid, caller)  # raises the reason
         e = self._entry(req.name)
         v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
@@ -613,6 +623,7 @@ class Broker:
         v.readers += 1
         if v.entry is not None and not hold:
             v.entry.readers += 1
+        self.cuda.on_lease(lid, v, s)
         if count:
             self._count("gets")
             self._count("bytes_got", v.nbytes)
@@ -769,6 +780,7 @@ class Broker:
         v.readers -= 1
         if v.entry is not None and not lease.hold:
             v.entry.readers -= 1
+        self.cuda.on_release(lease)
         self._maybe_free(v)
         self._count("releases")
 
@@ -808,7 +820,8 @@ class Broker:
                     max_memory=self.pool.max_memory,
                     tensors=sum(1 for e in self.entries.values() if e.ready is not None),
                     versions=self.versions_live, leases=len(self.leases),
-                    sessions=len(self.sessions), segments=self.pool.segments, waiting=self.waiting)
+                    sessions=len(self.sessions), segments=self.pool.segments, waiting=self.waiting,
+                    devices=self.cuda.stat())
 
     # -- shutdown ------------------------------------------------------------
     def begin_shutdown(self) -> None:
@@ -828,6 +841,7 @@ class Broker:
             seg.unlink()
         self._fresh.clear()
         self._maps.clear()
+        self.cuda.close()
         self.pool.close()
         log.info("unlinked all shared memory (pid %d)", os.getpid())
 

@@ -48,9 +48,9 @@ def _check_sizes(settings: Any) -> int:
     from .config import parse_size
 
     for field in ("max_memory", "warm_memory", "segment_size", "prealloc", "max_memory_per_session",
-                  "max_memory_per_token"):
+                  "max_memory_per_token", "cuda_memory", "cuda_segment_size"):
         value = getattr(settings, field)
-        if value == "auto" and field in ("max_memory", "warm_memory"):
+        if value == "auto" and field in ("max_memory", "warm_memory", "cuda_memory"):
             continue
         try:
             parse_size(value)
@@ -211,9 +211,16 @@ def _stat(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(st)
         return 0
+    devices = st.pop("devices", [])
     for key, value in st.items():
         sized = "bytes" in key or "memory" in key
         print(f"{key:15} {format_size(value) if sized and not args.bytes else value}")
+    for dev in devices:
+        size = (lambda n: str(n)) if args.bytes else format_size
+        ctx = "unknown" if dev["context_bytes"] is None else size(dev["context_bytes"])
+        print(f"{dev['device']}: in use {size(dev['bytes_in_use'])}, reserved "
+              f"{size(dev['bytes_reserved'])}, pending {size(dev['bytes_pending'])}, shared "
+              f"{size(dev['bytes_shared'])}, max {size(dev['max_memory'])}, context {ctx}")
     return 0
 
 
@@ -314,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm-memory",
                    help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
     s.add_argument("--prealloc", help="pool memory created at start (default 256MiB)")
+    s.add_argument("--cuda-memory", help="device memory the broker may hold on each GPU, e.g. 16GiB "
+                                         "(default: half of each GPU's memory); nothing is allocated "
+                                         "on a GPU until a tensor is placed there")
+    s.add_argument("--cuda-segment-size", help="pooled CUDA block size (default 256MiB)")
     s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first --listen)")
     s.add_argument("--shm-group", metavar="GROUP",
                    help="group of the socket (0660) and the segments (0640: the group maps them "

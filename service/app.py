@@ -20,10 +20,11 @@ from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
 from ._auth import AuthMiddleware, AuthPolicy, check_routes, load_policy
 from ._broker import Broker
+from ._cuda import CudaMemory
 from ._deps import Guard, MarkServer, error_response
 from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
-from .routers import batch, sessions, system, tensors
+from .routers import batch, cuda, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -67,7 +68,9 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
                         "read, overwrite and delete every tensor")
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
-        broker = Broker(pool, limits=cfg.limits())
+        gpus = CudaMemory(prefix + "cuda-", max_memory=cfg.cuda_memory_bytes(),
+                          segment_size=parse_size(cfg.cuda_segment_size))  # nothing on a GPU until used
+        broker = Broker(pool, limits=cfg.limits(), cuda=gpus)
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
         # server.run() never runs: cleanup lives here, in the lifespan.
@@ -126,7 +129,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    modules = (tensors, batch, sessions, system)
+    modules = (tensors, batch, sessions, system, cuda)
     for module in modules:
         app.include_router(module.router, responses=ERROR_RESPONSES)
     # Included routers are wrapped in app.routes; their own lists hold the routes.

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     segment_size: str = Field("256MiB", description="size of each pooled segment")
     warm_memory: str = Field("auto", description="free memory kept warm for reuse; auto: 2GiB or max-memory")
     prealloc: str = Field("256MiB", description="pool memory to create and pre-fault at start")
+    cuda_memory: str = Field("auto", description="device memory the broker may hold on each GPU; "
+                             "auto: half of the GPU's memory")
+    cuda_segment_size: str = Field("256MiB", description="size of each pooled CUDA block")
     shm_prefix: str = Field("", description="segment name prefix; default derived from the first --listen")
     shm_group: str = Field("", description="group of the socket (0660) and segments (0640, or "
                                             "0660 with --allow-uid/--allow-gid); default none (0600)")
@@ -106,6 +109,9 @@ class Settings(BaseSettings):
                       max_sessions=self.max_sessions, max_sessions_per_peer=self.max_sessions_per_peer,
                       max_memory_per_session=parse_size(self.max_memory_per_session),
                       max_memory_per_identity=parse_size(self.max_memory_per_token))
+    def cuda_memory_bytes(self) -> int | None:
+        """The per-GPU limit; None (auto) is half of each GPU's memory, known once it is used."""
+        return None if self.cuda_memory == "auto" else parse_size(self.cuda_memory)
 
     def prefix(self) -> str:
         if self.shm_prefix:

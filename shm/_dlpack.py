@@ -17,9 +17,17 @@ The private view holds a reference to ``owner``; numpy's deleter drops it, so
 the mapping (and the lease) stay alive exactly as long as the consumer's
 tensor does, and a capsule a consumer rejects is freed by its destructor.
 
+CUDA.  The same capsule, with its device patched to ``(kDLCUDA, ordinal)``,
+describes device memory: numpy only records the address and never reads
+the bytes when it exports, so a private view at a device address is safe
+as long as nothing reads it through numpy.  ``parse_stream`` validates the
+``stream`` argument of a CUDA producer's ``__dlpack__``.
+
 Consuming.  ``import_dlpack`` reads any ``__dlpack__`` producer (torch, jax,
 cupy host arrays, numpy) into a numpy view of the same bytes, without numpy
 having to know the dtype, and calls the producer's deleter when done.
+``borrow_dlpack`` reads the same fields from a producer on any device
+(a CUDA tensor to copy from) without building a view.
 """
 
 from __future__ import annotations
@@ -37,6 +45,17 @@ if TYPE_CHECKING:
 kDLCPU = 1
 kDLCUDA = 2
 kDLCUDAHost = 3
+kDLCUDAManaged = 13
+
+# The array API's stream values for CUDA producers (__dlpack__(stream=...)):
+# None and 1 name the legacy default stream, 2 the per-thread default stream,
+# -1 asks for no synchronisation, 0 is ambiguous and not allowed, and any
+# other positive integer is a cudaStream_t.  cudaStreamLegacy and
+# cudaStreamPerThread are the handles 0x1 and 0x2, so the values pass
+# straight to the CUDA runtime.
+STREAM_LEGACY = 1
+STREAM_PER_THREAD = 2
+NO_SYNC = -1
 
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
@@ -106,15 +125,19 @@ def _numpy_carrier(dtype: DType) -> str:
 
 def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: DType,
                    owner: Any, *, read_only: bool, max_version: tuple[int, int] | None,
-                   copy: bool = False) -> Any:
+                   copy: bool = False, device: tuple[int, int] = (kDLCPU, 0)) -> Any:
     """A DLPack capsule for memory at ``address`` (strides in elements).
 
     A legacy ``dltensor`` capsule when ``max_version`` is None or older than
     1.0, a versioned one otherwise.  ``copy=True`` exports an independent copy
-    flagged IS_COPIED.  ``owner`` is kept alive until the consumer's deleter runs.
+    flagged IS_COPIED (host memory only: numpy would read device memory).
+    ``device`` is the DLPack device the address belongs to.  ``owner`` is
+    kept alive until the consumer's deleter runs.
     """
     import numpy as np
 
+    if copy and device[0] != kDLCPU:
+        raise ValueError("export_capsule copies host memory only")
     carrier = np.dtype(_numpy_carrier(dtype))
     byte_strides = tuple(s * dtype.itemsize for s in strides)
     arr = array_at(address, shape, byte_strides, carrier, writable=True, owner=owner)
@@ -122,40 +145,59 @@ def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...
         arr = np.array(arr, copy=True)
     versioned = max_version is not None and max_version[0] >= 1
     cap = arr.__dlpack__(max_version=VERSION if versioned else None)
-    if versioned:
+    flags = (FLAG_READ_ONLY if read_only and not copy else 0) | (FLAG_IS_COPIED if copy else 0)
+    patch_capsule(cap, dtype, device, flags)
+    return cap
+
+
+def patch_capsule(cap: Any, dtype: DType, device: tuple[int, int], flags: int) -> None:
+    """Set an unconsumed capsule's dtype triple and device, and (versioned
+    capsules) its version and READ_ONLY / IS_COPIED flags."""
+    if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
         mt = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
         mt.version.major, mt.version.minor = VERSION
-        flags = mt.flags & ~FLAG_READ_ONLY
-        if read_only and not copy:
-            flags |= FLAG_READ_ONLY
-        if copy:
-            flags |= FLAG_IS_COPIED
-        mt.flags = flags
+        mt.flags = (mt.flags & ~(FLAG_READ_ONLY | FLAG_IS_COPIED)) | flags
         t = mt.dl_tensor
     else:
         t = DLManagedTensor.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor")).dl_tensor
     t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype.code, dtype.bits, dtype.lanes
-    return cap
+    t.device.device_type, t.device.device_id = device
 
 
-class Imported:
-    """A producer's tensor read through DLPack: a numpy view of its bytes.
+def parse_stream(stream: object) -> int | None:
+    """The CUDA stream a consumer named in ``__dlpack__(stream=...)``.
 
-    ``array`` has a numpy dtype of the same item size (bfloat16 reads as
-    uint16); ``dtype`` is the real type.  Call ``close()`` when done: it
-    returns the tensor to its producer by calling the DLPack deleter.
-    """
+    Returns the ``cudaStream_t`` to make wait (None and 1: the legacy default
+    stream, 2: the per-thread default stream, a pointer: that stream) or
+    None for -1 (the consumer synchronises itself).  Anything else is a
+    TypeError (not an int) or ValueError that says what the array API allows."""
+    if stream is None:
+        return STREAM_LEGACY
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(
+            f"stream={stream!r}: a CUDA stream is an int (a cudaStream_t such as "
+            f"torch.cuda.current_stream().cuda_stream or cupy's stream.ptr), 1 or None for the "
+            f"legacy default stream, 2 for the per-thread default stream, or -1 for none"
+        )
+    if stream == NO_SYNC:
+        return None
+    if stream == 0:
+        raise ValueError("stream=0 is ambiguous for CUDA (the array API forbids it); pass 1 for the "
+                         "legacy default stream or 2 for the per-thread default stream")
+    if stream < 0 or stream >= 1 << 64:
+        raise ValueError(f"stream={stream}: not a cudaStream_t (use a pointer, 1, 2, None or -1)")
+    return stream
 
-    def __init__(self, array: Any, dtype: DType, device: tuple[int, int],
-                 release: Callable[[], None]) -> None:
-        self.array = array
-        self.dtype = dtype
-        self.device = device
+
+class _Lent:
+    """A producer's tensor held until ``close()`` hands it back (calls its
+    DLPack deleter, once)."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
         self._release: Callable[[], None] | None = release
 
     def close(self) -> None:
         release, self._release = self._release, None
-        self.array = None
         if release is not None:
             release()
 
@@ -166,9 +208,118 @@ class Imported:
         self.close()
 
 
+class Imported(_Lent):
+    """A producer's tensor read through DLPack: a numpy view of its bytes.
+
+    ``array`` has a numpy dtype of the same item size (bfloat16 reads as
+    uint16); ``dtype`` is the real type.  Call ``close()`` when done: it
+    returns the tensor to its producer by calling the DLPack deleter.
+    """
+
+    def __init__(self, array: Any, dtype: DType, device: tuple[int, int],
+                 release: Callable[[], None]) -> None:
+        super().__init__(release)
+        self.array = array
+        self.dtype = dtype
+        self.device = device
+
+    def close(self) -> None:
+        self.array = None
+        super().close()
+
+
 def _call_deleter(deleter: Any, ptr: int) -> None:
     if deleter:
         deleter(ptr)
+
+
+def _consume(cap: Any) -> tuple[Any, int, DLTensor]:
+    """Take ownership of an unconsumed capsule: (deleter, managed tensor pointer, DLTensor).
+
+    The caller must call the deleter exactly once (``_call_deleter``)."""
+    if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
+        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
+        mv = DLManagedTensorVersioned.from_address(ptr)
+        deleter, t = mv.deleter, mv.dl_tensor
+        if mv.version.major != 1:
+            # ABI we do not know: the spec says call the deleter and give up.
+            # Read the version first: the deleter frees the struct.
+            version = f"{mv.version.major}.{mv.version.minor}"
+            _api.PyCapsule_SetName(cap, _USED_VERSIONED)
+            _call_deleter(deleter, ptr)
+            raise BufferError(f"unsupported DLPack ABI version {version}; this reader takes 1.x")
+        _api.PyCapsule_SetName(cap, _USED_VERSIONED)
+        return deleter, ptr, t
+    if _api.PyCapsule_IsValid(cap, b"dltensor"):
+        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor")
+        ml = DLManagedTensor.from_address(ptr)
+        _api.PyCapsule_SetName(cap, _USED)
+        return ml.deleter, ptr, ml.dl_tensor
+    raise BufferError("__dlpack__ returned something that is not an unconsumed DLPack capsule")
+
+
+class Borrowed(_Lent):
+    """The fields of a producer's DLPack tensor, on any device, borrowed
+    until ``close()`` hands it back (calls the producer's deleter).
+
+    ``strides`` are in elements, None for C order."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+                 dtype: DType, device: tuple[int, int], release: Callable[[], None]) -> None:
+        super().__init__(release)
+        self.address, self.shape, self.strides = address, shape, strides
+        self.dtype, self.device = dtype, device
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def contiguous(self) -> bool:
+        """C-contiguous (sizes-1 dimensions may carry any stride)."""
+        if self.strides is None:
+            return True
+        want = 1
+        for d, s in zip(reversed(self.shape), reversed(self.strides)):
+            if d != 1 and s != want:
+                return False
+            want *= d
+        return True
+
+
+
+def _read(deleter: Any, ptr: int, t: DLTensor) -> Borrowed:
+    try:
+        dtype = dtype_from_dlpack(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+        ndim = t.ndim
+        shape = tuple(t.shape[i] for i in range(ndim))
+        strides = tuple(t.strides[i] for i in range(ndim)) if t.strides else None
+        address = (t.data or 0) + t.byte_offset
+        device = (t.device.device_type, t.device.device_id)
+    except BaseException:  # whatever went wrong, the producer gets its tensor back
+        _call_deleter(deleter, ptr)
+        raise
+    return Borrowed(address, shape, strides, dtype, device, lambda: _call_deleter(deleter, ptr))
+
+
+def borrow_dlpack(obj: Any, *, stream: int | None = None) -> Borrowed:
+    """Consume ``obj.__dlpack__(stream=stream)`` without viewing the bytes.
+
+    ``stream`` is passed only when given (a CUDA consumer's stream: the
+    producer orders its pending writes before it).  Producers that predate
+    DLPack 1.0 or the ``stream`` keyword are asked without them."""
+    kwargs: dict[str, Any] = {"max_version": VERSION}
+    if stream is not None:
+        kwargs["stream"] = stream
+    try:
+        cap = obj.__dlpack__(**kwargs)
+    except TypeError:
+        kwargs.pop("max_version")
+        cap = obj.__dlpack__(**kwargs)
+    return _read(*_consume(cap))
 
 
 def import_dlpack(obj: Any) -> Imported:
@@ -182,43 +333,12 @@ def import_dlpack(obj: Any) -> Imported:
             f"cannot read a tensor on DLPack device {dev} from the host; move it to the CPU "
             f"first (for example x.cpu() or cupy.asnumpy(x))"
         )
+    b = borrow_dlpack(obj)
     try:
-        cap = obj.__dlpack__(max_version=VERSION)
-    except TypeError:  # producers that predate DLPack 1.0 take no max_version
-        cap = obj.__dlpack__()
-    if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
-        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
-        mv = DLManagedTensorVersioned.from_address(ptr)
-        deleter, t = mv.deleter, mv.dl_tensor
-        if mv.version.major != 1:
-            # ABI we do not know: the spec says call the deleter and give up.
-            # Read the version first: the deleter frees the struct.
-            version = f"{mv.version.major}.{mv.version.minor}"
-            _api.PyCapsule_SetName(cap, _USED_VERSIONED)
-            _call_deleter(deleter, ptr)
-            raise BufferError(f"unsupported DLPack ABI version {version}; this reader takes 1.x")
-        _api.PyCapsule_SetName(cap, _USED_VERSIONED)
-    elif _api.PyCapsule_IsValid(cap, b"dltensor"):
-        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor")
-        ml = DLManagedTensor.from_address(ptr)
-        deleter, t = ml.deleter, ml.dl_tensor
-        _api.PyCapsule_SetName(cap, _USED)
-    else:
-        raise BufferError("__dlpack__ returned something that is not an unconsumed DLPack capsule")
-    # From here we own the managed tensor and must call its deleter exactly once.
-    try:
-        dtype = dtype_from_dlpack(t.dtype.code, t.dtype.bits, t.dtype.lanes)
-        ndim = t.ndim
-        shape = tuple(t.shape[i] for i in range(ndim))
-        if t.strides:
-            strides = tuple(t.strides[i] * dtype.itemsize for i in range(ndim))
-        else:
-            strides = None  # NULL strides mean C order
-        address = (t.data or 0) + t.byte_offset
-        arr = array_at(address, shape, strides, dtype.storage if dtype.numpy_name is None else dtype.numpy_name,
-                       writable=False, owner=None)
-    except BaseException:  # whatever went wrong, the producer gets its tensor back
-        _call_deleter(deleter, ptr)
+        byte_strides = None if b.strides is None else tuple(s * b.dtype.itemsize for s in b.strides)
+        carrier = b.dtype.storage if b.dtype.numpy_name is None else b.dtype.numpy_name
+        arr = array_at(b.address, b.shape, byte_strides, carrier, writable=False, owner=None)
+    except BaseException:
+        b.close()
         raise
-    return Imported(arr, dtype, (t.device.device_type, t.device.device_id),
-                    lambda: _call_deleter(deleter, ptr))
+    return Imported(arr, b.dtype, b.device, b.close)

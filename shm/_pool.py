@@ -1,5 +1,7 @@
-"""Pooled, pre-faulted shared memory: where the broker places tensors.
+"""Pooled, pre-faulted memory: where the broker places tensors.
 
+One pool per device: POSIX shared memory for the CPU, CUDA blocks for each
+GPU (``segment_factory`` makes the segments; the logic here is the same).
 Tensors are aligned ranges inside large *pool segments*; a tensor larger
 than ``dedicated_threshold`` gets a *dedicated* segment of its own.  Freed
 ranges and freed dedicated segments stay allocated (their tmpfs pages warm)
@@ -41,6 +43,12 @@ class PoolExhausted(MemoryError):
     """An allocation does not fit in the pool's memory limit."""
 
 
+def _describe(factory: Callable[..., Segment]) -> str:
+    """What a factory's segments are, for messages: "shared-memory", "CUDA", ..."""
+    kind = getattr(factory, "kind", "")
+    return {"posix": "shared-memory ", "cuda": "CUDA "}.get(kind, "")
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -77,17 +85,20 @@ class Block:
     refs: int = 1  # versions sharing this block (the broker's count; the pool ignores it)
     # A process the broker cannot vouch for may still map it: retire, never reuse.
     tainted: bool = False
+    device: str = "cpu"  # the pool's device: "cpu" or "cuda:GPU-<uuid>"
 
 
 class Pool:
-    """Places tensors in broker-owned POSIX shared memory.  Not thread-safe:
-    the broker calls it from its event loop only."""
+    """Places tensors in broker-owned segments of one device (POSIX shared
+    memory by default).  Not thread-safe: the broker calls it from its event
+    loop only."""
 
     def __init__(self, prefix: str, *, max_memory: int, segment_size: int = 256 * MiB,
                  warm_bytes: int | None = None, align: int = 256, mode: int = 0o600,
                  gid: int | None = None, prefault: bool = True,
                  segment_factory: Callable[..., Segment] = PosixSegment,
-                 unlinker: Callable[[Segment], None] | None = None) -> None:
+                 unlinker: Callable[[Segment], None] | None = None,
+                 device: str = "cpu") -> None:
         if segment_size <= 0 or segment_size % _PAGE:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
@@ -98,6 +109,7 @@ class Pool:
         self.align = align
         self._mode, self._gid, self._prefault = mode, gid, prefault
         self._factory = segment_factory
+        self.device = device
         self._segs: dict[str, _Seg] = {}
         self._seq = itertools.count()
         self.reserved = 0  # bytes in all segments
@@ -189,7 +201,9 @@ class Pool:
             return self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
                                  prefault=self._prefault)
         except OSError as exc:
-            raise PoolExhausted(f"could not create a {size} byte segment in /dev/shm: {exc}") from exc
+            raise PoolExhausted(
+                f"could not create a {size} byte {_describe(self._factory)}segment: {exc}"
+            ) from exc
 
     def add(self, seg: Segment, dedicated: bool) -> _Seg:
         """Hand a segment made by ``create`` (after ``reserve``) to the pool."""
@@ -236,7 +250,7 @@ class Pool:
         s.free_off, s.free_len = [], []
         s.used = s.size
         self.used += s.size
-        return Block(s.name, 0, nbytes, s.size, s)
+        return Block(s.name, 0, nbytes, s.size, s, device=self.device)
 
     def _take(self, s: _Seg, nbytes: int, size: int) -> Block | None:
         for i, length in enumerate(s.free_len):  # first fit keeps low offsets busy
@@ -249,7 +263,7 @@ class Pool:
                     s.free_len[i] -= size
                 s.used += size
                 self.used += size
-                return Block(s.name, off, nbytes, size, s)
+                return Block(s.name, off, nbytes, size, s, device=self.device)
         return None
 
     # -- freeing ---------------------------------------------------------

@@ -15,22 +15,33 @@ from typing import Any
 import pytest
 from _harness import TEST_PREFIX, BrokerProc, shm_entries
 
+REQUIRE_CUDA = "TENSORDEPOT_REQUIRE_CUDA"  # =1 on a GPU machine: a missing GPU fails the run
 
-def _cuda_available() -> bool:
+
+def _cuda_missing() -> str | None:
+    """Why ``@pytest.mark.cuda`` tests cannot run here, or None."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return "needs torch"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    from tensordepot.shm._cuda import unavailable
+
+    return unavailable()  # cupy, which the broker and the client use for CUDA
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``@pytest.mark.cuda`` tests run only where a CUDA GPU is present."""
+    """``@pytest.mark.cuda`` tests run only where a CUDA GPU and cupy are present."""
     marked = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if marked and not _cuda_available():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-        for item in marked:
-            item.add_marker(skip)
+    reason = _cuda_missing() if marked else None
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_CUDA) == "1":
+        raise pytest.UsageError(f"{REQUIRE_CUDA}=1 but the CUDA tests cannot run: {reason}")
+    skip = pytest.mark.skip(reason=reason)
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.fixture

@@ -220,6 +220,17 @@ def test_gpu_variant_reserves_nvidia_gpus_and_installs_cuda12() -> None:
     assert 'ARG EXTRAS=""' in (DOCKER / "Dockerfile").read_text()
 
 
+def test_gpu_workers_share_the_brokers_pid_and_ipc_in_the_gpu_file_itself() -> None:
+    """CUDA IPC needs them: the GPU file says so itself, not only through compose.yaml."""
+    gpu = load(DOCKER / "compose.gpu.yaml", {})["services"]
+    assert "broker" in gpu and len(gpu) > 1
+    for name, svc in gpu.items():
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d["driver"] == "nvidia" for d in devices), f"{name} does not reserve the GPUs"
+        if name != "broker":
+            assert (svc["ipc"], svc["pid"]) == ("service:broker", "service:broker"), name
+
+
 def test_dockerfile_installs_every_package_folder_and_runs_serve() -> None:
     steps = dockerfile()
     assert steps[0] == ("FROM", "python:3.11-slim")

@@ -1,0 +1,379 @@
+"""The broker's GPU bookkeeping, without a GPU: the real Broker and the real
+CudaMemory (pools, write and release events, deferred reuse, shares), with
+``FakeGpus`` standing in for the GPU.
+
+The fake has the interface of ``tensordepot.shm._cuda.Gpus``: it hands out
+blocks and events with random 64-byte handles and lets a test say whether an
+event has completed, the way a reader's kernel would.  Everything else is
+what runs on a GPU machine.  ``tests/e2e/test_cuda.py`` runs the same paths
+against a real GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from _harness import TEST_PREFIX, shm_entries
+from tensordepot import InvalidRequest, OutOfMemory, TensorNotFound
+from tensordepot._wire import (
+    AllocRequest,
+    Handle,
+    LiveRequest,
+    SessionOpen,
+    ShareRequest,
+    decode_ipc,
+    encode_ipc,
+)
+from tensordepot.service import Broker
+from tensordepot.service._cuda import CudaMemory
+from tensordepot.shm._device import DeviceMap
+from tensordepot.shm._pool import Pool
+
+MiB = 1 << 20
+U0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+U1 = "GPU-1b2c3d4e-aaaa-bbbb-cccc-000000000002"
+HIDDEN = "GPU-00000000-1111-2222-3333-444444444444"
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.handle = os.urandom(64)
+        self.done = True  # an event nobody recorded is complete
+        self.destroyed = False
+        gpu.events.append(self)
+
+    def query(self) -> bool | None:
+        assert not self.destroyed, "queried a destroyed event"
+        return self.done
+
+    def destroy(self) -> None:
+        assert not self.destroyed, "destroyed twice"
+        self.destroyed = True
+
+
+class FakeBlock:
+    kind = "cuda"
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self.ipc_handle = os.urandom(64)
+        self.freed = False
+
+    def unlink(self) -> None:
+        assert not self.freed, "freed twice"
+        self.freed = True
+
+
+class FakeGpu:
+    total_memory = 64 * MiB
+    context_bytes = 500 * MiB
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, FakeBlock] = {}
+        self.events: list[FakeEvent] = []
+
+    def block(self, name: str, size: int, **posix_options: Any) -> FakeBlock:
+        b = self.blocks[name] = FakeBlock(name, size)
+        return b
+
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeGpus:
+    def __init__(self, uuids: list[str], reason: str | None = None) -> None:
+        self.map = DeviceMap(uuids)
+        self.reason = reason
+        self.opened: dict[str, FakeGpu] = {}
+
+    def unavailable(self) -> str | None:
+        return self.reason
+
+    def devices(self) -> DeviceMap:
+        return self.map
+
+    def open(self, ordinal: int, uuid: str) -> FakeGpu:
+        assert uuid not in self.opened, "a GPU is opened once"
+        g = self.opened[uuid] = FakeGpu()
+        return g
+
+
+class Rig:
+    def __init__(self, broker: Broker, gpus: FakeGpus) -> None:
+        self.broker, self.gpus = broker, gpus
+        self.sid = self.session()
+
+    def session(self, pid: int | None = None) -> str:
+        pid = pid or os.getpid()
+        return self.broker.open_session(SessionOpen(pid=pid), peer_pid=pid).session
+
+    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+        req = AllocRequest(name=name, shape=[nbytes], dtype="uint8", device=device)
+        return self.broker.alloc(sid or self.sid, req)
+
+    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+        v = self.alloc(name, nbytes, device, sid)
+        return self.broker.publish(sid or self.sid, name, v.number)
+
+    async def get(self, name: str, sid: str | None = None) -> Handle:
+        v, lease = await self.broker.get(sid or self.sid, name, 0)
+        return self.broker.handle(v, lease)
+
+    def event(self, event_handle: str | None) -> FakeEvent:
+        assert event_handle is not None
+        raw = decode_ipc(event_handle)
+        return next(e for g in self.gpus.opened.values() for e in g.events if e.handle == raw)
+
+
+@pytest.fixture
+def rig() -> Iterator[Callable[..., Rig]]:
+    made: list[tuple[Broker, str]] = []
+
+    def make(uuids: list[str] | None = None, reason: str | None = None,
+             cuda_memory: int | None = 16 * MiB) -> Rig:
+        prefix = f"{TEST_PREFIX}cudamem-{secrets.token_hex(4)}-"
+        gpus = FakeGpus(uuids or [U0, U1], reason)
+        pool = Pool(prefix, max_memory=8 * MiB, segment_size=1 * MiB, prefault=False)
+        cuda = CudaMemory(prefix + "cuda-", max_memory=cuda_memory, segment_size=4 * MiB, gpus=gpus)
+        broker = Broker(pool, cuda=cuda)
+        made.append((broker, prefix))
+        return Rig(broker, gpus)
+
+    yield make
+    for broker, prefix in made:
+        broker.close()
+        assert shm_entries(prefix) == []
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro())  # type: ignore[arg-type]
+
+
+async def until(cond: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Let the event loop (and the event checker) run until ``cond()`` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, f"timed out waiting for {cond}"
+        await asyncio.sleep(0.001)
+
+
+def test_nothing_on_a_gpu_until_first_used(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    assert r.broker.stat().devices == [] and r.gpus.opened == {}
+    r.put("cpu-only", 100, device="cpu")
+    assert r.gpus.opened == {}, "a CPU tensor touches no GPU"
+    r.put("w", 1000)
+    assert list(r.gpus.opened) == [U0], "only the GPU that was asked for"
+    (dev,) = r.broker.stat().devices
+    assert dev.device == f"cuda:{U0}" and dev.context_bytes == 500 * MiB
+    assert dev.bytes_in_use == 1024 and dev.segments == 1 and dev.max_memory == 16 * MiB
+    assert r.broker.stat().bytes_in_use == 1100
+
+
+def test_a_cuda_handle_carries_the_block_and_the_events(rig: Callable[..., Rig]) -> None:
+    r = rig()
+
+    async def main() -> None:
+        v = r.put("w", 3000)
+        h = await r.get("w")
+        assert (h.kind, h.device, h.nbytes, h.version) == ("cuda", f"cuda:{U0}", 3000, v.number)
+        assert h.cuda is not None and h.cuda.uuid == U0
+        block = r.gpus.opened[U0].blocks[h.segment]
+        assert decode_ipc(h.cuda.ipc_handle) == block.ipc_handle
+        assert h.cuda.block_size == block.size and h.offset + h.nbytes <= block.size
+        assert r.event(h.cuda.event_handle) is not r.event(h.cuda.release_event_handle)
+        assert h.cuda.owner_pid is None, "a broker block has no producer to outlive"
+        again = Handle.model_validate_json(h.model_dump_json())
+        assert again == h
+        info = r.broker.list()[0]
+        assert info.device == f"cuda:{U0}"
+        r.broker.release(r.sid, [h.lease or 0])
+
+    run(main)
+
+
+@pytest.mark.parametrize("device,match", [
+    pytest.param("cuda:0", "name the GPU by UUID", id="ordinal"),
+    pytest.param("cuda", "name the GPU by UUID", id="plain-cuda"),
+    pytest.param(f"cuda:{HIDDEN}", "not visible", id="hidden-gpu"),
+    pytest.param("cuda:banana", "use 'cpu'", id="junk"),
+    pytest.param("tpu:0", "use 'cpu'", id="tpu"),
+])
+def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str, match: str) -> None:
+    r = rig()
+    with pytest.raises(InvalidRequest, match=match):
+        r.alloc("w", 10, device=device)
+    st = r.broker.stat()
+    assert (st.versions, st.bytes_in_use, st.tensors) == (0, 0, 0) and r.broker.entries == {}
+
+
+def test_a_broker_without_cuda_says_why(rig: Callable[..., Rig]) -> None:
+    r = rig(reason="cupy is not installed")
+    with pytest.raises(InvalidRequest, match="cannot hold GPU memory: cupy is not installed"):
+        r.alloc("w", 10)
+    r.put("cpu", 10, device="cpu")  # the CPU never notices
+    assert r.broker.stat().devices == []
+
+
+def test_the_per_gpu_limit_is_out_of_memory(rig: Callable[..., Rig]) -> None:
+    r = rig(cuda_memory=8 * MiB)
+    r.put("a", 3 * MiB)
+    r.put("b", 3 * MiB)
+    with pytest.raises(OutOfMemory, match="--cuda-memory"):
+        r.alloc("c", 3 * MiB)
+    r.put("c", 3 * MiB, device=f"cuda:{U1}")  # another GPU has its own limit
+    r.put("d", 3 * MiB, device="cpu")
+    assert {d.device for d in r.broker.stat().devices} == {f"cuda:{U0}", f"cuda:{U1}"}
+
+
+def test_auto_limit_is_half_the_gpu(rig: Callable[..., Rig]) -> None:
+    r = rig(cuda_memory=None)
+    r.put("w", 10)
+    assert r.broker.stat().devices[0].max_memory == FakeGpu.total_memory // 2
+
+
+def test_a_batch_shares_one_write_event(rig: Callable[..., Rig]) -> None:
+    r = rig()
+
+    async def main() -> None:
+        a, b = r.alloc("a", 100), r.alloc("b", 5 * MiB)  # one pass of the loop: one batch
+        other = r.session()
+        c = r.alloc("c", 100, sid=other)
+        await asyncio.sleep(0)
+        d = r.alloc("d", 100)
+        ev = [r.broker.handle(v).cuda.event for v in (a, b, c, d)]  # type: ignore[union-attr]
+        assert ev[0] == ev[1], "one event per batch"
+        assert len({ev[0], ev[2], ev[3]}) == 3, "not across sessions or loop passes"
+        r.broker.end_session(other)
+
+    run(main)
+
+
+def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> None:
+    r = rig()
+
+    async def main() -> None:
+        r.put("w", 4096)
+        h = await r.get("w")
+        assert h.cuda is not None
+        reading = r.event(h.cuda.release_event_handle)
+        r.put("w", 4096)  # v1 is retired; the reader still holds it
+        reading.done = False  # the reader's kernel is still queued when it releases
+        r.broker.release(r.sid, [h.lease or 0])
+        assert r.broker.counters.get("cuda_frees_deferred") == 1
+        (dev,) = r.broker.stat().devices
+        assert dev.bytes_pending == 4096
+        busy = r.alloc("x", 4096)
+        assert (busy.block.segment, busy.block.offset) != (h.segment, h.offset), \
+            "memory a queued kernel may read is not handed out"
+        await asyncio.sleep(0.05)
+        assert r.broker.stat().devices[0].bytes_pending == 4096, "still pending while the kernel runs"
+        reading.done = True
+        await until(lambda: r.broker.stat().devices[0].bytes_pending == 0)
+        made = len(r.gpus.opened[U0].events)
+        await asyncio.sleep(0)  # a new batch: it needs a write event
+        again = r.alloc("y", 4096)
+        assert (again.block.segment, again.block.offset) == (h.segment, h.offset), "reused once done"
+        assert len(r.gpus.opened[U0].events) == made, "the completed release event was reused"
+        h2 = await r.get("w")
+        r.broker.release(r.sid, [h2.lease or 0])
+        await until(lambda: not r.broker.cuda.pending())
+
+    run(main)
+
+
+def test_an_event_whose_reader_died_counts_as_complete(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reader = r.session(pid=proc.pid)
+
+        async def main() -> None:
+            r.put("w", 4096)
+            h = await r.get("w", sid=reader)
+            assert h.cuda is not None
+            ev = r.event(h.cuda.release_event_handle)
+            ev.done = False  # recorded before the reader died; it never completes
+            r.put("w", 4096)
+            proc.kill()
+            proc.wait()
+            assert r.broker.reap() == [reader]
+            await until(lambda: r.broker.stat().devices[0].bytes_pending == 0)
+            assert ev.destroyed, "an event a dead process recorded is never reused"
+
+        run(main)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def share_request(name: str, nbytes: int, handle: bytes, offset: int = 256,
+                  alloc_size: int = 2 * MiB) -> ShareRequest:
+    return ShareRequest(name=name, shape=[nbytes // 4], dtype="float32", device=f"cuda:{U0}",
+                        ipc_handle=encode_ipc(handle), offset=offset, alloc_size=alloc_size)
+
+
+def test_a_share_lives_with_its_producer(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    raw = os.urandom(64)
+
+    async def main() -> None:
+        producer = r.session()
+        v = r.broker.cuda.share(r.broker, producer, share_request("s", 4096, raw))
+        assert v.state == "ready" and r.broker.stat().bytes_in_use == 4096
+        h = await r.get("s")
+        assert h.cuda is not None and decode_ipc(h.cuda.ipc_handle) == raw
+        assert (h.offset, h.cuda.block_size, h.cuda.owner_pid) == (256, 2 * MiB, os.getpid())
+        assert h.cuda.event is None, "the producer's writes were done before it shared"
+        seg = h.segment
+        live = r.broker.cuda.live(r.broker, LiveRequest(segments=[seg, "nope"]))
+        assert (live.live, live.busy, live.orphaned) == ([seg], [seg], [])
+        assert r.gpus.opened[U0].blocks == {}, "a share allocates nothing"
+        r.broker.end_session(producer)
+        with pytest.raises(TensorNotFound):
+            await r.get("s")  # the name is withdrawn with its producer
+        live = r.broker.cuda.live(r.broker, LiveRequest(segments=[seg]))
+        assert live.orphaned == [seg], "a reader can tell its producer is gone"
+        r.broker.release(r.sid, [h.lease or 0])
+        await until(lambda: not r.broker.cuda.live(r.broker, LiveRequest(segments=[seg])).live)
+        st = r.broker.stat()
+        assert (st.bytes_in_use, st.versions, st.leases) == (0, 0, 0)
+
+    run(main)
+
+
+def test_a_share_must_fit_its_allocation(rig: Callable[..., Rig]) -> None:
+    r = rig()
+    with pytest.raises(InvalidRequest, match="does not fit"):
+        r.broker.cuda.share(r.broker, r.sid, share_request("s", 4096, os.urandom(64), offset=2 * MiB - 100))
+    with pytest.raises(InvalidRequest, match="name the GPU by UUID"):
+        r.broker.cuda.share(r.broker, r.sid, share_request("s", 4, os.urandom(64)).model_copy(
+            update={"device": "cuda:0"}))
+    assert r.broker.entries == {} and r.broker.stat().bytes_in_use == 0
+
+
+def test_close_frees_every_block_and_event(rig: Callable[..., Rig]) -> None:
+    r = rig()
+
+    async def main() -> None:
+        r.put("a", 100)
+        r.put("b", 5 * MiB)
+        h = await r.get("a")
+        assert h.cuda is not None
+        r.event(h.cuda.release_event_handle).done = False
+        r.put("a", 100)
+        r.broker.release(r.sid, [h.lease or 0])  # pending at close
+        r.broker.close()
+
+    run(main)
+    gpu = r.gpus.opened[U0]
+    assert gpu.blocks and all(b.freed for b in gpu.blocks.values())
+    assert gpu.events and all(e.destroyed for e in gpu.events)
