@@ -434,7 +434,7 @@ class CudaMemory:
             if share.session not in broker.sessions:
                 orphaned.add(block.segment)
             elif share.pid is not None:
-                ident = proc_stat(share.pid, broker.proc)
+                ident = proc_stat(share.pid, broker.sessions.proc)
                 if ident is None or ident[0] != share.start or ident[1] in ("Z", "X"):
                     orphaned.add(block.segment)
         return LiveReply(live=live, busy=busy, orphaned=sorted(orphaned))

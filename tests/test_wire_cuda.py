@@ -111,3 +111,9 @@ def test_stat_lists_gpus_and_reads_without_them() -> None:
     assert Stat.model_validate_json(st.model_dump_json()) == st
     assert Stat.model_validate(base).devices == [], "a CPU-only broker lists no GPU"
     assert LiveReply.model_validate({"live": [], "busy": []}).orphaned == []
+
+
+def test_cuda_handle_ignores_fields_a_newer_broker_adds() -> None:
+    """Answers parse leniently: a client keeps working with a newer broker."""
+    h = cuda_handle(surprise=1)
+    assert not hasattr(h, "surprise")

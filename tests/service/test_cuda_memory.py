@@ -16,8 +16,8 @@ import os
 import secrets
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 from _harness import TEST_PREFIX, shm_entries
@@ -26,17 +26,18 @@ from tensordepot._wire import (
     AllocRequest,
     Handle,
     LiveRequest,
-    SessionOpen,
     ShareRequest,
     decode_ipc,
     encode_ipc,
 )
 from tensordepot.service import Broker
 from tensordepot.service._cuda import CudaMemory
+from tensordepot.service._sessions import Caller
 from tensordepot.shm._device import DeviceMap
 from tensordepot.shm._pool import Pool
 
 MiB = 1 << 20
+T = TypeVar("T")
 U0 = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 U1 = "GPU-1b2c3d4e-aaaa-bbbb-cccc-000000000002"
 HIDDEN = "GPU-00000000-1111-2222-3333-444444444444"
@@ -105,26 +106,53 @@ class FakeGpus:
         return g
 
 
+def drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a broker coroutine from a test: with ``asyncio.run`` outside an event
+    loop; inside one (a test's ``main``), step it, since allocating on a GPU
+    never waits (only a CPU segment being made does)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise AssertionError("a GPU allocation waited inside a test's event loop")
+
+
 class Rig:
+    caller = Caller("uid:test", os.getpid())
+
     def __init__(self, broker: Broker, gpus: FakeGpus) -> None:
         self.broker, self.gpus = broker, gpus
         self.sid = self.session()
 
     def session(self, pid: int | None = None) -> str:
-        pid = pid or os.getpid()
-        return self.broker.open_session(SessionOpen(pid=pid), peer_pid=pid).session
+        return self.broker.open_session(Caller(self.caller.identity, pid or os.getpid())).session
 
     def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
         req = AllocRequest(name=name, shape=[nbytes], dtype="uint8", device=device)
-        return self.broker.alloc(sid or self.sid, req)
+        v, _ = drive(self.broker.alloc(sid or self.sid, self.caller, req))
+        return v
 
     def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
         v = self.alloc(name, nbytes, device, sid)
-        return self.broker.publish(sid or self.sid, name, v.number)
+        return self.broker.publish(sid or self.sid, self.caller, name, v.number)
 
     async def get(self, name: str, sid: str | None = None) -> Handle:
-        v, lease = await self.broker.get(sid or self.sid, name, 0)
+        v, lease = await self.broker.get(sid or self.sid, self.caller, name, 0)
         return self.broker.handle(v, lease)
+
+    def release(self, lease: int | None) -> None:
+        self.broker.release(self.sid, self.caller, [lease or 0])
+
+    def end(self, sid: str) -> None:
+        self.broker.close_session(sid, self.caller)
+
+    def share(self, sid: str, req: ShareRequest) -> Any:
+        return drive(self.broker.cuda.share(self.broker, sid, self.caller, req))
 
     def event(self, event_handle: str | None) -> FakeEvent:
         assert event_handle is not None
@@ -195,7 +223,7 @@ def test_a_cuda_handle_carries_the_block_and_the_events(rig: Callable[..., Rig])
         assert again == h
         info = r.broker.list()[0]
         assert info.device == f"cuda:{U0}"
-        r.broker.release(r.sid, [h.lease or 0])
+        r.release(h.lease)
 
     run(main)
 
@@ -252,7 +280,7 @@ def test_a_batch_shares_one_write_event(rig: Callable[..., Rig]) -> None:
         ev = [r.broker.handle(v).cuda.event for v in (a, b, c, d)]  # type: ignore[union-attr]
         assert ev[0] == ev[1], "one event per batch"
         assert len({ev[0], ev[2], ev[3]}) == 3, "not across sessions or loop passes"
-        r.broker.end_session(other)
+        r.end(other)
 
     run(main)
 
@@ -267,7 +295,7 @@ def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> N
         reading = r.event(h.cuda.release_event_handle)
         r.put("w", 4096)  # v1 is retired; the reader still holds it
         reading.done = False  # the reader's kernel is still queued when it releases
-        r.broker.release(r.sid, [h.lease or 0])
+        r.release(h.lease)
         assert r.broker.counters.get("cuda_frees_deferred") == 1
         (dev,) = r.broker.stat().devices
         assert dev.bytes_pending == 4096
@@ -284,7 +312,7 @@ def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> N
         assert (again.block.segment, again.block.offset) == (h.segment, h.offset), "reused once done"
         assert len(r.gpus.opened[U0].events) == made, "the completed release event was reused"
         h2 = await r.get("w")
-        r.broker.release(r.sid, [h2.lease or 0])
+        r.release(h2.lease)
         await until(lambda: not r.broker.cuda.pending())
 
     run(main)
@@ -327,7 +355,7 @@ def test_a_share_lives_with_its_producer(rig: Callable[..., Rig]) -> None:
 
     async def main() -> None:
         producer = r.session()
-        v = r.broker.cuda.share(r.broker, producer, share_request("s", 4096, raw))
+        v = r.share(producer, share_request("s", 4096, raw))
         assert v.state == "ready" and r.broker.stat().bytes_in_use == 4096
         h = await r.get("s")
         assert h.cuda is not None and decode_ipc(h.cuda.ipc_handle) == raw
@@ -337,12 +365,12 @@ def test_a_share_lives_with_its_producer(rig: Callable[..., Rig]) -> None:
         live = r.broker.cuda.live(r.broker, LiveRequest(segments=[seg, "nope"]))
         assert (live.live, live.busy, live.orphaned) == ([seg], [seg], [])
         assert r.gpus.opened[U0].blocks == {}, "a share allocates nothing"
-        r.broker.end_session(producer)
+        r.end(producer)
         with pytest.raises(TensorNotFound):
             await r.get("s")  # the name is withdrawn with its producer
         live = r.broker.cuda.live(r.broker, LiveRequest(segments=[seg]))
         assert live.orphaned == [seg], "a reader can tell its producer is gone"
-        r.broker.release(r.sid, [h.lease or 0])
+        r.release(h.lease)
         await until(lambda: not r.broker.cuda.live(r.broker, LiveRequest(segments=[seg])).live)
         st = r.broker.stat()
         assert (st.bytes_in_use, st.versions, st.leases) == (0, 0, 0)
@@ -353,9 +381,9 @@ def test_a_share_lives_with_its_producer(rig: Callable[..., Rig]) -> None:
 def test_a_share_must_fit_its_allocation(rig: Callable[..., Rig]) -> None:
     r = rig()
     with pytest.raises(InvalidRequest, match="does not fit"):
-        r.broker.cuda.share(r.broker, r.sid, share_request("s", 4096, os.urandom(64), offset=2 * MiB - 100))
+        r.share(r.sid, share_request("s", 4096, os.urandom(64), offset=2 * MiB - 100))
     with pytest.raises(InvalidRequest, match="name the GPU by UUID"):
-        r.broker.cuda.share(r.broker, r.sid, share_request("s", 4, os.urandom(64)).model_copy(
+        r.share(r.sid, share_request("s", 4, os.urandom(64)).model_copy(
             update={"device": "cuda:0"}))
     assert r.broker.entries == {} and r.broker.stat().bytes_in_use == 0
 
@@ -370,7 +398,7 @@ def test_close_frees_every_block_and_event(rig: Callable[..., Rig]) -> None:
         assert h.cuda is not None
         r.event(h.cuda.release_event_handle).done = False
         r.put("a", 100)
-        r.broker.release(r.sid, [h.lease or 0])  # pending at close
+        r.release(h.lease)  # pending at close
         r.broker.close()
 
     run(main)
