@@ -102,6 +102,7 @@ class BrokerProc:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise AssertionError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
             with open(self.log_path, "rb") as f:
                 f.seek(start)

@@ -11,6 +11,7 @@ and the worker's own views, bit for bit.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -127,12 +128,13 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
     if prefix is None:
         pytest.skip("needs root and unshare --pid to put the client in another pid namespace")
     tcp = f"http://127.0.0.1:{free_port()}"
-    broker_factory("--listen", tcp, "--session-ttl", "1")
-    w = Worker("mishap", tcp, launcher=prefix)  # its pid in its namespace is 1 or 2
+    token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
+    broker_factory("--listen", tcp, "--session-ttl", "1", env=token)
+    w = Worker("mishap", tcp, launcher=prefix, env=token)  # its pid in its namespace is 1 or 2
     proc = w.proc
     try:
         w.expect("ready")
-        with Client(tcp) as c:
+        with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
             if holds == "reader":
                 c.put("a", np.full(N, 1.0, dtype=np.float32))
                 w.ask("get a", "ok")
