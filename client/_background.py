@@ -38,6 +38,7 @@ class Background:
         self.live: set[Key] = set()  # leases some view still holds
         # After fork: the parent's (session, lease) -> the child's copy of it.
         self.renamed: dict[Key, Key] = {}
+        self.stale: dict[str, list[int]] = {}  # earlier session -> its leases no view holds
         self._client = client
         self.heartbeat: float | None = None
         self._start()
@@ -57,6 +58,7 @@ class Background:
             os.close(fd)
         self.pending.clear()
         self.cancels.clear()
+        self.stale = {}
         self.renamed = renamed
         self.live = {renamed[k] for k in self.live if k in renamed}
         self._start()
@@ -99,6 +101,11 @@ class Background:
                 break
             if owner == sid:
                 ids.append(lease_id)
+            elif len(self.stale) < 64 or owner in self.stale:
+                # A lease of a session that ended under us (it lapsed while this
+                # process was paused): the broker retired its memory, and gives
+                # it back once told no view of it is left.  Sent by ``flush``.
+                self.stale.setdefault(owner, []).append(lease_id)
         rids: list[str] = []
         while self.cancels and len(rids) < limit:
             try:
@@ -119,10 +126,11 @@ class Background:
 
     def flush(self) -> None:
         ids, rids = self.take(1 << 20)
-        if ids or rids:
+        stale, self.stale = self.stale, {}
+        if ids or rids or stale:
+            body = {"leases": ids, "requests": rids, "stale": stale}
             try:
-                self._client._call("POST", "/v1/release", {"leases": ids, "requests": rids},
-                                   background=True)
+                self._client._call("POST", "/v1/release", body, background=True)
             except DepotError as exc:  # the broker is gone: its leases are gone with it
                 log.debug("release of %d lease(s) failed: %s", len(ids), exc)
 

@@ -158,6 +158,10 @@ class ReleaseRequest(_Frozen):
         default_factory=list, max_length=MAX_BATCH,
         description="request ids whose answers were never read: their leases are released "
                     "and their waits cancelled")
+    stale: dict[Annotated[str, Field(max_length=64)], list[int]] = Field(
+        default_factory=dict, max_length=64,
+        description="leases of this client's earlier sessions that lapsed (it was paused past "
+                    "--session-ttl), whose views are gone now: their retired memory may be reused")
 
 
 class TensorInfo(_Answer):

@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from ._sessions import LOCAL, Caller, Session, Sessions
 log = logging.getLogger("tensordepot.broker")
 
 MAX_NBYTES = 1 << 62
+MAX_LAPSED = 4096  # lapsed sessions whose retired leases can still be given back
 
 
 class ClientGone(Exception):
@@ -184,6 +186,8 @@ class Broker:
         self._closing_event: asyncio.Event | None = None
         self._maps: dict[str, PosixMapping] = {}
         self._identity_bytes: dict[str, int] = {}
+        # Lapsed sessions: session id -> (owner identity, lease id -> block it held).
+        self._lapsed: OrderedDict[str, tuple[str, dict[int, Block]]] = OrderedDict()
         # Versions of every name start above every number any dropped name
         # ever had, so versions only grow without remembering dropped names.
         self._version_floor = 0
@@ -193,6 +197,7 @@ class Broker:
         self._unlinker = ThreadPoolExecutor(1, thread_name_prefix="tensordepot-unlink")
         self._fresh: set[Segment] = set()  # created in a thread, not yet handed to the pool
         self._fresh_lock = threading.Lock()
+        self._growing: asyncio.Future[None] | None = None  # a pool segment being made
         self._closed = False
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
@@ -245,7 +250,7 @@ class Broker:
             self._uncharge(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
-                # A tainted block is retired instead of freed.
+                # A block with stale holders is retired instead of freed.
                 (self.pool if block.device == "cpu" else self.cuda).free(block)
                 self.bytes_in_use -= block.nbytes
 
@@ -355,12 +360,24 @@ class Broker:
         if self.sessions.get(s.id) is not s:
             return
         if not verified:
+            # Its process may be paused, not dead, and still map all of this:
+            # the blocks get a stale holder each, so freeing retires them.  Its
+            # leases are remembered so that the process, when it resumes and
+            # its views die, can give them back (``release_stale``).
+            held = {}
             for lid in s.leases:
-                blk = self.leases[lid].version.block
-                if blk is not None:
-                    blk.tainted = True
+                lease = self.leases[lid]
+                if lease.version.block is not None:
+                    lease.version.block.stale += 1
+                    held[lid] = lease.version.block
+            holds = {self.leases[lid].version for lid in s.leases if self.leases[lid].hold}
             for v in s.writing:
-                v.block.tainted = True
+                if v not in holds:  # a put's fill in flight: no lease ever says it is done
+                    v.block.stale += 1
+            if held:
+                self._lapsed[s.id] = (s.owner, held)
+                while len(self._lapsed) > MAX_LAPSED:  # forgotten: retired until their segment drains
+                    self._lapsed.popitem(last=False)
         self.sessions.remove(s)
         for lid in list(s.leases):
             self._release_one(lid)
@@ -408,24 +425,38 @@ class Broker:
             for s in self.sessions.values():
                 for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
                     # The writer is alive and may still be copying into it.
-                    v.block.tainted = True
+                    v.block.stale += 1
                     self.abandon(v)
                     self._count("allocs_expired")
         return gone
 
     # -- memory --------------------------------------------------------------
     async def _block(self, nbytes: int) -> Block:
-        """A block for ``nbytes``; a new segment is made in a worker thread."""
-        blk = self.pool.try_alloc(nbytes)
-        if blk is not None:
-            return blk
-        size, dedicated = self.pool.plan(nbytes)
+        """A block for ``nbytes``; a new segment is made in a worker thread.
+        Requests that need a pool segment while one is being made wait for it
+        and share it, instead of each making (and reserving) one of their own."""
+        while True:
+            blk = self.pool.try_alloc(nbytes)
+            if blk is not None:
+                return blk
+            size, dedicated = self.pool.plan(nbytes)
+            if dedicated or self._growing is None:
+                break
+            await asyncio.shield(self._growing)
         self.pool.reserve(size)
+        loop = asyncio.get_running_loop()
+        growing = None if dedicated else loop.create_future()
+        if growing is not None:
+            self._growing = growing
         try:
-            seg = await asyncio.get_running_loop().run_in_executor(self._creator, self._create, size)
+            seg = await loop.run_in_executor(self._creator, self._create, size)
         except BaseException:
             self.pool.unreserve(size)
             raise
+        finally:
+            if growing is not None:
+                self._growing = None
+                growing.set_result(None)
         with self._fresh_lock:
             self._fresh.discard(seg)
         return self.pool.take(self.pool.add(seg, dedicated), nbytes)
@@ -754,6 +785,28 @@ class Broker:
             if fut is not None and not fut.done():
                 fut.set_result(None)
             n += self._release_ids(s, s.by_request.get(rid, []))
+        return n
+
+    def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:
+        """A client whose session lapsed (it was paused past its TTL) says the
+        views of these leases of that old session are gone: their memory,
+        retired when the session lapsed, may be reused."""
+        n = 0
+        for sid, lease_ids in stale.items():
+            rec = self._lapsed.get(sid)
+            if rec is None or rec[0] != caller.identity:
+                continue  # not a lapsed session of this caller: nothing to give back
+            held = rec[1]
+            for lid in lease_ids:
+                blk = held.pop(lid, None)
+                if blk is None:
+                    continue
+                blk.stale -= 1
+                n += 1
+                if blk.stale == 0 and blk.retired and blk.device == "cpu":
+                    self.pool.unretire(blk)
+            if not held:
+                del self._lapsed[sid]
         return n
 
     def _release_ids(self, s: Session, lease_ids: list[int]) -> int:

@@ -12,9 +12,11 @@ are unlinked first, and only then does ``alloc`` raise ``PoolExhausted``.
 Live data is never evicted.
 
 Memory that a process the broker cannot vouch for may still map (a lapsed
-session's leases, an expired unpublished write) is *retired*, never reused:
-its segment takes no new blocks and is unlinked as soon as its live blocks
-are gone; the kernel frees the pages when the last mapping goes.
+session's leases, an expired unpublished write) is *retired*: the range is
+never handed to another tensor while it is retired.  The rest of its segment
+stays in use; the range comes back (``unretire``) if the process that held it
+says its views are gone, and a segment that holds nothing but retired ranges
+is unlinked (the kernel frees the pages when the last mapping goes).
 
 Creating a segment (``posix_fallocate`` runs at about 1 s per GiB) is split
 from placing a block so that the broker can create segments off its event
@@ -57,12 +59,12 @@ def _round_up(n: int, to: int) -> int:
 class _Seg:
     seg: Segment
     dedicated: bool
-    used: int = 0  # bytes reserved by live blocks
+    used: int = 0  # bytes reserved by live blocks, retired ones included
     # Free ranges as parallel sorted lists of offsets and sizes.
     free_off: list[int] = field(default_factory=list)
     free_len: list[int] = field(default_factory=list)
     seq: int = 0  # creation order, for returning the oldest warm memory first
-    retired: int = 0  # bytes of retired blocks: the segment takes no new blocks
+    retired: int = 0  # bytes of retired blocks in it
 
     @property
     def size(self) -> int:
@@ -83,8 +85,10 @@ class Block:
     size: int  # what is reserved (aligned)
     _seg: _Seg | None = None
     refs: int = 1  # versions sharing this block (the broker's count; the pool ignores it)
-    # A process the broker cannot vouch for may still map it: retire, never reuse.
-    tainted: bool = False
+    # Holders the broker cannot vouch for (a lapsed session's leases): while any
+    # remain, freeing the block retires it instead.
+    stale: int = 0
+    retired: bool = False
     device: str = "cpu"  # the pool's device: "cpu" or "cuda:GPU-<uuid>"
 
 
@@ -131,7 +135,7 @@ class Pool:
         return list(self._segs)
 
     def warm_free(self) -> int:
-        return self.reserved - self.pending - self.used - self.retired
+        return self.reserved - self.pending - self.used
 
     # -- allocation ------------------------------------------------------
     def _size(self, nbytes: int) -> int:
@@ -160,7 +164,7 @@ class Pool:
         if size > self.dedicated_threshold:
             return self._reuse_dedicated(nbytes)
         for s in self._segs.values():
-            if not s.dedicated and not s.retired:
+            if not s.dedicated:
                 blk = self._take(s, nbytes, size)
                 if blk is not None:
                     return blk
@@ -276,36 +280,53 @@ class Pool:
 
     def free(self, blk: Block) -> None:
         """Return a block.  Its memory stays warm, up to ``warm_bytes``.
-        A tainted block is retired instead."""
-        if blk.tainted:
+        A block with stale holders is retired instead."""
+        if blk.stale:
             self.retire(blk)
             return
         s = self._unhook(blk)
+        self._give_back(s, blk)
+
+    def _give_back(self, s: _Seg, blk: Block) -> None:
         if s.dedicated:
             s.used = 0
             self.used -= s.size
         else:
-            if not s.retired:  # a retired segment's free space is never handed out again
-                self._insert_free(s, blk.offset, blk.size)
+            self._insert_free(s, blk.offset, blk.size)
             s.used -= blk.size
             self.used -= blk.size
-            if s.retired and s.used == 0:
-                self._drop(s)
+        if s.retired and s.used == s.retired:
+            self._drop(s)  # nothing but retired ranges: let the kernel have it when they unmap
         self._shrink(self.used + self.warm_bytes)
 
     def retire(self, blk: Block) -> None:
-        """Give up a block that some process may still map: its bytes are never
-        handed to another tensor.  Its segment takes no new blocks, and is
-        unlinked once its other blocks are freed."""
-        s = self._unhook(blk)
-        s.used -= blk.size
-        self.used -= blk.size
+        """Keep a block that some process may still map: its bytes are not
+        handed to another tensor until ``unretire``.  The rest of its segment
+        stays in use; a segment left with only retired ranges is unlinked."""
+        s = blk._seg
+        if s is None or self._segs.get(s.name) is not s:
+            raise ValueError(f"block {blk} is not live in this pool")
+        if blk.retired:
+            return
+        blk.retired = True
+        s.retired += blk.size
+        self.retired += blk.size
         self.retired_total += blk.size
-        if s.dedicated or s.used == 0:
+        if s.dedicated or s.used == s.retired:
             self._drop(s)
-        else:
-            s.retired += blk.size
-            self.retired += blk.size
+
+    def unretire(self, blk: Block) -> None:
+        """The process that held a retired block says no view of it is left:
+        reuse it.  A block whose segment is gone already is forgotten."""
+        s = blk._seg
+        if not blk.retired or s is None or self._segs.get(s.name) is not s:
+            return
+        blk.retired = False
+        blk.stale = 0
+        s.retired -= blk.size
+        self.retired -= blk.size
+        blk._seg = None
+        self._give_back(s, blk)
 
     def _insert_free(self, s: _Seg, off: int, size: int) -> None:
         i = bisect.bisect_left(s.free_off, off)
@@ -339,6 +360,7 @@ class Pool:
     def _drop(self, s: _Seg) -> None:
         del self._segs[s.name]
         self.reserved -= s.size
+        self.used -= s.used  # only retired ranges can be left in a dropped segment
         self.retired -= s.retired
         self._unlinker(s.seg)
         if self.on_drop is not None:

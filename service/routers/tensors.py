@@ -238,7 +238,9 @@ async def link(req: LinkRequest, request: Request, session: SessionHeader = None
 @router.post("/release", response_model=Released,
              summary="Release leases, and cancel requests whose answers were never read")
 async def release(req: ReleaseRequest, request: Request, session: SessionHeader = None) -> Released:
-    n = broker_of(request).release(session, caller(request), req.leases, req.requests)
+    broker = broker_of(request)
+    n = broker.release(session, caller(request), req.leases, req.requests)
+    n += broker.release_stale(caller(request), req.stale)
     return Released(released=n)
 
 

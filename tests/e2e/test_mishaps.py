@@ -157,6 +157,11 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
             else:
                 w.ask("scribble a -999", "ok")
             assert same(held, 7.0) and same(np.from_dlpack(c.get("b")), 7.0)
+            # Once the resumed process lets go of its views, it says so, and the
+            # retired memory is reused, though other tensors still live in its segment.
+            w.ask("drop a", "ok")
+            stat_when(c, lambda s: s.bytes_retired == 0, "the resumed client to give its memory back")
+            assert c.stat().tensors >= 1
             w.send("exit")
             assert w.wait() == 0, w.stderr()
             del held
