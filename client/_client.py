@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
-from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
+from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
 from ..shm._copy import copy_into, copy_many
 from ..shm._posix import SegmentFile, Window, array_at
@@ -120,9 +120,9 @@ class Client:
         if not background and bg is not None and (bg.pending or bg.cancels):
             ids, rids = bg.take()
             if ids:  # piggyback queued releases: no round trip of their own
-                headers["x-tensordepot-release"] = ",".join(map(str, ids))
+                headers[RELEASE_HEADER] = ",".join(map(str, ids))
             if rids:
-                headers["x-tensordepot-cancel"] = ",".join(rids)
+                headers[CANCEL_HEADER] = ",".join(rids)
         sid = self._sid
         try:
             return self._transport.request(method, path, body, headers=headers, timeout=timeout,
@@ -143,8 +143,8 @@ class Client:
         # The broker restarted or reaped us: open a fresh session and retry once.
         self._open_session()
         headers[SESSION_HEADER] = self._sid
-        headers.pop("x-tensordepot-release", None)
-        headers.pop("x-tensordepot-cancel", None)
+        headers.pop(RELEASE_HEADER, None)
+        headers.pop(CANCEL_HEADER, None)
         return self._transport.request(method, path, body, headers=headers, timeout=timeout,
                                        resend=rid is not None or method != "POST")
 
