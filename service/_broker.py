@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 
 from .._errors import (
     BrokerUnavailable,
+    Forbidden,
     Conflict,
     DepotError,
     InvalidRequest,
@@ -775,10 +776,12 @@ class Broker:
         """Release this session's leases (others' ids are ignored), and cancel
         requests whose answers the client never read."""
         s = self.sessions.get(sid or "")
-        if s is None or s.owner != caller.identity:
-            # Only the session that took a lease may release it: leases of an
-            # ended session are gone already, and anyone else's must stay.
-            return 0
+        if s is None:
+            return 0  # leases of an ended session are gone already
+        if s.owner != caller.identity:
+            # Only the session that took a lease may release it.
+            raise Forbidden(f"session {s.id[:8]}... belongs to another client; release under "
+                            f"the session your own POST /v1/sessions returned")
         n = self._release_ids(s, lease_ids)
         for rid in requests or ():
             fut = s.waits.get(rid)

@@ -180,7 +180,7 @@ class Guard:
             # Starlette puts the app in the scope before middleware runs.
             broker: Broker | None = getattr(scope["app"].state, "broker", None)
             if broker is not None:
-                broker.release(sid, caller_of(scope), lease_ids, requests)
+                broker.release(sid, caller_of(scope), lease_ids, requests)  # 403: not yours
         if length is not None:
             return receive
         seen = 0
