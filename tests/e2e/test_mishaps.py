@@ -45,11 +45,11 @@ def workers() -> Iterator[Callable[..., Worker]]:
         w.close()
 
 
-def churn(c: Client, name: str, n: int, fill: float, times: int = 4) -> np.ndarray:
-    """Put ``name`` a few times, so that a range freed too early is reused, and
-    return a view of the last version (a reader holding it)."""
-    for _ in range(times):
-        c.put(name, np.full(n, fill, dtype=np.float32))
+def churn(c: Client, name: str, n: int, fill: float) -> np.ndarray:
+    """Put ``name`` once, right after the memory in question would have been
+    freed: first fit places it in that very range if it is free, and returns a
+    view of it (a reader holding it)."""
+    c.put(name, np.full(n, fill, dtype=np.float32))
     return np.from_dlpack(c.get(name))
 
 
@@ -189,19 +189,22 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
     w.expect("done", timeout=120)  # the segment now exists and stays warm
     with b.client() as c:
         c.delete("warm")
+        side = int((512 << 18) ** 0.5)
+        y = np.full(side * side, 7.0, dtype=np.float32)  # ready before the interrupt: no delay after it
         w.send("bigput x 512")  # a non-contiguous source: split by rows over the copy threads
         w.expect("putting")
         stat_when(c, lambda s: s.bytes_in_use >= 500 * MiB, "the allocation to be made", 30)
         os.kill(w.pid, signal.SIGINT)
         w.expect("interrupted", timeout=60)
-        # The aborted range is free; the next put lands in it.
+        # The aborted allocation is given back; a put of the same size lands in
+        # its (warm, dedicated) segment, while the aborted copy would still run.
         assert not any(i.name == "x" for i in c.list())
-        c.put("y", np.full(128 * MiB, 7.0, dtype=np.float32))
+        c.put("y", y)
         got = np.from_dlpack(c.get("y"))
         assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
         w.ask("put z 1 0", "ok")  # the worker carries on after the interrupt
         assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
-        del got
+        del got, y
 
 
 # -- M8: fork -----------------------------------------------------------------------------------------
