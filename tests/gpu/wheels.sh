@@ -17,6 +17,7 @@ pins=(
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   uvicorn==0.54.0 httptools==0.9.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 idna==3.20
+  prometheus-client==0.26.0
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
