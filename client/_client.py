@@ -66,14 +66,15 @@ class Client:
         if not io_timeout:
             raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
         self._trust = trusted_uids(trust_uid)
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=io_timeout,
-                                    trust=self._trust)
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN),
+                                    timeout=io_timeout, trust=self._trust)
         # One open file per segment; windows (one mmap per tensor) are made from them.
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
         self._lock = threading.Lock()
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
-        self._writers: weakref.WeakSet[Window] = weakref.WeakSet()  # empty() windows not yet private
+        # empty() windows not yet private
+        self._writers: weakref.WeakSet[Window] = weakref.WeakSet()
         self._sid = ""
         self._label = label
         self._closing = False
@@ -100,7 +101,8 @@ class Client:
         if self._bg is not None:
             self._bg.heartbeat = info.heartbeat_interval
 
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None | bool = False,
+    def _call(self, method: str, path: str, body: Any = None, *,
+              timeout: float | bool | None = False,
               background: bool = False, rid: str | None = None, grants: bool = False) -> Any:
         """One request under this session.  ``rid``: a request id that makes
         the request safe to resend; ``grants``: it takes leases, which are
@@ -269,13 +271,15 @@ class Client:
                device: str = "cpu", hold: bool = False) -> Handle:
         body = {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device,
                 "ttl": ttl, "hold": hold}
-        return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(), grants=hold))
+        return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(),
+                                                grants=hold))
 
     def _fill(self, h: Handle, arr: Any) -> None:
         try:
             if h.nbytes:
                 m = self._fill_map(h.segment)
-                dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True, owner=m)
+                dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,
+                               owner=m)
                 copy_into(dst, arr)  # when it raises, no copy thread is still writing
         except BaseException:
             self._abort(h)
@@ -300,8 +304,8 @@ class Client:
         stay readable, and a write through them no longer reaches anyone else."""
         check_name(name)
         dims = check_shape(shape)
-        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl), _cuda_ops.wire_device(device),
-                        hold=True)
+        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl),
+                        _cuda_ops.wire_device(device), hold=True)
         return self._tensor(h, writable=True)
 
     def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
@@ -333,15 +337,16 @@ class Client:
             items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
                      for n, s in sources.items()]
             handles = [Handle.model_validate(h) for h in
-                       self._call("POST", "/v1/batch/alloc", {"items": items}, rid=self._rid())["items"]]
+                       self._call("POST", "/v1/batch/alloc", {"items": items},
+                                  rid=self._rid())["items"]]
             try:
                 pairs = []
                 for h in handles:
                     arr = sources[h.name].array
                     if h.nbytes:
                         m = self._fill_map(h.segment)
-                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
-                                               writable=True, owner=m), arr))
+                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None,
+                                               arr.dtype, writable=True, owner=m), arr))
                 copy_many(pairs)
             except BaseException:
                 for h in handles:
@@ -364,24 +369,27 @@ class Client:
         check_name(name)
         wait = check_timeout(timeout)
         path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
-        io_timeout: float | None | bool = False
+        io_timeout: float | bool | None = False
         if wait is None:
             path += "&timeout=inf"
             io_timeout = None
         elif wait > 0:
             path += f"&timeout={wait!r}"
             io_timeout = wait + self._transport.timeout
-        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True))
+        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(),
+                                             grants=True))
         return self._tensor(h, writable=False)
 
-    def get_many(self, names: Iterable[str], timeout: float | None = 0.0) -> dict[str, SharedTensor]:
+    def get_many(self, names: Iterable[str],
+                 timeout: float | None = 0.0) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none)."""
         names = check_names(names)
         wait = check_timeout(timeout)
         body = {"names": names, "timeout": wait}
         io_timeout = None if wait is None else wait + self._transport.timeout
-        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(), grants=True)
+        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(),
+                          grants=True)
         handles = [Handle.model_validate(h) for h in resp["items"]]
         out: dict[str, SharedTensor] = {}
         try:
@@ -459,7 +467,8 @@ class Client:
             return
         renamed = {}
         if plan is not None:
-            renamed = {(self._sid, int(old)): (plan["session"], new) for old, new in plan["leases"].items()}
+            renamed = {(self._sid, int(old)): (plan["session"], new)
+                       for old, new in plan["leases"].items()}
             self._sid = plan["session"]
             self._fork_claim = plan["session"]
         else:

@@ -119,7 +119,8 @@ class SharedTensor:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         byte_strides = tuple(s * self._dt.itemsize for s in self.strides)
-        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable, owner=owner)
+        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable,
+                        owner=owner)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
         import numpy as np
@@ -127,7 +128,8 @@ class SharedTensor:
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
-                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and copy=False")
+                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and "
+                                 "copy=False")
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 
@@ -146,7 +148,8 @@ class SharedTensor:
     def publish(self) -> SharedTensor:
         """Make this ``empty()`` tensor visible to readers (once)."""
         if not self._writer:
-            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are published")
+            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are "
+                                 "published")
         if self.published:
             raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
         client = self._client()
@@ -188,6 +191,7 @@ class SharedTensor:
         self.release()
 
     def __repr__(self) -> str:
-        state = "released" if self._owner is None else ("writable" if self.writable else "read-only")
-        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, dtype={self.dtype}, "
-                f"device={self.device}, {state})")
+        state = "released" if self._owner is None else ("writable" if self.writable
+                                                        else "read-only")
+        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, "
+                f"dtype={self.dtype}, device={self.device}, {state})")

@@ -34,7 +34,8 @@ class _Answer(BaseModel):
 
 class ErrorDetail(_Answer):
     code: str = Field(examples=["not_found"])
-    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish it?"])
+    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish "
+                                   "it?"])
 
 
 class ErrorBody(_Answer):
@@ -50,7 +51,8 @@ class SessionOpen(_Frozen):
 class SessionInfo(_Answer):
     session: str
     pid: int | None
-    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by heartbeat")
+    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by "
+                                      "heartbeat")
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
 
 
@@ -70,9 +72,11 @@ class AllocRequest(_Frozen):
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
     dtype: str = Field(max_length=40, examples=["float32", "bfloat16"])
     device: str = Field("cpu", max_length=64)
-    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after publish")
+    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after "
+                                                      "publish")
     hold: bool = Field(False, description="also take a lease for the writer's own views, which "
-                                          "keeps the memory theirs after publish, delete or supersede")
+                                          "keeps the memory theirs after publish, delete or "
+                                          "supersede")
 
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
@@ -103,8 +107,10 @@ def _valid_ipc(text: str) -> str:
 
 
 IpcHandle = Annotated[str, AfterValidator(_valid_ipc),
-                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88, max_length=88)]
-GpuUuid = Annotated[str, Field(pattern=GPU_UUID, examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
+                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88,
+                            max_length=88)]
+GpuUuid = Annotated[str, Field(pattern=GPU_UUID,
+                               examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
 
 
 class CudaHandle(_Answer):
@@ -119,8 +125,10 @@ class CudaHandle(_Answer):
     release_event: int | None = Field(None, description="id of this lease's event: record it on "
                                       "every stream that used the tensor, then release")
     release_event_handle: IpcHandle | None = None
-    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with it)")
-    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc stat 22)")
+    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with "
+                                                    "it)")
+    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc "
+                                                      "stat 22)")
 
 
 class Handle(_Answer):
@@ -180,7 +188,8 @@ class DeviceStat(_Answer):
 
     device: str = Field(examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
     bytes_in_use: int = Field(description="bytes of broker blocks held by tensor versions")
-    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space included")
+    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space "
+                                            "included")
     bytes_pending: int = Field(description="freed bytes waiting for readers' kernels to finish")
     bytes_shared: int = Field(description="producer-owned bytes published with share()")
     max_memory: int = Field(description="--cuda-memory for this GPU")
@@ -194,9 +203,11 @@ class Stat(_Answer):
     """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
 
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
-    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free space included")
-    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process it "
-                                              "cannot vouch for may still map them; freed with their segment")
+    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free "
+                                            "space included")
+    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process "
+                                              "it cannot vouch for may still map them; freed with "
+                                              "their segment")
     retired_total: int = Field(0, description="bytes retired since the broker started")
     max_memory: int
     tensors: int
@@ -205,7 +216,8 @@ class Stat(_Answer):
     sessions: int
     segments: int
     waiting: int = Field(0, description="gets parked now, waiting for a publish")
-    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until first used)")
+    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until "
+                                                                        "first used)")
 
 
 class ShareRequest(_Frozen):
@@ -226,7 +238,8 @@ class LiveRequest(_Frozen):
 
 
 class LiveReply(_Answer):
-    live: list[str] = Field(description="those the broker still has (a block, or a shared allocation)")
+    live: list[str] = Field(description="those the broker still has (a block, or a shared "
+                                        "allocation)")
     busy: list[str] = Field(description="those some lease, or a reader's queued kernel, still uses")
     orphaned: list[str] = Field(default_factory=list,
                                 description="shared allocations whose producer has died or closed")
@@ -243,7 +256,8 @@ class BatchPublish(_Frozen):
 class BatchGet(_Frozen):
     names: list[Name] = Field(max_length=MAX_BATCH)
     timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
-                                  description="one deadline for the whole batch, in seconds; null: forever")
+                                  description="one deadline for the whole batch, in seconds; null: "
+                                              "forever")
 
 
 class HandleList(_Answer):

@@ -113,10 +113,12 @@ class Sessions:
                 f"the broker holds {len(self.table)} sessions, its limit (--max-sessions); "
                 f"close clients you no longer use"
             )
-        if caller.identity != LOCAL.identity and self._per_peer.get(caller.peer, 0) >= self.max_per_peer:
+        if (caller.identity != LOCAL.identity
+                and self._per_peer.get(caller.peer, 0) >= self.max_per_peer):
             raise LimitExceeded(
-                f"{caller.peer} already holds {self.max_per_peer} sessions (--max-sessions-per-peer); "
-                f"share one Client per process instead of opening one per call"
+                f"{caller.peer} already holds {self.max_per_peer} sessions "
+                "(--max-sessions-per-peer); share one Client per process instead of opening one "
+                "per call"
             )
         pid, start, tracked = None, None, False
         if claimed and caller.peer_pid:

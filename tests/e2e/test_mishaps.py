@@ -96,7 +96,8 @@ def test_writer_views_never_reach_another_tensor(broker: BrokerProc, workers: Ca
         del held
 
 
-def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc,
+                                                     workers: Callable[..., Worker]) -> None:
     w = workers(broker.url)
     w.ask(f"empty a {N} 1.0", "ok")
     with broker.client() as c:
@@ -146,7 +147,8 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
                 c.delete("a")  # the paused reader's version is gone now; its bytes stay retired
             # Retired: never handed out again (its segment is unlinked once nothing
             # else lives in it; the paused process keeps its own mapping).
-            stat_when(c, lambda s: s.retired_total >= MiB, "the paused client's memory to be retired")
+            stat_when(c, lambda s: s.retired_total >= MiB,
+                      "the paused client's memory to be retired")
             held = churn(c, "b", N, 7.0)
             for p in [proc.pid, *_children(proc.pid)]:
                 os.kill(p, signal.SIGCONT)
@@ -166,7 +168,8 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
+                         check=False).stdout
     kids = [int(x) for x in out.split()]
     return kids + [g for k in kids for g in _children(k)]
 
@@ -197,12 +200,12 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
         del got
 
 
-# -- M8: fork -----------------------------------------------------------------------------------------
+# -- M8: fork --------------------------------------------------------------------------------------
 
 
-def test_fork_child_client_works_and_inherited_views_hold(broker: BrokerProc,
-                                                          workers: Callable[..., Worker],
-                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_fork_child_client_works_and_inherited_views_hold(
+        broker: BrokerProc, workers: Callable[..., Worker],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     fifo = str(tmp_path_factory.mktemp("fork") / "cmds")
     os.mkfifo(fifo)
     w = workers(broker.url)
@@ -234,7 +237,7 @@ def test_fork_child_client_works_and_inherited_views_hold(broker: BrokerProc,
         del held
 
 
-# -- M3: versions only grow ---------------------------------------------------------------------------
+# -- M3: versions only grow ------------------------------------------------------------------------
 
 
 def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
@@ -261,7 +264,8 @@ def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., 
 # -- M4: leases nobody holds -----------------------------------------------------------------------
 
 
-def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
+                                               workers: Callable[..., Worker]) -> None:
     w = workers(broker.url)
     w.send("waitget later")
     w.expect("waiting")

@@ -132,12 +132,14 @@ class Rig:
     def session(self, pid: int | None = None) -> str:
         return self.broker.open_session(Caller(self.caller.identity, pid or os.getpid())).session
 
-    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
+              sid: str | None = None) -> Any:
         req = AllocRequest(name=name, shape=[nbytes], dtype="uint8", device=device)
         v, _ = drive(self.broker.alloc(sid or self.sid, self.caller, req))
         return v
 
-    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
+            sid: str | None = None) -> Any:
         v = self.alloc(name, nbytes, device, sid)
         return self.broker.publish(sid or self.sid, self.caller, name, v.number)
 
@@ -235,7 +237,8 @@ def test_a_cuda_handle_carries_the_block_and_the_events(rig: Callable[..., Rig])
     pytest.param("cuda:banana", "use 'cpu'", id="junk"),
     pytest.param("tpu:0", "use 'cpu'", id="tpu"),
 ])
-def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str, match: str) -> None:
+def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str,
+                                               match: str) -> None:
     r = rig()
     with pytest.raises(InvalidRequest, match=match):
         r.alloc("w", 10, device=device)
@@ -303,13 +306,15 @@ def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> N
         assert (busy.block.segment, busy.block.offset) != (h.segment, h.offset), \
             "memory a queued kernel may read is not handed out"
         await asyncio.sleep(0.05)
-        assert r.broker.stat().devices[0].bytes_pending == 4096, "still pending while the kernel runs"
+        assert r.broker.stat().devices[0].bytes_pending == 4096, (
+            "still pending while the kernel runs")
         reading.done = True
         await until(lambda: r.broker.stat().devices[0].bytes_pending == 0)
         made = len(r.gpus.opened[U0].events)
         await asyncio.sleep(0)  # a new batch: it needs a write event
         again = r.alloc("y", 4096)
-        assert (again.block.segment, again.block.offset) == (h.segment, h.offset), "reused once done"
+        assert (again.block.segment, again.block.offset) == (h.segment, h.offset), (
+            "reused once done")
         assert len(r.gpus.opened[U0].events) == made, "the completed release event was reused"
         h2 = await r.get("w")
         r.release(h2.lease)
