@@ -424,8 +424,8 @@ class Broker:
         size, dedicated = self.pool.plan(nbytes)
         self.pool.reserve(size)
         try:
-            seg = await asyncio.get_running_loop().run_in_executor(self._creator, self._create,
-                                                                   size)
+            seg = await asyncio.get_running_loop().run_in_executor(
+                self._creator, self._create, size)
         except BaseException:
             self.pool.unreserve(size)
             raise

@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alloc-ttl", type=float,
                    help="seconds an allocation may stay unpublished before it is reclaimed "
                         "(default 600; 0: never)")
-    s.add_argument("--max-sessions", type=int, help="sessions the broker holds at most (default "
-                                                    "16384)")
+    s.add_argument("--max-sessions", type=int,
+                   help="sessions the broker holds at most (default 16384)")
     s.add_argument("--max-sessions-per-peer", type=int,
                    help="sessions one process, or one token over TCP, may hold (default 256)")
     s.add_argument("--max-memory-per-session", help="bytes one session may hold, e.g. 1GiB "
@@ -406,13 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--to", required=True, metavar="URL",
                       help="the other broker's --flight URL, grpc://HOST:PORT or "
                            "grpc+tls://HOST:PORT")
-    push.add_argument("--url", default=None, help="local broker URL (default $TENSORDEPOT_URL or "
-                                                  f"{default_url()})")
+    push.add_argument("--url", default=None,
+                      help=f"local broker URL (default $TENSORDEPOT_URL or {default_url()})")
     push.add_argument("--token", default=None, help="bearer token for the local broker over TCP")
     push.add_argument("--to-token", default=None,
                       help="token for the other broker (default $TENSORDEPOT_PEER_TOKEN)")
-    push.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle for a grpc+tls:// "
-                                                                    "--to")
+    push.add_argument("--tls-ca", default=None, metavar="PEM",
+                      help="CA bundle for a grpc+tls:// --to")
     push.set_defaults(func=_push)
     return p
 

@@ -433,8 +433,8 @@ def bind_flight(settings: Any, policy: AuthPolicy) -> FlightService:
         if not (settings.flight_tls_cert and settings.flight_tls_key):
             raise ListenError(f"--flight {url.url} needs --flight-tls-cert and --flight-tls-key")
         try:
-            with open(settings.flight_tls_cert, "rb") as c, open(settings.flight_tls_key,
-                                                                 "rb") as k:
+            with (open(settings.flight_tls_cert, "rb") as c,
+                  open(settings.flight_tls_key, "rb") as k):
                 tls = (c.read(), k.read())
         except OSError as exc:
             raise ListenError(f"--flight-tls-cert/--flight-tls-key: {exc}") from None

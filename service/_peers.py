@@ -315,8 +315,8 @@ class Peers:
             c = self._clients.get(peer)
             if c is None:
                 tls = peer.startswith("grpc+tls://")
-                c = self._clients[peer] = fl.FlightClient(peer, tls_root_certs=self._tls_ca if tls
-                                                          else None)
+                c = self._clients[peer] = fl.FlightClient(
+                    peer, tls_root_certs=self._tls_ca if tls else None)
             return c
 
     def _options(self, via: tuple[str, ...], timeout: float | None) -> Any:
@@ -392,8 +392,8 @@ class Peers:
         if isinstance(exc, fl.FlightTimedOutError):
             return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
                                      f"{what}{tail}")
-        if isinstance(exc, (ValidationError, ValueError)) and not isinstance(exc,
-                                                                             pa.ArrowException):
+        if (isinstance(exc, (ValidationError, ValueError))
+                and not isinstance(exc, pa.ArrowException)):
             return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "
                                      f"stream {what}: {msg}{tail}")
         return BrokerUnavailable(f"peer {peer} failed {what}: {msg}{tail}")
