@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts import connect  # imports pyarrow
 
-                hosts = connect(cfg, broker, getattr(app.state, "flight", None))
+                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None))
                 app.state.metric_sources += hosts.metric_sources
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:

@@ -613,3 +613,16 @@ def test_inline_bytes_roundtrip(app: App) -> None:
     m = PosixMapping(got["segment"], writable=False)
     assert bytes(byte_view(m, got["offset"], 1000, writable=False)) == payload
     assert "data" not in got, "handles carry metadata, never the bytes"
+
+
+def test_an_app_with_flight_settings_binds_flight_with_the_brokers_policy(
+        make_app: Callable[..., App]) -> None:
+    """Without the CLI, the lifespan binds --flight itself, on the broker's own
+    tokens and scopes (the CLI binds it before the app when it serves)."""
+    fl = pytest.importorskip("pyarrow.flight")
+    app = make_app(flight="grpc://127.0.0.1:0")
+    services = [getattr(source, "__self__", None) for source in app.tc.app.state.metric_sources]
+    [flight] = [s for s in services if type(s).__name__ == "FlightService"]
+    assert app.put("w", bytes(range(8)), "8").status_code == 200
+    with fl.connect(flight.url) as client:
+        assert [f.descriptor.path for f in client.list_flights()] == [[b"w"]]
