@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Literal
+import inspect
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -168,39 +169,72 @@ class ReleaseRequest(_Frozen):
                     "and their waits cancelled")
 
 
-class TensorInfo(_Answer):
-    name: str
-    version: int
-    shape: list[int]
-    dtype: str
-    nbytes: int
-    device: str
-    state: Literal["writing", "ready"]
+class _Described(type(BaseModel)):  # type: ignore[misc]  # pydantic's ModelMetaclass
+    """The metaclass of the answers users read (``TensorInfo``, ``Stat``,
+    ``DeviceStat``), so that ``help()`` explains them.
+
+    Each field is described once, in its ``Field(description=...)`` (which the
+    OpenAPI schema shows too); the class docstring gets a "Fields" list made
+    from those.  pydoc lists what ``dir(cls)`` returns: here only the class's
+    own public names, not the machinery every pydantic model inherits.
+    Instances are unaffected (``dir(obj)`` reads the class namespaces
+    directly), and so is pydantic, which never asks ``dir()`` of a model."""
+
+    def __init__(cls, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        hints = cls.__annotations__  # strings (postponed annotations): "int | None"
+        fields = "\n".join(f"- ``{name}`` ({hints.get(name, 'see base class')}): {f.description}"
+                           for name, f in cls.model_fields.items())
+        cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\nFields:\n\n{fields}\n"
+
+    def __dir__(cls) -> list[str]:
+        return sorted(n for n in vars(cls) if not n.startswith("_") and n != "model_config")
+
+
+class TensorInfo(_Answer, metaclass=_Described):
+    """One name with its newest version, as ``Client.list()`` and ``tensordepot ls`` show it.
+
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
+
+    name: str = Field(description="the tensor's name")
+    version: int = Field(description="the newest version's number (versions only grow)")
+    shape: list[int] = Field(description="dimensions, outermost first")
+    dtype: str = Field(description='element type, such as "float32" or "bfloat16"')
+    nbytes: int = Field(description="bytes of that version")
+    device: str = Field(description='where its bytes live: "cpu", or "cuda:GPU-<uuid>"')
+    state: Literal["writing", "ready"] = Field(
+        description='"ready" once published; "writing" while only an unpublished version exists')
     readers: int = Field(description="live leases on this name's versions")
-    expires_in: float | None = None
+    expires_in: float | None = Field(None, description="seconds until its ttl deletes the name; "
+                                                       "None without a ttl")
     origin: str | None = Field(None, description="for a replica pulled from a peer: the Flight URL "
                                "of the broker where the tensor was published")
     origin_version: int | None = Field(None, description="for a replica: its version at the origin")
 
 
-class DeviceStat(_Answer):
-    """One GPU's memory, as the broker holds it."""
+class DeviceStat(_Answer, metaclass=_Described):
+    """One GPU's memory, as the broker holds it (``Stat.devices``).
 
-    device: str = Field(examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
+
+    device: str = Field(description="the GPU, cuda:GPU-<uuid>",
+                        examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
     bytes_in_use: int = Field(description="bytes of broker blocks held by tensor versions")
     bytes_reserved: int = Field(description="device memory the broker allocated, warm free space "
                                             "included")
     bytes_pending: int = Field(description="freed bytes waiting for readers' kernels to finish")
     bytes_shared: int = Field(description="producer-owned bytes published with share()")
     max_memory: int = Field(description="--cuda-memory for this GPU")
-    segments: int
+    segments: int = Field(description="device allocations (pooled blocks) the broker holds")
     events: int = Field(description="interprocess events the broker created on this GPU")
     context_bytes: int | None = Field(description="device memory the broker's CUDA context took "
                                       "(NVML, measured when it was created); None if unknown")
 
 
-class Stat(_Answer):
-    """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
+class Stat(_Answer, metaclass=_Described):
+    """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it.
+
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
 
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
     bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free "
@@ -209,12 +243,14 @@ class Stat(_Answer):
                                               "it cannot vouch for may still map them; freed with "
                                               "their segment")
     retired_total: int = Field(0, description="bytes retired since the broker started")
-    max_memory: int
-    tensors: int
-    versions: int
-    leases: int
-    sessions: int
-    segments: int
+    max_memory: int = Field(description="shared memory the broker may hold (--max-memory), in "
+                                        "bytes")
+    tensors: int = Field(description="names with a published version")
+    versions: int = Field(description="versions alive: the newest of each name, older ones still "
+                                      "read, and unpublished ones")
+    leases: int = Field(description="leases held: each get takes one, and so does empty()")
+    sessions: int = Field(description="open client sessions")
+    segments: int = Field(description="shared-memory segments the broker holds")
     waiting: int = Field(0, description="gets parked now, waiting for a publish")
     devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until "
                                                                         "first used)")
