@@ -126,8 +126,8 @@ def test_get_many_forever_sends_json(broker: BrokerProc) -> None:
 def test_bad_timeouts_are_refused(broker: BrokerProc, bad: object, exc: type[Exception]) -> None:
     with broker.client() as c:
         c.put("x", np.zeros(1, dtype=np.float32))
-        # type: ignore[arg-type]
-        for call in (lambda: c.get("x", timeout=bad), lambda: c.get_many(["x"], timeout=bad)):
+        for call in (lambda: c.get("x", timeout=bad),  # type: ignore[arg-type]
+                     lambda: c.get_many(["x"], timeout=bad)):  # type: ignore[arg-type]
             with pytest.raises(exc, match="timeout"):
                 call()
         assert c.stat().leases == 0

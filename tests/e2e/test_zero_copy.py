@@ -12,8 +12,8 @@ from _harness import BrokerProc, run_worker, spawn_worker
 GiB = 1 << 30
 
 
-# type: ignore[no-untyped-def]
-def test_1gib_get_and_full_read_adds_no_anonymous_memory(broker_factory) -> None:
+def test_1gib_get_and_full_read_adds_no_anonymous_memory(  # type: ignore[no-untyped-def]
+        broker_factory) -> None:
     b = broker_factory(max_memory="3GiB")
     with b.client() as c:
         out = c.empty("big", (GiB // 4,), "float32")  # filled in place: no copy on our side either

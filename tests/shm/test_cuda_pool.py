@@ -68,8 +68,8 @@ def make_pool(gpu: FakeGpu) -> Iterator[Callable[..., Pool]]:
     def make(**kw: object) -> Pool:
         kw.setdefault("max_memory", 64 * MiB)
         kw.setdefault("segment_size", SEG)
-        # type: ignore[arg-type]
-        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE, **kw)
+        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE,
+                    **kw)  # type: ignore[arg-type]
         pools.append(pool)
         return pool
 
