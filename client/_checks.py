@@ -46,8 +46,8 @@ def check_names(names: Any) -> list[str]:
 
 def check_mapping(tensors: Any) -> Mapping[str, Any]:
     if not isinstance(tensors, Mapping):
-        raise InvalidType(f"put_many takes a mapping of name -> tensor (a state dict), not "
-                          f"{type(tensors).__name__}")
+        raise InvalidType(f"tensors must be a mapping of name -> tensor (a state dict), not "
+                          f"{type(tensors).__name__} {shown(tensors)}")
     for name in tensors:
         check_name(name, "each name")
     return tensors
