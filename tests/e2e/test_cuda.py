@@ -292,7 +292,7 @@ def test_nothing_on_the_gpu_until_used_and_stat_reports_it(
             c.put("g2", torch.ones(60 * MiB // 4, device="cuda"))
         c.put("cpu2", np.ones(1 << 20))  # the CPU is not affected
         m = metrics(b.url)
-        assert m[f'tensordepot_cuda_bytes_in_use{{device="cuda:{gpu_uuid()}"}}'] == 40 * MiB
+        assert m[f'tensordepot_memory_in_use_bytes{{device="cuda:{gpu_uuid()}"}}'] == 40 * MiB
 
 
 def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
