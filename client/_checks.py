@@ -30,7 +30,8 @@ def shown(value: Any, limit: int = 60) -> str:
 
 def check_name(name: Any, what: str = "name") -> str:
     if not isinstance(name, str):
-        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} {shown(name)}")
+        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} "
+                          f"{shown(name)}")
     if not _NAME.match(name):
         raise InvalidRequest(f"{what} {shown(name)} is not a valid tensor name: use {NAME_RULE}")
     return name
@@ -45,8 +46,8 @@ def check_names(names: Any) -> list[str]:
 
 def check_mapping(tensors: Any) -> Mapping[str, Any]:
     if not isinstance(tensors, Mapping):
-        raise InvalidType(f"put_many takes a mapping of name -> tensor (a state dict), not "
-                          f"{type(tensors).__name__}")
+        raise InvalidType(f"tensors must be a mapping of name -> tensor (a state dict), not "
+                          f"{type(tensors).__name__} {shown(tensors)}")
     for name in tensors:
         check_name(name, "each name")
     return tensors
@@ -69,7 +70,8 @@ def check_ttl(ttl: Any) -> float | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
-        raise InvalidType(f"ttl must be a number of seconds or None, not {type(ttl).__name__} {shown(ttl)}")
+        raise InvalidType(f"ttl must be a number of seconds or None, not {type(ttl).__name__} "
+                          f"{shown(ttl)}")
     t = float(ttl)
     if not 0 < t < math.inf:
         raise InvalidRequest(f"ttl must be a finite number of seconds > 0, or None; got {t}")
@@ -78,7 +80,8 @@ def check_ttl(ttl: Any) -> float | None:
 
 def check_version(v: Any, what: str = "newer_than") -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} {shown(v)}")
+        raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} "
+                          f"{shown(v)}")
     if v < 0:
         raise InvalidRequest(f"{what} must be >= 0, got {v}")
     return int(v)
@@ -88,7 +91,8 @@ def check_shape(shape: Any) -> list[int]:
     try:
         dims = list(shape)
     except TypeError:
-        raise InvalidType(f"shape must be a sequence of ints, not {type(shape).__name__} {shown(shape)}") from None
+        raise InvalidType(f"shape must be a sequence of ints, not {type(shape).__name__} "
+                          f"{shown(shape)}") from None
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, numbers.Integral):
             raise InvalidType(f"shape must hold ints, not {shown(d)} in {shown(shape)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
 import secrets
@@ -42,15 +43,24 @@ class Client:
 
     ``url`` is ``unix:///path.sock`` or ``http://host:port``; by default
     ``$TENSORDEPOT_URL``, then the default socket.  ``token`` (or
-    ``$TENSORDEPOT_TOKEN``) is sent as a bearer token.  The broker behind a
-    unix socket, and every segment mapped, must belong to this process's uid,
-    root, or ``trust_uid`` (or ``$TENSORDEPOT_TRUST_UID``): else
-    ``UntrustedBroker``.  Use it as a context manager, or call ``close()``;
-    closing never raises.
+    ``$TENSORDEPOT_TOKEN``) is sent as a bearer token.  ``timeout`` bounds each
+    request to the broker, in seconds (a ``get`` that waits adds its own
+    wait).  ``label`` names the session in the broker's log and listings.
+    The broker behind a unix socket, and every segment mapped, must belong to
+    this process's uid, root, or ``trust_uid`` (or ``$TENSORDEPOT_TRUST_UID``):
+    else ``UntrustedBroker``.  Use it as a context manager, or call
+    ``close()``; closing never raises.
+
+    Creating a Client opens a session: ``BrokerUnavailable`` if nothing
+    answers at ``url`` (or what answers is not a tensordepot broker),
+    ``AuthError`` if the broker refuses the credentials, ``LimitExceeded``
+    if this process holds too many sessions.
 
     A Client may be shared by threads.  It survives ``fork()``: the child gets
     a session of its own that holds the views it inherited (README, Lifetime:
-    M8)."""
+    M8).  Every method raises a ``DepotError`` subclass: ``InvalidRequest``
+    (also a ``ValueError``) or ``InvalidType`` (also a ``TypeError``) for bad
+    arguments, ``BrokerUnavailable`` when the broker cannot be reached."""
 
     _closed = True
     _bg: Background | None = None
@@ -66,14 +76,15 @@ class Client:
         if not io_timeout:
             raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
         self._trust = trusted_uids(trust_uid)
-        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=io_timeout,
-                                    trust=self._trust)
+        self._transport = Transport(self.url, token=token or os.environ.get(ENV_TOKEN),
+                                    timeout=io_timeout, trust=self._trust)
         # One open file per segment; windows (one mmap per tensor) are made from them.
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
         self._lock = threading.Lock()
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
-        self._writers: weakref.WeakSet[Window] = weakref.WeakSet()  # empty() windows not yet private
+        # empty() windows not yet private
+        self._writers: weakref.WeakSet[Window] = weakref.WeakSet()
         self._sid = ""
         self._label = label
         self._closing = False
@@ -100,7 +111,8 @@ class Client:
         if self._bg is not None:
             self._bg.heartbeat = info.heartbeat_interval
 
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None | bool = False,
+    def _call(self, method: str, path: str, body: Any = None, *,
+              timeout: float | bool | None = False,
               background: bool = False, rid: str | None = None, grants: bool = False) -> Any:
         """One request under this session.  ``rid``: a request id that makes
         the request safe to resend; ``grants``: it takes leases, which are
@@ -232,7 +244,13 @@ class Client:
         Non-contiguous input is stored contiguous.  The tensor outlives this
         process; ``ttl`` deletes it that many seconds after publishing.
         ``device`` ("cpu", "cuda", "cuda:N", "cuda:GPU-<uuid>") is where the
-        copy goes; by default the input's own device."""
+        copy goes; by default the input's own device.  A ``SharedTensor``
+        this client got is linked, not copied: both names share the bytes.
+
+        Raises ``InvalidType`` for a value that is not a tensor or a bad
+        name type, ``InvalidRequest`` for a bad name (1 to 512 printable
+        ASCII characters, no spaces), dtype or ttl, ``OutOfMemory`` when the
+        broker's memory limit cannot fit it."""
         check_name(name)
         ttl = check_ttl(ttl)
         if _cuda_ops.involves_gpu(x, device):
@@ -269,13 +287,15 @@ class Client:
                device: str = "cpu", hold: bool = False) -> Handle:
         body = {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device,
                 "ttl": ttl, "hold": hold}
-        return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(), grants=hold))
+        return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(),
+                                                grants=hold))
 
     def _fill(self, h: Handle, arr: Any) -> None:
         try:
             if h.nbytes:
                 m = self._fill_map(h.segment)
-                dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True, owner=m)
+                dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,
+                               owner=m)
                 copy_into(dst, arr)  # when it raises, no copy thread is still writing
         except BaseException:
             self._abort(h)
@@ -295,13 +315,19 @@ class Client:
     def empty(self, name: str, shape: Iterable[int], dtype: Any = "float32", *, device: str = "cpu",
               ttl: float | None = None) -> SharedTensor:
         """A writable tensor in broker memory: fill it in place, then ``publish()``.
-        No copy is ever made.  Unpublished tensors are reclaimed if this process
-        dies (or after the broker's --alloc-ttl).  After ``publish()`` its views
-        stay readable, and a write through them no longer reaches anyone else."""
+
+        No copy is ever made.  ``shape`` is a sequence of ints, ``dtype`` a
+        name ("float32", "bfloat16", ...) or a numpy/torch dtype, ``device``
+        "cpu" or a GPU ("cuda", "cuda:N", "cuda:GPU-<uuid>").  Unpublished
+        tensors are reclaimed if this process dies (or after the broker's
+        --alloc-ttl).  After ``publish()`` its views stay readable, and a
+        write through them no longer reaches anyone else.  Raises
+        ``InvalidRequest`` for a bad name, shape or dtype and ``OutOfMemory``
+        when it does not fit."""
         check_name(name)
         dims = check_shape(shape)
-        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl), _cuda_ops.wire_device(device),
-                        hold=True)
+        h = self._alloc(name, dims, dtype_name(dtype), check_ttl(ttl),
+                        _cuda_ops.wire_device(device), hold=True)
         return self._tensor(h, writable=True)
 
     def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
@@ -321,7 +347,12 @@ class Client:
     def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None,
                  device: Any = None) -> dict[str, int]:
         """Put a whole state dict: one round trip to allocate, one to publish.
-        GPU tensors stay on their GPU unless ``device`` says otherwise."""
+
+        ``tensors`` maps names to what ``put`` accepts; returns each name's
+        new version.  All of them are published, or none (an error leaves
+        nothing behind).  GPU tensors stay on their GPU unless ``device``
+        says otherwise.  Raises ``InvalidType`` if ``tensors`` is not a
+        mapping, and what ``put`` raises for any of its items."""
         check_mapping(tensors)
         ttl = check_ttl(ttl)
         if any(_cuda_ops.involves_gpu(x, device) for x in tensors.values()):
@@ -333,15 +364,16 @@ class Client:
             items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
                      for n, s in sources.items()]
             handles = [Handle.model_validate(h) for h in
-                       self._call("POST", "/v1/batch/alloc", {"items": items}, rid=self._rid())["items"]]
+                       self._call("POST", "/v1/batch/alloc", {"items": items},
+                                  rid=self._rid())["items"]]
             try:
                 pairs = []
                 for h in handles:
                     arr = sources[h.name].array
                     if h.nbytes:
                         m = self._fill_map(h.segment)
-                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
-                                               writable=True, owner=m), arr))
+                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None,
+                                               arr.dtype, writable=True, owner=m), arr))
                 copy_many(pairs)
             except BaseException:
                 for h in handles:
@@ -360,28 +392,40 @@ class Client:
 
         ``timeout=0`` (the default) raises ``TensorNotFound`` at once if there is
         none; a number waits up to that many seconds; ``None`` (or ``inf``)
-        waits forever.  ``newer_than=v`` waits for a version newer than ``v``."""
+        waits forever.  ``newer_than=v`` waits for a version newer than ``v``.
+        The lease ends when the returned ``SharedTensor`` and every view made
+        from it are gone.  Raises ``TensorNotFound`` when nothing (newer) was
+        published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
+        timeout or version."""
         check_name(name)
         wait = check_timeout(timeout)
         path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
-        io_timeout: float | None | bool = False
+        io_timeout: float | bool | None = False
         if wait is None:
             path += "&timeout=inf"
             io_timeout = None
         elif wait > 0:
             path += f"&timeout={wait!r}"
             io_timeout = wait + self._transport.timeout
-        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True))
+        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(),
+                                             grants=True))
         return self._tensor(h, writable=False)
 
-    def get_many(self, names: Iterable[str], timeout: float | None = 0.0) -> dict[str, SharedTensor]:
+    def get_many(self, names: Iterable[str],
+                 timeout: float | None = 0.0) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of
-        them, or an error and none)."""
+        them, or an error and none).
+
+        ``names`` is an iterable of names (a str is refused: pass a list);
+        ``timeout`` is as for ``get``.  Returns a dict from name to
+        ``SharedTensor``.  Raises ``TensorNotFound`` naming what was missing
+        when the deadline passed."""
         names = check_names(names)
         wait = check_timeout(timeout)
         body = {"names": names, "timeout": wait}
         io_timeout = None if wait is None else wait + self._transport.timeout
-        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(), grants=True)
+        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(),
+                          grants=True)
         handles = [Handle.model_validate(h) for h in resp["items"]]
         out: dict[str, SharedTensor] = {}
         try:
@@ -406,16 +450,18 @@ class Client:
 
     # -- names ---------------------------------------------------------------
     def delete(self, name: str) -> None:
-        """Remove ``name`` now; readers keep their bytes until they release them."""
+        """Remove ``name`` now; readers keep their bytes until they release them.
+
+        Raises ``TensorNotFound`` if there is no such name."""
         check_name(name)
         self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}", rid=self._rid())
 
-    def list(self) -> list[TensorInfo]:
-        """Every name with a version, newest first per name (``TensorInfo``)."""
+    def list(self) -> builtins.list[TensorInfo]:  # ``list`` here names this method
+        """Every name with a version: one ``TensorInfo`` each, for its newest version."""
         return [TensorInfo.model_validate(i) for i in self._call("GET", "/v1/tensors")["items"]]
 
     def stat(self) -> Stat:
-        """The broker's accounting (``Stat``)."""
+        """The broker's accounting: memory, names, versions, leases, sessions (``Stat``)."""
         return Stat.model_validate(self._call("GET", "/v1/stat"))
 
     @property
@@ -459,7 +505,8 @@ class Client:
             return
         renamed = {}
         if plan is not None:
-            renamed = {(self._sid, int(old)): (plan["session"], new) for old, new in plan["leases"].items()}
+            renamed = {(self._sid, int(old)): (plan["session"], new)
+                       for old, new in plan["leases"].items()}
             self._sid = plan["session"]
             self._fork_claim = plan["session"]
         else:
@@ -525,9 +572,11 @@ class Client:
         self._transport.close()
 
     def __enter__(self) -> Self:
+        """``with Client() as c:`` closes it on leaving the block."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close (never raises)."""
         self.close()
 
     def __del__(self) -> None:

@@ -92,7 +92,7 @@ def on_gpu(x: Any) -> bool:
         return False
     try:
         return int(dev()[0]) in _CUDA_KINDS
-    except Exception:  # noqa: BLE001  # not a DLPack producer after all: a host value
+    except Exception:  # not a DLPack producer after all: a host value
         return False
 
 
@@ -334,7 +334,8 @@ def put_many(client: Client, tensors: Mapping[str, Any], *, device: object,
             items.append({"name": name, "shape": list(shape), "dtype": dtype,
                           "device": _target(x, device, cuda_source), "ttl": ttl})
         handles = [Handle.model_validate(h) for h in
-                   client._call("POST", "/v1/batch/alloc", {"items": items}, rid=client._rid())["items"]]
+                   client._call("POST", "/v1/batch/alloc", {"items": items},
+                                rid=client._rid())["items"]]
         try:
             host_pairs = []
             cross: set[int] = set()
@@ -343,8 +344,8 @@ def put_many(client: Client, tensors: Mapping[str, Any], *, device: object,
                 if h.kind != "cuda" and not isinstance(src, Borrowed):
                     if h.nbytes:
                         m = client._fill_map(h.segment)
-                        host_pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, src.dtype,
-                                                    writable=True, owner=m), src))
+                        host_pairs.append((array_at(m.address + h.offset, tuple(h.shape), None,
+                                                    src.dtype, writable=True, owner=m), src))
                     continue
                 _fill(client, h, src, cuda)
                 cross |= _crossing(cuda, h, src)
@@ -355,7 +356,8 @@ def put_many(client: Client, tensors: Mapping[str, Any], *, device: object,
                 client._abort(h)
             raise
     client._call("POST", "/v1/batch/publish",
-                 {"items": [{"name": h.name, "version": h.version} for h in handles]}, rid=client._rid())
+                 {"items": [{"name": h.name, "version": h.version} for h in handles]},
+                 rid=client._rid())
     return {h.name: h.version for h in handles}
 
 
@@ -420,7 +422,8 @@ def _producer_check(client: Client, h: Handle) -> Any:
         if c is None:
             return True
         try:
-            reply = LiveReply.model_validate(c._call("POST", "/v1/cuda/live", {"segments": [segment]}))
+            reply = LiveReply.model_validate(c._call("POST", "/v1/cuda/live",
+                                                     {"segments": [segment]}))
         except DepotError:
             return True  # the broker is gone too: so are its names
         return segment in reply.orphaned or segment not in reply.live
@@ -433,7 +436,8 @@ def tensor(client: Client, h: Handle, *, writable: bool) -> CudaSharedTensor:
     gone = None
     try:
         if h.cuda is None:
-            raise BrokerUnavailable(f"the broker sent a CUDA handle for {h.name!r} without its CUDA fields")
+            raise BrokerUnavailable(f"the broker sent a CUDA handle for {h.name!r} without its "
+                                    "CUDA fields")
         cuda = _cuda()
         ordinal = _resolve(Device("cuda", uuid=h.cuda.uuid))[0]
         if h.cuda.owner_pid is not None or h.segment.startswith("share-"):
@@ -456,11 +460,12 @@ def tensor(client: Client, h: Handle, *, writable: bool) -> CudaSharedTensor:
     streams = Streams(ordinal, wev, rev)
     lease = None
     if h.lease is not None and client._bg is not None:
-        on_free = functools.partial(release_after_record, streams, client._bg.release_later, client._sid)
+        on_free = functools.partial(release_after_record, streams, client._bg.release_later,
+                                    client._sid)
         lease = _Lease(h.lease, on_free)
         client._bg.track(client._sid, h.lease)
-    return CudaSharedTensor(client, h, m, lease, writable=writable, ordinal=ordinal, streams=streams,
-                            producer_gone=gone)
+    return CudaSharedTensor(client, h, m, lease, writable=writable, ordinal=ordinal,
+                            streams=streams, producer_gone=gone)
 
 
 # -- share -------------------------------------------------------------------------------
@@ -478,7 +483,8 @@ def share(client: Client, name: str, x: Any, *, ttl: float | None, stream: Any,
         ordinal = int(b.device[1])
         uuid = cuda.local_devices().uuid(ordinal)
         if not b.contiguous:
-            raise InvalidRequest(f"share({name!r}) needs a contiguous tensor (x.contiguous()), or put()")
+            raise InvalidRequest(f"share({name!r}) needs a contiguous tensor (x.contiguous()), or "
+                                 "put()")
         if b.nbytes == 0:
             raise InvalidRequest(f"share({name!r}) of an empty tensor: put() it instead")
         try:
@@ -498,7 +504,8 @@ def share(client: Client, name: str, x: Any, *, ttl: float | None, stream: Any,
             if s is not None:
                 cuda.synchronize_stream(s, ordinal)
         cuda.stream(ordinal).synchronize()
-        body = {"name": name, "shape": list(b.shape), "dtype": b.dtype.name, "device": f"cuda:{uuid}",
+        body = {"name": name, "shape": list(b.shape), "dtype": b.dtype.name,
+                "device": f"cuda:{uuid}",
                 "ipc_handle": encode_ipc(raw), "offset": b.address - base, "alloc_size": size,
                 "ttl": ttl}
         h = Handle.model_validate(client._call("POST", "/v1/cuda/share", body, rid=client._rid()))

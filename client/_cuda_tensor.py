@@ -74,7 +74,7 @@ class Streams:
             from ..shm import _cuda
 
             _cuda.record(self.release_event, sorted(self.streams), self.ordinal)
-        except Exception as exc:  # noqa: BLE001  # in a finalizer: report, never raise
+        except Exception as exc:  # in a finalizer: report, never raise
             log.warning("could not record the release event on cuda:%d: %s; the broker may reuse "
                         "the memory before queued kernels finish reading it", self.ordinal, exc)
 

@@ -31,7 +31,7 @@ def _before() -> None:
     for c in _forking:
         try:
             c._before_fork()
-        except Exception:  # noqa: BLE001, S110 - a fork must go ahead; the child copes without a plan
+        except Exception:  # a fork must go ahead; the child copes without a plan
             pass
 
 
@@ -47,4 +47,5 @@ def _after_in_child() -> None:
     _forking.clear()
 
 
-os.register_at_fork(before=_before, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+os.register_at_fork(before=_before, after_in_parent=_after_in_parent,
+                    after_in_child=_after_in_child)

@@ -13,7 +13,8 @@ from ._checks import shown
 if TYPE_CHECKING:
     from ._tensor import SharedTensor
 
-_KINDS = "a numpy array, a torch/jax/cupy tensor, anything with __dlpack__, or a number or list of numbers"
+_KINDS = ("a numpy array, a torch/jax/cupy tensor, anything with __dlpack__, or a number or list "
+          "of numbers")
 
 
 class Source:
@@ -53,14 +54,15 @@ def _numpy_dtype(dt: Any, what: str) -> str:
     try:
         return dtype_from_numpy(dt).name
     except UnsupportedDType as exc:
-        raise InvalidRequest(f"{what} has dtype {dt}, which tensordepot cannot store ({exc})") from None
+        raise InvalidRequest(f"{what} has dtype {dt}, which tensordepot cannot store "
+                             f"({exc})") from None
 
 
 def raw_view(t: SharedTensor) -> Any:
     """The tensor's bytes as a numpy array of its storage type (no ml_dtypes needed)."""
     owner = t._alive()
-    return array_at(t._address, t.shape, tuple(s * t._dt.itemsize for s in t.strides), t._dt.storage,
-                    writable=False, owner=owner)
+    return array_at(t._address, t.shape, tuple(s * t._dt.itemsize for s in t.strides),
+                    t._dt.storage, writable=False, owner=owner)
 
 
 def _exportable(x: Any) -> Any:

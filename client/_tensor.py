@@ -90,6 +90,7 @@ class SharedTensor:
 
     # -- DLPack ------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCPU, 0)``: the bytes are in host memory."""
         return (kDLCPU, 0)
 
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
@@ -111,23 +112,28 @@ class SharedTensor:
                               copy=bool(copy))
 
     def numpy(self) -> Any:
-        """A numpy view (read-only unless from ``empty``).  bfloat16 and float8
-        need ml_dtypes; without it this raises with what to do instead."""
+        """A numpy view, no copy (read-only unless from ``empty``).  bfloat16 and
+        float8 need ml_dtypes; without it this raises ``InvalidRequest`` saying
+        what to do instead.  Raises ``TensorReleased`` after ``release()``."""
         owner = self._alive()
         try:
             dt = numpy_dtype(self._dt)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         byte_strides = tuple(s * self._dt.itemsize for s in self.strides)
-        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable, owner=owner)
+        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable,
+                        owner=owner)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        """``np.asarray(t)``: the ``numpy()`` view; a copy only for another
+        ``dtype`` or ``copy=True`` (``copy=False`` refuses to convert)."""
         import numpy as np
 
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
-                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and copy=False")
+                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and "
+                                 "copy=False")
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 
@@ -144,9 +150,14 @@ class SharedTensor:
         return owner.lease.id if owner is not None and owner.lease is not None else None
 
     def publish(self) -> SharedTensor:
-        """Make this ``empty()`` tensor visible to readers (once)."""
+        """Make this ``empty()`` tensor visible to readers (once); returns it.
+
+        Raises ``InvalidRequest`` for a tensor from ``get`` or one already
+        published, and ``TensorBroken`` if its allocation is gone (the broker
+        restarted, or the name was deleted meanwhile)."""
         if not self._writer:
-            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are published")
+            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are "
+                                 "published")
         if self.published:
             raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
         client = self._client()
@@ -179,15 +190,19 @@ class SharedTensor:
 
     @property
     def released(self) -> bool:
+        """Whether ``release()`` was called: reading it again raises ``TensorReleased``."""
         return self._owner is None
 
     def __enter__(self) -> Self:
+        """``with c.get(name) as t:`` releases it on leaving the block."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """``release()``."""
         self.release()
 
     def __repr__(self) -> str:
-        state = "released" if self._owner is None else ("writable" if self.writable else "read-only")
-        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, dtype={self.dtype}, "
-                f"device={self.device}, {state})")
+        state = "released" if self._owner is None else ("writable" if self.writable
+                                                        else "read-only")
+        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, "
+                f"dtype={self.dtype}, device={self.device}, {state})")

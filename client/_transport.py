@@ -213,8 +213,9 @@ class Transport:
                     return
         conn.close()
 
-    def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
-                timeout: float | None | bool = False, resend: bool = True) -> Any:
+    def request(self, method: str, path: str, body: Any = None, *,
+                headers: dict[str, str] | None = None,
+                timeout: float | bool | None = False, resend: bool = True) -> Any:
         """Send one request; return the decoded JSON (None for 204).  Raises DepotError.
 
         ``resend``: the request may be sent a second time after a failure

@@ -1,9 +1,20 @@
 """tensordepot: zero-copy tensor exchange between processes on one host.
 
+A broker (``tensordepot serve``) hands out shared memory; a ``Client`` puts
+tensors into it and gets ``SharedTensor`` views of them, which torch, numpy,
+jax and cupy import through DLPack without a copy::
+
     from tensordepot import Client
     with Client() as c:
         c.put("w", array)
         t = c.get("w", timeout=5.0)
+
+``Client.list()`` answers with ``TensorInfo``, ``Client.stat()`` with
+``Stat`` (one ``DeviceStat`` per GPU in use).  Everything raised for bad
+input or a broker in trouble is a ``DepotError``; each subclass below says
+when it is raised.  ``InvalidRequest`` is also a ``ValueError``,
+``InvalidType`` also a ``TypeError`` and ``TensorNotFound`` also a
+``KeyError``.
 """
 
 from ._errors import AuthError as AuthError
@@ -20,6 +31,7 @@ from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
 from ._errors import UntrustedBroker as UntrustedBroker
 from ._version import __version__ as __version__
+from ._wire import DeviceStat as DeviceStat
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
 from .client import Client as Client
@@ -31,6 +43,7 @@ __all__ = [
     "Client",
     "Conflict",
     "DepotError",
+    "DeviceStat",
     "Forbidden",
     "InvalidRequest",
     "InvalidType",

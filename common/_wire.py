@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Annotated, Literal
+import inspect
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -34,7 +35,8 @@ class _Answer(BaseModel):
 
 class ErrorDetail(_Answer):
     code: str = Field(examples=["not_found"])
-    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish it?"])
+    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish "
+                                   "it?"])
 
 
 class ErrorBody(_Answer):
@@ -50,7 +52,8 @@ class SessionOpen(_Frozen):
 class SessionInfo(_Answer):
     session: str
     pid: int | None
-    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by heartbeat")
+    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by "
+                                      "heartbeat")
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
 
 
@@ -70,9 +73,11 @@ class AllocRequest(_Frozen):
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
     dtype: str = Field(max_length=40, examples=["float32", "bfloat16"])
     device: str = Field("cpu", max_length=64)
-    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after publish")
+    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after "
+                                                      "publish")
     hold: bool = Field(False, description="also take a lease for the writer's own views, which "
-                                          "keeps the memory theirs after publish, delete or supersede")
+                                          "keeps the memory theirs after publish, delete or "
+                                          "supersede")
 
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
@@ -103,8 +108,10 @@ def _valid_ipc(text: str) -> str:
 
 
 IpcHandle = Annotated[str, AfterValidator(_valid_ipc),
-                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88, max_length=88)]
-GpuUuid = Annotated[str, Field(pattern=GPU_UUID, examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
+                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88,
+                            max_length=88)]
+GpuUuid = Annotated[str, Field(pattern=GPU_UUID,
+                               examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
 
 
 class CudaHandle(_Answer):
@@ -119,8 +126,10 @@ class CudaHandle(_Answer):
     release_event: int | None = Field(None, description="id of this lease's event: record it on "
                                       "every stream that used the tensor, then release")
     release_event_handle: IpcHandle | None = None
-    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with it)")
-    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc stat 22)")
+    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with "
+                                                    "it)")
+    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc "
+                                                      "stat 22)")
 
 
 class Handle(_Answer):
@@ -164,52 +173,91 @@ class ReleaseRequest(_Frozen):
                     "--session-ttl), whose views are gone now: their retired memory may be reused")
 
 
-class TensorInfo(_Answer):
-    name: str
-    version: int
-    shape: list[int]
-    dtype: str
-    nbytes: int
-    device: str
-    state: Literal["writing", "ready"]
+class _Described(type(BaseModel)):  # type: ignore[misc]  # pydantic's ModelMetaclass
+    """The metaclass of the answers users read (``TensorInfo``, ``Stat``,
+    ``DeviceStat``), so that ``help()`` explains them.
+
+    Each field is described once, in its ``Field(description=...)`` (which the
+    OpenAPI schema shows too); the class docstring gets a "Fields" list made
+    from those.  pydoc lists what ``dir(cls)`` returns: here only the class's
+    own public names, not the machinery every pydantic model inherits.
+    Instances are unaffected (``dir(obj)`` reads the class namespaces
+    directly), and so is pydantic, which never asks ``dir()`` of a model."""
+
+    def __init__(cls, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        hints = cls.__annotations__  # strings (postponed annotations): "int | None"
+        fields = "\n".join(f"- ``{name}`` ({hints.get(name, 'see base class')}): {f.description}"
+                           for name, f in cls.model_fields.items())
+        cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\nFields:\n\n{fields}\n"
+
+    def __dir__(cls) -> list[str]:
+        return sorted(n for n in vars(cls) if not n.startswith("_") and n != "model_config")
+
+
+class TensorInfo(_Answer, metaclass=_Described):
+    """One name with its newest version, as ``Client.list()`` and ``tensordepot ls`` show it.
+
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
+
+    name: str = Field(description="the tensor's name")
+    version: int = Field(description="the newest version's number (versions only grow)")
+    shape: list[int] = Field(description="dimensions, outermost first")
+    dtype: str = Field(description='element type, such as "float32" or "bfloat16"')
+    nbytes: int = Field(description="bytes of that version")
+    device: str = Field(description='where its bytes live: "cpu", or "cuda:GPU-<uuid>"')
+    state: Literal["writing", "ready"] = Field(
+        description='"ready" once published; "writing" while only an unpublished version exists')
     readers: int = Field(description="live leases on this name's versions")
-    expires_in: float | None = None
+    expires_in: float | None = Field(None, description="seconds until its ttl deletes the name; "
+                                                       "None without a ttl")
     origin: str | None = Field(None, description="for a replica pulled from a peer: the Flight URL "
                                "of the broker where the tensor was published")
     origin_version: int | None = Field(None, description="for a replica: its version at the origin")
 
 
-class DeviceStat(_Answer):
-    """One GPU's memory, as the broker holds it."""
+class DeviceStat(_Answer, metaclass=_Described):
+    """One GPU's memory, as the broker holds it (``Stat.devices``).
 
-    device: str = Field(examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
+
+    device: str = Field(description="the GPU, cuda:GPU-<uuid>",
+                        examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
     bytes_in_use: int = Field(description="bytes of broker blocks held by tensor versions")
-    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space included")
+    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space "
+                                            "included")
     bytes_pending: int = Field(description="freed bytes waiting for readers' kernels to finish")
     bytes_shared: int = Field(description="producer-owned bytes published with share()")
     max_memory: int = Field(description="--cuda-memory for this GPU")
-    segments: int
+    segments: int = Field(description="device allocations (pooled blocks) the broker holds")
     events: int = Field(description="interprocess events the broker created on this GPU")
     context_bytes: int | None = Field(description="device memory the broker's CUDA context took "
                                       "(NVML, measured when it was created); None if unknown")
 
 
-class Stat(_Answer):
-    """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it."""
+class Stat(_Answer, metaclass=_Described):
+    """The broker's accounting, as ``Client.stat()`` and ``tensordepot stat`` show it.
+
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
 
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
-    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free space included")
-    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process it "
-                                              "cannot vouch for may still map them; freed with their segment")
+    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free "
+                                            "space included")
+    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process "
+                                              "it cannot vouch for may still map them; freed with "
+                                              "their segment")
     retired_total: int = Field(0, description="bytes retired since the broker started")
-    max_memory: int
-    tensors: int
-    versions: int
-    leases: int
-    sessions: int
-    segments: int
+    max_memory: int = Field(description="shared memory the broker may hold (--max-memory), in "
+                                        "bytes")
+    tensors: int = Field(description="names with a published version")
+    versions: int = Field(description="versions alive: the newest of each name, older ones still "
+                                      "read, and unpublished ones")
+    leases: int = Field(description="leases held: each get takes one, and so does empty()")
+    sessions: int = Field(description="open client sessions")
+    segments: int = Field(description="shared-memory segments the broker holds")
     waiting: int = Field(0, description="gets parked now, waiting for a publish")
-    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until first used)")
+    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until "
+                                                                        "first used)")
 
 
 class ShareRequest(_Frozen):
@@ -230,7 +278,8 @@ class LiveRequest(_Frozen):
 
 
 class LiveReply(_Answer):
-    live: list[str] = Field(description="those the broker still has (a block, or a shared allocation)")
+    live: list[str] = Field(description="those the broker still has (a block, or a shared "
+                                        "allocation)")
     busy: list[str] = Field(description="those some lease, or a reader's queued kernel, still uses")
     orphaned: list[str] = Field(default_factory=list,
                                 description="shared allocations whose producer has died or closed")
@@ -247,7 +296,8 @@ class BatchPublish(_Frozen):
 class BatchGet(_Frozen):
     names: list[Name] = Field(max_length=MAX_BATCH)
     timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
-                                  description="one deadline for the whole batch, in seconds; null: forever")
+                                  description="one deadline for the whole batch, in seconds; null: "
+                                              "forever")
 
 
 class HandleList(_Answer):

@@ -16,7 +16,8 @@ from tensordepot import Client
 
 def main() -> int:
     name = os.environ.get("TENSORDEPOT_EXAMPLE_NAME", "example/weights")
-    x = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)  # 4 MiB: goes through shared memory
+    # 4 MiB: goes through shared memory
+    x = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
     with Client(label="example-producer") as producer:
         version = producer.put(name, x)
     with Client(label="example-consumer") as consumer:

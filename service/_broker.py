@@ -36,9 +36,9 @@ from typing import Any, Literal, Protocol
 
 from .._errors import (
     BrokerUnavailable,
-    Forbidden,
     Conflict,
     DepotError,
+    Forbidden,
     InvalidRequest,
     OutOfMemory,
     TensorNotFound,
@@ -174,8 +174,8 @@ class Broker:
         self.clock = clock
         lim = self.limits
         self.sessions = Sessions(session_ttl=lim.session_ttl, claim_window=lim.claim_window,
-                                 max_sessions=lim.max_sessions, max_per_peer=lim.max_sessions_per_peer,
-                                 clock=clock, proc=proc)
+                                 max_sessions=lim.max_sessions,
+                                 max_per_peer=lim.max_sessions_per_peer, clock=clock, proc=proc)
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self.bytes_in_use = 0
@@ -339,7 +339,8 @@ class Broker:
         """A session for a child about to be forked, with copies of the
         parent's leases (a writer's holds included)."""
         parent = self._session(sid, caller)
-        child = self.sessions.open(caller, label=f"fork of {parent.label or sid[:8]}", claimed=False)
+        child = self.sessions.open(caller, label=f"fork of {parent.label or sid[:8]}",
+                                   claimed=False)
         mapping = {}
         for lid in sorted(parent.leases):
             src = self.leases[lid]
@@ -377,7 +378,8 @@ class Broker:
                     v.block.stale += 1
             if held:
                 self._lapsed[s.id] = (s.owner, held)
-                while len(self._lapsed) > MAX_LAPSED:  # forgotten: retired until their segment drains
+                # Beyond the bound, the oldest are forgotten: retired until their segment drains.
+                while len(self._lapsed) > MAX_LAPSED:
                     self._lapsed.popitem(last=False)
         self.sessions.remove(s)
         for lid in list(s.leases):
@@ -418,7 +420,8 @@ class Broker:
 
     def expire(self) -> list[str]:
         now = self.clock()
-        gone = [n for n, e in self.entries.items() if e.expires_at is not None and e.expires_at <= now]
+        gone = [n for n, e in self.entries.items() if e.expires_at is not None
+                and e.expires_at <= now]
         for n in gone:
             self.delete(n)
             self._count("expired")
@@ -493,7 +496,8 @@ class Broker:
         span = math.prod(max(d, 1) for d in shape) * dt.itemsize
         if max(nbytes, span) > MAX_NBYTES:
             raise InvalidRequest(
-                f"shape {list(shape)} of {dt.name} is {nbytes} bytes, which overflows; check the shape"
+                f"shape {list(shape)} of {dt.name} is {nbytes} bytes, which overflows; check the "
+                "shape"
             )
         return shape, dt.name, dt.itemsize, nbytes
 
@@ -551,7 +555,8 @@ class Broker:
         s = self._session(sid, caller)
         return self._publish(s, self._writing(s, name, number))
 
-    def publish_many(self, sid: str | None, caller: Caller, items: list[tuple[str, int]]) -> list[Version]:
+    def publish_many(self, sid: str | None, caller: Caller,
+                     items: list[tuple[str, int]]) -> list[Version]:
         """All or nothing: every item is checked before any is published."""
         s = self._session(sid, caller)
         if len(set(items)) != len(items):
@@ -590,11 +595,13 @@ class Broker:
                 return
         raise TensorNotFound(f"this session is not writing version {number} of {name!r}")
 
-    async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest, data: bytes) -> Version:
+    async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
+                         data: bytes) -> Version:
         """Allocate, fill and publish a small tensor whose bytes came in the request."""
         shape, _, _, nbytes = self._check_alloc(req)
         if nbytes > INLINE_MAX:
-            raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + publish")
+            raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + "
+                                 "publish")
         if len(data) != nbytes:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
@@ -623,7 +630,8 @@ class Broker:
         s = self._session(sid, caller)
         lease = self.leases.get(lease_id)
         if lease is None or lease.session != s.id or lease.version.block is None:
-            raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source tensor again")
+            raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source "
+                                 "tensor again")
         src = lease.version
         if src.state != "ready":
             raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
@@ -668,14 +676,15 @@ class Broker:
         seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
         return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
 
-    async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
-                       *, request: str | None = None,
-                       gone: Callable[[], Awaitable[Any]] | None = None) -> list[tuple[Version, int]]:
+    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, *, request: str | None = None,
+                       gone: Callable[[], Awaitable[Any]] | None = None,
+                       ) -> list[tuple[Version, int]]:
         """All of them under one deadline, or an error and none."""
         return await self._get_all(sid, caller, names, timeout, 0, request, gone)
 
-    async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
-                       newer_than: int, request: str | None,
+    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, newer_than: int, request: str | None,
                        gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
         s = self._session(sid, caller)
         got: list[tuple[Version, int]] = []
@@ -711,7 +720,8 @@ class Broker:
             s.waits[request] = cancel
         stops: set[asyncio.Future[Any]] = {cancel, self._closing_wait()}
         if gone is not None:
-            stops.add(asyncio.ensure_future(gone()))  # only now: a wait that never starts needs none
+            # only now: a wait that never starts needs none
+            stops.add(asyncio.ensure_future(gone()))
         w = self._waits.get(name)
         if w is None:
             w = self._waits[name] = _Wait()
@@ -722,7 +732,8 @@ class Broker:
                 waiter = asyncio.ensure_future(w.event.wait())
                 remaining = None if deadline is None else deadline - loop.time()
                 if self.peers is not None:  # wake up to ask the peers again
-                    remaining = min(self.peers.poll_interval, math.inf if remaining is None else remaining)
+                    remaining = min(self.peers.poll_interval, math.inf if remaining is None
+                                    else remaining)
                 try:
                     done, _ = await asyncio.wait({waiter, *stops}, timeout=remaining,
                                                  return_when=asyncio.FIRST_COMPLETED)
@@ -764,7 +775,8 @@ class Broker:
                 f"(the newest is v{e.ready.number})"
             )
         peers = "" if self.peers is None else self.peers.explain(name)
-        return TensorNotFound(f"tensor {name!r} was not published {within} ({self._known()}){peers}")
+        return TensorNotFound(f"tensor {name!r} was not published {within} "
+                              f"({self._known()}){peers}")
 
     def _closing_wait(self) -> asyncio.Future[Any]:
         if self._closing_event is None:
@@ -865,8 +877,10 @@ class Broker:
         out = []
         for name in sorted(self.entries):
             e = self.entries[name]
-            v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number, default=None)
-            if v is not None and not (v.state == "writing" and v.replica is not None):  # pulls in flight
+            v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number,
+                                                        default=None)
+            # pulls in flight
+            if v is not None and not (v.state == "writing" and v.replica is not None):
                 out.append(self._info(e, v))
         return out
 

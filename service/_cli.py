@@ -321,11 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warm-memory",
                    help="free memory kept warm for reuse (default: min(2GiB, max-memory))")
     s.add_argument("--prealloc", help="pool memory created at start (default 256MiB)")
-    s.add_argument("--cuda-memory", help="device memory the broker may hold on each GPU, e.g. 16GiB "
-                                         "(default: half of each GPU's memory); nothing is allocated "
-                                         "on a GPU until a tensor is placed there")
+    s.add_argument("--cuda-memory", help="device memory the broker may hold on each GPU, e.g. "
+                                         "16GiB (default: half of each GPU's memory); nothing is "
+                                         "allocated on a GPU until a tensor is placed there")
     s.add_argument("--cuda-segment-size", help="pooled CUDA block size (default 256MiB)")
-    s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first --listen)")
+    s.add_argument("--shm-prefix", help="segment name prefix (default: derived from the first "
+                                        "--listen)")
     s.add_argument("--shm-group", metavar="GROUP",
                    help="group of the socket (0660) and the segments (0640: the group maps them "
                         "read-only; 0660 with --allow-uid/--allow-gid); default: owner only (0600)")
@@ -348,13 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--session-ttl", type=float,
                    help="heartbeat timeout for untracked sessions (default 15)")
     s.add_argument("--alloc-ttl", type=float,
-                   help="seconds an allocation may stay unpublished before it is reclaimed (default 600; 0: never)")
-    s.add_argument("--max-sessions", type=int, help="sessions the broker holds at most (default 16384)")
+                   help="seconds an allocation may stay unpublished before it is reclaimed "
+                        "(default 600; 0: never)")
+    s.add_argument("--max-sessions", type=int,
+                   help="sessions the broker holds at most (default 16384)")
     s.add_argument("--max-sessions-per-peer", type=int,
                    help="sessions one process, or one token over TCP, may hold (default 256)")
-    s.add_argument("--max-memory-per-session", help="bytes one session may hold, e.g. 1GiB (default: no limit)")
+    s.add_argument("--max-memory-per-session", help="bytes one session may hold, e.g. 1GiB "
+                                                    "(default: no limit)")
     s.add_argument("--max-memory-per-token",
-                   help="bytes one identity (a uid, or a token) may hold, e.g. 4GiB (default: no limit)")
+                   help="bytes one identity (a uid, or a token) may hold, e.g. 4GiB (default: no "
+                        "limit)")
     s.add_argument("--max-connections", type=int,
                    help="open connections; beyond it the longest-idle one is closed (default 4096)")
     s.add_argument("--log-level", help="debug, info, warning (default info)")
@@ -364,14 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--flight-tls-cert", metavar="PEM", help="certificate for grpc+tls://")
     hosts.add_argument("--flight-tls-key", metavar="PEM", help="private key for grpc+tls://")
     hosts.add_argument("--peer", action="append", metavar="URL",
-                       help="pull tensors missing here from this broker's --flight URL (repeatable)")
+                       help="pull tensors missing here from this broker's --flight URL "
+                            "(repeatable)")
     hosts.add_argument("--peer-refresh", type=float, metavar="S",
                        help="seconds a replica is served before its peers are asked for a newer "
                             "version; 0: on every get (default 1)")
     hosts.add_argument("--peer-timeout", type=float, metavar="S",
                        help="seconds to wait for a peer's answer or next chunk (default 5)")
-    hosts.add_argument("--peer-token", help="token sent to peers (default: --token); prefer "
-                                            "TENSORDEPOT_PEER_TOKEN, argv is visible to other users")
+    hosts.add_argument("--peer-token",
+                       help="token sent to peers (default: --token); prefer "
+                            "TENSORDEPOT_PEER_TOKEN, argv is visible to other users")
     hosts.add_argument("--peer-tls-ca", metavar="PEM", help="CA bundle for grpc+tls:// peers")
     s.set_defaults(func=_serve)
 
@@ -397,12 +404,15 @@ def build_parser() -> argparse.ArgumentParser:
     push = sub.add_parser("push", help="send tensors to a broker on another host (Arrow Flight)")
     push.add_argument("names", nargs="+", metavar="NAME")
     push.add_argument("--to", required=True, metavar="URL",
-                      help="the other broker's --flight URL, grpc://HOST:PORT or grpc+tls://HOST:PORT")
-    push.add_argument("--url", default=None, help=f"local broker URL (default $TENSORDEPOT_URL or {default_url()})")
+                      help="the other broker's --flight URL, grpc://HOST:PORT or "
+                           "grpc+tls://HOST:PORT")
+    push.add_argument("--url", default=None,
+                      help=f"local broker URL (default $TENSORDEPOT_URL or {default_url()})")
     push.add_argument("--token", default=None, help="bearer token for the local broker over TCP")
     push.add_argument("--to-token", default=None,
                       help="token for the other broker (default $TENSORDEPOT_PEER_TOKEN)")
-    push.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle for a grpc+tls:// --to")
+    push.add_argument("--tls-ca", default=None, metavar="PEM",
+                      help="CA bundle for a grpc+tls:// --to")
     push.set_defaults(func=_push)
     return p
 

@@ -204,9 +204,9 @@ class CudaMemory:
             raise InvalidRequest(f"device {device!r} is not a GPU")
         if d.uuid is None:
             raise InvalidRequest(
-                f"device {device!r}: name the GPU by UUID, cuda:GPU-<uuid> (nvidia-smi -L lists them); "
-                f"an ordinal differs between processes with different CUDA_VISIBLE_DEVICES. "
-                f"The Python client does this for you"
+                f"device {device!r}: name the GPU by UUID, cuda:GPU-<uuid> (nvidia-smi -L lists "
+                "them); an ordinal differs between processes with different CUDA_VISIBLE_DEVICES. "
+                "The Python client does this for you"
             )
         return d.uuid
 
@@ -231,8 +231,9 @@ class CudaMemory:
             raise InvalidRequest(f"the broker cannot use that GPU: {exc}") from None
         try:
             gpu = self.gpus.open(ordinal, uuid)
-        except Exception as exc:  # noqa: BLE001  # a CUDA failure is a fact about the machine
-            raise InvalidRequest(f"the broker cannot open GPU {uuid} (cuda:{ordinal}): {exc}") from None
+        except Exception as exc:  # a CUDA failure is a fact about the machine
+            raise InvalidRequest(f"the broker cannot open GPU {uuid} (cuda:{ordinal}): "
+                                 f"{exc}") from None
         limit = self.max_memory if self.max_memory is not None else gpu.total_memory // 2
         ipc: dict[str, tuple[str, int]] = {}
         factory = functools.partial(_new_block, gpu, ipc)
@@ -242,7 +243,8 @@ class CudaMemory:
         pool.on_drop = ipc.__delitem__
         dev = self._devices[key] = _Device(uuid, ordinal, gpu, pool, ipc)
         log.info("GPU %s (cuda:%d in the broker) in use: limit %d MiB, context %s", uuid, ordinal,
-                 limit // MiB, "unknown" if gpu.context_bytes is None else f"{gpu.context_bytes // MiB} MiB")
+                 limit // MiB, "unknown" if gpu.context_bytes is None
+                 else f"{gpu.context_bytes // MiB} MiB")
         return dev
 
     def _dev_of(self, block: Block) -> _Device:
@@ -297,8 +299,8 @@ class CudaMemory:
             block = dev.pool.alloc(nbytes)
         except PoolExhausted as exc:
             raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}; free tensors "
-                f"with delete(), or start the broker with a larger --cuda-memory"
+                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}; free "
+                f"tensors with delete(), or start the broker with a larger --cuda-memory"
             ) from None
         self._write[block] = self._write_event(session.id, dev)
         return block
@@ -371,7 +373,8 @@ class CudaMemory:
             owner_pid=None if share is None else share.pid,
             owner_start=None if share is None else share.start)
         return Handle(name=v.name, version=v.number, kind="cuda", segment=block.segment,
-                      offset=block.offset, nbytes=block.nbytes, shape=list(v.shape), strides=strides,
+                      offset=block.offset, nbytes=block.nbytes, shape=list(v.shape),
+                      strides=strides,
                       dtype=v.dtype, device=block.device, state=v.state, lease=lease, cuda=cuda)
 
     def end_session(self, broker: Broker, session: Session) -> None:
@@ -384,7 +387,8 @@ class CudaMemory:
                 broker.delete(name)
                 self.count("shares_withdrawn")
 
-    async def share(self, broker: Broker, sid: str | None, caller: Caller, req: ShareRequest) -> Version:
+    async def share(self, broker: Broker, sid: str | None, caller: Caller,
+                    req: ShareRequest) -> Version:
         """Publish producer-owned memory as the next version of ``req.name``."""
         uuid = self.wire_uuid(req.device)
         dev = self._device(uuid)  # the leases' release events live on this GPU
@@ -395,8 +399,8 @@ class CudaMemory:
         nbytes = math.prod(req.shape) * itemsize
         if req.offset + nbytes > req.alloc_size:
             raise InvalidRequest(
-                f"a {nbytes} byte tensor at offset {req.offset} does not fit in the {req.alloc_size} "
-                f"byte allocation the handle maps"
+                f"a {nbytes} byte tensor at offset {req.offset} does not fit in the "
+                f"{req.alloc_size} byte allocation the handle maps"
             )
         s = broker.sessions.get(sid or "")
         segment = "share-" + hashlib.sha256(decode_ipc(req.ipc_handle)).hexdigest()[:32]
@@ -405,7 +409,8 @@ class CudaMemory:
         self._shares[block] = _Share(sid or "", s.pid if tracked and s else None,
                                      s.start_time if tracked and s else None, req.ipc_handle)
         self._share_names[segment] = self._share_names.get(segment, 0) + 1
-        alloc = AllocRequest(name=req.name, shape=req.shape, dtype=req.dtype, device=req.device, ttl=req.ttl)
+        alloc = AllocRequest(name=req.name, shape=req.shape, dtype=req.dtype, device=req.device,
+                             ttl=req.ttl)
         try:
             v, _ = await broker.alloc(sid, caller, alloc, block=block)
         except BaseException:
@@ -477,7 +482,7 @@ class CudaMemory:
         """Apply one round of event queries (on the event loop).  Returns
         whether anything completed."""
         progressed = False
-        for p, ok in zip(batch, done):
+        for p, ok in zip(batch, done, strict=True):
             if ok is False and p.pid is not None:
                 ident = proc_stat(p.pid)
                 if ident is None or ident[0] != p.start or ident[1] in ("Z", "X"):
@@ -532,7 +537,7 @@ def _query(events: list[GpuEvent]) -> list[bool | None]:
     for ev in events:
         try:
             out.append(ev.query())
-        except Exception as exc:  # noqa: BLE001  # treat as done, never reuse the event
+        except Exception as exc:  # treat as done, never reuse the event
             log.warning("event query failed: %s", exc)
             out.append(None)
     return out

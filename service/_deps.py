@@ -125,7 +125,8 @@ async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Resp
 def _ids(raw: bytes, what: str) -> list[bytes]:
     ids = [x.strip() for x in raw.split(b",") if x.strip()]
     if len(ids) > MAX_RELEASE_IDS:
-        raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per request")
+        raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per "
+                             "request")
     return ids
 
 

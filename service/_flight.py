@@ -162,7 +162,8 @@ class FlightService:
     broker starts, so a bad address fails the command; ``attach`` connects it
     to the broker once the event loop runs.  Until then calls get UNAVAILABLE."""
 
-    def __init__(self, url: FlightURL, scopes: Scopes, *, tls: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(self, url: FlightURL, scopes: Scopes, *,
+                 tls: tuple[bytes, bytes] | None = None) -> None:
         fl = import_flight()
         factory_base: Any = fl.ServerMiddlewareFactory
         middleware_base: Any = fl.ServerMiddleware
@@ -185,7 +186,8 @@ class FlightService:
                 tok = token.strip() if scheme.lower() == "bearer" else None
                 if not scopes.known(tok):
                     raise fl.FlightUnauthenticatedError(
-                        "missing or unknown token: send 'authorization: Bearer <token>'", b"unauthorized")
+                        "missing or unknown token: send 'authorization: Bearer <token>'",
+                        b"unauthorized")
                 via = tuple(x for x in (_header(headers, VIA_HEADER) or "").split(",") if x)
                 return _Middleware(tok, via, _header(headers, PEER_HEADER))
 
@@ -217,7 +219,8 @@ class FlightService:
             self._server = _Server(url.location(), tls_certificates=certs,
                                    middleware={"auth": _Auth()})
         except (pa.ArrowException, OSError) as exc:
-            raise ListenError(f"--flight {url.url}: cannot listen: {str(exc).splitlines()[0]}") from None
+            raise ListenError(f"--flight {url.url}: cannot listen: "
+                              f"{str(exc).splitlines()[0]}") from None
         self.url = url.location(self._server.port)
         # What other brokers call this one in a replica's origin.
         host = socket.gethostname() if url.host in ("0.0.0.0", "::") else url.host
@@ -333,7 +336,8 @@ class FlightService:
     def _info(self, meta: FlightMeta, descriptor: Any) -> Any:
         fl = import_flight()
         ticket = fl.Ticket(f"{meta.name}@{meta.version}".encode())
-        return fl.FlightInfo(schema(meta.model_dump_json()), descriptor, [fl.FlightEndpoint(ticket, [])],
+        return fl.FlightInfo(schema(meta.model_dump_json()), descriptor,
+                             [fl.FlightEndpoint(ticket, [])],
                              total_records=meta.nbytes, total_bytes=meta.nbytes)
 
     def get_flight_info(self, call: _Call, descriptor: Any) -> Any:
@@ -367,7 +371,8 @@ class FlightService:
         self.traffic.add(peer, "streams_served", 1)
         for batch in batches(view, sch):
             if self._closing:
-                raise fl.FlightUnavailableError("the broker is shutting down; retry", b"broker_unavailable")
+                raise fl.FlightUnavailableError("the broker is shutting down; retry",
+                                                b"broker_unavailable")
             yield batch
             self.traffic.add(peer, "bytes_served", batch.num_rows)
 
@@ -385,8 +390,8 @@ class FlightService:
         sid, v, view = self._on_loop(self._alloc(req))
         try:  # ending the session gives the allocation back unless it was published
             if v.nbytes != meta.nbytes:
-                raise InvalidRequest(f"metadata says {meta.nbytes} bytes, but shape {meta.shape} of "
-                                     f"{meta.dtype} is {v.nbytes}")
+                raise InvalidRequest(f"metadata says {meta.nbytes} bytes, but shape {meta.shape} "
+                                     f"of {meta.dtype} is {v.nbytes}")
             got = read_into(reader, view, lambda n: self.traffic.add(call.peer, "bytes_pushed", n),
                             lambda: self._closing)
             if got != v.nbytes:
@@ -420,15 +425,16 @@ def bind_flight(settings: Any, policy: AuthPolicy) -> FlightService:
         raise ListenError(str(exc)) from None
     scopes = Scopes.of(policy)
     if not scopes.enabled and not policy.insecure_no_auth:
-        raise ListenError(f"--flight {url.url} needs a token, as every TCP listener does (other local "
-                          f"users can reach loopback): give --token-file or TENSORDEPOT_TOKEN, or "
-                          f"--insecure-no-auth")
+        raise ListenError(f"--flight {url.url} needs a token, as every TCP listener does (other "
+                          "local users can reach loopback): give --token-file or "
+                          "TENSORDEPOT_TOKEN, or --insecure-no-auth")
     tls = None
     if url.tls:
         if not (settings.flight_tls_cert and settings.flight_tls_key):
             raise ListenError(f"--flight {url.url} needs --flight-tls-cert and --flight-tls-key")
         try:
-            with open(settings.flight_tls_cert, "rb") as c, open(settings.flight_tls_key, "rb") as k:
+            with (open(settings.flight_tls_cert, "rb") as c,
+                  open(settings.flight_tls_key, "rb") as k):
                 tls = (c.read(), k.read())
         except OSError as exc:
             raise ListenError(f"--flight-tls-cert/--flight-tls-key: {exc}") from None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._auth import AuthPolicy
 from ._broker import Broker
 from .config import Settings
 
@@ -50,9 +51,9 @@ class Hosts:
             await self.flight.close()
 
 
-def connect(settings: Settings, broker: Broker, flight: Any = None) -> Hosts:
-    """Attach ``flight`` (bound by the CLI, or bound here) and start the peers.
-    Call on the event loop."""
+def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any = None) -> Hosts:
+    """Attach ``flight`` (bound by the CLI, or bound here on ``policy``: the
+    broker's own tokens and scopes) and start the peers.  Call on the event loop."""
     from ._flight import bind_flight
     from ._peers import Peers
 
@@ -60,7 +61,7 @@ def connect(settings: Settings, broker: Broker, flight: Any = None) -> Hosts:
     keep_receive_buffers_warm()
     instance = secrets.token_hex(8)  # this run's id: version numbers restart with a broker
     if flight is None and settings.flight:
-        flight = bind_flight(settings)
+        flight = bind_flight(settings, policy)
     if flight is not None:
         flight.attach(broker, asyncio.get_running_loop(), instance)
         hosts.flight = flight

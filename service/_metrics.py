@@ -10,8 +10,10 @@ not clash.  Two sources fill it:
   of the route the path matches (``/v1/tensors/{name}``, never the raw
   path, so tensor names cannot multiply series) and the status.
 * ``BrokerCollector`` reads the broker at scrape time: its plain event
-  counters (``Broker.counters``) and its memory and lifetime accounting.
-  Nothing on the broker's hot paths touches prometheus_client.
+  counters (``Broker.counters``) and its memory and lifetime accounting,
+  shared memory as ``device="cpu"`` and each GPU in use as
+  ``device="cuda:GPU-<uuid>"``.  Nothing on the broker's hot paths touches
+  prometheus_client.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .._version import __version__
+from .._wire import DeviceStat
 
 if TYPE_CHECKING:
     from ._broker import Broker
@@ -67,7 +70,7 @@ BYTE_COUNTERS = {
     "bytes_put": "Bytes of tensor versions published (a shared, uncopied version counts too).",
     "bytes_got": "Bytes of tensor versions leased by get and get_many.",
 }
-DEVICE = "cpu"  # the only device this broker serves
+DEVICE = "cpu"  # the device label of shared memory; a GPU's is its DeviceStat.device
 
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 _NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -226,24 +229,54 @@ class BrokerCollector(Collector):
                                       value=value)
 
         st = broker.stat()
-        for name, help_text, value in (
-            ("memory_in_use_bytes", "Bytes held by tensor versions, pending deletes included.",
-             st.bytes_in_use),
+        # Memory gauges by device: name, HELP, shared memory's value, and how to
+        # read a GPU's from its DeviceStat (None: shared memory only).  A GPU's
+        # warm free space is what its pool holds beyond the blocks in use and
+        # the freed ones still waiting for readers' kernels.
+        memory: tuple[tuple[str, str, int, Callable[[DeviceStat], int] | None], ...] = (
+            # Stat.bytes_in_use counts tensors on every device: shared memory's
+            # share is what its pool's blocks hold.
+            ("memory_in_use_bytes",
+             "Bytes of the blocks that tensor versions hold (sizes rounded up to the block "
+             "alignment), pending deletes included.", broker.pool.used, lambda d: d.bytes_in_use),
             ("memory_reserved_bytes",
-             "Shared memory the broker holds in segments, warm free space included.",
-             st.bytes_reserved),
+             "Memory the broker holds in segments (shared memory) or blocks (a GPU), warm free "
+             "space included.", st.bytes_reserved, lambda d: d.bytes_reserved),
             ("memory_warm_free_bytes",
-             "Reserved shared memory that no tensor uses, kept warm for reuse.",
-             broker.pool.warm_free()),
-            ("memory_limit_bytes", "The most shared memory the broker may hold (--max-memory).",
-             st.max_memory),
+             "Reserved memory that no tensor uses, kept warm for reuse.",
+             broker.pool.warm_free(),
+             lambda d: max(0, d.bytes_reserved - d.bytes_in_use - d.bytes_pending)),
+            ("memory_limit_bytes",
+             "The most memory the broker may hold: --max-memory, or a GPU's --cuda-memory.",
+             st.max_memory, lambda d: d.max_memory),
             ("memory_retired_bytes",
              ("Bytes never to be reused, because a process the broker cannot vouch for may still "
-              "map them; freed with their segment."), st.bytes_retired),
-            ("segments", "Shared-memory segments the broker holds.", st.segments),
+              "map them; freed with their segment."), st.bytes_retired, None),
+            ("segments", "Shared-memory segments, or a GPU's blocks, the broker holds.",
+             st.segments, lambda d: d.segments),
+        )
+        for name, help_text, value, of_gpu in memory:
+            family = _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,
+                                                   labels=["device"]), value)
+            if of_gpu is not None:
+                for d in st.devices:
+                    family.add_metric([d.device], of_gpu(d))
+            yield family
+        for name, help_text, field in (
+            ("cuda_pending_bytes", "GPU memory freed but not yet reusable: readers' kernels may "
+             "still read it (their release events have not completed).", "bytes_pending"),
+            ("cuda_shared_bytes", "Producer-owned GPU memory published with share(); the broker "
+             "holds none of it.", "bytes_shared"),
+            ("cuda_context_bytes", "GPU memory the broker's CUDA context took, measured when it "
+             "was created (absent when unknown).", "context_bytes"),
+            ("cuda_events", "Interprocess events the broker created on a GPU.", "events"),
         ):
-            yield _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,
-                                                labels=["device"]), value)
+            family = GaugeMetricFamily(f"tensordepot_{name}", help_text, labels=["device"])
+            for d in st.devices:
+                value = getattr(d, field)
+                if value is not None:
+                    family.add_metric([d.device], value)
+            yield family
         for name, help_text, value in (
             ("tensors", "Names with a published version.", st.tensors),
             ("versions", "Tensor versions holding memory: being written, current, or still read.",

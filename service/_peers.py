@@ -53,7 +53,8 @@ log = logging.getLogger("tensordepot.peers")
 VIA: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("tensordepot_via", default=())
 VIA_HEADER = "x-tensordepot-via"  # ids of the brokers a request passed through
 PEER_HEADER = "x-tensordepot-peer"  # who is asking, for the other side's metrics
-MIN_RATE = 1 << 20  # bytes/s: a whole transfer's deadline is --peer-timeout plus nbytes at this rate
+# bytes/s: a whole transfer's deadline is --peer-timeout plus nbytes at this rate
+MIN_RATE = 1 << 20
 
 
 def clean(exc: BaseException) -> str:
@@ -209,7 +210,7 @@ class Peers:
         answers = await asyncio.gather(*(self._run(self._ask, p, name, via) for p in self.urls),
                                        return_exceptions=True)
         found, out = [], _Outcome()
-        for peer, a in zip(self.urls, answers):
+        for peer, a in zip(self.urls, answers, strict=True):
             if isinstance(a, FlightMeta):
                 found.append(_Found(peer, a))
             elif isinstance(a, BaseException):
@@ -278,7 +279,8 @@ class Peers:
         broker, m = self.broker, f.meta
         sid = broker.open_session(LOCAL, "peer-pull").session
         try:
-            v, _ = await broker.alloc(sid, LOCAL, AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
+            v, _ = await broker.alloc(sid, LOCAL,
+                                      AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
             # Set in the same step as the alloc: list() hides replicas in flight.
             v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
             if v.nbytes != m.nbytes:
@@ -295,7 +297,8 @@ class Peers:
                 self.traffic.add(f.peer, "failures", 1)
                 raise
             finally:
-                if not job.done():  # cancelled: the allocation goes back only once nothing writes to it
+                # cancelled: the allocation goes back only once nothing writes to it
+                if not job.done():
                     t.stop()
                     await asyncio.wait({job})
             self.traffic.add(f.peer, "transfers", 1)
@@ -312,7 +315,8 @@ class Peers:
             c = self._clients.get(peer)
             if c is None:
                 tls = peer.startswith("grpc+tls://")
-                c = self._clients[peer] = fl.FlightClient(peer, tls_root_certs=self._tls_ca if tls else None)
+                c = self._clients[peer] = fl.FlightClient(
+                    peer, tls_root_certs=self._tls_ca if tls else None)
             return c
 
     def _options(self, via: tuple[str, ...], timeout: float | None) -> Any:
@@ -365,8 +369,8 @@ class Peers:
                 raise BrokerUnavailable(f"peer {f.peer} sent {got} of {m.nbytes} bytes {what}")
         except (pa.ArrowException, ValueError, InterruptedError) as exc:
             if t.stalled:
-                raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s {what}; "
-                                        f"the partial copy was discarded") from None
+                raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s "
+                                        f"{what}; the partial copy was discarded") from None
             raise self._error(f.peer, exc, what, partial=True) from None
         finally:
             with self._lock:
@@ -388,7 +392,8 @@ class Peers:
         if isinstance(exc, fl.FlightTimedOutError):
             return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
                                      f"{what}{tail}")
-        if isinstance(exc, (ValidationError, ValueError)) and not isinstance(exc, pa.ArrowException):
+        if (isinstance(exc, (ValidationError, ValueError))
+                and not isinstance(exc, pa.ArrowException)):
             return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "
                                      f"stream {what}: {msg}{tail}")
         return BrokerUnavailable(f"peer {peer} failed {what}: {msg}{tail}")
@@ -403,7 +408,8 @@ class Peers:
             await asyncio.sleep(min(self.timeout / 4, 1.0))
             now = time.monotonic()
             with self._lock:
-                stalled = [t for t in self._active if t.reader is not None and now - t.last > self.timeout]
+                stalled = [t for t in self._active if t.reader is not None
+                           and now - t.last > self.timeout]
             for t in stalled:
                 t.stalled = True
                 t.stop()

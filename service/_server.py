@@ -92,7 +92,8 @@ def _refuse_dir(path: str, st: os.stat_result, problem: str, fix: str) -> Listen
         f"the socket directory {path} {problem} (owner uid {describe_uid(st.st_uid)}, mode "
         f"{stat.S_IMODE(st.st_mode):04o}); whoever can write it can replace the socket with their "
         f"own and receive your clients' tensors. {fix}, or use --listen "
-        f"unix:///<a directory of yours>/broker.sock: a missing directory is created with mode 0700")
+        "unix:///<a directory of yours>/broker.sock: a missing directory is created with mode "
+        "0700")
 
 
 def _socket_dir(path: str, policy: AuthPolicy) -> None:
@@ -177,7 +178,8 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}; is another broker running?") from None
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}; is another broker "
+                          "running?") from None
     sock.listen(1024)
     return sock
 

@@ -17,6 +17,7 @@ Everything here runs on the event loop thread.
 
 from __future__ import annotations
 
+import builtins
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -64,12 +65,13 @@ class Session:
     writing: set[Version] = field(default_factory=set)
     bytes: int = 0  # bytes of versions it allocated that are still alive (quota)
     # Idempotency: answers to recent request ids, and gets still waiting.
-    answers: OrderedDict[str, tuple[int, bytes]] = field(default_factory=OrderedDict)
+    # (the field ``bytes`` above shadows the builtin inside this class body)
+    answers: OrderedDict[str, tuple[int, builtins.bytes]] = field(default_factory=OrderedDict)
     running: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     by_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> leases
     waits: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # request id -> cancel
 
-    def remember(self, rid: str, status: int, body: bytes) -> None:
+    def remember(self, rid: str, status: int, body: builtins.bytes) -> None:
         self.answers[rid] = (status, body)
         while len(self.answers) > REQUEST_CACHE:
             self.answers.popitem(last=False)
@@ -113,10 +115,12 @@ class Sessions:
                 f"the broker holds {len(self.table)} sessions, its limit (--max-sessions); "
                 f"close clients you no longer use"
             )
-        if caller.identity != LOCAL.identity and self._per_peer.get(caller.peer, 0) >= self.max_per_peer:
+        if (caller.identity != LOCAL.identity
+                and self._per_peer.get(caller.peer, 0) >= self.max_per_peer):
             raise LimitExceeded(
-                f"{caller.peer} already holds {self.max_per_peer} sessions (--max-sessions-per-peer); "
-                f"share one Client per process instead of opening one per call"
+                f"{caller.peer} already holds {self.max_per_peer} sessions "
+                "(--max-sessions-per-peer); share one Client per process instead of opening one "
+                "per call"
             )
         pid, start, tracked = None, None, False
         if claimed and caller.peer_pid:

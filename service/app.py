@@ -33,11 +33,13 @@ log = logging.getLogger("tensordepot.broker")
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
     for status, what in ((400, "bad input"), (401, "no or unknown credentials (a bearer token)"),
-                         (403, ("not allowed: a missing scope, a name outside the token's prefix, "
-                                "a unix peer whose uid is not admitted, or another client's session")),
+                         (403, ("not allowed: a missing scope, a name outside the token's "
+                                "prefix, a unix peer whose uid is not admitted, or another "
+                                "client's session")),
                          (404, "unknown name or route"), (409, "conflict with the tensor's state"),
                          (413, "request body too large"), (422, "malformed request"),
-                         (429, "a per-client limit (sessions)"), (503, "the broker is shutting down"),
+                         (429, "a per-client limit (sessions)"),
+                         (503, "the broker is shutting down"),
                          (507, "out of memory (--max-memory, or a per-session/per-token quota)"))
 }
 
@@ -66,10 +68,12 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         if auth.insecure_no_auth:
             log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may "
                         "read, overwrite and delete every tensor")
-        pool = Pool(prefix, max_memory=cfg.max_memory_bytes(), segment_size=parse_size(cfg.segment_size),
+        pool = Pool(prefix, max_memory=cfg.max_memory_bytes(),
+                    segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
+        # nothing on a GPU until used
         gpus = CudaMemory(prefix + "cuda-", max_memory=cfg.cuda_memory_bytes(),
-                          segment_size=parse_size(cfg.cuda_segment_size))  # nothing on a GPU until used
+                          segment_size=parse_size(cfg.cuda_segment_size))
         broker = Broker(pool, limits=cfg.limits(), cuda=gpus)
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
@@ -80,7 +84,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts import connect  # imports pyarrow
 
-                hosts = connect(cfg, broker, getattr(app.state, "flight", None))
+                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None))
                 app.state.metric_sources += hosts.metric_sources
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:
@@ -127,7 +131,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
+        return error_response(exc.status_code, code, f"{request.method} {request.url.path}: "
+                                                     f"{exc.detail}")
 
     modules = (tensors, batch, sessions, system, cuda)
     for module in modules:

@@ -34,7 +34,8 @@ class FlightURL:
 
     def location(self, port: int | None = None) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{'grpc+tls' if self.tls else 'grpc'}://{host}:{self.port if port is None else port}"
+        scheme = "grpc+tls" if self.tls else "grpc"
+        return f"{scheme}://{host}:{self.port if port is None else port}"
 
 
 def parse_flight_url(url: str, what: str = "--flight") -> FlightURL:

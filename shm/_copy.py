@@ -65,7 +65,7 @@ def _wait_all(futures: list[Future[Any]], stop: threading.Event | None = None) -
                 for f in pending:
                     f.exception()  # blocks until that piece has stopped
                 pending = []
-            except BaseException:  # noqa: BLE001 - a second Ctrl-C: keep waiting, the threads still write
+            except BaseException:  # a second Ctrl-C: keep waiting, the threads still write
                 pending = [f for f in pending if not f.done()]
         raise
 

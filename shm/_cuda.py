@@ -89,7 +89,7 @@ def unavailable() -> str | None:
     try:
         if not cp.is_available():
             return "cupy finds no usable CUDA GPU (no driver, or no device visible)"
-    except Exception as exc:  # noqa: BLE001  # cupy reports driver trouble as various errors
+    except Exception as exc:  # cupy reports driver trouble as various errors
         return f"cupy cannot reach a GPU: {exc}"
     return None
 
@@ -172,7 +172,8 @@ def allocation_range(address: int, ordinal: int) -> tuple[int, int]:
     lib = _driver()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     fn = getattr(lib, "cuMemGetAddressRange_v2", None) or lib.cuMemGetAddressRange
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                   ctypes.c_uint64]
     with on_device(ordinal):  # the driver call needs the pointer's context current
         _check(lib, fn(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
     return int(base.value), int(size.value)
@@ -243,7 +244,8 @@ class CudaBlock:
                 self.address = int(rt.malloc(max(size, 1)))
             except rt.CUDARuntimeError as exc:
                 if _status(exc) == _ERROR_MEMORY_ALLOCATION:
-                    raise OSError(12, f"cudaMalloc of {size} bytes on cuda:{ordinal}: {exc}") from None
+                    raise OSError(12,
+                                  f"cudaMalloc of {size} bytes on cuda:{ordinal}: {exc}") from None
                 raise
             self._freed = False
             try:
@@ -340,7 +342,7 @@ def _close_mapping(ordinal: int, address: int) -> None:
     try:
         with on_device(ordinal):
             _rt().ipcCloseMemHandle(address)
-    except Exception as exc:  # noqa: BLE001  # in a finalizer: report, never raise
+    except Exception as exc:  # in a finalizer: report, never raise
         log.warning("cudaIpcCloseMemHandle(0x%x) on cuda:%d failed: %s", address, ordinal, exc)
 
 
@@ -358,7 +360,8 @@ class CudaMapping:
 
     def __init__(self, name: str, handle: bytes, *, ordinal: int, size: int) -> None:
         if len(handle) != IPC_HANDLE_BYTES:
-            raise ValueError(f"a CUDA IPC memory handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}")
+            raise ValueError(f"a CUDA IPC memory handle is {IPC_HANDLE_BYTES} bytes, not "
+                             f"{len(handle)}")
         rt = _rt()
         self.name, self.size, self.ordinal, self.writable = name, size, ordinal, True
         with on_device(ordinal):
@@ -369,7 +372,8 @@ class CudaMapping:
         fin.atexit = False  # at exit the driver unmaps everything; cupy may be half gone
 
     def __repr__(self) -> str:
-        return f"CudaMapping({self.name!r}, cuda:{self.ordinal}, size={self.size}, at=0x{self.address:x})"
+        return (f"CudaMapping({self.name!r}, cuda:{self.ordinal}, size={self.size}, "
+                f"at=0x{self.address:x})")
 
 
 _lock = threading.Lock()
@@ -492,8 +496,8 @@ def copy_strided(dst: int, src: int, shape: tuple[int, ...], strides: tuple[int,
     byte_strides = tuple(s * itemsize for s in strides)
     if itemsize == 16:  # complex128: two uint64 words per item
         shape, byte_strides = (*shape, 2), (*byte_strides, 8)
-    lo = sum((d - 1) * s for d, s in zip(shape, byte_strides) if s < 0 and d > 0)
-    hi = sum((d - 1) * s for d, s in zip(shape, byte_strides) if s > 0 and d > 0)
+    lo = sum((d - 1) * s for d, s in zip(shape, byte_strides, strict=True) if s < 0 and d > 0)
+    hi = sum((d - 1) * s for d, s in zip(shape, byte_strides, strict=True) if s > 0 and d > 0)
     word = 8 if itemsize == 16 else itemsize
     nbytes = word
     for d in shape:

@@ -48,8 +48,8 @@ def normalize_uuid(text: str) -> str:
     m = _UUID_RE.match(text.strip())
     if m is None:
         raise DeviceError(
-            f"{text!r} is not a device UUID; it looks like GPU-8932f937-d72c-4106-c12f-20bd9faed9f6 "
-            f"(nvidia-smi -L lists them)"
+            f"{text!r} is not a device UUID; it looks like "
+            "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6 (nvidia-smi -L lists them)"
         )
     return f"{m.group(1)}-{m.group(2).lower()}"
 

@@ -154,7 +154,8 @@ def patch_capsule(cap: Any, dtype: DType, device: tuple[int, int], flags: int) -
     """Set an unconsumed capsule's dtype triple and device, and (versioned
     capsules) its version and READ_ONLY / IS_COPIED flags."""
     if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
-        mt = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+        mt = DLManagedTensorVersioned.from_address(
+            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
         mt.version.major, mt.version.minor = VERSION
         mt.flags = (mt.flags & ~(FLAG_READ_ONLY | FLAG_IS_COPIED)) | flags
         t = mt.dl_tensor
@@ -182,8 +183,8 @@ def parse_stream(stream: object) -> int | None:
     if stream == NO_SYNC:
         return None
     if stream == 0:
-        raise ValueError("stream=0 is ambiguous for CUDA (the array API forbids it); pass 1 for the "
-                         "legacy default stream or 2 for the per-thread default stream")
+        raise ValueError("stream=0 is ambiguous for CUDA (the array API forbids it); pass 1 for "
+                         "the legacy default stream or 2 for the per-thread default stream")
     if stream < 0 or stream >= 1 << 64:
         raise ValueError(f"stream={stream}: not a cudaStream_t (use a pointer, 1, 2, None or -1)")
     return stream
@@ -283,7 +284,7 @@ class Borrowed(_Lent):
         if self.strides is None:
             return True
         want = 1
-        for d, s in zip(reversed(self.shape), reversed(self.strides)):
+        for d, s in zip(reversed(self.shape), reversed(self.strides), strict=True):
             if d != 1 and s != want:
                 return False
             want *= d

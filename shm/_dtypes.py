@@ -121,11 +121,13 @@ def dtype_from_numpy(dt: Any) -> DType:
 
     dt = np.dtype(dt)
     if dt.byteorder == ">":
-        raise UnsupportedDType(f"big-endian dtype {dt} is not supported; convert with .astype('{dt.newbyteorder('<')}')")
+        raise UnsupportedDType(f"big-endian dtype {dt} is not supported; convert with "
+                               f".astype('{dt.newbyteorder('<')}')")
     name = dt.name
     if name in DTYPES:
         return DTYPES[name]
-    raise UnsupportedDType(f"numpy dtype {dt} has no DLPack equivalent; supported: {', '.join(sorted(DTYPES))}")
+    raise UnsupportedDType(f"numpy dtype {dt} has no DLPack equivalent; supported: "
+                           f"{', '.join(sorted(DTYPES))}")
 
 
 def numpy_dtype(d: DType) -> Any:

@@ -182,7 +182,8 @@ class Pool:
         unlinking warm free segments if that makes room.  Raises PoolExhausted."""
         if size > self.max_memory:
             raise PoolExhausted(
-                f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} bytes)"
+                f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} "
+                "bytes)"
             )
         if self.reserved + size > self.max_memory:
             self._shrink(self.max_memory - size, keep_one=False)

@@ -168,7 +168,8 @@ def _munmap(address: int, size: int) -> None:
     _libc.munmap(address, size)
 
 
-def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int, what: str) -> int:
+def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int,
+          what: str) -> int:
     addr = _libc.mmap(address, size, prot, flags, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -234,8 +235,8 @@ class Window:
     def __init__(self, file: SegmentFile, offset: int, nbytes: int, *, writable: bool,
                  populate: bool = False) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > file.size:
-            raise ValueError(f"window [{offset}, {offset + nbytes}) is outside segment {file.name!r} "
-                             f"of {file.size} bytes")
+            raise ValueError(f"window [{offset}, {offset + nbytes}) is outside segment "
+                             f"{file.name!r} of {file.size} bytes")
         self.file, self.name, self.writable = file, file.name, writable
         start = offset - offset % PAGE
         self._len = max(-(-(offset + nbytes) // PAGE) * PAGE - start, PAGE)
@@ -373,7 +374,8 @@ class PrefixLock:
 
 def byte_view(mapping: Any, offset: int, nbytes: int, *, writable: bool) -> Any:
     """A flat uint8 numpy array over ``mapping`` at ``offset``; it keeps ``mapping`` alive."""
-    return array_at(mapping.address + offset, (nbytes,), None, "|u1", writable=writable, owner=mapping)
+    return array_at(mapping.address + offset, (nbytes,), None, "|u1", writable=writable,
+                    owner=mapping)
 
 
 class _ArrayInterface:

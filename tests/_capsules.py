@@ -15,7 +15,8 @@ _api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
 def is_capsule(cap: Any, name: bytes) -> bool:
-    """Whether ``cap`` is an unconsumed capsule named ``name`` (b"dltensor", b"dltensor_versioned")."""
+    """Whether ``cap`` is an unconsumed capsule named ``name`` (b"dltensor",
+    b"dltensor_versioned")."""
     return bool(_api.PyCapsule_IsValid(cap, name))
 
 
@@ -24,7 +25,8 @@ def managed(cap: Any) -> tuple[Any, Any]:
 
     Both point into memory the capsule owns: keep ``cap`` alive while using them."""
     if is_capsule(cap, b"dltensor_versioned"):
-        mt = DLManagedTensorVersioned.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+        mt = DLManagedTensorVersioned.from_address(
+            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
     else:
         assert is_capsule(cap, b"dltensor"), "not an unconsumed DLPack capsule"
         mt = DLManagedTensor.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor"))

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tensordepot import BrokerUnavailable, Client, Stat
+from tensordepot import Client, Stat
 
 # Per test run: engineers and CI jobs that share a host (and /dev/shm) run the
 # suite at the same time, and each run checks and sweeps only its own segments.
@@ -29,7 +29,8 @@ TEST_PREFIX = f"tdtest-{os.getpid()}-"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "") -> Any:
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             what: str = "") -> Any:
     """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -67,7 +68,8 @@ def serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 def shm_entries(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Names under ``shm_dir`` that start with ``prefix`` (none once a namespace's /dev/shm is gone)."""
+    """Names under ``shm_dir`` that start with ``prefix`` (none once a namespace's /dev/shm is
+    gone)."""
     try:
         return sorted(e for e in os.listdir(shm_dir) if e.startswith(prefix))
     except FileNotFoundError:
@@ -94,7 +96,7 @@ class BrokerProc:
         self.start()
 
     def start(self) -> None:
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         start = self._log.tell()  # a restart on the same dir appends: only new lines count
         argv = [*self.launcher, sys.executable, "-m", "tensordepot", "serve", *self.args]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
@@ -168,11 +170,13 @@ def run_worker(script: str, *args: str, timeout: float = 120, env: dict[str, str
     path = ROOT / "tests" / "workers" / f"{script}.py"
     res = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
                          timeout=timeout, env={**os.environ, **(env or {})})
-    assert res.returncode == 0, f"worker {script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, (
+        f"worker {script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return res
 
 
-def spawn_worker(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def spawn_worker(script: str, *args: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     path = ROOT / "tests" / "workers" / f"{script}.py"
     return subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})

@@ -34,7 +34,8 @@ def test_ipc_handles_round_trip_exactly(raw: bytes) -> None:
     assert decode_ipc(text) == raw
 
 
-@pytest.mark.parametrize("text", ["", "AAAA", "A" * 88, "=" * 88, "é" * 88, encode_ipc(bytes(64))[:-4]])
+@pytest.mark.parametrize("text",
+                         ["", "AAAA", "A" * 88, "=" * 88, "é" * 88, encode_ipc(bytes(64))[:-4]])
 def test_what_is_not_a_handle_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="CUDA IPC handle"):
         decode_ipc(text)
@@ -46,8 +47,9 @@ def test_encode_checks_the_size() -> None:
 
 
 def cuda_handle(**kw: Any) -> CudaHandle:
-    fields: dict[str, Any] = {"uuid": UUID, "ipc_handle": encode_ipc(os.urandom(64)), "block_size": 1 << 28,
-                              "event": 7, "event_handle": encode_ipc(os.urandom(64)), "release_event": 9,
+    fields: dict[str, Any] = {"uuid": UUID, "ipc_handle": encode_ipc(os.urandom(64)),
+                              "block_size": 1 << 28, "event": 7,
+                              "event_handle": encode_ipc(os.urandom(64)), "release_event": 9,
                               "release_event_handle": encode_ipc(bytes(64))}
     return CudaHandle(**{**fields, **kw})
 
@@ -59,11 +61,12 @@ def handle(cuda: CudaHandle | None) -> Handle:
 
 
 @pytest.mark.parametrize("owner", [pytest.param({}, id="broker-block"),
-                                   pytest.param({"owner_pid": 4242, "owner_start": 987654}, id="share")])
+                                   pytest.param({"owner_pid": 4242, "owner_start": 987654},
+                                                id="share")])
 def test_a_cuda_handle_crosses_json_unchanged(owner: dict[str, int]) -> None:
     h = handle(cuda_handle(**owner))
-    for again in (Handle.model_validate_json(h.model_dump_json()),       # the broker's bytes
-                  Handle.model_validate(json.loads(h.model_dump_json()))):  # how the client reads them
+    for again in (Handle.model_validate_json(h.model_dump_json()),  # the broker's bytes
+                  Handle.model_validate(json.loads(h.model_dump_json()))):  # the client's reading
         assert again == h
         assert again.cuda is not None and h.cuda is not None
         for field in ("ipc_handle", "event_handle", "release_event_handle"):

@@ -22,7 +22,8 @@ def _handles(request: Request, pairs: list[tuple[Version, int | None]]) -> Respo
 @router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
 async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None,
                      request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), (i.name for i in req.items))  # before anything is allocated
+    # before anything is allocated
+    require_names(principal_of(request), (i.name for i in req.items))
     broker = broker_of(request)
 
     async def run() -> Response:
@@ -50,7 +51,8 @@ async def publish_many(req: BatchPublish, request: Request, session: SessionHead
     broker = broker_of(request)
 
     async def run() -> Response:
-        versions = broker.publish_many(session, caller(request), [(i.name, i.version) for i in req.items])
+        versions = broker.publish_many(session, caller(request),
+                                       [(i.name, i.version) for i in req.items])
         return _handles(request, [(v, None) for v in versions])
 
     return await once(request, run)
@@ -65,7 +67,8 @@ async def get_many(req: BatchGet, request: Request, session: SessionHeader = Non
     timeout = None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
 
     async def run() -> Response:
-        got = await broker.get_many(session, caller(request), req.names, timeout, request=request_id,
+        got = await broker.get_many(session, caller(request), req.names, timeout,
+                                    request=request_id,
                                     gone=None if timeout == 0 else lambda: hangup(request))
         return _handles(request, list(got))
 

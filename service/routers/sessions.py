@@ -27,7 +27,8 @@ async def heartbeat(session: str, request: Request) -> Response:
              summary="Copy this session's leases into a session for a child about to be forked")
 async def fork(session: str, request: Request, request_id: RequestHeader = None) -> Response:
     async def run() -> Response:
-        return json_response(broker_of(request).fork_session(session, caller(request)).model_dump_json())
+        return json_response(
+            broker_of(request).fork_session(session, caller(request)).model_dump_json())
 
     return await once(request, run)
 
@@ -35,7 +36,8 @@ async def fork(session: str, request: Request, request_id: RequestHeader = None)
 @router.post("/{session}/claim", response_model=SessionInfo,
              summary="Take over the session a parent made for this forked child")
 async def claim(session: str, request: Request) -> Response:
-    return json_response(broker_of(request).claim_session(session, caller(request)).model_dump_json())
+    return json_response(
+        broker_of(request).claim_session(session, caller(request)).model_dump_json())
 
 
 @router.delete("/{session}", status_code=204, summary="Close a session, releasing its leases")

@@ -27,7 +27,8 @@ async def stat(request: Request) -> Stat:
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     text: bytes = request.app.state.metrics.render()
-    extra = [line for source in request.app.state.metric_sources for line in source()]  # Flight, peers
+    # Flight, peers
+    extra = [line for source in request.app.state.metric_sources for line in source()]
     if extra:
         text += ("\n".join(extra) + "\n").encode()
     return Response(text, media_type=CONTENT_TYPE)

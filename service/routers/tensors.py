@@ -88,7 +88,8 @@ def _name(request: Request) -> str:
     name: str = request.path_params["name"]
     if not _NAME.match(name):
         shown = name if len(name) <= 60 else name[:60] + f"... ({len(name)} characters)"
-        raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no spaces")
+        raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no "
+                         "spaces")
     return name
 
 
@@ -100,7 +101,8 @@ async def get_tensor(request: Request) -> Response:
         timeout = float(q.get("timeout", 0.0))
         newer_than = int(q.get("newer_than", 0))
     except ValueError:
-        raise _bad_query("timeout must be a number of seconds (or inf), newer_than an integer") from None
+        raise _bad_query("timeout must be a number of seconds (or inf), newer_than an "
+                         "integer") from None
     if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
         raise _bad_query("timeout and newer_than must be >= 0")
     wait = None if timeout > MAX_WAIT else timeout
@@ -109,8 +111,8 @@ async def get_tensor(request: Request) -> Response:
 
     async def run() -> Response:
         ready = broker._ready(name, newer_than) is not None
-        v, lease = await broker.get(request.headers.get(SESSION_HEADER), caller(request), name, wait,
-                                    newer_than, request=rid,
+        v, lease = await broker.get(request.headers.get(SESSION_HEADER), caller(request), name,
+                                    wait, newer_than, request=rid,
                                     gone=None if ready or wait == 0 else lambda: hangup(request))
         return _json(broker.handle(v, lease))
 
@@ -216,8 +218,10 @@ _OCTETS = {
 async def put_documented(
     request: Request,
     dtype: Annotated[str, Query(max_length=40, examples=["float32"])],
-    shape: Annotated[str, Query(max_length=400, description="comma-separated dims; empty for a scalar")] = "",
-    ttl: Annotated[float | None, Query(gt=0, description="delete this many seconds after publish")] = None,
+    shape: Annotated[str, Query(max_length=400,
+                                description="comma-separated dims; empty for a scalar")] = "",
+    ttl: Annotated[float | None,
+                   Query(gt=0, description="delete this many seconds after publish")] = None,
 ) -> Response:
     return await put(request)
 
@@ -230,7 +234,8 @@ async def link(req: LinkRequest, request: Request, session: SessionHeader = None
     broker = broker_of(request)
 
     async def run() -> Response:
-        return _json(broker.handle(broker.link(session, caller(request), req.name, req.lease, req.ttl)))
+        return _json(broker.handle(broker.link(session, caller(request), req.name, req.lease,
+                                               req.ttl)))
 
     return await once(request, run)
 

@@ -168,7 +168,8 @@ def drained(b: BrokerProc) -> None:
     wait_for(lambda: b.stat().leases == 0, 30, what="B's leases to drain")
 
 
-def bench_f1(cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def bench_f1(cfg: Config, a: BrokerProc, b: BrokerProc,
+             x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     flight = []
     with a.client() as ca, b.client() as cb:
         for i in range(cfg.warm + cfg.reps):
@@ -184,18 +185,22 @@ def bench_f1(cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray) -> tuple[
     tcp = tcp_baseline(cfg)
     size = suite.human(cfg.nbytes)
     data = {
-        "flight_pull": suite.series(f"get on B pulling {size} from A over loopback Flight", flight, "ms", 1e3),
-        "tcp": suite.series(f"plain TCP sendall/recv_into of {size} between two processes", tcp, "ms", 1e3),
+        "flight_pull": suite.series(f"get on B pulling {size} from A over loopback Flight", flight,
+                                    "ms", 1e3),
+        "tcp": suite.series(f"plain TCP sendall/recv_into of {size} between two processes", tcp,
+                            "ms", 1e3),
     }
     ratio = suite.median(tcp) / suite.median(flight)
     gbps = {k: cfg.nbytes / (v["median"] / 1e3) / 1e9 for k, v in data.items()}
     note = f"{gbps['flight_pull']:.2f} GB/s against {gbps['tcp']:.2f} GB/s"
-    rows = [suite.check("F1", "F1", f"fetch {size} from a peer: Flight pull throughput / plain TCP socket",
+    rows = [suite.check("F1", "F1",
+                        f"fetch {size} from a peer: Flight pull throughput / plain TCP socket",
                         data["flight_pull"], data["tcp"], ratio, ">=", 0.5, note=note)]
     return data, rows
 
 
-def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc,
+             x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for _ in range(cfg.consumers):
@@ -229,8 +234,10 @@ def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray) -> tuple[
     size = suite.human(cfg.nbytes)
     n = cfg.consumers
     data = {
-        "one": suite.series(f"1 consumer on B: get (pull {size}) + read every page", runs[1], "ms", 1e3),
-        "many": suite.series(f"{n} consumers on B at once: get + read every page", runs[n], "ms", 1e3),
+        "one": suite.series(f"1 consumer on B: get (pull {size}) + read every page", runs[1], "ms",
+                            1e3),
+        "many": suite.series(f"{n} consumers on B at once: get + read every page", runs[n], "ms",
+                             1e3),
     }
     ratio = suite.median(runs[n]) / suite.median(runs[1])
     rows = [suite.check("F2", "F2", f"{n} consumers on the pulling host / 1 consumer: wall time",
@@ -242,12 +249,14 @@ def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray) -> tuple[
 def markdown(result: dict[str, Any]) -> str:
     """The README's table for this run."""
     m = result["machine"]
-    head = (f"Measured on {result['date'][:10]} ({result['mode']} mode) with `{result['command']}`, "
-            f"on {m['cpu_model']}, {m['cpu_count']} CPUs, {m['memory_bytes'] / GiB:.0f} GiB RAM, "
+    head = (f"Measured on {result['date'][:10]} ({result['mode']} mode) with "
+            f"`{result['command']}`, on {m['cpu_model']}, {m['cpu_count']} CPUs, "
+            f"{m['memory_bytes'] / GiB:.0f} GiB RAM, "
             f"Linux {m['kernel']}, pyarrow {result['versions'].get('pyarrow')}, load average "
             f"{m['loadavg_start'][0]:.1f} at start and {m['loadavg_end'][0]:.1f} at the end "
             f"(other users' work on the same 2 cores).")
-    lines = [head, "", "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Note |",
+    lines = [head, "", "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result "
+                       "| Note |",
              "|---|---|---|---|---|---|---|---|"]
     for row in result["checks"]:
         ours, peer = row["ours"], row["peer"]
@@ -279,13 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "schema": suite.SCHEMA,
         "mode": cfg.mode,
-        "command": "python tests/bench/flight.py" + (" --quick" if args.quick else "") + f" --out {args.out}",
+        "command": ("python tests/bench/flight.py" + (" --quick" if args.quick else "")
+                    + f" --out {args.out}"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": suite.machine(),
         "versions": {**suite.versions(), "pyarrow": suite._version("pyarrow")},
         "config": asdict(cfg),
     }
-    common = ["--max-memory", cfg.max_memory, "--warm-memory", cfg.max_memory, "--reap-interval", "0.5"]
+    common = ["--max-memory", cfg.max_memory, "--warm-memory", cfg.max_memory, "--reap-interval",
+              "0.5"]
     brokers: list[BrokerProc] = []
     benches: dict[str, Any] = {}
     checks: list[dict[str, Any]] = []

@@ -111,7 +111,8 @@ def markdown(r: dict[str, Any], json_path: str, plot_rel: str | None) -> str:
     if r.get("note"):
         lines += [f"> {r['note']}", ""]
     lines += [
-        "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Reason / note |",
+        "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Reason / "
+        "note |",
         "|---|---|---|---|---|---|---|---|",
     ]
     first_with: dict[str, str] = {}  # a reason shared by several rows is spelled out once

@@ -278,7 +278,7 @@ def ray_put(src: np.ndarray, reps: int) -> dict[str, Any]:
             return {"samples": times, "version": ray.__version__}
         finally:
             ray.shutdown()
-    except Exception as exc:  # noqa: BLE001  (an optional peer must not sink the run)
+    except Exception as exc:  # an optional peer must not sink the run
         return {"skipped": f"ray failed: {exc.__class__.__name__}: {exc}"}
 
 
@@ -520,7 +520,8 @@ def bench_b3(
             check(
                 "B3.same",
                 "B3",
-                "4 KiB handoff: tensordepot / torch Queue re-sending one shared buffer (information)",
+                "4 KiB handoff: tensordepot / torch Queue re-sending one shared buffer "
+                "(information)",
                 ours,
                 data["torch_same_buffer"],
                 td / median(results["torch_same_buffer"]),

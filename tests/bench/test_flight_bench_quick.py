@@ -34,7 +34,8 @@ def test_flight_benchmarks_quick(tmp_path: Path) -> None:
     for bench, names in {"F1": ["flight_pull", "tcp"], "F2": ["one", "many"]}.items():
         for name in names:
             s = r["benchmarks"][bench][name]
-            assert s["samples"] and all(math.isfinite(x) and x > 0 for x in s["samples"]), (bench, name)
+            samples = s["samples"]
+            assert samples and all(math.isfinite(x) and x > 0 for x in samples), (bench, name)
     rows = {row["id"]: row for row in r["checks"]}
     assert set(rows) == {"F1", "F2"}
     for row in rows.values():

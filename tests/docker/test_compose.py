@@ -49,7 +49,9 @@ OVERRIDE_ENV = {ENV_TOKEN: "a-long-random-secret"}
 
 # -- reading the files ----------------------------------------------------------
 
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<plain>\w+))")
+_VAR = re.compile(r"\$(?:(?P<escaped>\$)"
+                  r"|\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+                  r"|(?P<plain>\w+))")
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
@@ -119,7 +121,8 @@ def copies() -> dict[str, Path]:
         if word == "COPY":
             *sources, dest = shlex.split(rest)
             for src in sources:
-                out[dest if len(sources) == 1 else f"{dest.rstrip('/')}/{Path(src).name}"] = ROOT / src
+                out[dest if len(sources) == 1
+                    else f"{dest.rstrip('/')}/{Path(src).name}"] = ROOT / src
     return out
 
 
@@ -215,7 +218,8 @@ def test_gpu_variant_reserves_nvidia_gpus_and_installs_cuda12() -> None:
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices), name
         extra = svc["build"]["args"]["EXTRAS"]
-        assert extra == "cuda12" and re.search(rf"^{extra} = \[", pyproject, re.MULTILINE), (name, extra)
+        assert extra == "cuda12", (name, extra)
+        assert re.search(rf"^{extra} = \[", pyproject, re.MULTILINE), (name, extra)
         assert svc["build"]["context"] == ".." and svc["image"].endswith("cuda12")
     assert 'ARG EXTRAS=""' in (DOCKER / "Dockerfile").read_text()
 
@@ -285,7 +289,8 @@ class Container:
             head = [str(script) if script.exists() else exe]
         return self.launcher + head + [self.host(a) for a in args]
 
-    def run(self, command: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def run(self, command: list[str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.argv(command) if command else self.command, env=self.env,
                               capture_output=True, text=True, timeout=timeout, check=False)
 
@@ -323,13 +328,14 @@ def healthy_broker(broker: Container, broker_svc: dict[str, Any], run_dir: str
     assert sock.startswith(run_dir), sock
     log_path = os.path.join(run_dir, "broker.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(broker.command, env=broker.env, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=run_dir)
+        proc = subprocess.Popen(broker.command, env=broker.env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=run_dir)
     try:
         def healthy() -> bool:
             assert proc.poll() is None, Path(log_path).read_text()
             check = broker_svc["healthcheck"]
-            return broker.run(check["test"][1:], timeout=seconds(check["timeout"]) + 30).returncode == 0
+            return broker.run(check["test"][1:],
+                              timeout=seconds(check["timeout"]) + 30).returncode == 0
 
         wait_for(healthy, seconds(broker_svc["healthcheck"]["start_period"]) + 30, interval=0.2,
                  what="the compose healthcheck to pass")
@@ -391,8 +397,10 @@ def test_two_hosts_workers_join_their_own_broker_and_b_pulls_from_a() -> None:
             assert svc["ipc"] == "shareable" and svc["environment"]["TENSORDEPOT_TOKEN"]
             continue
         owner = _owner(svc)
-        assert svc["ipc"] == svc["pid"] == f"service:{owner}", f"{name} must share {owner}'s namespaces"
-        assert set(svc["volumes"]) == set(brokers[owner]["volumes"]), f"{name} lacks {owner}'s socket"
+        assert svc["ipc"] == svc["pid"] == f"service:{owner}", (
+            f"{name} must share {owner}'s namespaces")
+        assert set(svc["volumes"]) == set(brokers[owner]["volumes"]), (
+            f"{name} lacks {owner}'s socket")
         assert svc["environment"][ENV_URL] == brokers[owner]["environment"]["TENSORDEPOT_LISTEN"]
     flight = urlsplit(brokers["broker-a"]["environment"]["TENSORDEPOT_FLIGHT"])
     peer = urlsplit(brokers["broker-b"]["environment"]["TENSORDEPOT_PEER"])

@@ -292,7 +292,7 @@ def test_another_user_cannot_reach_the_socket_or_the_segments(
     assert stat.S_IMODE(os.stat(parent).st_mode) == 0o700
     with b.client() as c:
         c.put("secret", WEIGHTS)
-    segs = segments(b) + [b.prefix + "lock"]
+    segs = [*segments(b), b.prefix + "lock"]
     [out] = other.emits(CONNECT, f"{b.sock},{fresh}", ",".join(segs))
     assert out == {path: "EACCES" for path in (b.sock, fresh, *segs)}
     # With the directories opened up, the socket's own mode (0600) still refuses.

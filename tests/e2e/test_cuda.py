@@ -101,7 +101,8 @@ def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(gpu_broker: Broker
     assert info["t"].device == f"cuda:{gpu_uuid()}", "TensorInfo names the GPU by UUID"
 
 
-def test_the_bytes_survive_their_producer(gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_the_bytes_survive_their_producer(gpu_broker: BrokerProc,
+                                          workers: Callable[..., Worker]) -> None:
     producer = workers(gpu_broker.url)
     ask(producer, f"put w float32 {(128 * MiB) // 4} 3", "put 1")
     producer.kill()  # SIGKILL right after put returned: the copy was complete before publish
@@ -131,11 +132,12 @@ def test_the_visible_devices_model_matches_the_driver(env: str) -> None:
     from tensordepot.shm._device import visible_devices
 
     physical = _cuda.device_uuids()  # this process: CUDA_VISIBLE_DEVICES as the runner left it
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") is None, "run the GPU tests with every GPU visible"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") is None, (
+        "run the GPU tests with every GPU visible")
     value = {"GPU": physical[0], "GPU8": physical[0][:12]}.get(env, env)
     code = "import json; from tensordepot.shm import _cuda; print(json.dumps(_cuda.device_uuids()))"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": value})
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": value})
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == visible_devices(value, physical), value
 
@@ -154,7 +156,7 @@ def test_crossing_between_host_and_gpu(gpu_broker: BrokerProc) -> None:
         assert x.is_cuda and torch.equal(x.cpu(), torch.from_numpy(host))
         back = np.from_dlpack(t, device="cpu", copy=True)  # device to host, as a copy
         assert np.array_equal(back, host) and back.flags.writeable
-        with pytest.raises(ValueError, match="np.from_dlpack"):
+        with pytest.raises(ValueError, match=r"np\.from_dlpack"):
             t.numpy()
         copied = cupy.from_dlpack(t.__dlpack__(stream=1, copy=True, max_version=(1, 1)))
         copied[0] = -1.0  # an independent copy: the published bytes do not change
@@ -169,7 +171,8 @@ def test_crossing_between_host_and_gpu(gpu_broker: BrokerProc) -> None:
 
 
 def test_put_many_and_get_many_of_a_gpu_state_dict(gpu_broker: BrokerProc) -> None:
-    sd = {f"layer.{i}.{k}": (torch.randn(64, 33, device="cuda") * i).to(torch.bfloat16 if i % 2 else torch.float32)
+    sd = {f"layer.{i}.{k}": (torch.randn(64, 33, device="cuda") * i).to(
+              torch.bfloat16 if i % 2 else torch.float32)
           for i in range(50) for k in ("w", "b", "n")}
     sd["cpu.extra"] = torch.arange(10)  # a CPU tensor in the same batch stays on the CPU
     with gpu_broker.client() as c:
@@ -219,11 +222,12 @@ def test_sigkill_of_a_reader_then_its_block_is_reclaimed(gpu_broker: BrokerProc,
         dev = device_stat(gpu_broker)
         assert dev.bytes_in_use == 8 * MiB, "only v2 is held"
         c.put("w", torch.full((8 * MiB // 4,), 2.0, device="cuda"))
-        assert device_stat(gpu_broker).bytes_reserved == dev.bytes_reserved, "v1's memory was reused"
+        assert device_stat(gpu_broker).bytes_reserved == dev.bytes_reserved, (
+            "v1's memory was reused")
 
 
-def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(gpu_broker: BrokerProc,
-                                                                    workers: Callable[..., Worker]) -> None:
+def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(
+        gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
     n = 4 * MiB // 4
     before = metrics(gpu_broker.url).get("tensordepot_cuda_frees_deferred_total", 0)
     with gpu_broker.client() as c:
@@ -231,7 +235,8 @@ def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(gpu_broker:
         reader = workers(gpu_broker.url)
         ask(reader, "longread w 3000000000", "queued 1")  # ~1.5 s of sleep, then the sum
         c.put("w", torch.full((n,), 2.0, device="cuda"))  # v1 is retired; only the reader holds it
-        wait_for(lambda: metrics(gpu_broker.url).get("tensordepot_cuda_frees_deferred_total", 0) > before,
+        wait_for(lambda: metrics(gpu_broker.url).get(
+                     "tensordepot_cuda_frees_deferred_total", 0) > before,
                  10, what="v1's release, with the reader's kernel still queued")
         for value in (3.0, 4.0, 5.0):  # each put retires the last: v1's range would be reused now
             c.put("w", torch.full((n,), value, device="cuda"))
@@ -254,10 +259,12 @@ def test_share_with_the_producer_alive_then_killed(gpu_broker: BrokerProc,
     assert time.monotonic() - t0 < 10, "no hang"
     assert "producer" in got
     ask(reader, "drop", "dropped")
-    wait_for(lambda: "s" not in names(gpu_broker), 10, what="the name to be withdrawn with its producer")
+    wait_for(lambda: "s" not in names(gpu_broker), 10,
+             what="the name to be withdrawn with its producer")
 
 
-def test_share_close_waits_for_readers(gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_share_close_waits_for_readers(gpu_broker: BrokerProc,
+                                       workers: Callable[..., Worker]) -> None:
     producer = workers(gpu_broker.url)
     reader = workers(gpu_broker.url)
     ask(producer, "share s float32 4096 9", "shared 1")
@@ -269,7 +276,8 @@ def test_share_close_waits_for_readers(gpu_broker: BrokerProc, workers: Callable
     assert producer.line(timeout=30).startswith("closed")
 
 
-def test_nothing_on_the_gpu_until_used_and_stat_reports_it(broker_factory: Callable[..., BrokerProc]) -> None:
+def test_nothing_on_the_gpu_until_used_and_stat_reports_it(
+        broker_factory: Callable[..., BrokerProc]) -> None:
     b = broker_factory("--cuda-memory", "96MiB", "--cuda-segment-size", "16MiB")
     assert b.stat().devices == [], "a broker holds no GPU memory until a tensor goes there"
     with b.client() as c:
@@ -284,7 +292,7 @@ def test_nothing_on_the_gpu_until_used_and_stat_reports_it(broker_factory: Calla
             c.put("g2", torch.ones(60 * MiB // 4, device="cuda"))
         c.put("cpu2", np.ones(1 << 20))  # the CPU is not affected
         m = metrics(b.url)
-        assert m[f'tensordepot_cuda_bytes_in_use{{device="cuda:{gpu_uuid()}"}}'] == 40 * MiB
+        assert m[f'tensordepot_memory_in_use_bytes{{device="cuda:{gpu_uuid()}"}}'] == 40 * MiB
 
 
 def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:

@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 from _harness import BrokerProc, file_position, run_worker, wait_for
-
 from tensordepot import BrokerUnavailable, Client, TensorNotFound
 
 
@@ -28,7 +27,7 @@ def test_producer_consumer_processes(broker: BrokerProc) -> None:
 def test_get_unknown_raises(broker: BrokerProc) -> None:
     with broker.client() as c:
         c.put("present", np.zeros(3))
-        with pytest.raises(TensorNotFound, match="'missing' not found.*known: present"):
+        with pytest.raises(TensorNotFound, match=r"'missing' not found.*known: present"):
             c.get("missing")
         with pytest.raises(KeyError):  # TensorNotFound is also a KeyError
             c.get("missing")
@@ -55,7 +54,7 @@ def test_get_waits_for_publish(broker: BrokerProc) -> None:
 def test_get_timeout_expires(broker: BrokerProc) -> None:
     with broker.client() as c:
         t0 = time.monotonic()
-        with pytest.raises(TensorNotFound, match="not published within 0.3"):
+        with pytest.raises(TensorNotFound, match=r"not published within 0\.3"):
             c.get("never", timeout=0.3)
         assert time.monotonic() - t0 < 2
 
@@ -151,9 +150,8 @@ def test_stale_socket_is_replaced(broker_factory) -> None:  # type: ignore[no-un
     b2 = broker_factory(sock_dir=b.dir, prefix=b.prefix)
     b.expect_dead = True
     wait_for(lambda: not set(stale) & set(b2.segments()), 5, what="stale segments to go")
-    with b2.client() as c:
-        with pytest.raises(TensorNotFound):
-            c.get("x")
+    with b2.client() as c, pytest.raises(TensorNotFound):
+        c.get("x")
 
 
 def test_put_of_a_got_tensor_shares_its_bytes(broker: BrokerProc) -> None:
@@ -174,7 +172,8 @@ def test_put_of_a_got_tensor_shares_its_bytes(broker: BrokerProc) -> None:
         assert c.stat().bytes_in_use == before  # still held by "alias"
         del alias
         c.delete("alias")
-        wait_for(lambda: c.stat().bytes_in_use == 0 or None, 5, what=f"shared block to be freed ({c.stat()}, {c.list()})")
+        wait_for(lambda: c.stat().bytes_in_use == 0 or None, 5,
+                 what=f"shared block to be freed ({c.stat()}, {c.list()})")
 
 
 def test_publish_after_delete_is_broken_and_frees(broker: BrokerProc) -> None:

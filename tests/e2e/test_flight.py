@@ -119,7 +119,8 @@ def served(url: str, name: str) -> float:
 # -- pulling ------------------------------------------------------------------------
 
 
-def test_eight_consumers_on_another_host_share_one_transfer(net: Net, workers: list[Worker]) -> None:
+def test_eight_consumers_on_another_host_share_one_transfer(net: Net,
+                                                            workers: list[Worker]) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a))
     x, digest = tensor(64 * MiB, 1)
@@ -133,7 +134,8 @@ def test_eight_consumers_on_another_host_share_one_transfer(net: Net, workers: l
         w.send("get weights 60")
     answers = [got(w.line(120)) for w in workers]
     assert all(g["sha"] == digest for g in answers), "a consumer read different bytes"
-    assert {(g["version"], g["origin"], g["origin_version"]) for g in answers} == {(1, flight_url(a), 1)}
+    assert {(g["version"], g["origin"], g["origin_version"])
+            for g in answers} == {(1, flight_url(a), 1)}
     peer = flight_url(a)
     assert peer_metric(b.url, "peer_transfers_total", peer) == 1
     assert peer_metric(b.url, "peer_bytes_pulled_total", peer) == 64 * MiB
@@ -289,7 +291,8 @@ def paused(net: Net, workers: list[Worker]) -> Iterator[Callable[..., Paused]]:
         relay.close()
 
 
-def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(paused: Callable[..., Paused]) -> None:
+def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(
+        paused: Callable[..., Paused]) -> None:
     p = paused("big", 64 * MiB)
     pulled = peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url)
     assert 0 < pulled < 64 * MiB, pulled
@@ -337,7 +340,8 @@ def test_a_stream_holds_a_lease_so_a_delete_mid_transfer_frees_nothing_early(
     assert "TensorNotFound" in line, line
 
 
-def test_unreachable_peers_answer_within_the_timeout(broker_factory: Callable[..., BrokerProc]) -> None:
+def test_unreachable_peers_answer_within_the_timeout(
+        broker_factory: Callable[..., BrokerProc]) -> None:
     silent = socket.create_server(("127.0.0.1", 0))  # accepts TCP, never speaks gRPC
     closed = socket.create_server(("127.0.0.1", 0))
     closed_port = closed.getsockname()[1]
@@ -371,8 +375,9 @@ def test_push_sends_a_version_to_another_host(net: Net, workers: list[Worker]) -
     x, digest = tensor(16 * MiB, 8)
     with a.client() as c:
         c.put("ckpt", x)
-    res = subprocess.run([sys.executable, "-m", "tensordepot", "push", "ckpt", "--to", flight_url(b),
-                          "--url", a.url], env={**os.environ, "TENSORDEPOT_PEER_TOKEN": TOKEN},
+    res = subprocess.run([sys.executable, "-m", "tensordepot", "push", "ckpt", "--to",
+                          flight_url(b), "--url", a.url],
+                         env={**os.environ, "TENSORDEPOT_PEER_TOKEN": TOKEN},
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"ckpt: version 1 at {flight_url(b)}"
@@ -397,8 +402,9 @@ def test_push_sends_a_version_to_another_host(net: Net, workers: list[Worker]) -
 @pytest.fixture
 def scoped(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> BrokerProc:
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"# token scope [prefix=...]: the broker's own tokens, HTTP and Flight alike\n"
-                      f"{READ_TOKEN} read\n{PUB_TOKEN} read prefix=pub/\n{WRITE_TOKEN} write\n")
+    tokens.write_text("# token scope [prefix=...]: the broker's own tokens, HTTP and Flight "
+                      f"alike\n{READ_TOKEN} read\n{PUB_TOKEN} read prefix=pub/\n{WRITE_TOKEN} "
+                      "write\n")
     tokens.chmod(0o600)
     b = broker_factory("--flight", "grpc://127.0.0.1:0", "--token-file", str(tokens), env=ENV)
     with b.client() as c:
@@ -422,7 +428,8 @@ def put_stream(client: Any, name: str, token: str, meta: dict[str, Any], data: b
     return answer
 
 
-def test_tokens_without_the_scope_are_refused(scoped: BrokerProc, broker_factory: Callable[..., BrokerProc]) -> None:
+def test_tokens_without_the_scope_are_refused(scoped: BrokerProc,
+                                              broker_factory: Callable[..., BrokerProc]) -> None:
     url = flight_url(scoped)
     with fl.connect(url) as client:
         for token in (None, "unknown-token-0123456789"):
@@ -431,7 +438,8 @@ def test_tokens_without_the_scope_are_refused(scoped: BrokerProc, broker_factory
             with pytest.raises(fl.FlightUnauthenticatedError):
                 client.do_get(fl.Ticket(b"pub/w"), options(token)).read_all()
         # A read token limited to pub/ has no read scope on other names.
-        with pytest.raises(fl.FlightUnauthorizedError, match="limited to names starting with 'pub/'"):
+        with pytest.raises(fl.FlightUnauthorizedError,
+                           match="limited to names starting with 'pub/'"):
             client.do_get(fl.Ticket(b"secret"), options(PUB_TOKEN)).read_all()
         assert client.do_get(fl.Ticket(b"pub/w"), options(PUB_TOKEN)).read_all().num_rows == 40
         listed = [i.descriptor.path[0] for i in client.list_flights(options=options(PUB_TOKEN))]
@@ -445,7 +453,8 @@ def test_tokens_without_the_scope_are_refused(scoped: BrokerProc, broker_factory
         assert {i.name: i.version for i in c.list()} == {"pub/w": 2, "secret": 1}
     # A broker pulling with a token that lacks the scope says so, naming the peer.
     b = broker_factory("--peer", url, env={"TENSORDEPOT_PEER_TOKEN": PUB_TOKEN})
-    with b.client() as c, pytest.raises(BrokerUnavailable, match="refused this broker's token") as err:
+    with b.client() as c, pytest.raises(BrokerUnavailable,
+                                        match="refused this broker's token") as err:
         c.get("secret")
     assert url in str(err.value) and PUB_TOKEN not in str(err.value)
 
@@ -464,7 +473,8 @@ def test_unknown_names_and_bad_tickets_get_flights_status_codes(scoped: BrokerPr
             client.get_flight_info(fl.FlightDescriptor.for_command(b"secret"), opts)
         info = client.get_flight_info(fl.FlightDescriptor.for_path("secret"), opts)
         meta = json.loads(info.schema.metadata[b"tensordepot"])
-        assert (meta["shape"], meta["dtype"], meta["version"], meta["nbytes"]) == ([10], "float32", 1, 40)
+        got = (meta["shape"], meta["dtype"], meta["version"], meta["nbytes"])
+        assert got == ([10], "float32", 1, 40)
         assert info.total_bytes == 40 and info.endpoints[0].ticket.ticket == b"secret@1"
         table = client.do_get(info.endpoints[0].ticket, opts).read_all()
         assert table.column(0).to_numpy().tobytes() == np.arange(10, dtype=np.float32).tobytes()
@@ -502,23 +512,27 @@ def test_tls(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
     with fl.connect(url) as untrusting, pytest.raises(fl.FlightUnavailableError):
         untrusting.get_flight_info(fl.FlightDescriptor.for_path("w"), options(TOKEN))
     with fl.connect(url, tls_root_certs=cert.read_bytes()) as trusting:
-        assert trusting.get_flight_info(fl.FlightDescriptor.for_path("w"), options(TOKEN)).total_bytes == x.nbytes
+        info = trusting.get_flight_info(fl.FlightDescriptor.for_path("w"), options(TOKEN))
+        assert info.total_bytes == x.nbytes
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    pytest.param(["--flight", "grpc://0.0.0.0:0"], "reachable beyond loopback", id="no-token"),
-    pytest.param(["--flight", "http://127.0.0.1:1"], "use grpc://HOST:PORT", id="scheme"),
-    pytest.param(["--peer", "127.0.0.1:8815"], "--peer '127.0.0.1:8815'", id="peer"),
-    pytest.param(["--flight", "grpc+tls://127.0.0.1:0"], "needs --flight-tls-cert", id="tls"),
+@pytest.mark.parametrize(("args", "message", "token"), [
+    pytest.param(["--flight", "grpc://127.0.0.1:0"], "needs a token", False, id="no-token"),
+    pytest.param(["--flight", "http://127.0.0.1:1"], "use grpc://HOST:PORT", True, id="scheme"),
+    pytest.param(["--peer", "127.0.0.1:8815"], "--peer '127.0.0.1:8815'", True, id="peer"),
+    pytest.param(["--flight", "grpc+tls://127.0.0.1:0"], "needs --flight-tls-cert", True, id="tls"),
 ])
-def test_bad_flight_settings_fail_at_start(args: list[str], message: str, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str],
+def test_bad_flight_settings_fail_at_start(args: list[str], message: str, token: bool,
+                                           tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """``serve`` itself, in this process: it stops before the broker starts."""
+    """``serve`` itself, in this process: it stops before the broker starts.  A
+    Flight listener, loopback included, needs a token like every TCP listener."""
     from tensordepot.service._cli import main
 
     for key in [k for k in os.environ if k.startswith("TENSORDEPOT_")]:
         monkeypatch.delenv(key)
+    if token:
+        monkeypatch.setenv("TENSORDEPOT_TOKEN", TOKEN)
     sock = tmp_path / "b.sock"
     rc = main(["serve", "--listen", f"unix://{sock}", "--shm-prefix", f"{TEST_PREFIX}bad-", *args])
     err = capsys.readouterr().err

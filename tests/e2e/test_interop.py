@@ -112,17 +112,20 @@ def test_cell(matrix: dict[str, Any], producer: str, dtype: str, consumer: str) 
             # jax 0.11 (seen on a GPU machine) keeps imported bfloat16/float8
             # buffers in a reference cycle of its own, so for jax the lease may
             # wait for a gc pass; "drained" above still catches a real leak.
-            assert r["drained_without_gc"], f"{where}: the lease was held until a gc pass (a reference cycle)"
+            assert r["drained_without_gc"], (
+                f"{where}: the lease was held until a gc pass (a reference cycle)")
         if supported:
             assert r["ok"], f"{where} raised {r['error']}"
             assert r["bitexact"], f"{where}: the bytes differ"
-            assert r["zero_copy"], f"{where}: the consumer's data pointer is not the broker's memory"
+            assert r["zero_copy"], (
+                f"{where}: the consumer's data pointer is not the broker's memory")
             if consumer.startswith("numpy"):
                 assert r["read_only"], f"{where}: a published tensor is writable in numpy"
         else:
             assert not r["ok"], f"{where} imported a dtype the library does not have"
             etype, msg = r["error"]
-            assert etype in ("BufferError", "RuntimeError", "TypeError", "ValueError") and msg, r["error"]
+            assert etype in ("BufferError", "RuntimeError", "TypeError", "ValueError"), r["error"]
+            assert msg, r["error"]
             if cell.get("native_error") is not None:
                 # The consumer's own error, unchanged: the same as for a jax array of the dtype.
                 assert r["error"] == cell["native_error"], (r["error"], cell["native_error"])
@@ -139,7 +142,8 @@ def render(matrix: dict[str, Any]) -> str:
             results = [matrix["cells"][f"{p}-{dtype}-{consumer}"][kind]
                        for p in PRODUCERS for kind in KINDS
                        if f"{p}-{dtype}-{consumer}" in matrix["cells"]]
-            outcomes = {"yes" if r["ok"] and r["bitexact"] else f"raises {r['error'][0]}" for r in results}
+            outcomes = {"yes" if r["ok"] and r["bitexact"] else f"raises {r['error'][0]}"
+                        for r in results}
             row.append(outcomes.pop() if len(outcomes) == 1 else "mixed" if outcomes else "not run")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -151,9 +155,11 @@ def readme_section(text: str) -> str:
 
 
 def test_readme_matrix_matches(matrix: dict[str, Any]) -> None:
-    assert matrix["versions"]["jax"], "jax is not installed; the matrix needs it (pip install -e '.[test]')"
+    assert matrix["versions"]["jax"], (
+        "jax is not installed; the matrix needs it (pip install -e '.[test]')")
     assert readme_section(README.read_text()) == render(matrix), (
-        "README.md's dtype matrix is out of date; run `python tests/e2e/test_interop.py` to rewrite it"
+        "README.md's dtype matrix is out of date; run `python tests/e2e/test_interop.py` to "
+        "rewrite it"
     )
 
 
@@ -162,5 +168,6 @@ if __name__ == "__main__":
         table = render(out)
     text = README.read_text()
     readme_section(text)
-    README.write_text(text[:text.index(BEGIN) + len(BEGIN)] + "\n" + table + "\n" + text[text.index(END):])
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
     print(table)

@@ -70,7 +70,8 @@ def stat_when(
 
 
 def churn(c: Client, n: int = 6, fill: float = 9.0) -> None:
-    """Put and delete tensors of the test size, so a range freed too early is reused and overwritten."""
+    """Put and delete tensors of the test size, so a range freed too early is reused and
+    overwritten."""
     for i in range(n):
         c.put(f"churn{i}", np.full(N, fill))
     for i in range(n):
@@ -280,7 +281,7 @@ def test_release_takes_only_own_leases(broker: BrokerProc) -> None:
         t.close()
 
 
-# -- deferred delete, views, ttl --------------------------------------------------------------------
+# -- deferred delete, views, ttl -------------------------------------------------------------------
 
 
 def test_delete_while_readers_hold(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
@@ -389,7 +390,7 @@ def test_ttl_expires(broker: BrokerProc, n: int) -> None:
         )
 
 
-# -- shutdown ---------------------------------------------------------------------------------------
+# -- shutdown --------------------------------------------------------------------------------------
 
 
 def test_sigterm_wakes_waiting_get(
@@ -421,7 +422,7 @@ def test_sigterm_wakes_waiting_get(
     assert not os.path.exists(b.sock)
 
 
-# -- accounting -------------------------------------------------------------------------------------
+# -- accounting ------------------------------------------------------------------------------------
 
 
 def _cli(url: str, *args: str) -> str:
@@ -478,7 +479,7 @@ def test_stat_and_tensor_info(broker: BrokerProc) -> None:
         assert c.stat().bytes_in_use == 8000 + (1 << 20)
 
 
-# -- sessions ---------------------------------------------------------------------------------------
+# -- sessions --------------------------------------------------------------------------------------
 
 
 def test_close_keeps_session_while_views_live(

@@ -97,7 +97,8 @@ def test_writer_views_never_reach_another_tensor(broker: BrokerProc, workers: Ca
         del held
 
 
-def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc,
+                                                     workers: Callable[..., Worker]) -> None:
     w = workers(broker.url)
     w.ask(f"empty a {N} 1.0", "ok")
     with broker.client() as c:
@@ -148,7 +149,8 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
                 c.delete("a")  # the paused reader's version is gone now; its bytes stay retired
             # Retired: never handed out again (its segment is unlinked once nothing
             # else lives in it; the paused process keeps its own mapping).
-            stat_when(c, lambda s: s.retired_total >= MiB, "the paused client's memory to be retired")
+            stat_when(c, lambda s: s.retired_total >= MiB,
+                      "the paused client's memory to be retired")
             held = churn(c, "b", N, 7.0)
             for p in [proc.pid, *_children(proc.pid)]:
                 os.kill(p, signal.SIGCONT)
@@ -160,7 +162,8 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
             # Once the resumed process lets go of its views, it says so, and the
             # retired memory is reused, though other tensors still live in its segment.
             w.ask("drop a", "ok")
-            stat_when(c, lambda s: s.bytes_retired == 0, "the resumed client to give its memory back")
+            stat_when(c, lambda s: s.bytes_retired == 0,
+                      "the resumed client to give its memory back")
             assert c.stat().tensors >= 1
             w.send("exit")
             assert w.wait() == 0, w.stderr()
@@ -173,7 +176,8 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
+                         check=False).stdout
     kids = [int(x) for x in out.split()]
     return kids + [g for k in kids for g in _children(k)]
 
@@ -190,7 +194,8 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
     with b.client() as c:
         c.delete("warm")
         side = int((512 << 18) ** 0.5)
-        y = np.full(side * side, 7.0, dtype=np.float32)  # ready before the interrupt: no delay after it
+        # Made before the interrupt, so nothing delays the put after it.
+        y = np.full(side * side, 7.0, dtype=np.float32)
         w.send("bigput x 512")  # a non-contiguous source: split by rows over the copy threads
         w.expect("putting")
         stat_when(c, lambda s: s.bytes_in_use >= 500 * MiB, "the allocation to be made", 30)
@@ -207,12 +212,12 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
         del got, y
 
 
-# -- M8: fork -----------------------------------------------------------------------------------------
+# -- M8: fork --------------------------------------------------------------------------------------
 
 
-def test_fork_child_client_works_and_inherited_views_hold(broker: BrokerProc,
-                                                          workers: Callable[..., Worker],
-                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_fork_child_client_works_and_inherited_views_hold(
+        broker: BrokerProc, workers: Callable[..., Worker],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     fifo = str(tmp_path_factory.mktemp("fork") / "cmds")
     os.mkfifo(fifo)
     w = workers(broker.url)
@@ -244,7 +249,7 @@ def test_fork_child_client_works_and_inherited_views_hold(broker: BrokerProc,
         del held
 
 
-# -- M3: versions only grow ---------------------------------------------------------------------------
+# -- M3: versions only grow ------------------------------------------------------------------------
 
 
 def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
@@ -271,7 +276,8 @@ def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., 
 # -- M4: leases nobody holds -----------------------------------------------------------------------
 
 
-def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
+                                               workers: Callable[..., Worker]) -> None:
     w = workers(broker.url)
     w.send("waitget later")
     w.expect("waiting")

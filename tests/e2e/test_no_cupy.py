@@ -24,13 +24,15 @@ UUID = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 
 
 def no_cupy_env() -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(NOCUPY), os.environ.get("PYTHONPATH", "")) if p)}
+    paths = (str(NOCUPY), os.environ.get("PYTHONPATH", ""))
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def test_import_and_app_without_cupy() -> None:
     code = (
         "import sys\n"
-        "try:\n    import cupy\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('not blocked')\n"
+        "try:\n    import cupy\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('not blocked')\n"
         "import tensordepot, tensordepot.shm, tensordepot.client, tensordepot.service\n"
         "from tensordepot.service.app import create_app\n"
         "from tensordepot.shm import _cuda\n"
@@ -39,13 +41,13 @@ def test_import_and_app_without_cupy() -> None:
         "assert not [m for m in sys.modules if m.startswith('cupy')], 'cupy was imported'\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
-                         env={**os.environ, **no_cupy_env()})
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False, env={**os.environ, **no_cupy_env()})
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-def request(url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
-            ) -> tuple[int, Any]:
+def request(url: str, method: str, path: str, body: Any = None,
+            headers: dict[str, str] | None = None) -> tuple[int, Any]:
     sock_path = url.removeprefix("unix://")
 
     class Conn(http.client.HTTPConnection):
@@ -72,7 +74,8 @@ def test_broker_and_cpu_paths_without_cupy(broker_factory: Callable[..., BrokerP
     headers = {"x-tensordepot-session": session["session"]}
     for device, match in ((f"cuda:{UUID}", "cannot hold GPU memory: cupy is not installed"),
                           ("cuda:0", "name the GPU by UUID")):
-        status, body = request(b.url, "POST", "/v1/alloc", {"name": "g", "shape": [4], "dtype": "float32",
+        status, body = request(b.url, "POST", "/v1/alloc",
+                               {"name": "g", "shape": [4], "dtype": "float32",
                                                               "device": device}, headers)
         assert status == 400 and match in body["error"]["message"], body
     status, body = request(b.url, "GET", "/v1/stat")

@@ -110,7 +110,8 @@ def test_a_claimed_pid_1_gets_a_heartbeat_session_and_loses_its_allocation(
     info = got["session"]
     assert not info["tracked"] and info["heartbeat_interval"] is not None, info
     with b.client() as c:
-        wait_for(lambda: c.stat().bytes_in_use == 0, 10, what="the silent session's allocation to go")
+        wait_for(lambda: c.stat().bytes_in_use == 0, 10,
+                 what="the silent session's allocation to go")
         st = c.stat()
         assert st.sessions == 1 and st.retired_total >= 64 * MiB, st
         # Its dedicated segment is unlinked: the memory is the owner's again.

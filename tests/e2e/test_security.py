@@ -36,7 +36,8 @@ def test_socket_is_0600_in_a_0700_directory(broker_factory: Callable[..., Broker
         assert c.stat().sessions >= 1
 
 
-def test_segments_are_0600_with_128_bit_random_names(broker_factory: Callable[..., BrokerProc]) -> None:
+def test_segments_are_0600_with_128_bit_random_names(
+        broker_factory: Callable[..., BrokerProc]) -> None:
     broker = broker_factory("--segment-size", "16MiB")
     with broker.client() as c:
         c.put("small", np.zeros(10))
@@ -52,7 +53,8 @@ def test_segments_are_0600_with_128_bit_random_names(broker_factory: Callable[..
             assert re.fullmatch(re.escape(broker.prefix) + "[0-9a-f]{32}", name), name
 
 
-def test_a_precreated_segment_name_is_never_attached(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_precreated_segment_name_is_never_attached(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """Segments are created O_EXCL: a name someone planted is an error, not a shared mapping."""
     name = f"{TEST_PREFIX}planted-{secrets.token_hex(16)}"
     path = f"/dev/shm/{name}"
@@ -69,7 +71,8 @@ def test_a_precreated_segment_name_is_never_attached(tmp_path_factory: pytest.Te
         os.unlink(path)
 
 
-@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"), pytest.param("[::]", id="ipv6-any"),
+@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"),
+                                  pytest.param("[::]", id="ipv6-any"),
                                   pytest.param("127.0.0.1", id="loopback")])
 def test_tcp_without_token_refuses_to_start(host: str) -> None:
     """Loopback too: every local user can reach it."""

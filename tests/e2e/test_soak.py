@@ -181,8 +181,9 @@ def test_soak_kill_and_respawn(
         print(
             f"\nsoak (seed {seed}): {time.monotonic() - t_start:.0f} s, {N_WORKERS} workers, "
             f"{kills} SIGKILLs, {mishaps['interrupt']} SIGINTs ({totals['interrupted']} cut an "
-            f"operation short), {mishaps['pause']} SIGSTOPs of {PAUSE_S:g} s (TTL {SESSION_TTL:g} s "
-            f"on TCP) survived; {totals['ops']} operations: {totals['reads']} verified reads "
+            f"operation short), {mishaps['pause']} SIGSTOPs of {PAUSE_S:g} s "
+            f"(TTL {SESSION_TTL:g} s on TCP) survived; {totals['ops']} operations: "
+            f"{totals['reads']} verified reads "
             f"+ {totals['rechecks']} re-checks of held views, {totals['puts']} puts "
             f"({totals['strided']} non-contiguous), {totals['forks']} forks with views alive, "
             f"{totals['publishes']} empty+publish, {totals['abandoned']} abandoned writes, "
@@ -192,5 +193,6 @@ def test_soak_kill_and_respawn(
             f"{int(broker_counts.get('tensordepot_expired_total', 0))} ttl expiries, "
             f"{int(broker_counts.get('tensordepot_sessions_lapsed_total', 0))} sessions lapsed, "
             f"{st.retired_total} bytes retired, "
-            f"{len(remaining)} names deleted at the end; then 0 leases, 0 bytes in use, /dev/shm clean"
+            f"{len(remaining)} names deleted at the end; then 0 leases, 0 bytes in use, "
+            "/dev/shm clean"
         )

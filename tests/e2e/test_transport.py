@@ -25,7 +25,8 @@ def test_a_put_whose_answer_was_cut_is_applied_once(broker: BrokerProc) -> None:
         relay.cut_next_response(150)  # the alloc's answer, mid-body
         assert c.put("big", big) == 1
         st = c.stat()
-        assert (st.versions, st.bytes_in_use) == (2, 32 + big.nbytes), "an orphaned allocation was left"
+        assert (st.versions, st.bytes_in_use) == (2, 32 + big.nbytes), (
+            "an orphaned allocation was left")
         assert np.array_equal(np.from_dlpack(c.get("big")), big)
 
 
@@ -125,13 +126,14 @@ def test_get_many_forever_sends_json(broker: BrokerProc) -> None:
 def test_bad_timeouts_are_refused(broker: BrokerProc, bad: object, exc: type[Exception]) -> None:
     with broker.client() as c:
         c.put("x", np.zeros(1, dtype=np.float32))
-        for call in (lambda: c.get("x", timeout=bad), lambda: c.get_many(["x"], timeout=bad)):  # type: ignore[arg-type]
+        for call in (lambda: c.get("x", timeout=bad),  # type: ignore[arg-type]
+                     lambda: c.get_many(["x"], timeout=bad)):  # type: ignore[arg-type]
             with pytest.raises(exc, match="timeout"):
                 call()
         assert c.stat().leases == 0
 
 
-# -- get_many: one deadline, nothing granted after the client gave up ---------------------------------
+# -- get_many: one deadline, nothing granted after the client gave up ------------------------------
 
 
 def test_get_many_has_one_deadline(broker: BrokerProc) -> None:
@@ -170,7 +172,8 @@ def test_publish_many_is_all_or_nothing(broker: BrokerProc) -> None:
         assert sorted(i.name for i in c.list() if i.state == "ready") == ["p", "q"]
 
 
-def test_put_of_a_tensor_from_a_dead_broker_copies_it(broker_factory: Callable[..., BrokerProc]) -> None:
+def test_put_of_a_tensor_from_a_dead_broker_copies_it(
+        broker_factory: Callable[..., BrokerProc]) -> None:
     """A lease id from before a broker restart may name another lease now: a
     re-put of such a tensor copies its bytes, it never links by that id."""
     b = broker_factory()

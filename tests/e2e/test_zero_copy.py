@@ -1,4 +1,5 @@
-"""Zero copy, shown: big gets add no anonymous memory, and readers cannot change\nwhat others read."""
+"""Zero copy, shown: big gets add no anonymous memory, and readers cannot change
+what others read."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from _harness import BrokerProc, run_worker, spawn_worker
 GiB = 1 << 30
 
 
-def test_1gib_get_and_full_read_adds_no_anonymous_memory(broker_factory) -> None:  # type: ignore[no-untyped-def]
+def test_1gib_get_and_full_read_adds_no_anonymous_memory(  # type: ignore[no-untyped-def]
+        broker_factory) -> None:
     b = broker_factory(max_memory="3GiB")
     with b.client() as c:
         out = c.empty("big", (GiB // 4,), "float32")  # filled in place: no copy on our side either
@@ -19,7 +21,8 @@ def test_1gib_get_and_full_read_adds_no_anonymous_memory(broker_factory) -> None
         out.publish()
         del out
         res = run_worker("zero_copy_reader", b.url, "big", timeout=300)
-        m = re.search(r"nbytes=(\d+) pages_sum=([\d.]+) expected=([\d.]+) anon_growth_kib=(-?\d+)", res.stdout)
+        m = re.search(r"nbytes=(\d+) pages_sum=([\d.]+) expected=([\d.]+) anon_growth_kib=(-?\d+)",
+                      res.stdout)
         assert m, res.stdout
         nbytes, got, want, growth_kib = int(m[1]), float(m[2]), float(m[3]), int(m[4])
         assert nbytes == GiB
@@ -39,7 +42,8 @@ def test_torch_write_to_published_tensor_stays_in_the_writer(broker: BrokerProc)
         out, err = w.communicate(timeout=60)
         assert w.returncode == 0, (w.returncode, out, err[-2000:])
         assert "WROTE" in out and "CLEAN" in out, (out, err)
-        assert held.tobytes() == want.tobytes(), "a stray write in one process changed another's view"
+        assert held.tobytes() == want.tobytes(), (
+            "a stray write in one process changed another's view")
         got = np.from_dlpack(c.get("ro"))
         assert got.tobytes() == want.tobytes(), "a stray write reached the published bytes"
         del got, held

@@ -52,7 +52,8 @@ def med(xs: list[float]) -> float:
 
 
 def row(cid: str, what: str, ours_s: float | None, peer_s: float | None, peer: str,
-        measured: float | None, op: str, goal: float, unit: str = "x", note: str = "") -> dict[str, Any]:
+        measured: float | None, op: str, goal: float, unit: str = "x",
+        note: str = "") -> dict[str, Any]:
     ok = None if measured is None else (measured <= goal if op == "<=" else measured >= goal)
     return {"id": cid, "what": what, "tensordepot_ms": None if ours_s is None else ours_s * 1e3,
             "peer": peer, "peer_ms": None if peer_s is None else peer_s * 1e3, "measured": measured,
@@ -70,7 +71,8 @@ def timed(fn: Any, reps: int, warmup: int = 2) -> list[float]:
     return out
 
 
-def g1(torch: Any, c: Any, url: str, size: int, procs: int, warm: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def g1(torch: Any, c: Any, url: str, size: int, procs: int,
+       warm: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ctx = mp.get_context("spawn")
     big = torch.ones(size // 4, dtype=torch.float32, device="cuda")
     c.put("g1", big)
@@ -111,7 +113,8 @@ def g1(torch: Any, c: Any, url: str, size: int, procs: int, warm: int) -> tuple[
     c.delete("g1.tiny")
     dc, dw, tc, tw = med(depot_cold), med(depot_warm), med(torch_cold), med(torch_warm)
     rows = [
-        row("G1.cold", f"open {size // MiB} MiB in a fresh process: get + from_dlpack + read / torch Queue",
+        row("G1.cold", f"open {size // MiB} MiB in a fresh process: get + from_dlpack + read / "
+                       "torch Queue",
             dc, tc, "torch.multiprocessing Queue, first tensor in the process", dc / tc, "<=", 1.0),
         row("G1.warm", f"open {size // MiB} MiB again in the same process / torch Queue",
             dw, tw, "torch.multiprocessing Queue, later tensors", dw / tw, "<=", 1.0),
@@ -129,11 +132,13 @@ def g2(torch: Any, c: Any, size: int, reps: int) -> tuple[list[dict[str, Any]], 
         torch.cuda.synchronize()
 
     copy = timed(memcpy, reps)
-    put = timed(lambda: c.put("g2", src), reps)  # each put retires the last: the block is reused warm
+    # each put retires the last: the block is reused warm
+    put = timed(lambda: c.put("g2", src), reps)
     c.delete("g2")
     ratio = med(copy) / med(put)
     return [row("G2", f"put {size // MiB} MiB on the GPU: bandwidth / device-to-device copy",
-                med(put), med(copy), "cudaMemcpy D2D (torch copy_ + synchronize)", ratio, ">=", 0.8)], \
+                med(put), med(copy), "cudaMemcpy D2D (torch copy_ + synchronize)", ratio, ">=",
+                0.8)], \
         {"put": put, "memcpy": copy}
 
 
@@ -145,7 +150,8 @@ def g3(torch: Any, c: Any, url: str, iters: int, warmup: int, gap: float
     def handoffs(send: Any, ack: Any) -> list[float]:
         out = []
         for i in range(total):
-            x = torch.full((1024,), float(i), dtype=torch.float32, device="cuda")  # 4 KiB, new each time
+            # 4 KiB, new each time
+            x = torch.full((1024,), float(i), dtype=torch.float32, device="cuda")
             torch.cuda.synchronize()
             time.sleep(gap)  # the consumer is back in its receive
             t0 = time.perf_counter()
@@ -176,12 +182,14 @@ def g3(torch: Any, c: Any, url: str, iters: int, warmup: int, gap: float
     peer = handoffs(q.put, r)
     q.put(None)
     p.join(60)
-    return [row("G3", "4 KiB CUDA handoff: tensordepot / torch.multiprocessing Queue", med(depot), med(peer),
-                "torch.multiprocessing Queue, a new CUDA tensor per handoff", med(depot) / med(peer), "<=", 1.0)], \
+    return [row("G3", "4 KiB CUDA handoff: tensordepot / torch.multiprocessing Queue", med(depot),
+                med(peer), "torch.multiprocessing Queue, a new CUDA tensor per handoff",
+                med(depot) / med(peer), "<=", 1.0)], \
         {"depot": depot, "torch": peer}
 
 
-def g4(torch: Any, c: Any, reps: int, big: int, small: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def g4(torch: Any, c: Any, reps: int, big: int,
+       small: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     sd = {f"layer.{i}.weight": torch.randn(big // 4, device="cuda") for i in range(100)}
     sd.update({f"layer.{i}.norm": torch.randn(small // 4, device="cuda") for i in range(200)})
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -211,7 +219,8 @@ def g4(torch: Any, c: Any, reps: int, big: int, small: int) -> tuple[list[dict[s
     what = f"state dict of 300 tensors, {nbytes / GiB:.3g} GiB on the GPU: put_many + get_many"
     return [row("G4", what + " / device copies of the same tensors", med(ours), med(copy),
                 "300 device-to-device copies + synchronize", ratio, "<=", 2.0),
-            row("G4.rt", "put_many + get_many: control round trips", None, None, "", float(max(trips)),
+            row("G4.rt", "put_many + get_many: control round trips", None, None, "",
+                float(max(trips)),
                 "<=", 3.0, unit="round trips", note="the largest count of any repetition")], \
         {"batch": ours, "copies": copy, "round_trips": trips, "bytes": nbytes}
 
@@ -238,7 +247,8 @@ def machine(torch: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu-results/gpu-bench.json")
-    ap.add_argument("--size", type=int, default=GiB, help="bytes of the G1/G2 tensor (default 1 GiB)")
+    ap.add_argument("--size", type=int, default=GiB,
+                    help="bytes of the G1/G2 tensor (default 1 GiB)")
     ap.add_argument("--only", help="comma-separated subset, e.g. G1,G3")
     args = ap.parse_args(argv)
     import torch
@@ -251,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     result: dict[str, Any] = {"schema": 1, "date": datetime.date.today().isoformat(),
                               "machine": machine(torch), "rows": [], "samples": {}, "errors": {}}
-    broker = BrokerProc("--cuda-memory", f"{max(8, 3 * args.size // GiB + 4)}GiB", "--cuda-segment-size",
-                        "256MiB", max_memory="1GiB")
+    broker = BrokerProc("--cuda-memory", f"{max(8, 3 * args.size // GiB + 4)}GiB",
+                        "--cuda-segment-size", "256MiB", max_memory="1GiB")
     try:
         from tensordepot import Client
 
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows, samples = step()
                     result["rows"] += rows
                     result["samples"][name] = samples
-                except Exception as exc:  # noqa: BLE001  # one failed benchmark must not hide the others
+                except Exception as exc:  # one failed benchmark must not hide the others
                     result["errors"][name] = f"{type(exc).__name__}: {exc}"
                 print(f"{name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
             result["broker_stat"] = c.stat().model_dump()
@@ -284,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
     for r in result["rows"]:
         verdict = {True: "pass", False: "MISS", None: "info"}[r["pass"]]
-        print(f"{r['id']:7} {verdict:4} {r['measured']!s:>24} {r['unit']:12} goal {r['goal']:7} {r['what']}")
+        print(f"{r['id']:7} {verdict:4} {r['measured']!s:>24} {r['unit']:12} goal {r['goal']:7} "
+              f"{r['what']}")
     for name, err in result["errors"].items():
         print(f"{name} ERROR {err}")
     print(f"wrote {out}")

@@ -135,7 +135,7 @@ def test_every_route_of_the_app_has_a_scope() -> None:
     async def shutdown() -> None:
         return None
 
-    with pytest.raises(RuntimeError, match="routes without a scope .*: POST /v1/shutdown"):
+    with pytest.raises(RuntimeError, match=r"routes without a scope .*: POST /v1/shutdown"):
         check_routes(extra.routes)
 
 

@@ -132,12 +132,14 @@ class Rig:
     def session(self, pid: int | None = None) -> str:
         return self.broker.open_session(Caller(self.caller.identity, pid or os.getpid())).session
 
-    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
+              sid: str | None = None) -> Any:
         req = AllocRequest(name=name, shape=[nbytes], dtype="uint8", device=device)
         v, _ = drive(self.broker.alloc(sid or self.sid, self.caller, req))
         return v
 
-    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None) -> Any:
+    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
+            sid: str | None = None) -> Any:
         v = self.alloc(name, nbytes, device, sid)
         return self.broker.publish(sid or self.sid, self.caller, name, v.number)
 
@@ -235,7 +237,8 @@ def test_a_cuda_handle_carries_the_block_and_the_events(rig: Callable[..., Rig])
     pytest.param("cuda:banana", "use 'cpu'", id="junk"),
     pytest.param("tpu:0", "use 'cpu'", id="tpu"),
 ])
-def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str, match: str) -> None:
+def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str,
+                                               match: str) -> None:
     r = rig()
     with pytest.raises(InvalidRequest, match=match):
         r.alloc("w", 10, device=device)
@@ -303,13 +306,15 @@ def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> N
         assert (busy.block.segment, busy.block.offset) != (h.segment, h.offset), \
             "memory a queued kernel may read is not handed out"
         await asyncio.sleep(0.05)
-        assert r.broker.stat().devices[0].bytes_pending == 4096, "still pending while the kernel runs"
+        assert r.broker.stat().devices[0].bytes_pending == 4096, (
+            "still pending while the kernel runs")
         reading.done = True
         await until(lambda: r.broker.stat().devices[0].bytes_pending == 0)
         made = len(r.gpus.opened[U0].events)
         await asyncio.sleep(0)  # a new batch: it needs a write event
         again = r.alloc("y", 4096)
-        assert (again.block.segment, again.block.offset) == (h.segment, h.offset), "reused once done"
+        assert (again.block.segment, again.block.offset) == (h.segment, h.offset), (
+            "reused once done")
         assert len(r.gpus.opened[U0].events) == made, "the completed release event was reused"
         h2 = await r.get("w")
         r.release(h2.lease)
@@ -405,3 +410,65 @@ def test_close_frees_every_block_and_event(rig: Callable[..., Rig]) -> None:
     gpu = r.gpus.opened[U0]
     assert gpu.blocks and all(b.freed for b in gpu.blocks.values())
     assert gpu.events and all(e.destroyed for e in gpu.events)
+
+
+def test_metrics_label_each_gpu_in_use(rig: Callable[..., Rig]) -> None:
+    """/metrics' broker collector, read back through prometheus_client's parser:
+    shared memory is device="cpu", each GPU in use a device of its own."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from tensordepot.service._metrics import BrokerCollector
+
+    r = rig()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BrokerCollector(lambda: r.broker))
+
+    def scrape() -> dict[tuple[str, str], float]:
+        families = list(text_string_to_metric_families(generate_latest(registry).decode()))
+        assert all(f.documentation.strip() for f in families), "HELP on every metric"
+        return {(s.name, s.labels.get("device", "")): s.value for f in families
+                for s in f.samples}
+
+    assert not [k for k in scrape() if k[1].startswith("cuda:")], "no GPU series before one is used"
+    g0, g1 = f"cuda:{U0}", f"cuda:{U1}"
+    r.put("cpu-only", 100, device="cpu")  # outside the loop below: making a segment waits
+
+    async def main() -> None:
+        r.put("w", 1000)  # on U0
+        r.put("x", 3 * MiB, device=g1)
+        h = await r.get("w")
+        assert h.cuda is not None
+        reading = r.event(h.cuda.release_event_handle)
+        r.put("w", 1000)  # v1 retired while read ...
+        reading.done = False  # ... by a kernel still queued when its reader releases it
+        r.release(h.lease)
+        producer = r.session()
+        r.share(producer, share_request("s", 4096, os.urandom(64)))
+
+        m = scrape()
+        devices = {d.device: d for d in r.broker.stat().devices}
+        assert set(devices) == {g0, g1}
+        assert m[("tensordepot_memory_in_use_bytes", "cpu")] == 256, "the CPU tensor's block only"
+        assert m[("tensordepot_memory_in_use_bytes", g0)] == 1024
+        assert m[("tensordepot_cuda_pending_bytes", g0)] == 1024
+        assert m[("tensordepot_cuda_pending_bytes", g1)] == 0
+        assert m[("tensordepot_cuda_shared_bytes", g0)] == 4096
+        assert m[("tensordepot_cuda_shared_bytes", g1)] == 0
+        for dev, d in devices.items():
+            assert m[("tensordepot_memory_in_use_bytes", dev)] == d.bytes_in_use > 0
+            assert m[("tensordepot_memory_reserved_bytes", dev)] == d.bytes_reserved > 0
+            assert m[("tensordepot_memory_warm_free_bytes", dev)] == (
+                d.bytes_reserved - d.bytes_in_use - d.bytes_pending)
+            assert m[("tensordepot_memory_limit_bytes", dev)] == 16 * MiB
+            assert m[("tensordepot_segments", dev)] == d.segments >= 1
+            assert m[("tensordepot_cuda_context_bytes", dev)] == 500 * MiB
+            assert m[("tensordepot_cuda_events", dev)] == d.events
+            assert ("tensordepot_memory_retired_bytes", dev) not in m, "shared memory only"
+        assert m[("tensordepot_memory_limit_bytes", "cpu")] == 8 * MiB
+
+        reading.done = True
+        await until(lambda: not r.broker.cuda.pending())
+        assert scrape()[("tensordepot_cuda_pending_bytes", g0)] == 0
+        r.end(producer)
+
+    run(main)

@@ -65,12 +65,14 @@ class App:
     def headers(self, sid: str | None = None) -> dict[str, str]:
         return {SESSION: sid or self.sid}
 
-    def alloc(self, name: str, shape: list[int], dtype: str = "float32", sid: str | None = None) -> Any:
+    def alloc(self, name: str, shape: list[int], dtype: str = "float32",
+              sid: str | None = None) -> Any:
         return self.tc.post("/v1/alloc", json={"name": name, "shape": shape, "dtype": dtype},
                             headers=self.headers(sid))
 
     def put(self, name: str, data: bytes, shape: str, dtype: str = "uint8") -> Any:
-        return self.tc.post(f"/v1/put/{quote(name, safe='')}", params={"dtype": dtype, "shape": shape},
+        return self.tc.post(f"/v1/put/{quote(name, safe='')}",
+                            params={"dtype": dtype, "shape": shape},
                             content=data, headers=self.headers())
 
 
@@ -191,12 +193,14 @@ def test_overflowing_byte_counts_are_400_not_507(app: App, shape: list[int], dty
     assert_error(app.alloc("huge", shape, dtype), 400, "invalid_request")
     dims = ",".join(str(d) for d in shape)
     assert_error(app.put("huge", b"", dims, dtype), 400, "invalid_request")
-    r = app.tc.post("/v1/batch/alloc", json={"items": [{"name": "ok", "shape": [4], "dtype": "uint8"},
-                                                       {"name": "huge", "shape": shape, "dtype": dtype}]},
+    r = app.tc.post("/v1/batch/alloc",
+                    json={"items": [{"name": "ok", "shape": [4], "dtype": "uint8"},
+                                    {"name": "huge", "shape": shape, "dtype": dtype}]},
                     headers=app.headers())
     assert_error(r, 400, "invalid_request")
     check_accounting(app.broker)
-    assert app.broker.bytes_in_use == 0 and app.broker.entries == {}, "a failed batch leaves nothing"
+    assert app.broker.bytes_in_use == 0 and app.broker.entries == {}, (
+        "a failed batch leaves nothing")
 
 
 @pytest.mark.parametrize("body", [
@@ -208,8 +212,10 @@ def test_overflowing_byte_counts_are_400_not_507(app: App, shape: list[int], dty
     pytest.param(b'{"name": "x", "shape": [1.5], "dtype": "uint8"}', id="fractional-dim"),
     pytest.param(b'{"name": "has space", "shape": [1], "dtype": "uint8"}', id="bad-name"),
     pytest.param(b'{"name": "", "shape": [1], "dtype": "uint8"}', id="empty-name"),
-    pytest.param(json.dumps({"name": "x" * 513, "shape": [1], "dtype": "uint8"}).encode(), id="long-name"),
-    pytest.param(json.dumps({"name": "x", "shape": [1] * 33, "dtype": "uint8"}).encode(), id="33-dims"),
+    pytest.param(json.dumps({"name": "x" * 513, "shape": [1], "dtype": "uint8"}).encode(),
+                 id="long-name"),
+    pytest.param(json.dumps({"name": "x", "shape": [1] * 33, "dtype": "uint8"}).encode(),
+                 id="33-dims"),
     pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "bogus": 1}', id="extra-field"),
     pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": 0}', id="zero-ttl"),
     pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": NaN}', id="nan-ttl"),
@@ -276,7 +282,8 @@ def test_unknown_route_is_404_and_wrong_method_405(app: App) -> None:
 def test_conflicts_are_409(app: App) -> None:
     other = app.open_session()
     h = app.alloc("w", [4], sid=other).json()
-    r = app.tc.post("/v1/publish", json={"name": "w", "version": h["version"]}, headers=app.headers())
+    r = app.tc.post("/v1/publish", json={"name": "w", "version": h["version"]},
+                    headers=app.headers())
     assert_error(r, 409, "conflict", "another session")
     assert_error(app.alloc("x", [4], sid="0" * 32), 409, "unknown_session", "open a new one")
     assert_error(app.tc.delete("/v1/sessions/" + "0" * 32), 409, "unknown_session")
@@ -399,7 +406,8 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "shape": st.lists(dims, max_size=4) | any_json,
     "dtype": dtypes,
     "device": st.sampled_from(["cpu", "cpu:0", "cuda:0", "", "CPU"]) | st.text(max_size=70),
-    "ttl": st.none() | st.floats(min_value=1e-3, max_value=1e308) | st.sampled_from([0, -1, math.inf]),
+    "ttl": (st.none() | st.floats(min_value=1e-3, max_value=1e308)
+            | st.sampled_from([0, -1, math.inf])),
     "version": st.integers(-1, 4) | big_ints,
     "leases": st.lists(st.integers(-1, 20) | big_ints, max_size=5),
     "pid": st.sampled_from([os.getpid(), 1, 0, -1, 2**62, 2**80]),
@@ -440,13 +448,15 @@ def body_for(doc: dict[str, Any], schema: dict[str, Any]) -> st.SearchStrategy[A
             good = st.lists(body_for(doc, sub["items"]), max_size=4)
         else:
             return any_json
-        return st.one_of(good, good, good, any_json)  # mostly plausible values, so checks deep inside run
+        # mostly plausible values, so checks deep inside run
+        return st.one_of(good, good, good, any_json)
 
     fields = {k: field(k, v) for k, v in props.items()}
     near = st.fixed_dictionaries({k: s for k, s in fields.items() if k in required},
                                  optional={k: s for k, s in fields.items() if k not in required})
     dropped = st.fixed_dictionaries({}, optional=fields)
-    extra = st.tuples(near, st.dictionaries(st.text(max_size=8), _JSON_LEAVES, min_size=1, max_size=2)
+    extra = st.tuples(near,
+                      st.dictionaries(st.text(max_size=8), _JSON_LEAVES, min_size=1, max_size=2)
                       ).map(lambda t: {**t[1], **t[0]})
     # Any JSON at the top level, but never one that carries a "timeout".
     junk = any_json.filter(lambda x: not isinstance(x, dict) or "timeout" not in x)
@@ -469,7 +479,8 @@ def request_for(doc: dict[str, Any], path: str, method: str) -> st.SearchStrateg
         lambda xs: ",".join(map(str, xs))) | header_text
     content = op.get("requestBody", {}).get("content", {})
     if "application/json" in content:
-        parts["json"] = body_for(doc, content["application/json"]["schema"]) | st.binary(max_size=40)
+        parts["json"] = (body_for(doc, content["application/json"]["schema"])
+                         | st.binary(max_size=40))
     elif "application/octet-stream" in content:
         parts["bytes"] = st.binary(max_size=64) | st.integers(0, 64).map(bytes)
     return st.fixed_dictionaries(parts)
@@ -519,7 +530,8 @@ def reset(app: App) -> None:
     for name in list(app.broker.entries):
         assert app.tc.delete(f"/v1/tensors/{quote(name, safe='')}").status_code == 204
     st_ = app.tc.get("/v1/stat").json()
-    assert (st_["bytes_in_use"], st_["versions"], st_["leases"], st_["sessions"]) == (0, 0, 0, 0), st_
+    counts = (st_["bytes_in_use"], st_["versions"], st_["leases"], st_["sessions"])
+    assert counts == (0, 0, 0, 0), st_
     app.on_loop(check_accounting, app.broker)
     assert app.broker.pool.used == 0
     app.sid = app.open_session()
@@ -545,7 +557,8 @@ FUZZ = settings(max_examples=25, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@pytest.mark.parametrize("path,method", [pytest.param(p, m, id=f"{m}-{p}") for p, m in _operations()])
+@pytest.mark.parametrize("path,method",
+                         [pytest.param(p, m, id=f"{m}-{p}") for p, m in _operations()])
 @FUZZ
 @given(data=st.data())
 def test_fuzz_every_route(fuzz_app: tuple[App, dict[str, Any]], path: str, method: str,
@@ -600,3 +613,16 @@ def test_inline_bytes_roundtrip(app: App) -> None:
     m = PosixMapping(got["segment"], writable=False)
     assert bytes(byte_view(m, got["offset"], 1000, writable=False)) == payload
     assert "data" not in got, "handles carry metadata, never the bytes"
+
+
+def test_an_app_with_flight_settings_binds_flight_with_the_brokers_policy(
+        make_app: Callable[..., App]) -> None:
+    """Without the CLI, the lifespan binds --flight itself, on the broker's own
+    tokens and scopes (the CLI binds it before the app when it serves)."""
+    fl = pytest.importorskip("pyarrow.flight")
+    app = make_app(flight="grpc://127.0.0.1:0")
+    services = [getattr(source, "__self__", None) for source in app.tc.app.state.metric_sources]
+    [flight] = [s for s in services if type(s).__name__ == "FlightService"]
+    assert app.put("w", bytes(range(8)), "8").status_code == 200
+    with fl.connect(flight.url) as client:
+        assert [f.descriptor.path for f in client.list_flights()] == [[b"w"]]

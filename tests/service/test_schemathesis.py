@@ -55,6 +55,13 @@ class Live:
                                  env={"TENSORDEPOT_TOKEN": self.token})
         self.auth = {"Authorization": f"Bearer {self.token}"}
         self.team = {"Authorization": f"Bearer {team}"}
+        try:
+            self._start_session()
+        except BaseException:
+            self.broker.cleanup()  # a broker that cannot serve the fuzz must not outlive it
+            raise
+
+    def _start_session(self) -> None:
         # Over TCP every session lives on heartbeats (a claimed pid is never
         # trusted): ours is kept alive by a thread, and the sessions the fuzz
         # opens lapse within a second.

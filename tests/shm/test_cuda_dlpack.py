@@ -65,7 +65,8 @@ class Owner:
         self.buf = np.arange(nbytes, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("max_version", [pytest.param(None, id="legacy"), pytest.param((1, 1), id="versioned")])
+@pytest.mark.parametrize("max_version",
+                         [pytest.param(None, id="legacy"), pytest.param((1, 1), id="versioned")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn", "int64", "complex128"])
 def test_cuda_capsule_names_the_gpu_and_keeps_its_owner(max_version: tuple[int, int] | None,
                                                        dtype: str) -> None:
@@ -73,8 +74,8 @@ def test_cuda_capsule_names_the_gpu_and_keeps_its_owner(max_version: tuple[int, 
     shape, strides = (3, 5), (5, 1)
     owner = Owner(15 * dt.itemsize)
     address = owner.buf.ctypes.data
-    cap = export_capsule(address, shape, strides, dt, owner, read_only=True, max_version=max_version,
-                         device=(kDLCUDA, 3))
+    cap = export_capsule(address, shape, strides, dt, owner, read_only=True,
+                         max_version=max_version, device=(kDLCUDA, 3))
     ref = weakref.ref(owner)
     del owner
     gc.collect()

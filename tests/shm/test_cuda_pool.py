@@ -68,7 +68,8 @@ def make_pool(gpu: FakeGpu) -> Iterator[Callable[..., Pool]]:
     def make(**kw: object) -> Pool:
         kw.setdefault("max_memory", 64 * MiB)
         kw.setdefault("segment_size", SEG)
-        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE, **kw)  # type: ignore[arg-type]
+        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE,
+                    **kw)  # type: ignore[arg-type]
         pools.append(pool)
         return pool
 
@@ -92,7 +93,8 @@ def check(pool: Pool, live: list[Block], gpu: FakeGpu) -> None:
             assert a.offset + a.size <= c.offset or c.offset + c.size <= a.offset, (a, c)
 
 
-def test_nothing_is_allocated_until_first_used(make_pool: Callable[..., Pool], gpu: FakeGpu) -> None:
+def test_nothing_is_allocated_until_first_used(make_pool: Callable[..., Pool],
+                                               gpu: FakeGpu) -> None:
     pool = make_pool()
     assert gpu.mallocs == 0 and pool.reserved == 0
     b = pool.alloc(1000)
@@ -109,7 +111,8 @@ def test_small_tensors_share_one_block_and_reuse_freed_ranges(make_pool: Callabl
     victim = blocks.pop(4)
     pool.free(victim)
     again = pool.alloc(9_000)
-    assert (again.segment, again.offset) == (victim.segment, victim.offset), "the warm range is reused"
+    assert (again.segment, again.offset) == (victim.segment, victim.offset), (
+        "the warm range is reused")
     assert gpu.mallocs == 1 and gpu.frees == 0
     check(pool, [*blocks, again], gpu)
 
@@ -165,11 +168,13 @@ def test_close_frees_every_block_once(make_pool: Callable[..., Pool], gpu: FakeG
     assert gpu.frees == made and gpu.live == {} and pool.reserved == 0
 
 
-def test_on_drop_names_each_block_the_pool_frees(make_pool: Callable[..., Pool], gpu: FakeGpu) -> None:
+def test_on_drop_names_each_block_the_pool_frees(make_pool: Callable[..., Pool],
+                                                 gpu: FakeGpu) -> None:
     pool = make_pool(max_memory=8 * MiB, warm_bytes=0)
     dropped: list[str] = []
     pool.on_drop = dropped.append
     a = pool.alloc(3 * MiB)
     name = a.segment
     pool.free(a)
-    assert dropped == [name] and name not in gpu.live, "with no warm budget, a free block goes at once"
+    assert dropped == [name] and name not in gpu.live, (
+        "with no warm budget, a free block goes at once")

@@ -69,7 +69,7 @@ def test_device_objects_parse(dev: object, want: Device) -> None:
     f"cuda:XPU-{U0[4:]}", "cpu:1", "mps", "cuda:\u0661",  # an Arabic-Indic one: not an ordinal
 ])
 def test_bad_device_names_say_what_is_allowed(text: str) -> None:
-    with pytest.raises(DeviceError, match="cuda:N|device UUID"):
+    with pytest.raises(DeviceError, match=r"cuda:N|device UUID"):
         parse_device(text)
 
 

@@ -55,7 +55,8 @@ class Owner:
 
 
 
-def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *, max_version: tuple[int, int] | None = (1, 0),
+def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *,
+            max_version: tuple[int, int] | None = (1, 0),
             read_only: bool = True, copy: bool = False, strides: tuple[int, ...] | None = None
             ) -> tuple[Any, Owner]:
     d = DTYPES[dtype]
@@ -96,11 +97,13 @@ def test_array_at_every_dtype(dtype: str) -> None:
     d = DTYPES[dtype]
     owner = Owner(5 * 2 * d.itemsize)
     npdt = numpy_dtype(d)
-    arr = array_at(owner.buf.ctypes.data, (5,), (2 * d.itemsize,), npdt, writable=False, owner=owner)
+    arr = array_at(owner.buf.ctypes.data, (5,), (2 * d.itemsize,), npdt, writable=False,
+                   owner=owner)
     assert arr.dtype == npdt and not arr.flags.writeable
     want = owner.buf.reshape(5, 2, d.itemsize)[:, 0].tobytes()
     assert np.ascontiguousarray(arr).tobytes() == want
-    assert array_at(owner.buf.ctypes.data, (5,), None, npdt, writable=True, owner=owner).flags.writeable
+    assert array_at(owner.buf.ctypes.data, (5,), None, npdt, writable=True,
+                    owner=owner).flags.writeable
 
 
 # -- capsules we export ------------------------------------------------------------
@@ -242,7 +245,8 @@ def test_import_torch_every_dtype() -> None:
         tdt = getattr(torch, name, None)
         if not isinstance(tdt, torch.dtype):
             continue
-        raw = np.random.default_rng(d.code * 100 + d.bits).integers(0, 2, (6, 4 * d.itemsize), dtype=np.uint8)
+        rng = np.random.default_rng(d.code * 100 + d.bits)
+        raw = rng.integers(0, 2, (6, 4 * d.itemsize), dtype=np.uint8)
         x = torch.from_numpy(raw).view(tdt)[:, ::2]  # strided
         with import_dlpack(x) as imp:
             assert imp.dtype is d, name

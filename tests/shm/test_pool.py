@@ -55,7 +55,8 @@ def make_pool(prefix: str) -> Iterator[Callable[..., Pool]]:
 def on_disk(pool: Pool) -> dict[str, int]:
     """The pool's segments as /dev/shm sees them: name -> size."""
     mine = re.compile(re.escape(pool.prefix) + "[0-9a-f]{32}")
-    return {e: os.stat(f"/dev/shm/{e}").st_size for e in shm_entries(pool.prefix) if mine.fullmatch(e)}
+    return {e: os.stat(f"/dev/shm/{e}").st_size for e in shm_entries(pool.prefix)
+            if mine.fullmatch(e)}
 
 
 def check_invariants(pool: Pool, live: list[Block]) -> None:
@@ -72,7 +73,7 @@ def check_invariants(pool: Pool, live: list[Block]) -> None:
             continue
         # Live blocks and free ranges tile the segment exactly.
         pieces = sorted([(b.offset, b.size, "live") for b in mine]
-                        + [(o, n, "free") for o, n in zip(s.free_off, s.free_len)])
+                        + [(o, n, "free") for o, n in zip(s.free_off, s.free_len, strict=True)])
         pos = 0
         for off, size, _ in pieces:
             assert off == pos, f"gap or overlap at {off} in {name}: {pieces}"
@@ -90,7 +91,7 @@ def test_blocks_are_aligned_and_disjoint(make_pool: Callable[..., Pool], align: 
     pool = make_pool(align=align)
     sizes = [0, 1, align - 1, align, align + 1, 1000, 3 * align + 7, 10_000]
     blocks = [pool.alloc(n) for n in sizes]
-    for b, n in zip(blocks, sizes):
+    for b, n in zip(blocks, sizes, strict=True):
         assert b.offset % align == 0, b
         assert b.nbytes == n
         assert b.size >= max(n, 1) and b.size % align == 0, b

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-
 from tensordepot import Client
 
 url, mib = sys.argv[1], int(sys.argv[2])

@@ -8,9 +8,7 @@ import sys
 import numpy as np
 import torch
 from _data import expected
-
 from tensordepot import Client
-
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -1,19 +1,19 @@
 """A GPU worker driven over stdin, one command per line, one answer per line.
 
-    put NAME DTYPE N SEED [DEVICE]    torch tensor on cuda:0 -> put (to DEVICE)   -> "put V"
-    puthost NAME DTYPE N SEED DEVICE  CPU tensor -> put(device=DEVICE)            -> "put V"
-    share NAME DTYPE N SEED           share() a tensor this process keeps          -> "shared V"
+    put NAME DTYPE N SEED [DEVICE]    torch tensor on cuda:0 -> put (to DEVICE) -> "put V"
+    puthost NAME DTYPE N SEED DEVICE  CPU tensor -> put(device=DEVICE)          -> "put V"
+    share NAME DTYPE N SEED           share() a tensor this process keeps        -> "shared V"
     check NAME DTYPE N SEED LIB       get, import with LIB (torch, cupy, both,
-                                      jax, host), compare the bits               -> "ok ..." | "bad ..."
-    hold NAME                         get and keep the SharedTensor                -> "held V"
-    export                            torch.from_dlpack(the held tensor)           -> "ok" | "broken ..."
+                                      jax, host), compare the bits   -> "ok ..." | "bad ..."
+    hold NAME                         get and keep the SharedTensor              -> "held V"
+    export                            torch.from_dlpack(the held tensor) -> "ok" | "broken ..."
     longread NAME CYCLES              on a side stream: sleep CYCLES, then sum the
-                                      tensor; drop it (the release goes out now)  -> "queued V"
-    result                            wait for the long read                       -> "sum S"
-    drop                              drop everything held                         -> "dropped"
-    close                             Client.close()                               -> "closed S" (seconds)
-    devices                           this process's GPUs                          -> "devices JSON"
-    exit                                                                          -> "bye"
+                                      tensor; drop it (the release goes out now) -> "queued V"
+    result                            wait for the long read                     -> "sum S"
+    drop                              drop everything held                       -> "dropped"
+    close                             Client.close()                 -> "closed S" (seconds)
+    devices                           this process's GPUs                        -> "devices JSON"
+    exit                                                                         -> "bye"
 
 Prints "ready <pid>" once its Client and CUDA are up.
 """
@@ -46,7 +46,8 @@ def consume(t: Any, lib: str) -> list[bytes]:
         y = cupy.from_dlpack(t)
         assert y.device.id == torch.cuda.current_device()
         if lib == "both":
-            assert y.data.ptr == x.data_ptr(), "torch and cupy see the same device memory: zero copy"
+            assert y.data.ptr == x.data_ptr(), (
+                "torch and cupy see the same device memory: zero copy")
         out.append(bytes(cupy.asnumpy(y.view(f"u{y.dtype.itemsize}")).tobytes()))
     if lib == "jax":
         import jax
@@ -139,7 +140,7 @@ def main() -> None:
                 return
             else:
                 print("unknown", cmd, flush=True)
-        except Exception as exc:  # noqa: BLE001  # the test reads the answer
+        except Exception as exc:  # the test reads the answer
             print("error", type(exc).__name__, str(exc).replace("\n", " ")[:500], flush=True)
 
 

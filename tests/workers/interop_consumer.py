@@ -1,7 +1,8 @@
 """Interop consumer: reads every tensor the producers put, through every consumer.
 
 Usage: interop_consumer.py URL PRODUCER...  Prints one JSON line:
-{"versions": {...}, "has": {consumer: [dtype, ...]}, "cells": {"producer-dtype-consumer": {kind: result}}}
+{"versions": {...}, "has": {consumer: [dtype, ...]},
+ "cells": {"producer-dtype-consumer": {kind: result}}}
 
 A result records whether the import worked, whether the bytes are identical,
 whether the consumer's data pointer is the broker's memory (zero copy),
@@ -86,7 +87,7 @@ def native_error(consumer: str, dtype: str) -> list[str] | None:
     x = jnp.zeros((3,), dtype=getattr(jnp, dtype))
     try:
         IMPORT[consumer](x)  # type: ignore[misc]
-    except Exception as exc:  # noqa: BLE001 - whatever the consumer raises is the result
+    except Exception as exc:  # whatever the consumer raises is the result
         return [type(exc).__name__, str(exc)]
     return None
 
@@ -108,7 +109,7 @@ def read(c: Client, producer: str, dtype: str, kind: str, consumer: str) -> dict
     res["meta"] = t.dtype == dtype and t.shape == want_shape
     try:
         x = IMPORT[consumer](t)  # type: ignore[misc]
-    except Exception as exc:  # noqa: BLE001 - whatever the consumer raises is the result
+    except Exception as exc:  # whatever the consumer raises is the result
         res["error"] = [type(exc).__name__, str(exc)]
     else:
         res["ok"] = True
@@ -129,7 +130,8 @@ def read(c: Client, producer: str, dtype: str, kind: str, consumer: str) -> dict
 
 url, producers = sys.argv[1], sys.argv[2:]
 out: dict[str, Any] = {
-    "versions": {"numpy": np.__version__, "torch": torch.__version__, "ml_dtypes": ml_dtypes.__version__,
+    "versions": {"numpy": np.__version__, "torch": torch.__version__,
+                 "ml_dtypes": ml_dtypes.__version__,
                  "jax": jax.__version__ if jax is not None else None},
     "has": {cons: [d for d in DTYPES if HAS[cons](d)] for cons in CONSUMERS},
     "cells": {},

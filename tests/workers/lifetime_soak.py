@@ -101,7 +101,7 @@ def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: rand
         except Corrupt as exc:
             emit(f"CORRUPT {exc}")
             code = 3
-        except BaseException:  # noqa: BLE001 (report anything, then leave through os._exit)
+        except BaseException:  # report anything, then leave through os._exit
             traceback.print_exc()
             code = 1
         finally:
@@ -250,7 +250,7 @@ def child(url: str, seed: int, deadline: float) -> None:
         os.dup2(fd, 0)  # the zygote's command pipe is not ours to read
         os.close(fd)
         code = work(url, seed, deadline)
-    except BaseException:  # noqa: BLE001 (report anything, then leave through os._exit)
+    except BaseException:  # report anything, then leave through os._exit
         traceback.print_exc()
     finally:
         sys.stderr.flush()

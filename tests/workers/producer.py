@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 from _data import expected
-
 from tensordepot import Client
 
 url = sys.argv[1]

@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import torch
-
 from tensordepot import Client
 
 url, name = sys.argv[1], sys.argv[2]
@@ -19,7 +18,8 @@ with Client(url) as c:
     print("writing", flush=True)
     x[0] = 42.0
     x.add_(1.0)
-    assert x[0].item() == 43.0 and torch.equal(x[1:], want[1:] + 1), "the write did not land locally"
+    assert x[0].item() == 43.0 and torch.equal(x[1:], want[1:] + 1), (
+        "the write did not land locally")
     print("WROTE", flush=True)
     again = np.from_dlpack(c.get(name))  # a new view of the same published version
     assert np.array_equal(again, want.numpy()), "a fresh get shows this process's own stray write"

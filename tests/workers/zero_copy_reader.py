@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-
 from tensordepot import Client
 
 
@@ -31,5 +30,6 @@ with Client(url) as c:
     total = float(a.reshape(-1)[::step].sum(dtype=np.float64))
     after = anonymous_kib()
     expected = float(a.size // step)  # the producer filled it with ones
-    print(f"nbytes={a.nbytes} pages_sum={total} expected={expected} anon_growth_kib={after - before}")
+    print(f"nbytes={a.nbytes} pages_sum={total} expected={expected} "
+          f"anon_growth_kib={after - before}")
     del a, t
