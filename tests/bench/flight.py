@@ -300,12 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     brokers: list[BrokerProc] = []
     benches: dict[str, Any] = {}
     checks: list[dict[str, Any]] = []
+    # Flight, like every TCP listener, needs a token; both brokers use the same one.
+    env = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
     try:
         a = BrokerProc(*common, "--flight", "grpc://127.0.0.1:0", max_memory=cfg.max_memory,
-                       prefix=f"{prefix}a-")
+                       prefix=f"{prefix}a-", env=env)
         brokers.append(a)
         b = BrokerProc(*common, "--peer", flight_url(a), "--peer-refresh", "0",
-                       max_memory=cfg.max_memory, prefix=f"{prefix}b-")
+                       max_memory=cfg.max_memory, prefix=f"{prefix}b-", env=env)
         brokers.append(b)
         x = np.ones(cfg.nbytes, np.uint8)
         for name, fn in (("F1", bench_f1), ("F2", bench_f2)):
