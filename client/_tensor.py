@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     BrokerUnavailable,
+    DepotError,
     InvalidRequest,
     TensorBroken,
     TensorNotFound,
@@ -144,7 +145,19 @@ class SharedTensor:
         return owner.lease.id if owner is not None and owner.lease is not None else None
 
     def publish(self) -> SharedTensor:
-        """Make this ``empty()`` tensor visible to readers (once)."""
+        """Make this ``empty()`` tensor visible to readers (once).  From an
+        ``AsyncClient``, ``await client.publish(t)`` does the same without
+        blocking the event loop."""
+        client = self._publishing()
+        try:
+            client._publish(self.name, self.version)
+        except (BrokerUnavailable, TensorNotFound) as exc:
+            raise self._broken(exc) from exc
+        self._published()
+        return self
+
+    def _publishing(self) -> Client:
+        """The client that publishes this tensor; raises if it cannot be published."""
         if not self._writer:
             raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are published")
         if self.published:
@@ -153,22 +166,23 @@ class SharedTensor:
         if client is None:
             raise TensorReleased("the Client that created this tensor is gone")
         self._alive()
-        try:
-            client._publish(self.name, self.version)
-        except (BrokerUnavailable, TensorNotFound) as exc:
-            # The memory this tensor was written into is gone: the broker died,
-            # or reclaimed the allocation (its name was deleted meanwhile).
-            raise TensorBroken(
-                f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
-                f"write it again with empty() or put()"
-            ) from exc
+        return client
+
+    def _broken(self, exc: DepotError) -> TensorBroken:
+        # The memory this tensor was written into is gone: the broker died,
+        # or reclaimed the allocation (its name was deleted meanwhile).
+        return TensorBroken(
+            f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
+            f"write it again with empty() or put()"
+        )
+
+    def _published(self) -> None:
         # Published bytes never change: from now on a write through this
         # tensor's views stays in this process (README, Lifetime: M2).
         make_private = getattr(self._window, "make_private", None)  # CPU windows; not CUDA blocks
         if make_private is not None:
             make_private()
         self.published, self.writable = True, False
-        return self
 
     def release(self) -> None:
         """Drop this object's hold on the memory.  Idempotent.
