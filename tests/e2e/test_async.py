@@ -240,6 +240,29 @@ def test_tcp_with_a_token(broker_factory: Callable[..., BrokerProc], tmp_path: A
     drained(b)
 
 
+def test_a_restarted_broker_gets_a_new_session(broker_factory: Callable[..., BrokerProc]) -> None:
+    b = broker_factory()
+
+    async def main() -> None:
+        async with AsyncClient(b.url) as c:
+            await c.put("w", np.arange(MiB, dtype=np.uint8))
+            old = await c.get("w")
+            await asyncio.get_running_loop().run_in_executor(None, b.kill)
+            with pytest.raises(BrokerUnavailable):
+                await c.stat()
+            await asyncio.get_running_loop().run_in_executor(None, b.start)
+            assert await c.put("w", np.ones(MiB, dtype=np.uint8)) >= 1  # pooled connections are dead
+            assert (await c.stat()).sessions >= 1
+            assert int(np.from_dlpack(old)[5]) == 5  # a mapping outlives its broker
+            assert await c.put("copy", old) >= 1  # a tensor of the dead broker is copied, not linked
+            got = np.from_dlpack(await c.get("copy"))
+            assert np.array_equal(got, np.arange(MiB, dtype=np.uint8))
+            del old, got
+
+    run(main)
+    drained(b)
+
+
 FAKE_BROKER = """
 import socket
 s = socket.socket(socket.AF_UNIX)
@@ -466,7 +489,11 @@ class Server:
     def __init__(self, broker: BrokerProc) -> None:
         self.port = free_port()
         self.worker = Worker("async_server", broker.url, str(self.port))
-        self.worker.expect("ready", 60)
+        try:
+            self.worker.expect("ready", 60)
+        except BaseException:
+            self.worker.close()
+            raise
 
     def request(self, method: str, target: str, timeout: float = 60) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
