@@ -512,7 +512,10 @@ class Server:
     def stop(self) -> None:
         self.worker.proc.terminate()  # the lifespan hook closes the AsyncClient
         self.worker.wait(30)
+        err = self.worker.stderr()
         self.worker.close()
+        for sign in ("Traceback", "never retrieved", "was destroyed", "Warning"):
+            assert sign not in err, f"the server wrote {sign!r}:\n{err}"
 
 
 @pytest.fixture
