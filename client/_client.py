@@ -38,6 +38,41 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 
+def alloc_body(name: str, shape: Iterable[int], dtype: str, ttl: float | None, device: str = "cpu",
+               hold: bool = False) -> dict[str, Any]:
+    """The body of a ``/v1/alloc``; ``hold``: the writer's lease of an ``empty()``."""
+    return {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device,
+            "ttl": ttl, "hold": hold}
+
+
+def get_request(name: str, timeout: Any, newer_than: Any,
+                io: float) -> tuple[str, float | bool | None]:
+    """The path of a get (its arguments checked), and its I/O timeout: the
+    wait plus ``io`` (None: forever; False: the transport's default)."""
+    check_name(name)
+    wait = check_timeout(timeout)
+    path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
+    if wait is None:
+        return path + "&timeout=inf", None
+    if wait > 0:
+        return path + f"&timeout={wait!r}", wait + io
+    return path, False
+
+
+def _inline(name: str, src: Source, ttl: float | None) -> tuple[str, bytes] | None:
+    """The path and bytes of a put small enough to carry its bytes in the
+    request (one round trip), or None."""
+    arr = src.array
+    if arr.nbytes > INLINE_MAX:
+        return None
+    import numpy as np
+
+    query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
+    if ttl is not None:
+        query += f"&ttl={ttl!r}"
+    return f"/v1/put/{quote(name, safe='/')}?{query}", np.ascontiguousarray(arr).tobytes()
+
+
 class Client:
     """A connection to a tensordepot broker.
 
@@ -64,6 +99,8 @@ class Client:
 
     _closed = True
     _bg: Background | None = None
+    _session: SessionInfo | None = None
+    _session_at_init = True  # False: the first call opens it (the asyncio client's core)
 
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
                  label: str | None = None,
@@ -90,13 +127,14 @@ class Client:
         self._closing = False
         self._fork_claim: str | None = None  # a forked child's session, until claimed
         try:
-            self._open_session()
+            if self._session_at_init:
+                self._open_session()
         except BaseException:
             self._transport.close()  # a refused session (401, 503) must not leak its connection
             raise
         self._closed = False
         self._bg = Background(self)
-        self._bg.heartbeat = self._session.heartbeat_interval
+        self._bg.heartbeat = self._session.heartbeat_interval if self._session else None
         register(self)
 
     # -- plumbing ----------------------------------------------------------
@@ -123,42 +161,52 @@ class Client:
             self._claim_if_forked()
         if not self._sid:
             self._open_session()
+        headers, ids, rids = self._headers(rid, carry=not background)
+        sid = self._sid
+        try:
+            return self._transport.request(method, path, body, headers=headers, timeout=timeout,
+                                           resend=rid is not None or method != "POST")
+        except DepotError as exc:
+            if not getattr(exc, "answered", False):
+                self._unanswered(sid, ids, rids, rid, grants)
+            if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
+                raise
+        except BaseException:  # Ctrl-C mid-call: the answer will never be read
+            self._unanswered(sid, ids, rids, rid, grants)
+            raise
+        # The broker restarted or reaped us: open a fresh session and retry once.
+        self._open_session()
+        headers, _, _ = self._headers(rid, carry=False)
+        return self._transport.request(method, path, body, headers=headers, timeout=timeout,
+                                       resend=rid is not None or method != "POST")
+
+    def _headers(self, rid: str | None, *,
+                 carry: bool) -> tuple[dict[str, str], list[int], list[str]]:
+        """A request's session headers, and (``carry``) the queued releases and
+        cancels riding on it: no round trip of their own."""
         headers = {SESSION_HEADER: self._sid}
         if rid is not None:
             headers[REQUEST_HEADER] = rid
         ids: list[int] = []
         rids: list[str] = []
         bg = self._bg
-        if not background and bg is not None and (bg.pending or bg.cancels):
+        if carry and bg is not None and (bg.pending or bg.cancels):
             ids, rids = bg.take()
             if ids:  # piggyback queued releases: no round trip of their own
                 headers[RELEASE_HEADER] = ",".join(map(str, ids))
             if rids:
                 headers[CANCEL_HEADER] = ",".join(rids)
-        sid = self._sid
-        try:
-            return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                           resend=rid is not None or method != "POST")
-        except DepotError as exc:
-            if not getattr(exc, "answered", False) and bg is not None:
-                bg.give_back(ids, rids)
-                if grants and rid is not None:
-                    bg.cancel_later(sid, rid)
-            if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
-                raise
-        except BaseException:  # Ctrl-C mid-call: the answer will never be read
-            if bg is not None:
-                bg.give_back(ids, rids)
-                if grants and rid is not None:
-                    bg.cancel_later(sid, rid)
-            raise
-        # The broker restarted or reaped us: open a fresh session and retry once.
-        self._open_session()
-        headers[SESSION_HEADER] = self._sid
-        headers.pop(RELEASE_HEADER, None)
-        headers.pop(CANCEL_HEADER, None)
-        return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                       resend=rid is not None or method != "POST")
+        return headers, ids, rids
+
+    def _unanswered(self, sid: str, ids: list[int], rids: list[str], rid: str | None,
+                    grants: bool) -> None:
+        """A request whose answer was never read: the ids that rode on it go
+        out again, and whatever it was granted (``grants``) is cancelled."""
+        bg = self._bg
+        if bg is not None:
+            bg.give_back(ids, rids)
+            if grants and rid is not None:
+                bg.cancel_later(sid, rid)
 
     def _file(self, segment: str, writable: bool) -> SegmentFile:
         key = (segment, writable)
@@ -255,27 +303,15 @@ class Client:
         ttl = check_ttl(ttl)
         if _cuda_ops.involves_gpu(x, device):
             return _cuda_ops.put(self, name, x, device=device, ttl=ttl)
-        if isinstance(x, SharedTensor) and x._client() is self and x.published:
-            lease = x._lease_id()
-            if lease is not None and x._lease_session == self._sid:
-                # Already in broker memory, leased by this session: the new
-                # version shares the bytes.  A lease of an earlier session (the
-                # broker restarted) may name another tensor now: copy instead.
-                body = {"name": name, "lease": lease, "ttl": ttl}
-                return int(self._call("POST", "/v1/link", body, rid=self._rid())["version"])
+        link = self._link(name, x, ttl)
+        if link is not None:
+            return int(self._call("POST", "/v1/link", link, rid=self._rid())["version"])
         src = Source(x)
         try:
             arr = src.array
-            if arr.nbytes <= INLINE_MAX:
-                import numpy as np
-
-                query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
-                if ttl is not None:
-                    query += f"&ttl={ttl!r}"
-                data = np.ascontiguousarray(arr).tobytes()
-                resp = self._call("POST", f"/v1/put/{quote(name, safe='/')}?{query}", data,
-                                  rid=self._rid())
-                return int(resp["version"])
+            inline = _inline(name, src, ttl)
+            if inline is not None:
+                return int(self._call("POST", inline[0], inline[1], rid=self._rid())["version"])
             h = self._alloc(name, arr.shape, src.dtype, ttl)
             self._fill(h, arr)
         finally:
@@ -283,12 +319,23 @@ class Client:
         self._publish(name, h.version)
         return h.version
 
+    def _link(self, name: str, x: Any, ttl: float | None) -> dict[str, Any] | None:
+        """The body of a ``/v1/link`` that puts ``x`` without a copy, when it is
+        a published tensor of this client, leased by this session."""
+        if isinstance(x, SharedTensor) and x._client() is self and x.published:
+            lease = x._lease_id()
+            if lease is not None and x._lease_session == self._sid:
+                # Already in broker memory, leased by this session: the new
+                # version shares the bytes.  A lease of an earlier session (the
+                # broker restarted) may name another tensor now: copy instead.
+                return {"name": name, "lease": lease, "ttl": ttl}
+        return None
+
     def _alloc(self, name: str, shape: Iterable[int], dtype: str, ttl: float | None,
                device: str = "cpu", hold: bool = False) -> Handle:
-        body = {"name": name, "shape": [int(d) for d in shape], "dtype": dtype, "device": device,
-                "ttl": ttl, "hold": hold}
+        body = alloc_body(name, shape, dtype, ttl, device, hold)
         return Handle.model_validate(self._call("POST", "/v1/alloc", body, rid=self._rid(),
-                                                grants=hold))
+                                                grants=True))
 
     def _fill(self, h: Handle, arr: Any) -> None:
         try:
@@ -299,6 +346,21 @@ class Client:
                 copy_into(dst, arr)  # when it raises, no copy thread is still writing
         except BaseException:
             self._abort(h)
+            raise
+
+    def _fill_many(self, handles: list[Handle], arrays: list[Any]) -> None:
+        """``_fill`` for a batch, with every copy thread."""
+        try:
+            pairs = []
+            for h, arr in zip(handles, arrays, strict=True):
+                if h.nbytes:
+                    m = self._fill_map(h.segment)
+                    pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
+                                           writable=True, owner=m), arr))
+            copy_many(pairs)  # when it raises, no copy thread is still writing
+        except BaseException:
+            for h in handles:
+                self._abort(h)
             raise
 
     def _abort(self, h: Handle) -> None:
@@ -366,19 +428,7 @@ class Client:
             handles = [Handle.model_validate(h) for h in
                        self._call("POST", "/v1/batch/alloc", {"items": items},
                                   rid=self._rid())["items"]]
-            try:
-                pairs = []
-                for h in handles:
-                    arr = sources[h.name].array
-                    if h.nbytes:
-                        m = self._fill_map(h.segment)
-                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None,
-                                               arr.dtype, writable=True, owner=m), arr))
-                copy_many(pairs)
-            except BaseException:
-                for h in handles:
-                    self._abort(h)
-                raise
+            self._fill_many(handles, [sources[h.name].array for h in handles])
         finally:
             for s in sources.values():
                 s.close()
@@ -397,16 +447,7 @@ class Client:
         from it are gone.  Raises ``TensorNotFound`` when nothing (newer) was
         published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
         timeout or version."""
-        check_name(name)
-        wait = check_timeout(timeout)
-        path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
-        io_timeout: float | bool | None = False
-        if wait is None:
-            path += "&timeout=inf"
-            io_timeout = None
-        elif wait > 0:
-            path += f"&timeout={wait!r}"
-            io_timeout = wait + self._transport.timeout
+        path, io_timeout = get_request(name, timeout, newer_than, self._transport.timeout)
         h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(),
                                              grants=True))
         return self._tensor(h, writable=False)
@@ -426,7 +467,10 @@ class Client:
         io_timeout = None if wait is None else wait + self._transport.timeout
         resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(),
                           grants=True)
-        handles = [Handle.model_validate(h) for h in resp["items"]]
+        return self._tensors([Handle.model_validate(h) for h in resp["items"]])
+
+    def _tensors(self, handles: list[Handle]) -> dict[str, SharedTensor]:
+        """Read-only tensors for a batch's handles (all, or none and their leases released)."""
         out: dict[str, SharedTensor] = {}
         try:
             for h in handles:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import (
     BrokerUnavailable,
+    DepotError,
     InvalidRequest,
     TensorBroken,
     TensorNotFound,
@@ -154,7 +155,19 @@ class SharedTensor:
 
         Raises ``InvalidRequest`` for a tensor from ``get`` or one already
         published, and ``TensorBroken`` if its allocation is gone (the broker
-        restarted, or the name was deleted meanwhile)."""
+        restarted, or the name was deleted meanwhile).  From an
+        ``AsyncClient``, ``await client.publish(t)`` does the same without
+        blocking the event loop."""
+        client = self._publishing()
+        try:
+            client._publish(self.name, self.version)
+        except (BrokerUnavailable, TensorNotFound) as exc:
+            raise self._broken(exc) from exc
+        self._published()
+        return self
+
+    def _publishing(self) -> Client:
+        """The client that publishes this tensor; raises if it cannot be published."""
         if not self._writer:
             raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are "
                                  "published")
@@ -164,22 +177,23 @@ class SharedTensor:
         if client is None:
             raise TensorReleased("the Client that created this tensor is gone")
         self._alive()
-        try:
-            client._publish(self.name, self.version)
-        except (BrokerUnavailable, TensorNotFound) as exc:
-            # The memory this tensor was written into is gone: the broker died,
-            # or reclaimed the allocation (its name was deleted meanwhile).
-            raise TensorBroken(
-                f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
-                f"write it again with empty() or put()"
-            ) from exc
+        return client
+
+    def _broken(self, exc: DepotError) -> TensorBroken:
+        # The memory this tensor was written into is gone: the broker died,
+        # or reclaimed the allocation (its name was deleted meanwhile).
+        return TensorBroken(
+            f"cannot publish {self.name!r} v{self.version}: its allocation is gone ({exc}); "
+            f"write it again with empty() or put()"
+        )
+
+    def _published(self) -> None:
         # Published bytes never change: from now on a write through this
         # tensor's views stays in this process (README, Lifetime: M2).
         make_private = getattr(self._window, "make_private", None)  # CPU windows; not CUDA blocks
         if make_private is not None:
             make_private()
         self.published, self.writable = True, False
-        return self
 
     def release(self) -> None:
         """Drop this object's hold on the memory.  Idempotent.

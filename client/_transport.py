@@ -17,6 +17,11 @@ This module is the client's one error boundary: transport failures become
 ``BrokerUnavailable`` and error bodies become the matching ``DepotError``.
 An error built from a broker's answer has ``answered = True``; one without
 it means the request may or may not have reached the broker.
+
+The asyncio client (``_async.py``) shares everything here but the sockets:
+``Endpoint`` (the URL), ``encode`` (a request's bytes), ``Answer`` (parsing
+one response), ``may_resend`` and ``fail`` (what a failure means) and
+``decode`` (an answer's JSON or its error).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import json
 import os
 import socket
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import httptools
@@ -66,6 +72,10 @@ class _NotABroker(Exception):
     pass
 
 
+# What a round trip raises when the connection or the peer fails (``fail`` says what it means).
+FAILURES = (OSError, ValueError, _NotABroker)
+
+
 class _Response:
     """httptools parser callbacks: collect one response."""
 
@@ -86,6 +96,38 @@ class _Response:
 
     def on_message_complete(self) -> None:
         self.done = True
+
+
+class Answer:
+    """One response, fed as it arrives.  Raises ``_NotABroker`` for bytes that
+    are not HTTP, or (``finish``) for a first answer on a connection that lacks
+    the broker's header."""
+
+    def __init__(self) -> None:
+        self._resp = _Response()
+        self._parser = httptools.HttpResponseParser(self._resp)
+        self.got = False  # any bytes at all: a resend may apply the request twice
+
+    @property
+    def done(self) -> bool:
+        return self._resp.done
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            raise _Disconnected("the broker closed the connection", self.got)
+        self.got = True
+        try:
+            self._parser.feed_data(chunk)
+        except httptools.HttpParserError as exc:
+            raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
+
+    def finish(self, verified: bool) -> tuple[int, bytes, bool]:
+        """(status, body, keep the connection alive).  ``verified``: this
+        connection's peer has already said it is a tensordepot broker."""
+        status = self._parser.get_status_code()
+        if not verified and _SERVER not in self._resp.headers:
+            raise _NotABroker(f"it answered {status} without the {SERVER_HEADER} header")
+        return status, b"".join(self._resp.body), self._parser.should_keep_alive()
 
 
 class _Conn:
@@ -113,26 +155,127 @@ class _Conn:
         sock.sendall(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             sock.sendall(body)
-        resp = _Response()
-        parser = httptools.HttpResponseParser(resp)
-        got = False
-        while not resp.done:
-            chunk = sock.recv(262144)
-            if not chunk:
-                raise _Disconnected("the broker closed the connection", got)
-            got = True
-            try:
-                parser.feed_data(chunk)
-            except httptools.HttpParserError as exc:
-                raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
-        if not self.verified:
-            if _SERVER not in resp.headers:
-                raise _NotABroker(f"it answered {parser.get_status_code()} without the "
-                                  f"{SERVER_HEADER} header")
-            self.verified = True
-        if not parser.should_keep_alive():
+        answer = Answer()
+        while not answer.done:
+            answer.feed(sock.recv(262144))
+        status, payload, keep_alive = answer.finish(self.verified)
+        self.verified = True
+        if not keep_alive:
             self.close()
-        return parser.get_status_code(), b"".join(resp.body)
+        return status, payload
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a broker URL points: a unix socket ``path``, or ``host`` and
+    ``port``; and the request headers every request to it carries."""
+
+    url: str
+    path: str | None
+    host: str
+    port: int
+    fixed: str  # "Host: ...\r\n" and the bearer token, if any
+
+    @classmethod
+    def parse(cls, url: str, token: str | None) -> Endpoint:
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            path = (parts.netloc + parts.path) if parts.netloc else parts.path
+            if not path:
+                raise InvalidRequest(f"broker URL {url!r} has no socket path; use unix:///path.sock")
+            host, port, host_header = "", 0, "localhost"
+        elif parts.scheme == "http":
+            if not parts.hostname:
+                raise InvalidRequest(f"broker URL {url!r} has no host; use http://127.0.0.1:7420")
+            path, host, port = None, parts.hostname, parts.port or 80
+            host_header = f"{host}:{port}"
+        else:
+            raise InvalidRequest(f"broker URL {url!r}: use unix:///path.sock or http://host:port")
+        fixed = f"Host: {host_header}\r\n"
+        if token:
+            fixed += f"Authorization: Bearer {token}\r\n"
+        return cls(url, path, host, port, fixed)
+
+
+def encode(endpoint: Endpoint, method: str, path: str, body: Any,
+           headers: dict[str, str] | None) -> tuple[bytes, bytes]:
+    """A request's head and body: ``body`` is bytes (sent as they are), or
+    JSON-able (None: no body)."""
+    if isinstance(body, bytes):
+        data, ctype = body, "application/octet-stream"
+    else:
+        data = b"" if body is None else json.dumps(body, allow_nan=False).encode()
+        ctype = "application/json"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+    head = (f"{method} {path} HTTP/1.1\r\n{endpoint.fixed}{extra}"
+            f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
+    return head, data
+
+
+def io_timeout(timeout: float | bool | None, default: float) -> float | None:
+    """The I/O timeout of one request (``False``: the transport's default)."""
+    t = default if timeout is False else timeout
+    if isinstance(t, (int, float)) and t > MAX_WAIT:
+        t = None  # socket timeouts overflow long before "forever" ends
+    return t
+
+
+def may_resend(exc: BaseException, attempt: int, *, resend: bool, reused: bool,
+               method: str) -> bool:
+    """Whether a request that failed with ``exc`` goes out again on a fresh
+    connection: a kept-alive connection the broker closed while idle, or a
+    connection cut mid-answer, when that cannot apply the request twice."""
+    if attempt or not isinstance(exc, (_Disconnected, BrokenPipeError, ConnectionResetError)):
+        return False
+    nothing_back = not getattr(exc, "got_bytes", True)
+    return resend or (reused and nothing_back and method == "GET")
+
+
+def fail(exc: BaseException, url: str, where: str, timeout: float | None) -> NoReturn:
+    """Raise what a transport failure means (call it in the ``except`` block)."""
+    if isinstance(exc, TimeoutError):
+        raise BrokerUnavailable(
+            f"the broker at {url} did not answer {where} within {timeout} s; "
+            f"is it overloaded or stopped?"
+        ) from exc
+    if isinstance(exc, _NotABroker):
+        raise BrokerUnavailable(
+            f"URL {url} is not a tensordepot broker: {exc}; point the client at "
+            f"the broker's socket (tensordepot serve prints it)"
+        ) from None
+    raise unavailable(url, exc) from exc  # OSError, ValueError
+
+
+def unavailable(url: str, exc: BaseException) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"cannot reach the tensordepot broker at {url} ({exc.__class__.__name__}: {exc}); "
+        f"is `tensordepot serve` running, and does $TENSORDEPOT_URL point at its socket?"
+    )
+
+
+def decode(status: int, payload: bytes) -> Any:
+    """The JSON of a broker's answer (None for 204 or no body), or its error raised."""
+    if status >= 400:
+        raise error(status, payload)
+    if status == 204 or not payload:
+        return None
+    return json.loads(payload)
+
+
+def error(status: int, payload: bytes) -> DepotError:
+    """The ``DepotError`` an error answer stands for (``answered`` set)."""
+    code, message = "", ""
+    try:
+        err = json.loads(payload)["error"]
+        code, message = str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        message = f"the broker answered HTTP {status} without an error body"
+    cls = ERRORS_BY_CODE.get(code) or _BY_STATUS.get(status, DepotError)
+    exc = cls(message)
+    if code:
+        exc.code = code
+    exc.answered = True  # type: ignore[attr-defined]
+    return exc
 
 
 class Transport:
@@ -143,11 +286,9 @@ class Transport:
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
                  trust: frozenset[int] | None = None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme == "unix":
-            path = (parts.netloc + parts.path) if parts.netloc else parts.path
-            if not path:
-                raise InvalidRequest(f"broker URL {url!r} has no socket path; use unix:///path.sock")
+        ep = Endpoint.parse(url, token)
+        if ep.path is not None:
+            path = ep.path
 
             def connect(timeout: float | None) -> socket.socket:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -159,32 +300,21 @@ class Transport:
                     raise
                 check_broker_socket(sock, path, trust)  # who listens there?  (UntrustedBroker)
                 return sock
-
-            self._connect = connect
-            host_header = "localhost"
-        elif parts.scheme == "http":
-            if not parts.hostname:
-                raise InvalidRequest(f"broker URL {url!r} has no host; use http://127.0.0.1:7420")
-            host, port = parts.hostname, parts.port or 80
+        else:
+            host, port = ep.host, ep.port
 
             def connect(timeout: float | None) -> socket.socket:
                 sock = socket.create_connection((host, port), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
 
-            self._connect = connect
-            host_header = f"{host}:{port}"
-        else:
-            raise InvalidRequest(f"broker URL {url!r}: use unix:///path.sock or http://host:port")
+        self._connect = connect
+        self._endpoint = ep
         self.url = url
         self.timeout = timeout
         self._token = token
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        fixed = f"Host: {host_header}\r\n"
-        if token:
-            fixed += f"Authorization: Bearer {token}\r\n"
-        self._fixed = fixed
         self.round_trips = 0
         self._closed = False
         self._pid = os.getpid()
@@ -220,17 +350,8 @@ class Transport:
 
         ``resend``: the request may be sent a second time after a failure
         (it is idempotent, or carries a request id)."""
-        if isinstance(body, bytes):
-            data, ctype = body, "application/octet-stream"
-        else:
-            data = b"" if body is None else json.dumps(body, allow_nan=False).encode()
-            ctype = "application/json"
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
-        head = (f"{method} {path} HTTP/1.1\r\n{self._fixed}{extra}"
-                f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
-        t = self.timeout if timeout is False else timeout
-        if isinstance(t, (int, float)) and t > MAX_WAIT:
-            t = None  # socket timeouts overflow long before "forever" ends
+        head, data = encode(self._endpoint, method, path, body, headers)
+        t = io_timeout(timeout, self.timeout)
         where = f"{method} {path.split('?')[0]}"
         conn = self._borrow()
         self.round_trips += 1
@@ -240,56 +361,16 @@ class Transport:
                 try:
                     status, payload = conn.roundtrip(head, data, t)
                     break
-                except (_Disconnected, BrokenPipeError, ConnectionResetError) as exc:
+                except FAILURES as exc:
                     conn.close()
-                    # A kept-alive connection the broker closed while idle, or a
-                    # connection cut mid-answer: send again on a fresh one when
-                    # that cannot apply the request twice.
-                    nothing_back = not getattr(exc, "got_bytes", True)
-                    if attempt == 0 and (resend or (reused and nothing_back and method == "GET")):
+                    if may_resend(exc, attempt, resend=resend, reused=reused, method=method):
                         continue
-                    raise self._unavailable(exc) from exc
-                except TimeoutError as exc:
-                    raise BrokerUnavailable(
-                        f"the broker at {self.url} did not answer {where} within {t} s; "
-                        f"is it overloaded or stopped?"
-                    ) from exc
-                except _NotABroker as exc:
-                    raise BrokerUnavailable(
-                        f"URL {self.url} is not a tensordepot broker: {exc}; point the client at "
-                        f"the broker's socket (tensordepot serve prints it)"
-                    ) from None
-                except (OSError, ValueError) as exc:
-                    raise self._unavailable(exc) from exc
+                    fail(exc, self.url, where, t)
         except BaseException:
             conn.close()  # also on Ctrl-C: the broker sees the hang-up and stops waiting
             raise
         self._give_back(conn)
-        if status >= 400:
-            raise self._error(status, payload)
-        if status == 204 or not payload:
-            return None
-        return json.loads(payload)
-
-    def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
-        return BrokerUnavailable(
-            f"cannot reach the tensordepot broker at {self.url} ({exc.__class__.__name__}: {exc}); "
-            f"is `tensordepot serve` running, and does $TENSORDEPOT_URL point at its socket?"
-        )
-
-    def _error(self, status: int, payload: bytes) -> DepotError:
-        code, message = "", ""
-        try:
-            err = json.loads(payload)["error"]
-            code, message = str(err["code"]), str(err["message"])
-        except (ValueError, KeyError, TypeError):
-            message = f"the broker answered HTTP {status} without an error body"
-        cls = ERRORS_BY_CODE.get(code) or _BY_STATUS.get(status, DepotError)
-        exc = cls(message)
-        if code:
-            exc.code = code
-        exc.answered = True  # type: ignore[attr-defined]
-        return exc
+        return decode(status, payload)
 
     def close(self) -> None:
         with self._lock:

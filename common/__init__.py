@@ -34,10 +34,12 @@ from ._version import __version__ as __version__
 from ._wire import DeviceStat as DeviceStat
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
+from .client import AsyncClient as AsyncClient
 from .client import Client as Client
 from .client import SharedTensor as SharedTensor
 
 __all__ = [
+    "AsyncClient",
     "AuthError",
     "BrokerUnavailable",
     "Client",
