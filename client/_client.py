@@ -427,7 +427,7 @@ class Client:
                      for n, s in sources.items()]
             handles = [Handle.model_validate(h) for h in
                        self._call("POST", "/v1/batch/alloc", {"items": items},
-                                  rid=self._rid())["items"]]
+                                  rid=self._rid(), grants=True)["items"]]
             self._fill_many(handles, [sources[h.name].array for h in handles])
         finally:
             for s in sources.values():

@@ -124,6 +124,7 @@ class Version:
     creator: str | None = None  # session id
     identity: str | None = None  # creator's identity (per-identity quota)
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
+    request: str | None = None  # the request id that allocated it, so the client can cancel it
     replica: Replica | None = None  # pulled from a peer
 
     @property
@@ -502,7 +503,8 @@ class Broker:
         return shape, dt.name, dt.itemsize, nbytes
 
     async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
-                    block: Block | None = None) -> tuple[Version, int | None]:
+                    block: Block | None = None,
+                    request: str | None = None) -> tuple[Version, int | None]:
         """A new version in the writing state, and the writer's hold if asked.
         ``block``: place it there (a producer's shared CUDA memory)."""
         s = self._session(sid, caller)
@@ -533,7 +535,8 @@ class Broker:
         self.versions_live += 1
         self._record_charge(s, v)
         self._count("allocs")
-        return v, (self.lease(s, v, count=False, hold=True) if req.hold else None)
+        v.request = request
+        return v, (self.lease(s, v, request, count=False, hold=True) if req.hold else None)
 
     def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.entries.get(name)
@@ -800,6 +803,10 @@ class Broker:
             if fut is not None and not fut.done():
                 fut.set_result(None)
             n += self._release_ids(s, s.by_request.get(rid, []))
+            # An allocation whose answer the client never read: it cannot be
+            # writing into it, and nobody else can publish it.
+            for v in [v for v in s.writing if v.request == rid]:
+                self.abandon(v)
         return n
 
     def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:

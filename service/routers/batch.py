@@ -30,7 +30,8 @@ async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader =
         done: list[tuple[Version, int | None]] = []
         try:
             for item in req.items:
-                done.append(await broker.alloc(session, caller(request), item))
+                done.append(await broker.alloc(session, caller(request), item,
+                                               request=request_id))
         except BaseException:
             # All or nothing: a batch that does not fit leaves no half-written state dict.
             for v, hold in done:

@@ -173,7 +173,7 @@ async def alloc(req: AllocRequest, request: Request, session: SessionHeader = No
     broker = broker_of(request)
 
     async def run() -> Response:
-        v, hold = await broker.alloc(session, caller(request), req)
+        v, hold = await broker.alloc(session, caller(request), req, request=request_id)
         return _json(broker.handle(v, hold))
 
     return await once(request, run)
