@@ -44,6 +44,7 @@ and leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import functools
 import os
 import secrets
@@ -756,7 +757,7 @@ class AsyncClient:
         check_name(name)
         await self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}", rid=_rid())
 
-    async def list(self) -> list[TensorInfo]:
+    async def list(self) -> builtins.list[TensorInfo]:
         """Every name with a version, newest first per name (``TensorInfo``)."""
         return [
             TensorInfo.model_validate(i) for i in (await self._call("GET", "/v1/tensors"))["items"]
