@@ -593,6 +593,8 @@ class Client:
 
         gc.collect()  # views caught in reference cycles would otherwise hold leases
         self._maybe_finish_close()
+        with self._lock:
+            pass  # the background thread may be ending the session: return once it has
 
     def _maybe_finish_close(self) -> None:
         if not self._closing or self._closed:
@@ -605,12 +607,14 @@ class Client:
             if self._bg is not None and self._bg.live:
                 return  # the background thread retries as views die
             self._closed = True
-        if self._sid:
-            try:
-                self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
-                                        headers={SESSION_HEADER: self._sid})
-            except DepotError:
-                pass
+            # Under the lock: when the background thread ends the session, a
+            # close() in another thread returns only once the broker has it.
+            if self._sid:
+                try:
+                    self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
+                                            headers={SESSION_HEADER: self._sid})
+                except DepotError:
+                    pass
         if self._bg is not None:
             self._bg.stop()
         self._transport.close()

@@ -40,6 +40,26 @@ def test_a_get_whose_answer_was_cut_takes_one_lease(broker: BrokerProc) -> None:
         wait_for(lambda: c.stat().leases == 0, 5, what="the one lease to be released")
 
 
+def test_close_returns_once_the_broker_has_ended_the_session(broker: BrokerProc) -> None:
+    """The background thread may end the session (a view died) while close()
+    runs in another thread: close() still returns only after the broker has
+    ended it, so the proxy in between may go away (or the process exit) at once."""
+    import random
+
+    with broker.client() as probe:
+        probe.put("w", np.arange(8, dtype=np.float32))
+        for i in range(30):
+            with Relay(broker.url) as relay:
+                c = Client(relay.url)
+                t = c.get("w")
+                del t  # wakes the background thread, which finishes a pending close
+                time.sleep(random.uniform(0, 0.02))  # jitter: both sides of its wake-up
+                c.close()
+            # Not ended by now, it never will be: the relay is gone and this process lives.
+            wait_for(lambda: probe.stat().sessions == 1, 2, what=f"round {i}: the session to end")
+        assert probe.stat().leases == 0
+
+
 def test_chunked_responses_are_understood(broker: BrokerProc) -> None:
     with Relay(broker.url) as relay, Client(relay.url) as c:
         relay.chunked = True
