@@ -73,6 +73,7 @@ class Client:
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
         self._lock = threading.Lock()
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
+        self._finishing = threading.Lock()  # held while the session is being ended
         self._writers: weakref.WeakSet[Window] = weakref.WeakSet()  # empty() windows not yet private
         self._sid = ""
         self._label = label
@@ -448,6 +449,7 @@ class Client:
     def _after_fork_child(self) -> None:
         self._gate = threading.Lock()
         self._lock = threading.Lock()
+        self._finishing = threading.Lock()
         plan, self._fork_plan = self._fork_plan, None
         self._pid = os.getpid()
         self._transport.after_fork()
@@ -504,25 +506,36 @@ class Client:
         self._maybe_finish_close()
 
     def _maybe_finish_close(self) -> None:
-        if not self._closing or self._closed:
+        if not self._closing:
             return
-        with self._lock:  # close() and the background thread may both get here
-            if self._closed:
-                return
+        # close() and the background thread may both get here.  close() waits
+        # until whichever came first has ended the session (``_closed`` is set
+        # before the session is ended), so that it never returns while the
+        # session is still open; the background thread never waits (close()
+        # may be joining it).
+        bg_thread = self._bg is not None and threading.current_thread() is self._bg.thread
+        if not self._finishing.acquire(blocking=not bg_thread):
+            return
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                if self._bg is not None:
+                    self._bg.flush()
+                if self._bg is not None and self._bg.live:
+                    return  # the background thread retries as views die
+                self._closed = True
+            if self._sid:
+                try:
+                    self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
+                                            headers={SESSION_HEADER: self._sid})
+                except DepotError:
+                    pass
             if self._bg is not None:
-                self._bg.flush()
-            if self._bg is not None and self._bg.live:
-                return  # the background thread retries as views die
-            self._closed = True
-        if self._sid:
-            try:
-                self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
-                                        headers={SESSION_HEADER: self._sid})
-            except DepotError:
-                pass
-        if self._bg is not None:
-            self._bg.stop()
-        self._transport.close()
+                self._bg.stop()
+            self._transport.close()
+        finally:
+            self._finishing.release()
 
     def __enter__(self) -> Self:
         return self

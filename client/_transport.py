@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
 from typing import Any
@@ -74,6 +75,8 @@ class _Response:
         self.head = 0
         self.body: list[bytes] = []
         self.done = False
+        self.keep_alive = False
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head += len(name) + len(value)
@@ -85,6 +88,9 @@ class _Response:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        # Asked here: once the message is complete the parser resets for the
+        # next one, and should_keep_alive() then reads as False.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
         self.done = True
 
 
@@ -102,7 +108,18 @@ class _Conn:
             self.sock.close()
             self.sock = None
 
+    def _stale(self) -> bool:
+        """Whether the broker closed this idle connection (its keep-alive
+        timeout, a restart): the socket then reads as EOF.  An idle HTTP
+        connection has nothing to read, so any byte means it is unusable too."""
+        assert self.sock is not None
+        poller = select.poll()  # not recv(MSG_DONTWAIT): a socket with a timeout waits anyway
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
+
     def roundtrip(self, head: bytes, body: bytes, timeout: float | None) -> tuple[int, bytes]:
+        if self.sock is not None and self._stale():
+            self.close()  # reconnect now rather than fail a request that may not be resent
         if self.sock is None:
             self.sock = self._connect(timeout)
             self._timeout = timeout
@@ -114,7 +131,7 @@ class _Conn:
         if len(body) >= 65536:
             sock.sendall(body)
         resp = _Response()
-        parser = httptools.HttpResponseParser(resp)
+        parser = resp.parser = httptools.HttpResponseParser(resp)
         got = False
         while not resp.done:
             chunk = sock.recv(262144)
@@ -130,7 +147,7 @@ class _Conn:
                 raise _NotABroker(f"it answered {parser.get_status_code()} without the "
                                   f"{SERVER_HEADER} header")
             self.verified = True
-        if not parser.should_keep_alive():
+        if not resp.keep_alive:
             self.close()
         return parser.get_status_code(), b"".join(resp.body)
 
