@@ -20,6 +20,7 @@ from ..shm._posix import SegmentFile, Window, array_at
 from . import _cuda_ops
 from ._background import Background
 from ._checks import (
+    check_floors,
     check_mapping,
     check_name,
     check_names,
@@ -375,12 +376,18 @@ class Client:
         h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True))
         return self._tensor(h, writable=False)
 
-    def get_many(self, names: Iterable[str], timeout: float | None = 0.0) -> dict[str, SharedTensor]:
+    def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
+                 newer_than: int | Mapping[str, int] = 0) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of
-        them, or an error and none)."""
+        them, or an error and none).  ``newer_than``: a version that every
+        name must be newer than, or a mapping from name to version (names it
+        lacks: any version), e.g. the versions of the previous ``get_many``."""
         names = check_names(names)
         wait = check_timeout(timeout)
-        body = {"names": names, "timeout": wait}
+        body: dict[str, Any] = {"names": names, "timeout": wait}
+        floors = check_floors(newer_than, names)
+        if floors is not None:
+            body["newer_than"] = floors
         io_timeout = None if wait is None else wait + self._transport.timeout
         resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(), grants=True)
         handles = [Handle.model_validate(h) for h in resp["items"]]

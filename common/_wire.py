@@ -244,6 +244,9 @@ class BatchGet(_Frozen):
     names: list[Name] = Field(max_length=MAX_BATCH)
     timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
                                   description="one deadline for the whole batch, in seconds; null: forever")
+    newer_than: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_BATCH,
+        description="per name, in the same order: only a version newer than this (waits for it)")
 
 
 class HandleList(_Answer):

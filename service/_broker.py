@@ -637,19 +637,24 @@ class Broker:
         return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
 
     async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
-                       *, request: str | None = None,
+                       *, newer_than: int | list[int] = 0, request: str | None = None,
                        gone: Callable[[], Awaitable[Any]] | None = None) -> list[tuple[Version, int]]:
-        """All of them under one deadline, or an error and none."""
-        return await self._get_all(sid, caller, names, timeout, 0, request, gone)
+        """All of them under one deadline, or an error and none.  ``newer_than``:
+        one version floor for every name, or one per name."""
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} names; "
+                                 f"give one per name, in the same order")
+        return await self._get_all(sid, caller, names, timeout, newer_than, request, gone)
 
     async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
-                       newer_than: int, request: str | None,
+                       floors: int | list[int], request: str | None,
                        gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
         s = self._session(sid, caller)
         got: list[tuple[Version, int]] = []
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            for name in names:
+            for i, name in enumerate(names):
+                newer_than = floors if isinstance(floors, int) else floors[i]
                 v = self._ready(name, newer_than)
                 if self.peers is not None and (v is None or v.replica is not None):
                     # A miss, or a replica that may be stale: the peers may publish one here.

@@ -65,7 +65,8 @@ async def get_many(req: BatchGet, request: Request, session: SessionHeader = Non
     timeout = None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
 
     async def run() -> Response:
-        got = await broker.get_many(session, caller(request), req.names, timeout, request=request_id,
+        got = await broker.get_many(session, caller(request), req.names, timeout,
+                                    newer_than=req.newer_than or 0, request=request_id,
                                     gone=None if timeout == 0 else lambda: hangup(request))
         return _handles(request, list(got))
 
