@@ -477,14 +477,33 @@ class Broker:
                 block = (await self._block(nbytes) if req.device in ("cpu", "cpu:0")
                          else self.cuda.alloc(s, req, nbytes))
         except PoolExhausted as exc:
-            self._count("quota_refusals")
-            raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
-                f"or start the broker with a larger --max-memory"
-            ) from None
+            raise self._refused(req.name, nbytes, exc) from None
         if self.closing or self.sessions.get(s.id) is not s:  # it ended while a segment was made
             (self.pool if block.device == "cpu" else self.cuda).free(block)  # nobody maps it yet
             self._session(sid, caller)  # raises the reason
+        return self._place(s, req, shape, dtype, itemsize, nbytes, block)
+
+    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest) -> tuple[Version, int | None] | None:
+        """``alloc`` when it needs no new segment (a CPU tensor that fits in
+        existing memory), without awaiting; None when it does."""
+        s = self._session(sid, caller)
+        shape, dtype, itemsize, nbytes = self._check_alloc(req)
+        if req.device not in ("cpu", "cpu:0"):
+            return None
+        self._charge(s, nbytes, req.name)
+        block = self.pool.try_alloc(nbytes)
+        return None if block is None else self._place(s, req, shape, dtype, itemsize, nbytes, block)
+
+    def _refused(self, name: str, nbytes: int, exc: Exception) -> OutOfMemory:
+        self._count("quota_refusals")
+        return OutOfMemory(
+            f"cannot place {name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
+            f"or start the broker with a larger --max-memory"
+        )
+
+    def _place(self, s: Session, req: AllocRequest, shape: tuple[int, ...], dtype: str,
+               itemsize: int, nbytes: int, block: Block) -> tuple[Version, int | None]:
+        """The new writing version of ``req.name`` in ``block``."""
         e = self._entry(req.name)
         v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=req.ttl, entry=e)
@@ -560,6 +579,18 @@ class Broker:
 
     async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest, data: bytes) -> Version:
         """Allocate, fill and publish a small tensor whose bytes came in the request."""
+        self._check_inline(req, data)
+        v, _ = await self.alloc(sid, caller, req)
+        return self._fill_inline(sid, caller, v, data)
+
+    def try_put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
+                       data: bytes) -> Version | None:
+        """``put_inline`` when it needs no new segment, without awaiting; None when it does."""
+        self._check_inline(req, data)
+        got = self.try_alloc(sid, caller, req)
+        return None if got is None else self._fill_inline(sid, caller, got[0], data)
+
+    def _check_inline(self, req: AllocRequest, data: bytes) -> None:
         shape, _, _, nbytes = self._check_alloc(req)
         if nbytes > INLINE_MAX:
             raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + publish")
@@ -567,11 +598,12 @@ class Broker:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
             )
-        v, _ = await self.alloc(sid, caller, req)
-        if nbytes:
+
+    def _fill_inline(self, sid: str | None, caller: Caller, v: Version, data: bytes) -> Version:
+        if v.nbytes:
             m = self._map(v.block.segment)
-            byte_view(m, v.block.offset, nbytes, writable=True)[:] = memoryview(data)
-        return self.publish(sid, caller, req.name, v.number)
+            byte_view(m, v.block.offset, v.nbytes, writable=True)[:] = memoryview(data)
+        return self.publish(sid, caller, v.name, v.number)
 
     def _forget_mapping(self, segment: str) -> None:
         self._maps.pop(segment, None)
@@ -628,6 +660,17 @@ class Broker:
             self._count("gets")
             self._count("bytes_got", v.nbytes)
         return lid
+
+    def try_get(self, sid: str | None, caller: Caller, name: str, newer_than: int = 0, *,
+                request: str | None = None) -> tuple[Version, int] | None:
+        """``get`` when a version is ready now and no peer needs asking, without
+        awaiting: the version and its lease; None when ``get`` would wait,
+        ask the peers, or answer not found."""
+        s = self._session(sid, caller)
+        v = self._ready(name, newer_than)
+        if v is None or self.peers is not None:
+            return None
+        return v, self.lease(s, v, request)
 
     async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
                   newer_than: int = 0, *, request: str | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -84,18 +85,20 @@ def _bad_query(message: str) -> InvalidRequest:
     return exc
 
 
-def _name(request: Request) -> str:
-    name: str = request.path_params["name"]
+def tensor_name(name: str) -> str:
+    """The ``{name}`` of a hot route's path, checked."""
     if not _NAME.match(name):
         shown = name if len(name) <= 60 else name[:60] + f"... ({len(name)} characters)"
         raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no spaces")
     return name
 
 
-async def get_tensor(request: Request) -> Response:
-    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
-    name = _name(request)
-    q = request.query_params
+def _name(request: Request) -> str:
+    return tensor_name(request.path_params["name"])
+
+
+def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:
+    """(seconds to wait or None for forever, newer_than) of a get's query."""
     try:
         timeout = float(q.get("timeout", 0.0))
         newer_than = int(q.get("newer_than", 0))
@@ -103,7 +106,13 @@ async def get_tensor(request: Request) -> Response:
         raise _bad_query("timeout must be a number of seconds (or inf), newer_than an integer") from None
     if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
         raise _bad_query("timeout and newer_than must be >= 0")
-    wait = None if timeout > MAX_WAIT else timeout
+    return (None if timeout > MAX_WAIT else timeout), newer_than
+
+
+async def get_tensor(request: Request) -> Response:
+    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
+    name = _name(request)
+    wait, newer_than = get_params(request.query_params)
     broker = broker_of(request)
     rid = request.headers.get(REQUEST_HEADER)
 
@@ -119,9 +128,19 @@ async def get_tensor(request: Request) -> Response:
 
 async def put(request: Request) -> Response:
     """POST /v1/put/{name} (a hot route; see the module docstring)."""
-    name = _name(request)
-    q = request.query_params
-    length = request.headers.get("content-length", "")
+    req = put_params(_name(request), request.query_params, request.headers.get("content-length", ""))
+    broker = broker_of(request)
+
+    async def run() -> Response:
+        body = await request.body()
+        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
+        return _json(broker.handle(v))
+
+    return await once(request, run)
+
+
+def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
+    """What an inline put's query and Content-Length ask for, checked."""
     if not length.isdigit() or int(length) > INLINE_MAX:
         raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
                              f"larger tensors go through /v1/alloc and /v1/publish")
@@ -138,17 +157,9 @@ async def put(request: Request) -> Response:
         raise _bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
     try:
         dims = [int(d) for d in shape.split(",")] if shape else []
-        req = AllocRequest(name=name, shape=dims, dtype=q["dtype"], ttl=ttl)
+        return AllocRequest(name=name, shape=dims, dtype=q["dtype"], ttl=ttl)
     except (ValueError, ValidationError) as exc:
         raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        body = await request.body()
-        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
-        return _json(broker.handle(v))
-
-    return await once(request, run)
 
 
 HOT_ROUTES = [
