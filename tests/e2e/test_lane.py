@@ -5,11 +5,14 @@ on a waiting get is granted nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+from collections.abc import Iterator
 
 import numpy as np
 from _harness import BrokerProc, wait_for
+from tensordepot import Client
 from tensordepot._proto import REQUEST_HEADER, SERVER_HEADER, SESSION_HEADER
 
 
@@ -78,11 +81,20 @@ def _read_all(raw: Raw, n: int) -> list[tuple[int, bytes]]:
     return [(status, body) for status, _, body in (raw.read() for _ in range(n))]
 
 
-def test_lane_answers_carry_what_every_answer_carries(broker: BrokerProc) -> None:
+@contextlib.contextmanager
+def published(broker: BrokerProc) -> Iterator[tuple[Client, Raw]]:
+    """A client that published "w" (float32, 4), and a raw connection."""
     with broker.client() as c:
         c.put("w", np.arange(4, dtype=np.float32))
-    raw = Raw(broker)
-    try:
+        raw = Raw(broker)
+        try:
+            yield c, raw
+        finally:
+            raw.close()
+
+
+def test_lane_answers_carry_what_every_answer_carries(broker: BrokerProc) -> None:
+    with published(broker) as (_, raw):
         status, headers, body = raw.request("GET", "/v1/tensors/w")
         assert status == 200 and headers[SERVER_HEADER.encode()]
         assert headers[b"content-type"] == b"application/json"
@@ -99,52 +111,40 @@ def test_lane_answers_carry_what_every_answer_carries(broker: BrokerProc) -> Non
         assert status == 422 and "leases" in json.loads(body)["error"]["message"]
         status, _, body = raw.request("POST", "/v1/put/x?dtype=float32&shape=2", None)
         assert status == 400 and "needs 8" in json.loads(body)["error"]["message"]
-    finally:
-        raw.close()
 
 
 def test_pipelined_requests_are_answered_in_order(broker: BrokerProc) -> None:
-    with broker.client() as c:
-        c.put("w", np.arange(4, dtype=np.float32))
-        raw = Raw(broker)
-        try:
-            # A get that waits (lane, in a task), then an ASGI request and a lane
-            # request behind it: the answers keep the order of the requests.
-            raw.send(raw.head("GET", "/v1/tensors/late?timeout=30")
-                     + raw.head("GET", "/v1/stat")
-                     + raw.head("GET", "/v1/tensors/w"))
-            wait_for(lambda: c.stat().waiting == 1, 10, what="the get to wait")
-            c.put("late", np.ones(2, dtype=np.float32))
-            answers = _read_all(raw, 3)
-            assert [s for s, _ in answers] == [200, 200, 200]
-            assert json.loads(answers[0][1])["name"] == "late"
-            assert "bytes_in_use" in json.loads(answers[1][1])
-            assert json.loads(answers[2][1])["name"] == "w"
-            leases = [json.loads(answers[i][1])["lease"] for i in (0, 2)]
-            assert raw.request("POST", "/v1/release", {"leases": leases})[0] == 200
-        finally:
-            raw.close()
+    with published(broker) as (c, raw):
+        # A get that waits (lane, in a task), then an ASGI request and a lane
+        # request behind it: the answers keep the order of the requests.
+        raw.send(raw.head("GET", "/v1/tensors/late?timeout=30")
+                 + raw.head("GET", "/v1/stat")
+                 + raw.head("GET", "/v1/tensors/w"))
+        wait_for(lambda: c.stat().waiting == 1, 10, what="the get to wait")
+        c.put("late", np.ones(2, dtype=np.float32))
+        answers = _read_all(raw, 3)
+        assert [s for s, _ in answers] == [200, 200, 200]
+        assert json.loads(answers[0][1])["name"] == "late"
+        assert "bytes_in_use" in json.loads(answers[1][1])
+        assert json.loads(answers[2][1])["name"] == "w"
+        leases = [json.loads(answers[i][1])["lease"] for i in (0, 2)]
+        assert raw.request("POST", "/v1/release", {"leases": leases})[0] == 200
 
 
 def test_a_resend_replays_the_first_answer(broker: BrokerProc) -> None:
-    with broker.client() as c:
-        c.put("w", np.arange(4, dtype=np.float32))
-        raw = Raw(broker)
-        try:
-            first = raw.request("GET", "/v1/tensors/w", **{REQUEST_HEADER: "rid-1"})
-            again = raw.request("GET", "/v1/tensors/w", **{REQUEST_HEADER: "rid-1"})
-            assert first[0] == again[0] == 200 and first[2] == again[2]
-            assert c.stat().leases == 1, "the resend took a second lease"
-            put = raw.head("POST", "/v1/put/p?dtype=float32&shape=1", b"\0\0\0\0",
-                           **{REQUEST_HEADER: "rid-2"})
-            raw.send(put)
-            v1 = json.loads(raw.read()[2])["version"]
-            raw.send(put)
-            assert json.loads(raw.read()[2])["version"] == v1 == 1
-            lease = json.loads(first[2])["lease"]
-            assert raw.request("POST", "/v1/release", {"leases": [lease]})[0] == 200
-        finally:
-            raw.close()
+    with published(broker) as (c, raw):
+        first = raw.request("GET", "/v1/tensors/w", **{REQUEST_HEADER: "rid-1"})
+        again = raw.request("GET", "/v1/tensors/w", **{REQUEST_HEADER: "rid-1"})
+        assert first[0] == again[0] == 200 and first[2] == again[2]
+        assert c.stat().leases == 1, "the resend took a second lease"
+        put = raw.head("POST", "/v1/put/p?dtype=float32&shape=1", b"\0\0\0\0",
+                       **{REQUEST_HEADER: "rid-2"})
+        raw.send(put)
+        v1 = json.loads(raw.read()[2])["version"]
+        raw.send(put)
+        assert json.loads(raw.read()[2])["version"] == v1 == 1
+        lease = json.loads(first[2])["lease"]
+        assert raw.request("POST", "/v1/release", {"leases": [lease]})[0] == 200
 
 
 def test_a_client_that_hangs_up_on_a_waiting_get_gets_no_lease(broker: BrokerProc) -> None:
