@@ -15,9 +15,9 @@ from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
 from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
-from ..shm._copy import copy_into, copy_many
-from ..shm._posix import SegmentFile, Window, array_at
-from . import _cuda_ops
+from ..shm._copy import copy_into
+from ..shm._posix import SegmentFile, Window, array_at, byte_view
+from . import _batch, _cuda_ops
 from ._background import Background
 from ._checks import (
     check_floors,
@@ -72,6 +72,7 @@ class Client:
         # One open file per segment; windows (one mmap per tensor) are made from them.
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
+        self._fill_flats: dict[str, Any] = {}  # the same, as flat uint8 arrays (put_many)
         self._lock = threading.Lock()
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
         self._finishing = threading.Lock()  # held while the session is being ended
@@ -103,10 +104,12 @@ class Client:
             self._bg.heartbeat = info.heartbeat_interval
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None | bool = False,
-              background: bool = False, rid: str | None = None, grants: bool = False) -> Any:
+              background: bool = False, rid: str | None = None, grants: bool = False,
+              decode: bool = True) -> Any:
         """One request under this session.  ``rid``: a request id that makes
         the request safe to resend; ``grants``: it takes leases, which are
-        cancelled if its answer is never read."""
+        cancelled if its answer is never read; ``decode=False``: return the
+        answer's bytes, not its JSON."""
         if not background:
             if self._closed or self._closing:
                 raise InvalidRequest("this Client is closed; create a new one")
@@ -128,7 +131,7 @@ class Client:
         sid = self._sid
         try:
             return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                           resend=rid is not None or method != "POST")
+                                           resend=rid is not None or method != "POST", decode=decode)
         except DepotError as exc:
             if not getattr(exc, "answered", False) and bg is not None:
                 bg.give_back(ids, rids)
@@ -148,7 +151,7 @@ class Client:
         headers.pop("x-tensordepot-release", None)
         headers.pop("x-tensordepot-cancel", None)
         return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                       resend=rid is not None or method != "POST")
+                                       resend=rid is not None or method != "POST", decode=decode)
 
     def _file(self, segment: str, writable: bool) -> SegmentFile:
         key = (segment, writable)
@@ -183,6 +186,17 @@ class Client:
                 m = self._fill_maps.setdefault(segment, m)
         return m
 
+    def _fill_flat(self, segment: str) -> Any:
+        """The fill mapping of ``segment`` as one flat uint8 array (made once):
+        slicing it is far cheaper than building an array per tensor."""
+        a = self._fill_flats.get(segment)
+        if a is None:
+            m = self._fill_map(segment)
+            a = byte_view(m, 0, m.size, writable=True)
+            with self._lock:
+                a = self._fill_flats.setdefault(segment, a)
+        return a
+
     def _prune_files(self) -> None:
         """Forget segments the broker unlinked, so their memory returns to the
         kernel once no view uses them."""
@@ -191,6 +205,7 @@ class Client:
                 if not f.exists():
                     del self._files[key]
                     self._fill_maps.pop(key[0], None)
+                    self._fill_flats.pop(key[0], None)
         _cuda_ops.prune(self)
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
@@ -284,10 +299,13 @@ class Client:
             raise
 
     def _abort(self, h: Handle) -> None:
+        self._abort_version(h.name, h.version)
+
+    def _abort_version(self, name: str, version: int) -> None:
         """Give back an allocation that will not be published (best effort: if
         the broker is gone, so is the allocation)."""
         try:
-            self._call("POST", "/v1/abort", {"name": h.name, "version": h.version}, rid=self._rid())
+            self._call("POST", "/v1/abort", {"name": name, "version": version}, rid=self._rid())
         except DepotError:
             pass
 
@@ -328,33 +346,9 @@ class Client:
         ttl = check_ttl(ttl)
         if any(_cuda_ops.involves_gpu(x, device) for x in tensors.values()):
             return _cuda_ops.put_many(self, tensors, device=device, ttl=ttl)
-        sources: dict[str, Source] = {}
-        try:
-            for name, x in tensors.items():
-                sources[name] = Source(x, f"tensors[{name!r}]")
-            items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
-                     for n, s in sources.items()]
-            handles = [Handle.model_validate(h) for h in
-                       self._call("POST", "/v1/batch/alloc", {"items": items}, rid=self._rid())["items"]]
-            try:
-                pairs = []
-                for h in handles:
-                    arr = sources[h.name].array
-                    if h.nbytes:
-                        m = self._fill_map(h.segment)
-                        pairs.append((array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype,
-                                               writable=True, owner=m), arr))
-                copy_many(pairs)
-            except BaseException:
-                for h in handles:
-                    self._abort(h)
-                raise
-        finally:
-            for s in sources.values():
-                s.close()
-        pub = [{"name": h.name, "version": h.version} for h in handles]
-        self._call("POST", "/v1/batch/publish", {"items": pub}, rid=self._rid())
-        return {h.name: h.version for h in handles}
+        if not tensors:
+            return {}
+        return _batch.put_many(self, tensors, ttl)
 
     # -- reading -----------------------------------------------------------
     def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int = 0) -> SharedTensor:
@@ -389,18 +383,7 @@ class Client:
         if floors is not None:
             body["newer_than"] = floors
         io_timeout = None if wait is None else wait + self._transport.timeout
-        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(), grants=True)
-        handles = [Handle.model_validate(h) for h in resp["items"]]
-        out: dict[str, SharedTensor] = {}
-        try:
-            for h in handles:
-                out[h.name] = self._tensor(h, writable=False)
-        except BaseException:
-            for h in handles[len(out):]:
-                if h.lease is not None and self._bg is not None:
-                    self._bg.release_later(self._sid, h.lease)
-            raise
-        return out
+        return _batch.get_many(self, body, io_timeout)
 
     def push(self, name: str, to: str, *, token: str | None = None,
              tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
@@ -507,6 +490,7 @@ class Client:
         with self._lock:
             self._files.clear()
             self._fill_maps.clear()
+            self._fill_flats.clear()
         import gc
 
         gc.collect()  # views caught in reference cycles would otherwise hold leases

@@ -231,8 +231,9 @@ class Transport:
         conn.close()
 
     def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
-                timeout: float | None | bool = False, resend: bool = True) -> Any:
-        """Send one request; return the decoded JSON (None for 204).  Raises DepotError.
+                timeout: float | None | bool = False, resend: bool = True, decode: bool = True) -> Any:
+        """Send one request; return the decoded JSON (None for 204), or with
+        ``decode=False`` the body's bytes.  Raises DepotError.
 
         ``resend``: the request may be sent a second time after a failure
         (it is idempotent, or carries a request id)."""
@@ -283,6 +284,8 @@ class Transport:
         self._give_back(conn)
         if status >= 400:
             raise self._error(status, payload)
+        if not decode:
+            return payload
         if status == 204 or not payload:
             return None
         return json.loads(payload)

@@ -329,6 +329,9 @@ ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/link", WRITE, "the new name within the prefix"),
     Rule("POST", "/v1/batch/alloc", WRITE),
     Rule("POST", "/v1/batch/publish", WRITE),
+    Rule("POST", "/v1/many/get", READ, "every name within the prefix"),
+    Rule("POST", "/v1/many/alloc", WRITE),
+    Rule("POST", "/v1/many/publish", WRITE),
 )
 _EXACT = {(r.method, r.path): r for r in ROUTES if "{" not in r.path}
 

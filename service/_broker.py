@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -447,13 +447,17 @@ class Broker:
 
     # -- writing -----------------------------------------------------------
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
-        if req.device not in ("cpu", "cpu:0"):
-            self.cuda.check_device(req.device)
+        return self._check_item(req.device, req.dtype, req.shape)
+
+    def _check_item(self, device: str, dtype: str, dims: list[int]) -> tuple[tuple[int, ...], str, int, int]:
+        """(shape, dtype name, item size, bytes) of an allocation; raises InvalidRequest."""
+        if device not in ("cpu", "cpu:0"):
+            self.cuda.check_device(device)
         try:
-            dt = dtype_from_name(req.dtype)
+            dt = dtype_from_name(dtype)
         except UnsupportedDType as exc:
             raise InvalidRequest(str(exc)) from None
-        shape = tuple(req.shape)
+        shape = tuple(dims)
         nelem = math.prod(shape)
         nbytes = nelem * dt.itemsize
         # Zero dims do not save huge ones: the strides (and DLPack's int64
@@ -481,7 +485,7 @@ class Broker:
         if self.closing or self.sessions.get(s.id) is not s:  # it ended while a segment was made
             (self.pool if block.device == "cpu" else self.cuda).free(block)  # nobody maps it yet
             self._session(sid, caller)  # raises the reason
-        return self._place(s, req, shape, dtype, itemsize, nbytes, block)
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, nbytes, block)
 
     def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest) -> tuple[Version, int | None] | None:
         """``alloc`` when it needs no new segment (a CPU tensor that fits in
@@ -492,7 +496,9 @@ class Broker:
             return None
         self._charge(s, nbytes, req.name)
         block = self.pool.try_alloc(nbytes)
-        return None if block is None else self._place(s, req, shape, dtype, itemsize, nbytes, block)
+        if block is None:
+            return None
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, nbytes, block)
 
     def _refused(self, name: str, nbytes: int, exc: Exception) -> OutOfMemory:
         self._count("quota_refusals")
@@ -501,12 +507,12 @@ class Broker:
             f"or start the broker with a larger --max-memory"
         )
 
-    def _place(self, s: Session, req: AllocRequest, shape: tuple[int, ...], dtype: str,
-               itemsize: int, nbytes: int, block: Block) -> tuple[Version, int | None]:
-        """The new writing version of ``req.name`` in ``block``."""
-        e = self._entry(req.name)
-        v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
-                    ttl=req.ttl, entry=e)
+    def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
+               dtype: str, itemsize: int, nbytes: int, block: Block) -> tuple[Version, int | None]:
+        """The new writing version of ``name`` in ``block``."""
+        e = self._entry(name)
+        v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
+                    ttl=ttl, entry=e)
         if self.limits.alloc_ttl:
             v.deadline = self.clock() + self.limits.alloc_ttl
         e.next_version += 1
@@ -516,7 +522,83 @@ class Broker:
         self.versions_live += 1
         self._record_charge(s, v)
         self._count("allocs")
-        return v, (self.lease(s, v, count=False, hold=True) if req.hold else None)
+        return v, (self.lease(s, v, count=False, hold=True) if hold else None)
+
+    # -- batches (a state dict in one request per step) ------------------------
+    def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
+               dtypes: list[str]) -> tuple[Session, list[tuple[tuple[int, ...], str, int, int]]]:
+        """The session and every item checked (CPU memory), before anything is placed."""
+        s = self._session(sid, caller)
+        if not len(names) == len(shapes) == len(dtypes):
+            raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
+                                 f"names, {len(shapes)} shapes, {len(dtypes)} dtypes")
+        if len(set(names)) != len(names):
+            raise InvalidRequest("a batch allocates each name once")
+        items = [self._check_item("cpu", d, shape) for shape, d in zip(shapes, dtypes)]
+        total = sum(item[3] for item in items)
+        self._charge(s, total, f"{len(names)} tensors" if len(names) != 1 else names[0])
+        return s, items
+
+    def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                       shapes: list[list[int]], dtypes: list[str],
+                       ttl: float | None = None) -> list[Version] | None:
+        """``alloc_many`` when every tensor fits in existing memory, without
+        awaiting; None (and nothing allocated) when one does not."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        for item in items:
+            blk = self.pool.try_alloc(item[3])
+            if blk is None:
+                for b in blocks:
+                    self.pool.free(b)  # never handed out: safe to reuse at once
+                return None
+            blocks.append(blk)
+        return self._place_all(s, names, items, blocks, ttl)
+
+    async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                         shapes: list[list[int]], dtypes: list[str],
+                         ttl: float | None = None) -> list[Version]:
+        """A new writing version of each name (CPU memory), all or none."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        try:
+            for name, item in zip(names, items):
+                try:
+                    blocks.append(await self._block(item[3]))
+                except PoolExhausted as exc:
+                    raise self._refused(name, item[3], exc) from None
+            if self.closing or self.sessions.get(s.id) is not s:  # while segments were made
+                self._session(sid, caller)  # raises the reason
+        except BaseException:
+            for b in blocks:
+                self.pool.free(b)  # nobody maps them yet
+            raise
+        return self._place_all(s, names, items, blocks, ttl)
+
+    def _place_all(self, s: Session, names: list[str],
+                   items: list[tuple[tuple[int, ...], str, int, int]], blocks: list[Block],
+                   ttl: float | None) -> list[Version]:
+        return [self._place(s, name, ttl, False, shape, dtype, itemsize, nbytes, blk)[0]
+                for name, (shape, dtype, itemsize, nbytes), blk in zip(names, items, blocks)]
+
+    def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
+                     newer_than: int | list[int] = 0, *,
+                     request: str | None = None) -> list[tuple[Version, int]] | None:
+        """``get_many`` when every version is ready now and no peer needs
+        asking, without awaiting; None (and no lease) when it would wait."""
+        s = self._session(sid, caller)
+        if self.peers is not None:
+            return None
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            return None  # get_many says what is wrong
+        ready = self._ready
+        found = []
+        for i, name in enumerate(names):
+            v = ready(name, newer_than if isinstance(newer_than, int) else newer_than[i])
+            if v is None:
+                return None
+            found.append(v)
+        return [(v, self.lease(s, v, request)) for v in found]
 
     def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.entries.get(name)
@@ -651,7 +733,7 @@ class Broker:
         self.leases[lid] = Lease(lid, s.id, v, request, hold)
         s.leases.add(lid)
         if request is not None:
-            s.by_request.setdefault(request, []).append(lid)
+            s.by_request.setdefault(request, set()).add(lid)
         v.readers += 1
         if v.entry is not None and not hold:
             v.entry.readers += 1
@@ -801,10 +883,10 @@ class Broker:
             fut = s.waits.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-            n += self._release_ids(s, s.by_request.get(rid, []))
+            n += self._release_ids(s, s.by_request.get(rid, ()))
         return n
 
-    def _release_ids(self, s: Session, lease_ids: list[int]) -> int:
+    def _release_ids(self, s: Session, lease_ids: Iterable[int]) -> int:
         n = 0
         for lid in list(lease_ids):
             lease = self.leases.get(lid)
@@ -821,7 +903,7 @@ class Broker:
             if lease.request is not None:
                 ids = s.by_request.get(lease.request)
                 if ids is not None:
-                    ids.remove(lid)
+                    ids.discard(lid)  # a set: a batch's thousand releases stay linear
                     if not ids:
                         del s.by_request[lease.request]
         v = lease.version

@@ -36,10 +36,10 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httptools
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .._errors import AuthError, DepotError, InvalidRequest
 from .._proto import (
@@ -51,8 +51,9 @@ from .._proto import (
     SESSION_HEADER,
 )
 from .._version import __version__
-from .._wire import ReleaseRequest
-from ._auth import AuthMiddleware
+from .._wire import BatchGet, ManyAlloc, ManyPublish, ReleaseRequest
+from . import _many
+from ._auth import AuthMiddleware, require_names
 from ._broker import Broker
 from ._deps import caller_of, error_body, once_key, release_riders, run_once
 from ._metrics import Metrics
@@ -341,9 +342,69 @@ def _release(lane: Lane, req: LaneRequest) -> Answer:
     return 200, b'{"released":%d}' % n
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(req: LaneRequest, model: type[M]) -> M:
+    """The JSON body as ``model``, its names checked against the principal's prefix."""
+    try:
+        body = model.model_validate_json(bytes(req.body) or b"null")
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    require_names(req.scope["state"]["principal"], getattr(body, "names", ()))
+    return body
+
+
+def _many_alloc(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
+    """POST /v1/many/alloc: routers/many.py ``alloc_many``."""
+    body = _parse(req, ManyAlloc)
+    broker, sid, who = lane.broker, req.header(_SESSION), caller_of(req.scope)
+
+    def now() -> Answer | None:
+        out = _many.alloc_now(broker, sid, who, body)
+        return None if out is None else (200, out)
+
+    async def later() -> Answer:
+        return 200, await _many.alloc(broker, sid, who, body)
+
+    return lane.once(req, now, later)
+
+
+def _many_publish(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
+    """POST /v1/many/publish: routers/many.py ``publish_many``."""
+    body = _parse(req, ManyPublish)
+    broker, sid, who = lane.broker, req.header(_SESSION), caller_of(req.scope)
+
+    async def never() -> Answer:  # publishing never waits
+        raise AssertionError("publish answered at once")
+
+    return lane.once(req, lambda: (200, _many.publish(broker, sid, who, body)), never)
+
+
+def _many_get(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
+    """POST /v1/many/get: routers/many.py ``get_many``."""
+    body = _parse(req, BatchGet)
+    broker, sid, who, rid = lane.broker, req.header(_SESSION), caller_of(req.scope), req.header(_REQUEST)
+    timeout = _many.wait_of(body)
+
+    def now() -> Answer | None:
+        out = _many.get_now(broker, sid, who, body, rid)
+        return None if out is None else (200, out)
+
+    async def later() -> Answer:
+        busy = req.busy
+        gone = None if timeout == 0 or busy is None else busy.message_event.wait
+        return 200, await _many.get(broker, sid, who, body, rid, timeout, gone)
+
+    return lane.once(req, now, later)
+
+
 # (method, path, exact: else a prefix) -> (the route's template, its handler), in match order.
 ROUTES: list[tuple[tuple[str, str, bool], tuple[str, Handler]]] = [
     (("GET", "/v1/tensors/", False), ("/v1/tensors/{name}", _get_tensor)),
     (("POST", "/v1/put/", False), ("/v1/put/{name}", _put)),
     (("POST", "/v1/release", True), ("/v1/release", _release)),
+    (("POST", "/v1/many/get", True), ("/v1/many/get", _many_get)),
+    (("POST", "/v1/many/alloc", True), ("/v1/many/alloc", _many_alloc)),
+    (("POST", "/v1/many/publish", True), ("/v1/many/publish", _many_publish)),
 ]

@@ -66,7 +66,7 @@ class Session:
     # Idempotency: answers to recent request ids, and gets still waiting.
     answers: OrderedDict[str, tuple[int, bytes]] = field(default_factory=OrderedDict)
     running: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    by_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> leases
+    by_request: dict[str, set[int]] = field(default_factory=dict)  # request id -> leases
     waits: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # request id -> cancel
 
     def remember(self, rid: str, status: int, body: bytes) -> None:

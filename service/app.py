@@ -25,7 +25,7 @@ from ._deps import Guard, MarkServer, error_response
 from ._lane import Lane
 from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
-from .routers import batch, cuda, sessions, system, tensors
+from .routers import batch, cuda, many, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -130,7 +130,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    modules = (tensors, batch, sessions, system, cuda)
+    modules = (tensors, batch, many, sessions, system, cuda)
     for module in modules:
         app.include_router(module.router, responses=ERROR_RESPONSES)
     # Included routers are wrapped in app.routes; their own lists hold the routes.
