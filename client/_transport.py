@@ -26,6 +26,7 @@ import os
 import select
 import socket
 import threading
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,6 +53,9 @@ _BY_STATUS: dict[int, type[DepotError]] = {
     503: BrokerUnavailable, 507: OutOfMemory,
 }
 _MAX_HEAD = 64 * 1024
+# A connection idle this long is checked before use (one poll(2)); the broker
+# closes idle ones only after its keep-alive timeout (120 s), or when it stops.
+_IDLE = 1.0
 _SERVER = SERVER_HEADER.encode()
 
 
@@ -102,6 +106,7 @@ class _Conn:
         self.sock: socket.socket | None = None
         self._timeout: float | None = -1.0
         self.verified = False  # the peer said it is a tensordepot broker
+        self.used = 0.0  # when its last answer arrived
 
     def close(self) -> None:
         if self.sock is not None:
@@ -118,7 +123,7 @@ class _Conn:
         return bool(poller.poll(0))
 
     def roundtrip(self, head: bytes, body: bytes, timeout: float | None) -> tuple[int, bytes]:
-        if self.sock is not None and self._stale():
+        if self.sock is not None and time.monotonic() - self.used > _IDLE and self._stale():
             self.close()  # reconnect now rather than fail a request that may not be resent
         if self.sock is None:
             self.sock = self._connect(timeout)
@@ -149,6 +154,7 @@ class _Conn:
             self.verified = True
         if not resp.keep_alive:
             self.close()
+        self.used = time.monotonic()
         return parser.get_status_code(), b"".join(resp.body)
 
 

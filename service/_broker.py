@@ -147,10 +147,30 @@ class Lease:
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
 
 
+class _Waker:
+    """One parked get.  Whatever should end its wait or make it look again
+    (a publish of the name, the clock, a cancel, a hang-up, shutdown)
+    resolves its one future, so the get resumes in the loop's next step."""
+
+    __slots__ = ("future", "stopped")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[None] | None = None
+        self.stopped = False  # cancelled, hung up, or shutting down: give up
+
+    def wake(self, *_: object) -> None:
+        f = self.future
+        if f is not None and not f.done():
+            f.set_result(None)
+
+    def stop(self, *_: object) -> None:
+        self.stopped = True
+        self.wake()
+
+
 @dataclass(eq=False)
 class _Wait:
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    count: int = 0
+    wakers: set[_Waker] = field(default_factory=set)  # the gets parked on one name
 
 
 def c_strides(shape: tuple[int, ...]) -> list[int]:
@@ -181,7 +201,7 @@ class Broker:
         self.closing = False
         self._lease_ids = itertools.count(1)
         self._waits: dict[str, _Wait] = {}
-        self._closing_event: asyncio.Event | None = None
+        self._parked: set[_Waker] = set()  # every parked get, for shutdown
         self._maps: dict[str, PosixMapping] = {}
         self._identity_bytes: dict[str, int] = {}
         # Versions of every name start above every number any dropped name
@@ -647,7 +667,8 @@ class Broker:
         self._count("bytes_put", v.nbytes)
         w = self._waits.pop(v.name, None)
         if w is not None:
-            w.event.set()
+            for waker in w.wakers:
+                waker.wake()
         return v
 
     def abort(self, sid: str | None, caller: Caller, name: str, number: int) -> None:
@@ -804,31 +825,42 @@ class Broker:
         if deadline is not None and deadline <= loop.time():
             raise self._timed_out(name, newer_than, timeout)
         self._count("waits")  # gets that had to wait for a publish
-        cancel: asyncio.Future[None] = loop.create_future()
+        waker = _Waker()
+        cancel: asyncio.Future[None] = loop.create_future()  # release(requests=[id]), session end
+        cancel.add_done_callback(waker.stop)
         if request is not None:
             s.waits[request] = cancel
-        stops: set[asyncio.Future[Any]] = {cancel, self._closing_wait()}
-        if gone is not None:
-            stops.add(asyncio.ensure_future(gone()))  # only now: a wait that never starts needs none
+        watch, own = None, False
+        if gone is not None:  # only now: a wait that never starts needs no hang-up watch
+            hung_up = gone()
+            watch = asyncio.ensure_future(hung_up)
+            own = watch is not hung_up  # a task made here for a coroutine: ours to cancel
+            watch.add_done_callback(waker.stop)
         w = self._waits.get(name)
         if w is None:
             w = self._waits[name] = _Wait()
-        w.count += 1
+        w.wakers.add(waker)
+        self._parked.add(waker)
+        waker.stopped = waker.stopped or self.closing
         self.waiting += 1
         try:
             while True:
-                waiter = asyncio.ensure_future(w.event.wait())
+                if waker.stopped:
+                    self._session(s.id, Caller(s.owner))  # shutting down, or the session ended
+                    raise ClientGone(name)
                 remaining = None if deadline is None else deadline - loop.time()
                 if self.peers is not None:  # wake up to ask the peers again
                     remaining = min(self.peers.poll_interval, math.inf if remaining is None else remaining)
+                waker.future = loop.create_future()
+                timer = None if remaining is None else loop.call_later(max(remaining, 0.0), waker.wake)
                 try:
-                    done, _ = await asyncio.wait({waiter, *stops}, timeout=remaining,
-                                                 return_when=asyncio.FIRST_COMPLETED)
+                    await waker.future
                 finally:
-                    waiter.cancel()
-                if done & stops:
-                    self._session(s.id, Caller(s.owner))  # shutting down, or the session ended
-                    raise ClientGone(name)
+                    waker.future = None
+                    if timer is not None:
+                        timer.cancel()
+                if waker.stopped:
+                    continue  # says why, above
                 v = self._ready(name, newer_than)
                 if v is None and self.peers is not None:
                     await self.peers.before_get(name, newer_than, True)
@@ -838,18 +870,20 @@ class Broker:
                     return v
                 if deadline is not None and loop.time() >= deadline:
                     raise self._timed_out(name, newer_than, timeout)
-                if self._waits.get(name) is not w:  # set and popped by a publish of another version
-                    w.count -= 1
+                if self._waits.get(name) is not w:  # popped by a publish of another version
+                    w.wakers.discard(waker)
                     w = self._waits.get(name) or self._waits.setdefault(name, _Wait())
-                    w.count += 1
+                    w.wakers.add(waker)
         finally:
             self.waiting -= 1
-            w.count -= 1
-            if w.count == 0 and self._waits.get(name) is w:
+            self._parked.discard(waker)
+            w.wakers.discard(waker)
+            if not w.wakers and self._waits.get(name) is w:
                 del self._waits[name]  # nobody waits: the state goes with the last waiter
-            for f in stops:
-                if f is not cancel:
-                    f.cancel()
+            if watch is not None:
+                watch.remove_done_callback(waker.stop)
+                if own:
+                    watch.cancel()
             if request is not None and s.waits.get(request) is cancel:
                 del s.waits[request]
 
@@ -863,11 +897,6 @@ class Broker:
             )
         peers = "" if self.peers is None else self.peers.explain(name)
         return TensorNotFound(f"tensor {name!r} was not published {within} ({self._known()}){peers}")
-
-    def _closing_wait(self) -> asyncio.Future[Any]:
-        if self._closing_event is None:
-            self._closing_event = asyncio.Event()
-        return asyncio.ensure_future(self._closing_event.wait())
 
     def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
                 requests: list[str] | None = None) -> int:
@@ -957,9 +986,8 @@ class Broker:
     def begin_shutdown(self) -> None:
         """Refuse new work and wake every waiting get with 503."""
         self.closing = True
-        if self._closing_event is None:
-            self._closing_event = asyncio.Event()
-        self._closing_event.set()
+        for waker in list(self._parked):
+            waker.stop()
 
     def close(self) -> None:
         self.closing = True

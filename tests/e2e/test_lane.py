@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
 from _harness import BrokerProc, wait_for
 from tensordepot import Client
 from tensordepot._proto import REQUEST_HEADER, SERVER_HEADER, SESSION_HEADER
@@ -147,11 +148,18 @@ def test_a_resend_replays_the_first_answer(broker: BrokerProc) -> None:
         assert raw.request("POST", "/v1/release", {"leases": [lease]})[0] == 200
 
 
-def test_a_client_that_hangs_up_on_a_waiting_get_gets_no_lease(broker: BrokerProc) -> None:
+@pytest.mark.parametrize("many", [False, True], ids=["get", "get_many"])
+def test_a_client_that_hangs_up_on_a_waiting_get_gets_no_lease(broker: BrokerProc,
+                                                              many: bool) -> None:
     with broker.client() as c:
+        c.put("early", np.ones(2, dtype=np.float32))
         raw = Raw(broker)
         sid = raw.sid
-        raw.send(raw.head("GET", "/v1/tensors/late?timeout=30"))
+        if many:  # the first name is there, the second is waited for
+            body = json.dumps({"names": ["early", "late"], "timeout": 30}).encode()
+            raw.send(raw.head("POST", "/v1/many/get", body))
+        else:
+            raw.send(raw.head("GET", "/v1/tensors/late?timeout=30"))
         wait_for(lambda: c.stat().waiting == 1, 10, what="the get to wait")
         raw.sock.close()  # hang up without closing the session
         wait_for(lambda: c.stat().waiting == 0, 10, what="the broker to stop waiting")
