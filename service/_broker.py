@@ -122,6 +122,7 @@ class Version:
     identity: str | None = None  # creator's identity (per-identity quota)
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
     replica: Replica | None = None  # pulled from a peer
+    wire: tuple[bytes, bytes] | None = None  # its published handle's JSON around the lease (lane)
 
     @property
     def nbytes(self) -> int:

@@ -42,14 +42,23 @@ def caller_of(scope: Any) -> Caller:
     """Who sent this request: the authenticated principal when there is one,
     else the unix peer's uid; the pid only when the kernel reported it."""
     state = scope.get("state") or {}
+    principal = state.get("principal")
+    conn = state.get("connection")  # kept per connection: the same principal, the same caller
+    if conn is not None:
+        known = conn.get("caller")
+        if known is not None and known[0] is principal:
+            return known[1]  # type: ignore[no-any-return]
     cred = state.get("peercred")
     pid = cred[0] if cred else None
-    principal = state.get("principal")
     if principal is not None:
-        return Caller(principal.id, pid)
-    if cred:
-        return Caller(f"uid:{cred[1]}", pid)
-    return Caller("tcp", None)
+        who = Caller(principal.id, pid)
+    elif cred:
+        who = Caller(f"uid:{cred[1]}", pid)
+    else:
+        who = Caller("tcp", None)
+    if conn is not None:
+        conn["caller"] = (principal, who)
+    return who
 
 
 def caller(request: Request) -> Caller:

@@ -101,7 +101,10 @@ class LaneRequest:
     def params(self) -> dict[str, str]:
         """The query string, as Starlette's ``request.query_params`` reads it
         (blank values kept; the last of repeated keys wins)."""
-        return dict(urllib.parse.parse_qsl(self.query.decode("latin-1"), keep_blank_values=True))
+        q = self.query.decode("latin-1")
+        if "%" in q or "+" in q:
+            return dict(urllib.parse.parse_qsl(q, keep_blank_values=True))
+        return {k: v for k, _, v in (p.partition("=") for p in q.split("&") if p)}
 
 
 Handler = Callable[["Lane", LaneRequest], "Answer | Awaitable[Answer]"]
@@ -139,9 +142,13 @@ class Lane:
         self._auth = AuthMiddleware(None, app.state.auth_policy)
         self.metrics: Metrics = app.state.metrics
 
+    _broker: Broker | None = None
+
     @property
     def broker(self) -> Broker:
-        broker: Broker = self.app.state.broker
+        broker = self._broker
+        if broker is None:  # made by the lifespan, after the app: kept once known
+            broker = self._broker = self.app.state.broker
         return broker
 
     @staticmethod
@@ -295,7 +302,17 @@ class Lane:
 
 
 def handle_json(broker: Broker, v: Any, lease: int | None) -> bytes:
-    return broker.handle(v, lease).model_dump_json().encode()
+    """``broker.handle(v, lease)`` as JSON.  A published CPU version's handle
+    never changes but for the lease: its JSON is made once, around the lease."""
+    if v.state != "ready" or v.block.device != "cpu":
+        return broker.handle(v, lease).model_dump_json().encode()
+    wire = v.wire
+    if wire is None:
+        text = broker.handle(v, None).model_dump_json().encode()
+        head, lease_null, tail = text.rpartition(b'"lease":null')
+        assert lease_null, text
+        wire = v.wire = (head + b'"lease":', tail)
+    return b"%s%s%s" % (wire[0], b"null" if lease is None else b"%d" % lease, wire[1])
 
 
 def _invalid(exc: ValidationError) -> InvalidRequest:
