@@ -386,7 +386,8 @@ class Client:
         elif wait > 0:
             path += f"&timeout={wait!r}"
             io_timeout = wait + self._transport.timeout
-        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True))
+        h = Handle.model_validate_json(self._call("GET", path, timeout=io_timeout, rid=self._rid(),
+                                                  grants=True, decode=False))
         return self._tensor(h, writable=False)
 
     def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,

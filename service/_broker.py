@@ -22,6 +22,7 @@ Lifetime rules (README, "Lifetime"):
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import math
@@ -246,10 +247,12 @@ class Broker:
     def handle(self, v: Version, lease: int | None = None) -> Handle:
         if v.block.device != "cpu":
             return self.cuda.handle(v, lease, c_strides(v.shape))
-        return Handle(name=v.name, version=v.number, kind="posix", segment=v.block.segment,
-                      offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
-                      strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state,
-                      lease=lease)
+        # Built from the broker's own state, valid by construction: not validated again.
+        return Handle.model_construct(
+            name=v.name, version=v.number, kind="posix", segment=v.block.segment,
+            offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
+            strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state, lease=lease,
+            cuda=None)
 
     def _info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
@@ -508,11 +511,14 @@ class Broker:
             self._session(sid, caller)  # raises the reason
         return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, nbytes, block)
 
-    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest) -> tuple[Version, int | None] | None:
+    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                  checked: tuple[tuple[int, ...], str, int, int] | None = None,
+                  ) -> tuple[Version, int | None] | None:
         """``alloc`` when it needs no new segment (a CPU tensor that fits in
-        existing memory), without awaiting; None when it does."""
+        existing memory), without awaiting; None when it does.  ``checked``:
+        what ``_check_alloc(req)`` returned, if the caller called it already."""
         s = self._session(sid, caller)
-        shape, dtype, itemsize, nbytes = self._check_alloc(req)
+        shape, dtype, itemsize, nbytes = checked or self._check_alloc(req)
         if req.device not in ("cpu", "cpu:0"):
             return None
         self._charge(s, nbytes, req.name)
@@ -690,23 +696,23 @@ class Broker:
     def try_put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
                        data: bytes) -> Version | None:
         """``put_inline`` when it needs no new segment, without awaiting; None when it does."""
-        self._check_inline(req, data)
-        got = self.try_alloc(sid, caller, req)
+        got = self.try_alloc(sid, caller, req, self._check_inline(req, data))
         return None if got is None else self._fill_inline(sid, caller, got[0], data)
 
-    def _check_inline(self, req: AllocRequest, data: bytes) -> None:
-        shape, _, _, nbytes = self._check_alloc(req)
+    def _check_inline(self, req: AllocRequest, data: bytes) -> tuple[tuple[int, ...], str, int, int]:
+        checked = self._check_alloc(req)
+        shape, nbytes = checked[0], checked[3]
         if nbytes > INLINE_MAX:
             raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + publish")
         if len(data) != nbytes:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
             )
+        return checked
 
     def _fill_inline(self, sid: str | None, caller: Caller, v: Version, data: bytes) -> Version:
-        if v.nbytes:
-            m = self._map(v.block.segment)
-            byte_view(m, v.block.offset, v.nbytes, writable=True)[:] = memoryview(data)
+        if v.nbytes:  # len(data) == v.nbytes, checked: the block holds it
+            ctypes.memmove(self._map(v.block.segment).address + v.block.offset, data, v.nbytes)
         return self.publish(sid, caller, v.name, v.number)
 
     def _forget_mapping(self, segment: str) -> None:

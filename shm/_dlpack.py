@@ -141,6 +141,8 @@ def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...
     carrier = np.dtype(_numpy_carrier(dtype))
     byte_strides = tuple(s * dtype.itemsize for s in strides)
     arr = array_at(address, shape, byte_strides, carrier, writable=True, owner=owner)
+    if not copy and device[0] == kDLCPU:
+        return export_carrier(arr, dtype, read_only=read_only, max_version=max_version)
     if copy:
         arr = np.array(arr, copy=True)
     versioned = max_version is not None and max_version[0] >= 1

@@ -152,14 +152,20 @@ def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
         ttl = -1.0
     if ttl is not None and not (0 < ttl < math.inf):
         raise _bad_query("ttl must be a finite number of seconds > 0")
-    shape = q.get("shape", "")
+    shape, dtype = q.get("shape", ""), q["dtype"]
     if len(shape) > 400:
         raise _bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
     try:
         dims = [int(d) for d in shape.split(",")] if shape else []
-        return AllocRequest(name=name, shape=dims, dtype=q["dtype"], ttl=ttl)
-    except (ValueError, ValidationError) as exc:
-        raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid put of {name!r}: {exc}") from None
+    if len(dims) > MAX_NDIM or min(dims, default=0) < 0 or len(dtype) > 40:
+        try:  # AllocRequest's own checks say what is wrong, as on every other route
+            AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
+        except ValidationError as exc:
+            raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
+    # The name, dims, dtype and ttl are checked above: AllocRequest's constraints all hold.
+    return AllocRequest.model_construct(name=name, shape=dims, dtype=dtype, ttl=ttl)
 
 
 HOT_ROUTES = [
