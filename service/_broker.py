@@ -535,8 +535,10 @@ class Broker:
         )
 
     def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
-               dtype: str, itemsize: int, nbytes: int, block: Block) -> tuple[Version, int | None]:
-        """The new writing version of ``name`` in ``block``."""
+               dtype: str, itemsize: int, nbytes: int, block: Block,
+               count: bool = True) -> tuple[Version, int | None]:
+        """The new writing version of ``name`` in ``block`` (``count``: in the
+        metrics now; a batch counts its versions at once)."""
         e = self._entry(name)
         v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=ttl, entry=e)
@@ -548,7 +550,8 @@ class Broker:
         self.bytes_in_use += nbytes
         self.versions_live += 1
         self._record_charge(s, v)
-        self._count("allocs")
+        if count:
+            self._count("allocs")
         return v, (self.lease(s, v, count=False, hold=True) if hold else None)
 
     # -- batches (a state dict in one request per step) ------------------------
@@ -561,7 +564,14 @@ class Broker:
                                  f"names, {len(shapes)} shapes, {len(dtypes)} dtypes")
         if len(set(names)) != len(names):
             raise InvalidRequest("a batch allocates each name once")
-        items = [self._check_item("cpu", d, shape) for shape, d in zip(shapes, dtypes)]
+        seen: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], str, int, int]] = {}
+        items = []
+        for shape, d in zip(shapes, dtypes):  # a state dict repeats a few (dtype, shape) pairs
+            key = (d, tuple(shape))
+            item = seen.get(key)
+            if item is None:
+                item = seen[key] = self._check_item("cpu", d, shape)
+            items.append(item)
         total = sum(item[3] for item in items)
         self._charge(s, total, f"{len(names)} tensors" if len(names) != 1 else names[0])
         return s, items
@@ -605,8 +615,10 @@ class Broker:
     def _place_all(self, s: Session, names: list[str],
                    items: list[tuple[tuple[int, ...], str, int, int]], blocks: list[Block],
                    ttl: float | None) -> list[Version]:
-        return [self._place(s, name, ttl, False, shape, dtype, itemsize, nbytes, blk)[0]
-                for name, (shape, dtype, itemsize, nbytes), blk in zip(names, items, blocks)]
+        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, nbytes, blk, False)[0]
+                  for name, (shape, dtype, itemsize, nbytes), blk in zip(names, items, blocks)]
+        self._count("allocs", len(placed))
+        return placed
 
     def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
                      newer_than: int | list[int] = 0, *,
@@ -625,7 +637,10 @@ class Broker:
             if v is None:
                 return None
             found.append(v)
-        return [(v, self.lease(s, v, request)) for v in found]
+        got = [(v, self.lease(s, v, request, count=False)) for v in found]
+        self._count("gets", len(got))
+        self._count("bytes_got", sum(v.nbytes for v in found))
+        return got
 
     def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.entries.get(name)
