@@ -899,7 +899,7 @@ def bench_b9(cfg: Config, prefix: str) -> tuple[dict[str, Any], list[dict[str, A
         check(
             "B9",
             "B9",
-            f"cold put of {human(n)} (--prealloc 0) / numpy copy into fresh shared memory",
+            f"first put of {human(n)} (--prealloc 0) / numpy copy into fresh shared memory",
             s_cold,
             s_peer,
             median(cold) / median(peer),
