@@ -50,6 +50,20 @@ _new_id_prefix()
 os.register_at_fork(after_in_child=_new_id_prefix)
 
 
+_QUOTED: dict[str, str] = {}
+
+
+def _path_name(name: str) -> str:
+    """A tensor name as it goes in a URL path (percent-encoded, slashes kept);
+    names repeat, and quoting costs more than the rest of building a request."""
+    q = _QUOTED.get(name)
+    if q is None:
+        q = quote(name, safe="/")
+        if len(_QUOTED) < 4096:
+            _QUOTED[name] = q
+    return q
+
+
 def _request_id() -> str:
     """A request id unique to this process (a random prefix and a counter): the
     broker keeps answers per session and id, so ids need only never repeat, and
@@ -285,13 +299,12 @@ class Client:
         try:
             arr = src.array
             if arr.nbytes <= INLINE_MAX:
-                import numpy as np
 
                 query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
                 if ttl is not None:
                     query += f"&ttl={ttl!r}"
-                data = np.ascontiguousarray(arr).tobytes()
-                resp = self._call("POST", f"/v1/put/{quote(name, safe='/')}?{query}", data,
+                data = arr.tobytes()  # C order, whatever the layout
+                resp = self._call("POST", f"/v1/put/{_path_name(name)}?{query}", data,
                                   rid=self._rid())
                 return int(resp["version"])
             h = self._alloc(name, arr.shape, src.dtype, ttl)
@@ -378,7 +391,7 @@ class Client:
         waits forever.  ``newer_than=v`` waits for a version newer than ``v``."""
         check_name(name)
         wait = check_timeout(timeout)
-        path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
+        path = f"/v1/tensors/{_path_name(name)}?newer_than={check_version(newer_than)}"
         io_timeout: float | None | bool = False
         if wait is None:
             path += "&timeout=inf"
@@ -419,7 +432,7 @@ class Client:
     def delete(self, name: str) -> None:
         """Remove ``name`` now; readers keep their bytes until they release them."""
         check_name(name)
-        self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}", rid=self._rid())
+        self._call("DELETE", f"/v1/tensors/{_path_name(name)}", rid=self._rid())
 
     def list(self) -> list[TensorInfo]:
         """Every name with a version, newest first per name (``TensorInfo``)."""
