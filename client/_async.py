@@ -62,7 +62,16 @@ from ._checks import check_mapping, check_name, check_names, check_shape, check_
 from ._client import Client, _inline, alloc_body, get_request
 from ._source import Source, dtype_name
 from ._tensor import SharedTensor
-from ._transport import FAILURES, Answer, Endpoint, decode, encode, fail, io_timeout, may_resend
+from ._transport import (
+    FAILURES,
+    Answer,
+    Endpoint,
+    decode_answer,
+    encode,
+    fail,
+    io_timeout,
+    may_resend,
+)
 from ._trust import check_broker_socket
 
 if TYPE_CHECKING:
@@ -275,7 +284,7 @@ class AsyncTransport:
             conn.close()  # cancelled too: the broker sees the hang-up and stops waiting
             raise
         self._give_back(conn)
-        return decode(status, payload)
+        return decode_answer(status, payload)
 
     def close(self) -> None:
         """Close the idle connections; those in use close when they come back."""

@@ -4,8 +4,10 @@ broker unlinked.
 
 Finalizers (a view dying) only append to a deque and write one byte to a
 pipe: they may run in any thread at any time, even inside this thread's own
-code, so they must not take locks.  Releases wait up to ``_COALESCE``
-seconds for company, or ride on the client's next request.
+code, so they must not take locks.  A release rides on the client's next
+request; only one that has waited ``_COALESCE`` seconds without one goes out
+in a request of its own (with whatever else is queued by then), so a client
+that keeps calling never pays a round trip for its releases.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tensordepot.client")
 _COALESCE = 0.01  # seconds a queued release may wait for company (or a request to ride)
+# While requests keep carrying the releases, the thread looks only this often
+# (finalizers then need not wake it): a release queued just as the client goes
+# quiet leaves within about this long.
+_ACTIVE = 0.1
 
 Key = tuple[str, int]  # (session id, lease id): ids restart with each broker
 
@@ -47,7 +53,9 @@ class Background:
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._stop = False
-        self._armed = False
+        self._armed = False  # the thread knows something is queued: finalizers need not wake it
+        self._since = 0.0  # when the queue last went from empty to not empty
+        self.carried = 0  # releases requests have carried (the client is busy: see _run)
         self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
         self.thread.start()
 
@@ -70,12 +78,16 @@ class Background:
     def release_later(self, sid: str, lease_id: int) -> None:
         key = self.renamed.get((sid, lease_id), (sid, lease_id))
         self.live.discard(key)
+        if not self.pending and not self.cancels:
+            self._since = time.monotonic()
         self.pending.append(key)
         self._wake()
 
     def cancel_later(self, sid: str, request_id: str) -> None:
         """A request whose answer was never read (Ctrl-C, a client-side timeout):
         the broker releases whatever it granted to it."""
+        if not self.pending and not self.cancels:
+            self._since = time.monotonic()
         self.cancels.append((sid, request_id))
         self._wake()
 
@@ -94,6 +106,7 @@ class Background:
         name leases of the current session: they are dropped, never sent."""
         sid = self._client._sid
         ids: list[int] = []
+        self.carried += 1
         while self.pending and len(ids) < limit:
             try:
                 owner, lease_id = self.pending.popleft()
@@ -126,11 +139,15 @@ class Background:
 
     def flush(self) -> None:
         ids, rids = self.take(1 << 20)
+        self.carried -= 1  # not carried by a request: sent here
         stale, self.stale = self.stale, {}
         if ids or rids or stale:
             body = {"leases": ids, "requests": rids, "stale": stale}
             try:
-                self._client._call("POST", "/v1/release", body, background=True)
+                # Releasing twice is harmless (ids are never reused): with a
+                # request id, it is resent on a fresh connection if need be.
+                self._client._call("POST", "/v1/release", body, background=True,
+                                   rid=self._client._rid())
             except DepotError as exc:  # the broker is gone: its leases are gone with it
                 log.debug("release of %d lease(s) failed: %s", len(ids), exc)
 
@@ -138,21 +155,37 @@ class Background:
     def _run(self) -> None:
         last_beat = last_prune = time.monotonic()
         client = self._client
+        busy_until = 0.0  # requests have been carrying releases: look again only then
+        carried = self.carried
         while not self._stop:
             wait = 1.0 if self.heartbeat is None else min(1.0, self.heartbeat)
+            now = time.monotonic()
+            if self.stale:  # leases of a lapsed session, set aside by a request's take()
+                wait = 0.0
+            elif self.pending or self.cancels:  # wake when the oldest is due
+                due = self._since + _COALESCE
+                wait = min(wait, max(0.0, max(due, busy_until) - now))
+            elif busy_until > now:
+                wait = min(wait, busy_until - now)
             try:
                 readable, _, _ = select.select([self._r], [], [], wait)
                 if readable:
                     os.read(self._r, 4096)
-                    # Coalesce: releases queued in the next few milliseconds go in
-                    # one request, and a foreground request may carry them first.
-                    # Still armed meanwhile, so they do not wake us again.
-                    time.sleep(_COALESCE)
-                    self._armed = False
             except OSError:
                 break
             client._claim_if_forked()
-            self.flush()
+            now = time.monotonic()
+            if self.carried != carried:  # the client is making requests: they carry releases
+                carried = self.carried
+                busy_until = now + _ACTIVE
+            # Disarmed first, then looked at: a release queued after this line
+            # wakes us; one queued before it is seen below.
+            self._armed = False
+            if self.stale or ((self.pending or self.cancels) and now - self._since >= _COALESCE
+                               and now >= busy_until):
+                self.flush()  # nothing carried them for _COALESCE seconds
+            if self.pending or self.cancels or busy_until > now:
+                self._armed = True  # we wake on our own in time: finalizers need not
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.heartbeat:
                 last_beat = now

@@ -99,3 +99,16 @@ def check_shape(shape: Any) -> list[int]:
         if d < 0:
             raise InvalidRequest(f"shape {shown(shape)} has a negative dimension")
     return [int(d) for d in dims]
+
+
+def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
+    """get_many's ``newer_than`` as one version per name, or None when it asks
+    for nothing (0 everywhere)."""
+    if isinstance(newer_than, Mapping):
+        for key in newer_than:
+            if not isinstance(key, str):
+                raise InvalidType(f"newer_than maps tensor names to versions; {shown(key)} is not a name")
+        floors = [check_version(newer_than.get(n, 0), f"newer_than[{n!r}]") for n in names]
+    else:
+        floors = [check_version(newer_than)] * len(names)
+    return floors if any(floors) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import itertools
 import os
 import secrets
 import threading
@@ -16,11 +17,12 @@ from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
 from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
-from ..shm._copy import copy_into, copy_many
-from ..shm._posix import SegmentFile, Window, array_at
-from . import _cuda_ops
+from ..shm._copy import copy_into
+from ..shm._posix import SegmentFile, Window, array_at, byte_view
+from . import _batch, _cuda_ops
 from ._background import Background
 from ._checks import (
+    check_floors,
     check_mapping,
     check_name,
     check_names,
@@ -51,7 +53,7 @@ def get_request(name: str, timeout: Any, newer_than: Any,
     wait plus ``io`` (None: forever; False: the transport's default)."""
     check_name(name)
     wait = check_timeout(timeout)
-    path = f"/v1/tensors/{quote(name, safe='/')}?newer_than={check_version(newer_than)}"
+    path = f"/v1/tensors/{_path_name(name)}?newer_than={check_version(newer_than)}"
     if wait is None:
         return path + "&timeout=inf", None
     if wait > 0:
@@ -65,12 +67,42 @@ def _inline(name: str, src: Source, ttl: float | None) -> tuple[str, bytes] | No
     arr = src.array
     if arr.nbytes > INLINE_MAX:
         return None
-    import numpy as np
-
     query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
     if ttl is not None:
         query += f"&ttl={ttl!r}"
-    return f"/v1/put/{quote(name, safe='/')}?{query}", np.ascontiguousarray(arr).tobytes()
+    return f"/v1/put/{_path_name(name)}?{query}", arr.tobytes()  # C order, whatever the layout
+
+
+def _new_id_prefix() -> None:
+    global _ID_PREFIX, _ids
+    _ID_PREFIX, _ids = secrets.token_hex(8), itertools.count(1)
+
+
+_ID_PREFIX = ""
+_ids = itertools.count(1)
+_new_id_prefix()
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
+_QUOTED: dict[str, str] = {}
+
+
+def _path_name(name: str) -> str:
+    """A tensor name as it goes in a URL path (percent-encoded, slashes kept);
+    names repeat, and quoting costs more than the rest of building a request."""
+    q = _QUOTED.get(name)
+    if q is None:
+        q = quote(name, safe="/")
+        if len(_QUOTED) < 4096:
+            _QUOTED[name] = q
+    return q
+
+
+def _request_id() -> str:
+    """A request id unique to this process (a random prefix and a counter): the
+    broker keeps answers per session and id, so ids need only never repeat, and
+    a counter costs no system call per request, as random bytes would."""
+    return f"{_ID_PREFIX}{next(_ids):x}"
 
 
 class Client:
@@ -118,6 +150,7 @@ class Client:
         # One open file per segment; windows (one mmap per tensor) are made from them.
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
+        self._fill_flats: dict[str, Any] = {}  # the same, as flat uint8 arrays (put_many)
         self._lock = threading.Lock()
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
         # empty() windows not yet private
@@ -150,11 +183,12 @@ class Client:
             self._bg.heartbeat = info.heartbeat_interval
 
     def _call(self, method: str, path: str, body: Any = None, *,
-              timeout: float | bool | None = False,
-              background: bool = False, rid: str | None = None, grants: bool = False) -> Any:
+              timeout: float | bool | None = False, background: bool = False,
+              rid: str | None = None, grants: bool = False, decode: bool = True) -> Any:
         """One request under this session.  ``rid``: a request id that makes
         the request safe to resend; ``grants``: it takes leases, which are
-        cancelled if its answer is never read."""
+        cancelled if its answer is never read; ``decode=False``: return the
+        answer's bytes, not its JSON."""
         if not background:
             if self._closed or self._closing:
                 raise InvalidRequest("this Client is closed; create a new one")
@@ -165,7 +199,8 @@ class Client:
         sid = self._sid
         try:
             return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                           resend=rid is not None or method != "POST")
+                                           resend=rid is not None or method != "POST",
+                                           decode=decode)
         except DepotError as exc:
             if not getattr(exc, "answered", False):
                 self._unanswered(sid, ids, rids, rid, grants)
@@ -178,7 +213,8 @@ class Client:
         self._open_session()
         headers, _, _ = self._headers(rid, carry=False)
         return self._transport.request(method, path, body, headers=headers, timeout=timeout,
-                                       resend=rid is not None or method != "POST")
+                                       resend=rid is not None or method != "POST",
+                                       decode=decode)
 
     def _headers(self, rid: str | None, *,
                  carry: bool) -> tuple[dict[str, str], list[int], list[str]]:
@@ -241,6 +277,17 @@ class Client:
                 m = self._fill_maps.setdefault(segment, m)
         return m
 
+    def _fill_flat(self, segment: str) -> Any:
+        """The fill mapping of ``segment`` as one flat uint8 array (made once):
+        slicing it is far cheaper than building an array per tensor."""
+        a = self._fill_flats.get(segment)
+        if a is None:
+            m = self._fill_map(segment)
+            a = byte_view(m, 0, m.size, writable=True)
+            with self._lock:
+                a = self._fill_flats.setdefault(segment, a)
+        return a
+
     def _prune_files(self) -> None:
         """Forget segments the broker unlinked, so their memory returns to the
         kernel once no view uses them."""
@@ -249,6 +296,7 @@ class Client:
                 if not f.exists():
                     del self._files[key]
                     self._fill_maps.pop(key[0], None)
+                    self._fill_flats.pop(key[0], None)
         _cuda_ops.prune(self)
 
     def _tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
@@ -281,7 +329,7 @@ class Client:
 
     @staticmethod
     def _rid() -> str:
-        return secrets.token_hex(12)
+        return _request_id()
 
     # -- writing -----------------------------------------------------------
     def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None) -> int:
@@ -364,10 +412,13 @@ class Client:
             raise
 
     def _abort(self, h: Handle) -> None:
+        self._abort_version(h.name, h.version)
+
+    def _abort_version(self, name: str, version: int) -> None:
         """Give back an allocation that will not be published (best effort: if
         the broker is gone, so is the allocation)."""
         try:
-            self._call("POST", "/v1/abort", {"name": h.name, "version": h.version}, rid=self._rid())
+            self._call("POST", "/v1/abort", {"name": name, "version": version}, rid=self._rid())
         except DepotError:
             pass
 
@@ -419,22 +470,9 @@ class Client:
         ttl = check_ttl(ttl)
         if any(_cuda_ops.involves_gpu(x, device) for x in tensors.values()):
             return _cuda_ops.put_many(self, tensors, device=device, ttl=ttl)
-        sources: dict[str, Source] = {}
-        try:
-            for name, x in tensors.items():
-                sources[name] = Source(x, f"tensors[{name!r}]")
-            items = [{"name": n, "shape": list(s.array.shape), "dtype": s.dtype, "ttl": ttl}
-                     for n, s in sources.items()]
-            handles = [Handle.model_validate(h) for h in
-                       self._call("POST", "/v1/batch/alloc", {"items": items},
-                                  rid=self._rid(), grants=True)["items"]]
-            self._fill_many(handles, [sources[h.name].array for h in handles])
-        finally:
-            for s in sources.values():
-                s.close()
-        pub = [{"name": h.name, "version": h.version} for h in handles]
-        self._call("POST", "/v1/batch/publish", {"items": pub}, rid=self._rid())
-        return {h.name: h.version for h in handles}
+        if not tensors:
+            return {}
+        return _batch.put_many(self, tensors, ttl)
 
     # -- reading -----------------------------------------------------------
     def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int = 0) -> SharedTensor:
@@ -448,39 +486,29 @@ class Client:
         published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
         timeout or version."""
         path, io_timeout = get_request(name, timeout, newer_than, self._transport.timeout)
-        h = Handle.model_validate(self._call("GET", path, timeout=io_timeout, rid=self._rid(),
-                                             grants=True))
-        return self._tensor(h, writable=False)
+        raw = self._call("GET", path, timeout=io_timeout, rid=self._rid(), grants=True,
+                         decode=False)
+        return self._tensor(Handle.model_validate_json(raw), writable=False)
 
-    def get_many(self, names: Iterable[str],
-                 timeout: float | None = 0.0) -> dict[str, SharedTensor]:
+    def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
+                 newer_than: int | Mapping[str, int] = 0) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none).
 
         ``names`` is an iterable of names (a str is refused: pass a list);
-        ``timeout`` is as for ``get``.  Returns a dict from name to
-        ``SharedTensor``.  Raises ``TensorNotFound`` naming what was missing
-        when the deadline passed."""
+        ``timeout`` is as for ``get``.  ``newer_than``: a version every name
+        must be newer than, or a mapping from name to version (names it
+        lacks: any version), e.g. the versions of the previous ``get_many``.
+        Returns a dict from name to ``SharedTensor``.  Raises
+        ``TensorNotFound`` naming what was missing when the deadline passed."""
         names = check_names(names)
         wait = check_timeout(timeout)
-        body = {"names": names, "timeout": wait}
+        body: dict[str, Any] = {"names": names, "timeout": wait}
+        floors = check_floors(newer_than, names)
+        if floors is not None:
+            body["newer_than"] = floors
         io_timeout = None if wait is None else wait + self._transport.timeout
-        resp = self._call("POST", "/v1/batch/get", body, timeout=io_timeout, rid=self._rid(),
-                          grants=True)
-        return self._tensors([Handle.model_validate(h) for h in resp["items"]])
-
-    def _tensors(self, handles: list[Handle]) -> dict[str, SharedTensor]:
-        """Read-only tensors for a batch's handles (all, or none and their leases released)."""
-        out: dict[str, SharedTensor] = {}
-        try:
-            for h in handles:
-                out[h.name] = self._tensor(h, writable=False)
-        except BaseException:
-            for h in handles[len(out):]:
-                if h.lease is not None and self._bg is not None:
-                    self._bg.release_later(self._sid, h.lease)
-            raise
-        return out
+        return _batch.get_many(self, body, io_timeout)
 
     def push(self, name: str, to: str, *, token: str | None = None,
              tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
@@ -498,7 +526,7 @@ class Client:
 
         Raises ``TensorNotFound`` if there is no such name."""
         check_name(name)
-        self._call("DELETE", f"/v1/tensors/{quote(name, safe='/')}", rid=self._rid())
+        self._call("DELETE", f"/v1/tensors/{_path_name(name)}", rid=self._rid())
 
     def list(self) -> builtins.list[TensorInfo]:  # ``list`` here names this method
         """Every name with a version: one ``TensorInfo`` each, for its newest version."""
@@ -538,6 +566,7 @@ class Client:
     def _after_fork_child(self) -> None:
         self._gate = threading.Lock()
         self._lock = threading.Lock()
+        self._finishing = threading.Lock()
         plan, self._fork_plan = self._fork_plan, None
         self._pid = os.getpid()
         self._transport.after_fork()
@@ -589,6 +618,7 @@ class Client:
         with self._lock:
             self._files.clear()
             self._fill_maps.clear()
+            self._fill_flats.clear()
         import gc
 
         gc.collect()  # views caught in reference cycles would otherwise hold leases
@@ -597,11 +627,31 @@ class Client:
             pass  # the background thread may be ending the session: return once it has
 
     def _maybe_finish_close(self) -> None:
-        if not self._closing or self._closed:
+        if not self._closing:
             return
-        with self._lock:  # close() and the background thread may both get here
-            if self._closed:
-                return
+        # close() and the background thread may both get here.  close() waits
+        # until whichever came first has ended the session (``_closed`` is set
+        # before the session is ended), so that it never returns while the
+        # session is still open; the background thread never waits (close()
+        # may be joining it).
+        bg_thread = self._bg is not None and threading.current_thread() is self._bg.thread
+        if not self._finishing.acquire(blocking=not bg_thread):
+            return
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                if self._bg is not None:
+                    self._bg.flush()
+                if self._bg is not None and self._bg.live:
+                    return  # the background thread retries as views die
+                self._closed = True
+            if self._sid:
+                try:
+                    self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
+                                            headers={SESSION_HEADER: self._sid})
+                except DepotError:
+                    pass
             if self._bg is not None:
                 self._bg.flush()
             if self._bg is not None and self._bg.live:

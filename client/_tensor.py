@@ -9,6 +9,7 @@ releases, so dropping a tensor never blocks on the broker.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from .._errors import (
 )
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
-from ..shm._dlpack import kDLCPU
+from ..shm._dlpack import carrier, export_carrier, kDLCPU
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,14 +33,24 @@ if TYPE_CHECKING:
 
 
 class _Lease:
-    """Keeps a lease alive; its finalizer queues the release."""
+    """Keeps a lease alive; when the last reference to it goes, ``on_free``
+    queues the release.
 
-    __slots__ = ("__weakref__", "id")
+    ``__del__``, not ``weakref.finalize``: a batch makes thousands of leases,
+    and registering a finalizer costs several times more than the rest of a
+    lease.  It runs wherever the last reference dies (any thread, inside any
+    code, at interpreter exit too), so ``on_free`` must only queue, never
+    block or take a lock; and it never raises."""
+
+    __slots__ = ("id", "on_free")
 
     def __init__(self, lease_id: int, on_free: Callable[[int], None]) -> None:
         self.id = lease_id
-        fin = weakref.finalize(self, on_free, lease_id)
-        fin.atexit = False  # at exit the broker reclaims the session anyway
+        self.on_free = on_free
+
+    def __del__(self) -> None:
+        with contextlib.suppress(BaseException):  # nobody could handle it here
+            self.on_free(self.id)
 
 
 class _Owner:
@@ -72,21 +83,44 @@ class SharedTensor:
 
     def __init__(self, client: Client, handle: Handle, window: Any, lease: _Lease | None,
                  *, writable: bool) -> None:
-        self.name: str = handle.name
-        self.version: int = handle.version
-        self.shape: tuple[int, ...] = tuple(handle.shape)
-        self.strides: tuple[int, ...] = tuple(handle.strides)
-        self.dtype: str = handle.dtype
-        self.device: str = handle.device
-        self.nbytes: int = handle.nbytes
+        self._setup(weakref.ref(client), handle.name, handle.version, tuple(handle.shape),
+                    tuple(handle.strides), dtype_from_name(handle.dtype), handle.device,
+                    handle.nbytes, handle.state == "ready", window, window.address, lease, writable)
+
+    _flat: Any = None  # a flat uint8 array over the window, if the batch made one ...
+    _flat_offset = 0  # ... and where this tensor starts in it
+
+    @classmethod
+    def _of(cls, client: weakref.ref[Client], name: str, version: int, shape: tuple[int, ...],
+            strides: tuple[int, ...], dt: DType, nbytes: int, window: Any, flat: Any,
+            offset: int, lease: _Lease | None) -> SharedTensor:
+        """A published CPU tensor of a batch, at ``offset`` in ``window``, which
+        it may share with the batch's other tensors of the same segment
+        (``flat``: the window as a flat uint8 array)."""
+        t = cls.__new__(cls)
+        t._setup(client, name, version, shape, strides, dt, "cpu", nbytes, True, window,
+                 window.address + offset, lease, False)
+        t._flat, t._flat_offset = flat, offset
+        return t
+
+    def _setup(self, client: weakref.ref[Client], name: str, version: int, shape: tuple[int, ...],
+               strides: tuple[int, ...], dt: DType, device: str, nbytes: int, published: bool,
+               window: Any, address: int, lease: _Lease | None, writable: bool) -> None:
+        self.name: str = name
+        self.version: int = version
+        self.shape: tuple[int, ...] = shape
+        self.strides: tuple[int, ...] = strides
+        self.dtype: str = dt.name
+        self.device: str = device
+        self.nbytes: int = nbytes
         self.writable = writable
         self._writer = writable  # from empty(): published once
-        self.published = handle.state == "ready"
-        self._dt: DType = dtype_from_name(handle.dtype)
-        self._address: int = window.address
+        self.published = published
+        self._dt: DType = dt
+        self._address: int = address
         self._window = window
         self._owner: _Owner | None = _Owner(window, lease)
-        self._client = weakref.ref(client)
+        self._client = client
         self._lease_session = ""  # the session the lease was taken in
 
     # -- DLPack ------------------------------------------------------------
@@ -108,6 +142,9 @@ class SharedTensor:
                 f"tensor {self.name!r} is on the CPU and cannot be exported to DLPack device "
                 f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
             )
+        if self._flat is not None and not copy and not self.writable:
+            arr = carrier(self._flat, self._flat_offset, self.nbytes, self.shape, self._dt, owner)
+            return export_carrier(arr, self._dt, read_only=True, max_version=max_version)
         return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
                               read_only=not self.writable, max_version=max_version,
                               copy=bool(copy))

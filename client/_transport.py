@@ -21,15 +21,17 @@ it means the request may or may not have reached the broker.
 The asyncio client (``_async.py``) shares everything here but the sockets:
 ``Endpoint`` (the URL), ``encode`` (a request's bytes), ``Answer`` (parsing
 one response), ``may_resend`` and ``fail`` (what a failure means) and
-``decode`` (an answer's JSON or its error).
+``decode_answer`` (an answer's JSON or its error).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -57,6 +59,9 @@ _BY_STATUS: dict[int, type[DepotError]] = {
     503: BrokerUnavailable, 507: OutOfMemory,
 }
 _MAX_HEAD = 64 * 1024
+# A connection idle this long is checked before use (one poll(2)); the broker
+# closes idle ones only after its keep-alive timeout (120 s), or when it stops.
+_IDLE = 1.0
 _SERVER = SERVER_HEADER.encode()
 
 
@@ -84,6 +89,8 @@ class _Response:
         self.head = 0
         self.body: list[bytes] = []
         self.done = False
+        self.keep_alive = False
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head += len(name) + len(value)
@@ -95,6 +102,9 @@ class _Response:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        # Asked here: once the message is complete the parser resets for the
+        # next one, and should_keep_alive() then reads as False.
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
         self.done = True
 
 
@@ -105,7 +115,7 @@ class Answer:
 
     def __init__(self) -> None:
         self._resp = _Response()
-        self._parser = httptools.HttpResponseParser(self._resp)
+        self._parser = self._resp.parser = httptools.HttpResponseParser(self._resp)
         self.got = False  # any bytes at all: a resend may apply the request twice
 
     @property
@@ -127,7 +137,7 @@ class Answer:
         status = self._parser.get_status_code()
         if not verified and _SERVER not in self._resp.headers:
             raise _NotABroker(f"it answered {status} without the {SERVER_HEADER} header")
-        return status, b"".join(self._resp.body), self._parser.should_keep_alive()
+        return status, b"".join(self._resp.body), self._resp.keep_alive
 
 
 class _Conn:
@@ -138,13 +148,25 @@ class _Conn:
         self.sock: socket.socket | None = None
         self._timeout: float | None = -1.0
         self.verified = False  # the peer said it is a tensordepot broker
+        self.used = 0.0  # when its last answer arrived
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
 
+    def _stale(self) -> bool:
+        """Whether the broker closed this idle connection (its keep-alive
+        timeout, a restart): the socket then reads as EOF.  An idle HTTP
+        connection has nothing to read, so any byte means it is unusable too."""
+        assert self.sock is not None
+        poller = select.poll()  # not recv(MSG_DONTWAIT): a socket with a timeout waits anyway
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
+
     def roundtrip(self, head: bytes, body: bytes, timeout: float | None) -> tuple[int, bytes]:
+        if self.sock is not None and time.monotonic() - self.used > _IDLE and self._stale():
+            self.close()  # reconnect now rather than fail a request that may not be resent
         if self.sock is None:
             self.sock = self._connect(timeout)
             self._timeout = timeout
@@ -160,6 +182,7 @@ class _Conn:
             answer.feed(sock.recv(262144))
         status, payload, keep_alive = answer.finish(self.verified)
         self.verified = True
+        self.used = time.monotonic()
         if not keep_alive:
             self.close()
         return status, payload
@@ -253,7 +276,7 @@ def unavailable(url: str, exc: BaseException) -> BrokerUnavailable:
     )
 
 
-def decode(status: int, payload: bytes) -> Any:
+def decode_answer(status: int, payload: bytes) -> Any:
     """The JSON of a broker's answer (None for 204 or no body), or its error raised."""
     if status >= 400:
         raise error(status, payload)
@@ -345,8 +368,10 @@ class Transport:
 
     def request(self, method: str, path: str, body: Any = None, *,
                 headers: dict[str, str] | None = None,
-                timeout: float | bool | None = False, resend: bool = True) -> Any:
-        """Send one request; return the decoded JSON (None for 204).  Raises DepotError.
+                timeout: float | bool | None = False, resend: bool = True,
+                decode: bool = True) -> Any:
+        """Send one request; return the decoded JSON (None for 204), or with
+        ``decode=False`` the body's bytes.  Raises DepotError.
 
         ``resend``: the request may be sent a second time after a failure
         (it is idempotent, or carries a request id)."""
@@ -370,7 +395,11 @@ class Transport:
             conn.close()  # also on Ctrl-C: the broker sees the hang-up and stops waiting
             raise
         self._give_back(conn)
-        return decode(status, payload)
+        if not decode:
+            if status >= 400:
+                raise error(status, payload)
+            return payload
+        return decode_answer(status, payload)
 
     def close(self) -> None:
         with self._lock:

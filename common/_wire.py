@@ -298,10 +298,48 @@ class BatchGet(_Frozen):
     timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
                                   description="one deadline for the whole batch, in seconds; null: "
                                               "forever")
+    newer_than: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_BATCH,
+        description="per name, in the same order: only a version newer than this (waits for it)")
 
 
 class HandleList(_Answer):
     items: list[Handle]
+
+
+class ManyAlloc(_Frozen):
+    """A state dict's allocations, as columns (one entry per tensor)."""
+
+    names: list[Name] = Field(max_length=MAX_BATCH)
+    shapes: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_NDIM)]] = Field(
+        max_length=MAX_BATCH)
+    dtypes: list[Annotated[str, Field(max_length=40)]] = Field(max_length=MAX_BATCH,
+                                                               examples=[["float32", "bfloat16"]])
+    ttl: float | None = Field(None, gt=0, description="delete each tensor this many seconds after publish")
+
+
+class ManyPublish(_Frozen):
+    names: list[Name] = Field(max_length=MAX_BATCH)
+    versions: list[Annotated[int, Field(ge=1)]] = Field(max_length=MAX_BATCH)
+
+
+class HandleColumns(_Answer):
+    """Many handles as columns: entry ``i`` of each list describes tensor
+    ``i``.  Shared-memory tensors are C-ordered (strides follow from shapes);
+    a tensor of another kind (CUDA) has segment -1 and its whole handle in
+    ``others`` under its position."""
+
+    names: list[str]
+    versions: list[int]
+    state: Literal["writing", "ready"]
+    segments: list[str] = Field(description="the segments these tensors live in, each once")
+    segment: list[int] = Field(description="per tensor: its index in segments, or -1")
+    offsets: list[int]
+    nbytes: list[int]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    leases: list[int] | None = Field(None, description="per tensor: the lease to release (get)")
+    others: dict[int, Handle] = Field(default_factory=dict)
 
 
 class TensorList(_Answer):

@@ -329,6 +329,9 @@ ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/link", WRITE, "the new name within the prefix"),
     Rule("POST", "/v1/batch/alloc", WRITE),
     Rule("POST", "/v1/batch/publish", WRITE),
+    Rule("POST", "/v1/many/get", READ, "every name within the prefix"),
+    Rule("POST", "/v1/many/alloc", WRITE),
+    Rule("POST", "/v1/many/publish", WRITE),
 )
 _EXACT = {(r.method, r.path): r for r in ROUTES if "{" not in r.path}
 
@@ -420,6 +423,17 @@ class AuthMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        try:
+            self.authorize(scope)
+        except AuthError as exc:
+            await _reject(send, exc)
+            return
+        await self.app(scope, receive, send)
+
+    def authorize(self, scope: Any) -> Principal:
+        """Resolve and check the principal of an HTTP request's scope, store it
+        in ``scope["state"]["principal"]`` and return it; raises AuthError
+        (401 or 403).  The broker's fast lane (service/_lane.py) calls this too."""
         state = scope.setdefault("state", {})
         method, path = scope["method"], scope["path"]
         try:
@@ -442,10 +456,9 @@ class AuthMiddleware:
             if exc.status == 403 and match_route(method, path)[0] in _OPEN:
                 principal = ANONYMOUS  # open routes answer anyone
             else:
-                await _reject(send, exc)
-                return
+                raise
         state["principal"] = principal
-        await self.app(scope, receive, send)
+        return principal
 
     def _resolve(self, scope: Any, state: dict[str, Any]) -> Principal | None:
         """The principal, None for no or unknown credentials; raises Forbidden

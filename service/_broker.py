@@ -22,6 +22,7 @@ Lifetime rules (README, "Lifetime"):
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import math
@@ -29,7 +30,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -126,6 +127,7 @@ class Version:
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
     request: str | None = None  # the request id that allocated it, so the client can cancel it
     replica: Replica | None = None  # pulled from a peer
+    wire: tuple[bytes, bytes] | None = None  # its published handle's JSON around the lease (lane)
 
     @property
     def nbytes(self) -> int:
@@ -151,10 +153,30 @@ class Lease:
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
 
 
+class _Waker:
+    """One parked get.  Whatever should end its wait or make it look again
+    (a publish of the name, the clock, a cancel, a hang-up, shutdown)
+    resolves its one future, so the get resumes in the loop's next step."""
+
+    __slots__ = ("future", "stopped")
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[None] | None = None
+        self.stopped = False  # cancelled, hung up, or shutting down: give up
+
+    def wake(self, *_: object) -> None:
+        f = self.future
+        if f is not None and not f.done():
+            f.set_result(None)
+
+    def stop(self, *_: object) -> None:
+        self.stopped = True
+        self.wake()
+
+
 @dataclass(eq=False)
 class _Wait:
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    count: int = 0
+    wakers: set[_Waker] = field(default_factory=set)  # the gets parked on one name
 
 
 def c_strides(shape: tuple[int, ...]) -> list[int]:
@@ -185,7 +207,7 @@ class Broker:
         self.closing = False
         self._lease_ids = itertools.count(1)
         self._waits: dict[str, _Wait] = {}
-        self._closing_event: asyncio.Event | None = None
+        self._parked: set[_Waker] = set()  # every parked get, for shutdown
         self._maps: dict[str, PosixMapping] = {}
         self._identity_bytes: dict[str, int] = {}
         # Lapsed sessions: session id -> (owner identity, lease id -> block it held).
@@ -232,10 +254,12 @@ class Broker:
     def handle(self, v: Version, lease: int | None = None) -> Handle:
         if v.block.device != "cpu":
             return self.cuda.handle(v, lease, c_strides(v.shape))
-        return Handle(name=v.name, version=v.number, kind="posix", segment=v.block.segment,
-                      offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
-                      strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state,
-                      lease=lease)
+        # Built from the broker's own state, valid by construction: not validated again.
+        return Handle.model_construct(
+            name=v.name, version=v.number, kind="posix", segment=v.block.segment,
+            offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
+            strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state, lease=lease,
+            cuda=None)
 
     def _info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
@@ -483,13 +507,17 @@ class Broker:
 
     # -- writing -----------------------------------------------------------
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
-        if req.device not in ("cpu", "cpu:0"):
-            self.cuda.check_device(req.device)
+        return self._check_item(req.device, req.dtype, req.shape)
+
+    def _check_item(self, device: str, dtype: str, dims: list[int]) -> tuple[tuple[int, ...], str, int, int]:
+        """(shape, dtype name, item size, bytes) of an allocation; raises InvalidRequest."""
+        if device not in ("cpu", "cpu:0"):
+            self.cuda.check_device(device)
         try:
-            dt = dtype_from_name(req.dtype)
+            dt = dtype_from_name(dtype)
         except UnsupportedDType as exc:
             raise InvalidRequest(str(exc)) from None
-        shape = tuple(req.shape)
+        shape = tuple(dims)
         nelem = math.prod(shape)
         nbytes = nelem * dt.itemsize
         # Zero dims do not save huge ones: the strides (and DLPack's int64
@@ -515,17 +543,46 @@ class Broker:
                 block = (await self._block(nbytes) if req.device in ("cpu", "cpu:0")
                          else self.cuda.alloc(s, req, nbytes))
         except PoolExhausted as exc:
-            self._count("quota_refusals")
-            raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
-                f"or start the broker with a larger --max-memory"
-            ) from None
+            raise self._refused(req.name, nbytes, exc) from None
         if self.closing or self.sessions.get(s.id) is not s:  # it ended while a segment was made
             (self.pool if block.device == "cpu" else self.cuda).free(block)  # nobody maps it yet
             self._session(sid, caller)  # raises the reason
-        e = self._entry(req.name)
-        v = Version(req.name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
-                    ttl=req.ttl, entry=e)
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, nbytes, block,
+                           request=request)
+
+    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                  checked: tuple[tuple[int, ...], str, int, int] | None = None,
+                  ) -> tuple[Version, int | None] | None:
+        """``alloc`` when it needs no new segment (a CPU tensor that fits in
+        existing memory), without awaiting; None when it does.  ``checked``:
+        what ``_check_alloc(req)`` returned, if the caller called it already."""
+        s = self._session(sid, caller)
+        shape, dtype, itemsize, nbytes = checked or self._check_alloc(req)
+        if req.device not in ("cpu", "cpu:0"):
+            return None
+        self._charge(s, nbytes, req.name)
+        block = self.pool.try_alloc(nbytes)
+        if block is None:
+            return None
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, nbytes, block)
+
+    def _refused(self, name: str, nbytes: int, exc: Exception) -> OutOfMemory:
+        self._count("quota_refusals")
+        return OutOfMemory(
+            f"cannot place {name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
+            f"or start the broker with a larger --max-memory"
+        )
+
+    def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
+               dtype: str, itemsize: int, nbytes: int, block: Block, count: bool = True,
+               request: str | None = None) -> tuple[Version, int | None]:
+        """The new writing version of ``name`` in ``block`` (``count``: in the
+        metrics now; a batch counts its versions at once).  ``request``: the id
+        of the request that allocated it, which cancels it if its answer was
+        never read (and its hold, if any)."""
+        e = self._entry(name)
+        v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
+                    ttl=ttl, entry=e)
         if self.limits.alloc_ttl:
             v.deadline = self.clock() + self.limits.alloc_ttl
         e.next_version += 1
@@ -534,9 +591,99 @@ class Broker:
         self.bytes_in_use += nbytes
         self.versions_live += 1
         self._record_charge(s, v)
-        self._count("allocs")
         v.request = request
-        return v, (self.lease(s, v, request, count=False, hold=True) if req.hold else None)
+        if count:
+            self._count("allocs")
+        return v, (self.lease(s, v, request, count=False, hold=True) if hold else None)
+
+    # -- batches (a state dict in one request per step) ------------------------
+    def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
+               dtypes: list[str]) -> tuple[Session, list[tuple[tuple[int, ...], str, int, int]]]:
+        """The session and every item checked (CPU memory), before anything is placed."""
+        s = self._session(sid, caller)
+        if not len(names) == len(shapes) == len(dtypes):
+            raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
+                                 f"names, {len(shapes)} shapes, {len(dtypes)} dtypes")
+        if len(set(names)) != len(names):
+            raise InvalidRequest("a batch allocates each name once")
+        seen: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], str, int, int]] = {}
+        items = []
+        for shape, d in zip(shapes, dtypes):  # a state dict repeats a few (dtype, shape) pairs
+            key = (d, tuple(shape))
+            item = seen.get(key)
+            if item is None:
+                item = seen[key] = self._check_item("cpu", d, shape)
+            items.append(item)
+        total = sum(item[3] for item in items)
+        self._charge(s, total, f"{len(names)} tensors" if len(names) != 1 else names[0])
+        return s, items
+
+    def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                       shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
+                       request: str | None = None) -> list[Version] | None:
+        """``alloc_many`` when every tensor fits in existing memory, without
+        awaiting; None (and nothing allocated) when one does not."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        for item in items:
+            blk = self.pool.try_alloc(item[3])
+            if blk is None:
+                for b in blocks:
+                    self.pool.free(b)  # never handed out: safe to reuse at once
+                return None
+            blocks.append(blk)
+        return self._place_all(s, names, items, blocks, ttl, request)
+
+    async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                         shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
+                         request: str | None = None) -> list[Version]:
+        """A new writing version of each name (CPU memory), all or none."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        try:
+            for name, item in zip(names, items):
+                try:
+                    blocks.append(await self._block(item[3]))
+                except PoolExhausted as exc:
+                    raise self._refused(name, item[3], exc) from None
+            if self.closing or self.sessions.get(s.id) is not s:  # while segments were made
+                self._session(sid, caller)  # raises the reason
+        except BaseException:
+            for b in blocks:
+                self.pool.free(b)  # nobody maps them yet
+            raise
+        return self._place_all(s, names, items, blocks, ttl, request)
+
+    def _place_all(self, s: Session, names: list[str],
+                   items: list[tuple[tuple[int, ...], str, int, int]], blocks: list[Block],
+                   ttl: float | None, request: str | None) -> list[Version]:
+        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, nbytes, blk, False,
+                              request)[0]
+                  for name, (shape, dtype, itemsize, nbytes), blk in zip(names, items, blocks)]
+        self._count("allocs", len(placed))
+        return placed
+
+    def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
+                     newer_than: int | list[int] = 0, *,
+                     request: str | None = None) -> list[tuple[Version, int]] | None:
+        """``get_many`` when every version is ready now and no peer needs
+        asking, without awaiting; None (and no lease) when it would wait."""
+        s = self._session(sid, caller)
+        if self.peers is not None:
+            return None
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            return None  # get_many says what is wrong
+        ready = self._ready
+        found = []
+        for i, name in enumerate(names):
+            v = ready(name, newer_than if isinstance(newer_than, int) else newer_than[i])
+            if v is None:
+                return None
+            found.append(v)
+        got = [(v, self.lease(s, v, request, count=False)) for v in found]
+        self._count("gets", len(got))
+        self._count("bytes_got", sum(v.nbytes for v in found))
+        return got
 
     def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.entries.get(name)
@@ -586,7 +733,8 @@ class Broker:
         self._count("bytes_put", v.nbytes)
         w = self._waits.pop(v.name, None)
         if w is not None:
-            w.event.set()
+            for waker in w.wakers:
+                waker.wake()
         return v
 
     def abort(self, sid: str | None, caller: Caller, name: str, number: int) -> None:
@@ -601,7 +749,19 @@ class Broker:
     async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
                          data: bytes) -> Version:
         """Allocate, fill and publish a small tensor whose bytes came in the request."""
-        shape, _, _, nbytes = self._check_alloc(req)
+        self._check_inline(req, data)
+        v, _ = await self.alloc(sid, caller, req)
+        return self._fill_inline(sid, caller, v, data)
+
+    def try_put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
+                       data: bytes) -> Version | None:
+        """``put_inline`` when it needs no new segment, without awaiting; None when it does."""
+        got = self.try_alloc(sid, caller, req, self._check_inline(req, data))
+        return None if got is None else self._fill_inline(sid, caller, got[0], data)
+
+    def _check_inline(self, req: AllocRequest, data: bytes) -> tuple[tuple[int, ...], str, int, int]:
+        checked = self._check_alloc(req)
+        shape, nbytes = checked[0], checked[3]
         if nbytes > INLINE_MAX:
             raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + "
                                  "publish")
@@ -609,11 +769,12 @@ class Broker:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
             )
-        v, _ = await self.alloc(sid, caller, req)
-        if nbytes:
-            m = self._map(v.block.segment)
-            byte_view(m, v.block.offset, nbytes, writable=True)[:] = memoryview(data)
-        return self.publish(sid, caller, req.name, v.number)
+        return checked
+
+    def _fill_inline(self, sid: str | None, caller: Caller, v: Version, data: bytes) -> Version:
+        if v.nbytes:  # len(data) == v.nbytes, checked: the block holds it
+            ctypes.memmove(self._map(v.block.segment).address + v.block.offset, data, v.nbytes)
+        return self.publish(sid, caller, v.name, v.number)
 
     def _forget_mapping(self, segment: str) -> None:
         self._maps.pop(segment, None)
@@ -662,7 +823,7 @@ class Broker:
         self.leases[lid] = Lease(lid, s.id, v, request, hold)
         s.leases.add(lid)
         if request is not None:
-            s.by_request.setdefault(request, []).append(lid)
+            s.by_request.setdefault(request, set()).add(lid)
         v.readers += 1
         if v.entry is not None and not hold:
             v.entry.readers += 1
@@ -672,6 +833,17 @@ class Broker:
             self._count("bytes_got", v.nbytes)
         return lid
 
+    def try_get(self, sid: str | None, caller: Caller, name: str, newer_than: int = 0, *,
+                request: str | None = None) -> tuple[Version, int] | None:
+        """``get`` when a version is ready now and no peer needs asking, without
+        awaiting: the version and its lease; None when ``get`` would wait,
+        ask the peers, or answer not found."""
+        s = self._session(sid, caller)
+        v = self._ready(name, newer_than)
+        if v is None or self.peers is not None:
+            return None
+        return v, self.lease(s, v, request)
+
     async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
                   newer_than: int = 0, *, request: str | None = None,
                   gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[Version, int]:
@@ -679,21 +851,25 @@ class Broker:
         seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
         return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
 
-    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, *, request: str | None = None,
-                       gone: Callable[[], Awaitable[Any]] | None = None,
-                       ) -> list[tuple[Version, int]]:
-        """All of them under one deadline, or an error and none."""
-        return await self._get_all(sid, caller, names, timeout, 0, request, gone)
+    async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
+                       *, newer_than: int | list[int] = 0, request: str | None = None,
+                       gone: Callable[[], Awaitable[Any]] | None = None) -> list[tuple[Version, int]]:
+        """All of them under one deadline, or an error and none.  ``newer_than``:
+        one version floor for every name, or one per name."""
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} names; "
+                                 f"give one per name, in the same order")
+        return await self._get_all(sid, caller, names, timeout, newer_than, request, gone)
 
-    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, newer_than: int, request: str | None,
+    async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
+                       floors: int | list[int], request: str | None,
                        gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
         s = self._session(sid, caller)
         got: list[tuple[Version, int]] = []
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            for name in names:
+            for i, name in enumerate(names):
+                newer_than = floors if isinstance(floors, int) else floors[i]
                 v = self._ready(name, newer_than)
                 if self.peers is not None and (v is None or v.replica is not None):
                     # A miss, or a replica that may be stale: the peers may publish one here.
@@ -718,33 +894,42 @@ class Broker:
         if deadline is not None and deadline <= loop.time():
             raise self._timed_out(name, newer_than, timeout)
         self._count("waits")  # gets that had to wait for a publish
-        cancel: asyncio.Future[None] = loop.create_future()
+        waker = _Waker()
+        cancel: asyncio.Future[None] = loop.create_future()  # release(requests=[id]), session end
+        cancel.add_done_callback(waker.stop)
         if request is not None:
             s.waits[request] = cancel
-        stops: set[asyncio.Future[Any]] = {cancel, self._closing_wait()}
-        if gone is not None:
-            # only now: a wait that never starts needs none
-            stops.add(asyncio.ensure_future(gone()))
+        watch, own = None, False
+        if gone is not None:  # only now: a wait that never starts needs no hang-up watch
+            hung_up = gone()
+            watch = asyncio.ensure_future(hung_up)
+            own = watch is not hung_up  # a task made here for a coroutine: ours to cancel
+            watch.add_done_callback(waker.stop)
         w = self._waits.get(name)
         if w is None:
             w = self._waits[name] = _Wait()
-        w.count += 1
+        w.wakers.add(waker)
+        self._parked.add(waker)
+        waker.stopped = waker.stopped or self.closing
         self.waiting += 1
         try:
             while True:
-                waiter = asyncio.ensure_future(w.event.wait())
-                remaining = None if deadline is None else deadline - loop.time()
-                if self.peers is not None:  # wake up to ask the peers again
-                    remaining = min(self.peers.poll_interval, math.inf if remaining is None
-                                    else remaining)
-                try:
-                    done, _ = await asyncio.wait({waiter, *stops}, timeout=remaining,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
-                if done & stops:
+                if waker.stopped:
                     self._session(s.id, Caller(s.owner))  # shutting down, or the session ended
                     raise ClientGone(name)
+                remaining = None if deadline is None else deadline - loop.time()
+                if self.peers is not None:  # wake up to ask the peers again
+                    remaining = min(self.peers.poll_interval, math.inf if remaining is None else remaining)
+                waker.future = loop.create_future()
+                timer = None if remaining is None else loop.call_later(max(remaining, 0.0), waker.wake)
+                try:
+                    await waker.future
+                finally:
+                    waker.future = None
+                    if timer is not None:
+                        timer.cancel()
+                if waker.stopped:
+                    continue  # says why, above
                 v = self._ready(name, newer_than)
                 if v is None and self.peers is not None:
                     await self.peers.before_get(name, newer_than, True)
@@ -754,18 +939,20 @@ class Broker:
                     return v
                 if deadline is not None and loop.time() >= deadline:
                     raise self._timed_out(name, newer_than, timeout)
-                if self._waits.get(name) is not w:  # set and popped by a publish of another version
-                    w.count -= 1
+                if self._waits.get(name) is not w:  # popped by a publish of another version
+                    w.wakers.discard(waker)
                     w = self._waits.get(name) or self._waits.setdefault(name, _Wait())
-                    w.count += 1
+                    w.wakers.add(waker)
         finally:
             self.waiting -= 1
-            w.count -= 1
-            if w.count == 0 and self._waits.get(name) is w:
+            self._parked.discard(waker)
+            w.wakers.discard(waker)
+            if not w.wakers and self._waits.get(name) is w:
                 del self._waits[name]  # nobody waits: the state goes with the last waiter
-            for f in stops:
-                if f is not cancel:
-                    f.cancel()
+            if watch is not None:
+                watch.remove_done_callback(waker.stop)
+                if own:
+                    watch.cancel()
             if request is not None and s.waits.get(request) is cancel:
                 del s.waits[request]
 
@@ -780,11 +967,6 @@ class Broker:
         peers = "" if self.peers is None else self.peers.explain(name)
         return TensorNotFound(f"tensor {name!r} was not published {within} "
                               f"({self._known()}){peers}")
-
-    def _closing_wait(self) -> asyncio.Future[Any]:
-        if self._closing_event is None:
-            self._closing_event = asyncio.Event()
-        return asyncio.ensure_future(self._closing_event.wait())
 
     def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
                 requests: list[str] | None = None) -> int:
@@ -802,7 +984,7 @@ class Broker:
             fut = s.waits.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-            n += self._release_ids(s, s.by_request.get(rid, []))
+            n += self._release_ids(s, s.by_request.get(rid, ()))
             # An allocation whose answer the client never read: it cannot be
             # writing into it, and nobody else can publish it.
             for v in [v for v in s.writing if v.request == rid]:
@@ -831,7 +1013,7 @@ class Broker:
                 del self._lapsed[sid]
         return n
 
-    def _release_ids(self, s: Session, lease_ids: list[int]) -> int:
+    def _release_ids(self, s: Session, lease_ids: Iterable[int]) -> int:
         n = 0
         for lid in list(lease_ids):
             lease = self.leases.get(lid)
@@ -848,7 +1030,7 @@ class Broker:
             if lease.request is not None:
                 ids = s.by_request.get(lease.request)
                 if ids is not None:
-                    ids.remove(lid)
+                    ids.discard(lid)  # a set: a batch's thousand releases stay linear
                     if not ids:
                         del s.by_request[lease.request]
         v = lease.version
@@ -904,9 +1086,8 @@ class Broker:
     def begin_shutdown(self) -> None:
         """Refuse new work and wake every waiting get with 503."""
         self.closing = True
-        if self._closing_event is None:
-            self._closing_event = asyncio.Event()
-        self._closing_event.set()
+        for waker in list(self._parked):
+            waker.stop()
 
     def close(self) -> None:
         self.closing = True

@@ -10,6 +10,7 @@ header directly.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -41,14 +42,23 @@ def caller_of(scope: Any) -> Caller:
     """Who sent this request: the authenticated principal when there is one,
     else the unix peer's uid; the pid only when the kernel reported it."""
     state = scope.get("state") or {}
+    principal = state.get("principal")
+    conn = state.get("connection")  # kept per connection: the same principal, the same caller
+    if conn is not None:
+        known = conn.get("caller")
+        if known is not None and known[0] is principal:
+            return known[1]  # type: ignore[no-any-return]
     cred = state.get("peercred")
     pid = cred[0] if cred else None
-    principal = state.get("principal")
     if principal is not None:
-        return Caller(principal.id, pid)
-    if cred:
-        return Caller(f"uid:{cred[1]}", pid)
-    return Caller("tcp", None)
+        who = Caller(principal.id, pid)
+    elif cred:
+        who = Caller(f"uid:{cred[1]}", pid)
+    else:
+        who = Caller("tcp", None)
+    if conn is not None:
+        conn["caller"] = (principal, who)
+    return who
 
 
 def caller(request: Request) -> Caller:
@@ -89,34 +99,63 @@ async def once(request: Request, run: Callable[[], Awaitable[Response]]) -> Resp
     session, the resend gets the first answer, kept for the last few ids,
     instead of a second allocation, lease or publish.  An id replays only for
     the same method and path: reused on another route, it runs anew."""
-    rid = request.headers.get(REQUEST_HEADER)
-    broker = broker_of(request)
-    s = broker.sessions.get(request.headers.get(SESSION_HEADER) or "") if rid else None
-    if s is None or rid is None or len(rid) > 64 or s.owner != caller(request).identity:
+    slot = once_key(broker_of(request), request.method, request.url.path,
+                    request.headers.get(SESSION_HEADER), request.headers.get(REQUEST_HEADER),
+                    caller(request).identity)
+    first: list[Response] = []
+
+    async def answer() -> tuple[int, bytes]:
+        resp = await run()
+        first.append(resp)
+        return resp.status_code, bytes(resp.body)
+
+    status, body = await run_once(slot, answer)
+    if first:
+        return first[0]
+    return Response(body, status_code=status, media_type="application/json")
+
+
+CANCELLED = (409, (
+    b'{"error":{"code":"cancelled","message":"the client hung up or cancelled this request"}}'))
+
+
+def error_body(code: str, message: str) -> bytes:
+    """The bytes of ``error_response``'s body."""
+    return json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
+
+
+async def run_once(slot: tuple[Any, str] | None,
+                   run: Callable[[], Awaitable[tuple[int, bytes]]]) -> tuple[int, bytes]:
+    """``once`` for answers as (status, body): the first answer to a request id
+    (``once_key``) is kept and replayed; a resend that arrives while the first
+    attempt still runs waits for its answer.  Without a slot, a DepotError
+    propagates as it would from any route."""
+    if slot is None:
         try:
             return await run()
         except ClientGone:
-            return error_response(409, "cancelled", "the client hung up or cancelled this request")
-    key = f"{request.method} {request.url.path} {rid}"
+            return CANCELLED
+    s, key = slot
     while True:
-        hit = s.answers.get(key)
+        hit: tuple[int, bytes] | None = s.answers.get(key)
         if hit is not None:
-            return Response(hit[1], status_code=hit[0], media_type="application/json")
-        first = s.running.get(key)
-        if first is None:
+            return hit
+        running = s.running.get(key)
+        if running is None:
             break
-        await asyncio.shield(first)  # the first attempt is still running: wait for its answer
+        await asyncio.shield(running)  # the first attempt is still running: wait for its answer
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     s.running[key] = done
     try:
         try:
-            resp = await run()
+            status, body = await run()
         except DepotError as exc:
-            resp = error_response(exc.status, exc.code, str(exc))
+            status, body = exc.status, error_body(exc.code, str(exc))
         except ClientGone:  # nobody got an answer: a resend runs again
-            return error_response(409, "cancelled", "the client hung up or cancelled this request")
-        s.remember(key, resp.status_code, bytes(resp.body))
-        return resp
+            return CANCELLED
+        s.remember(key, status, body)
+        return status, body
     finally:
         s.running.pop(key, None)
         done.set_result(None)
@@ -128,6 +167,29 @@ def _ids(raw: bytes, what: str) -> list[bytes]:
         raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per "
                              "request")
     return ids
+
+
+def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None,
+                   cancels: bytes | None) -> None:
+    """Release the lease ids and cancel the request ids that ride on a
+    request's headers (``x-tensordepot-release``, ``x-tensordepot-cancel``)."""
+    lease_ids = []
+    for x in _ids(releases or b"", RELEASE_HEADER):
+        if x.isdigit():
+            lease_ids.append(int(x))
+    requests = [x.decode("latin-1") for x in _ids(cancels or b"", CANCEL_HEADER)]
+    broker.release(sid, who, lease_ids, requests)
+
+
+def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str | None,
+             identity: str) -> tuple[Any, str] | None:
+    """(session, key) under which ``once`` keeps a request's answer, or None
+    when the request carries no usable id (no session of this caller's, no id,
+    or an id longer than 64 characters)."""
+    s = broker.sessions.get(sid or "") if rid else None
+    if s is None or rid is None or len(rid) > 64 or s.owner != identity:
+        return None
+    return s, f"{method} {path} {rid}"
 
 
 class Guard:
@@ -173,15 +235,10 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             raise _too_large()
         if (releases or cancels) and sid:
-            lease_ids = []
-            for x in _ids(releases or b"", RELEASE_HEADER):
-                if x.isdigit():
-                    lease_ids.append(int(x))
-            requests = [x.decode("latin-1") for x in _ids(cancels or b"", CANCEL_HEADER)]
             # Starlette puts the app in the scope before middleware runs.
             broker: Broker | None = getattr(scope["app"].state, "broker", None)
             if broker is not None:
-                broker.release(sid, caller_of(scope), lease_ids, requests)  # 403: not yours
+                release_riders(broker, sid, caller_of(scope), releases, cancels)  # 403: not yours
         if length is not None:
             return receive
         seen = 0

@@ -161,9 +161,13 @@ class Metrics:
         self.registry.register(BrokerCollector(broker))
 
     def observe(self, method: str, path: str, status: int, seconds: float) -> None:
+        self.observe_route(method, self.route_of(path), status, seconds)
+
+    def observe_route(self, method: str, template: str, status: int, seconds: float) -> None:
+        """``observe`` for a request whose route template is known already."""
         if method not in METHODS:  # clients may send any word as a method
             method = "other"
-        key = (method, self.route_of(path), status)
+        key = (method, template, status)
         child = self._children.get(key)
         if child is None:  # labels() costs more than observe(): keep each child
             child = self._children[key] = self.latency.labels(key[0], key[1], str(status))

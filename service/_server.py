@@ -44,6 +44,7 @@ from .._ids import describe_uid
 from .._proto import MAX_HEADER_BYTES, SERVER_HEADER
 from .._version import __version__
 from ._auth import AuthPolicy
+from ._lane import Lane, LaneRequest
 from .config import Settings
 
 log = logging.getLogger("tensordepot.broker")
@@ -260,6 +261,7 @@ class PeerCredProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self._lane = getattr(getattr(self.config.app, "state", None), "lane", None)
         self._last_active = time.monotonic()
         sock = transport.get_extra_info("socket")
         cred = None
@@ -303,9 +305,32 @@ class PeerCredProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
 
+    # The fast lane (service/_lane.py) takes the hottest routes here; every
+    # other request goes through ASGI as uvicorn runs it.
+    _lane: Lane | None = None
+    _lane_req: LaneRequest | None = None
+
     def on_headers_complete(self) -> None:
         self._in_head, self._head = False, 0
-        super().on_headers_complete()
+        lane = self._lane
+        req = None if lane is None else lane.take(self)
+        if req is None:
+            super().on_headers_complete()
+        else:
+            self._lane_req = req
+
+    def on_body(self, body: bytes) -> None:
+        if self._lane_req is not None and self._lane is not None:
+            self._lane.body(self._lane_req, body)
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        req, self._lane_req = self._lane_req, None
+        if req is not None and self._lane is not None:
+            self._lane.run(self, req)
+        else:
+            super().on_message_complete()
 
 
 class Server(uvicorn.Server):

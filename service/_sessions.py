@@ -68,7 +68,7 @@ class Session:
     # (the field ``bytes`` above shadows the builtin inside this class body)
     answers: OrderedDict[str, tuple[int, builtins.bytes]] = field(default_factory=OrderedDict)
     running: dict[str, asyncio.Future[None]] = field(default_factory=dict)
-    by_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> leases
+    by_request: dict[str, set[int]] = field(default_factory=dict)  # request id -> leases
     waits: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # request id -> cancel
 
     def remember(self, rid: str, status: int, body: builtins.bytes) -> None:

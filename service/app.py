@@ -22,9 +22,10 @@ from ._auth import AuthMiddleware, AuthPolicy, check_routes, load_policy
 from ._broker import Broker
 from ._cuda import CudaMemory
 from ._deps import Guard, MarkServer, error_response
+from ._lane import Lane
 from ._metrics import Metrics, RequestMetrics
 from .config import Settings, get_settings, parse_size
-from .routers import batch, cuda, sessions, system, tensors
+from .routers import batch, cuda, many, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -134,7 +135,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         return error_response(exc.status_code, code, f"{request.method} {request.url.path}: "
                                                      f"{exc.detail}")
 
-    modules = (tensors, batch, sessions, system, cuda)
+    modules = (tensors, batch, many, sessions, system, cuda)
     for module in modules:
         app.include_router(module.router, responses=ERROR_RESPONSES)
     # Included routers are wrapped in app.routes; their own lists hold the routes.
@@ -142,6 +143,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     # Matching is linear: the hot routes go first, as plain Starlette routes
     # (their FastAPI declarations above stay for the OpenAPI document).
     app.router.routes[:0] = tensors.HOT_ROUTES
+    # The real server's protocol answers the hottest routes itself (service/_lane.py).
+    app.state.lane = Lane(app)
     return app
 
 

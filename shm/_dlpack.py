@@ -141,12 +141,64 @@ def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...
     carrier = np.dtype(_numpy_carrier(dtype))
     byte_strides = tuple(s * dtype.itemsize for s in strides)
     arr = array_at(address, shape, byte_strides, carrier, writable=True, owner=owner)
+    if not copy and device[0] == kDLCPU:
+        return export_carrier(arr, dtype, read_only=read_only, max_version=max_version)
     if copy:
         arr = np.array(arr, copy=True)
     versioned = max_version is not None and max_version[0] >= 1
     cap = arr.__dlpack__(max_version=VERSION if versioned else None)
     flags = (FLAG_READ_ONLY if read_only and not copy else 0) | (FLAG_IS_COPIED if copy else 0)
     patch_capsule(cap, dtype, device, flags)
+    return cap
+
+
+_OWNED: Any = None
+_CARRIER: dict[str, Any] = {}  # dtype name -> its numpy carrier dtype
+_MINOR = (ctypes.c_uint32 * 1)(VERSION[1])
+
+
+def _owned_type() -> Any:
+    global _OWNED
+    if _OWNED is None:
+        import numpy as np
+
+        class Owned(np.ndarray):
+            """A view that keeps ``_owner`` (a mapping, a lease) alive as long as it lives."""
+
+        _OWNED = Owned
+    return _OWNED
+
+
+def carrier(flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType,
+            owner: Any) -> Any:
+    """What ``export_capsule`` exports, made by slicing: a C-ordered view of
+    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping)
+    with ``dtype``'s numpy carrier type, which keeps ``owner`` alive.  A few
+    times cheaper than an array built from an address."""
+    dt = _CARRIER.get(dtype.name)
+    if dt is None:
+        import numpy as np
+
+        dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
+    arr = flat[offset:offset + nbytes].view(dtype=dt, type=_owned_type())
+    if len(shape) != 1:
+        arr = arr.reshape(shape)
+    arr._owner = owner
+    return arr
+
+
+def export_carrier(arr: Any, dtype: DType, *, read_only: bool,
+                   max_version: tuple[int, int] | None) -> Any:
+    """``export_capsule`` for a host ``carrier`` (not a copy): the same capsule."""
+    versioned = max_version is not None and max_version[0] >= 1
+    if versioned and read_only:
+        arr.flags.writeable = False  # numpy then sets READ_ONLY itself
+    cap = arr.__dlpack__(max_version=VERSION if versioned else None)
+    if dtype.numpy_name is None:
+        patch_capsule(cap, dtype, (kDLCPU, 0), FLAG_READ_ONLY if read_only else 0)
+    elif versioned:  # numpy's dtype triple and device are ours; its version says 1.0
+        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
+        ctypes.memmove(ptr + DLPackVersion.minor.offset, _MINOR, 4)
     return cap
 
 

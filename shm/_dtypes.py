@@ -115,16 +115,25 @@ def dtype_from_dlpack(code: int, bits: int, lanes: int) -> DType:
         ) from None
 
 
+_FROM_NUMPY: dict[Any, DType] = {}  # numpy dtype object -> DType, for the dtypes seen so far
+
+
 def dtype_from_numpy(dt: Any) -> DType:
     """The dtype for a numpy dtype, including ml_dtypes' bfloat16 and float8 types."""
+    found = _FROM_NUMPY.get(dt) if not isinstance(dt, str) else None
+    if found is not None:
+        return found
     import numpy as np
 
+    key = dt
     dt = np.dtype(dt)
     if dt.byteorder == ">":
         raise UnsupportedDType(f"big-endian dtype {dt} is not supported; convert with "
                                f".astype('{dt.newbyteorder('<')}')")
     name = dt.name
     if name in DTYPES:
+        if isinstance(key, np.dtype) and len(_FROM_NUMPY) < 256:
+            _FROM_NUMPY[key] = DTYPES[name]  # numpy's name property is slow; dtypes are few
         return DTYPES[name]
     raise UnsupportedDType(f"numpy dtype {dt} has no DLPack equivalent; supported: "
                            f"{', '.join(sorted(DTYPES))}")

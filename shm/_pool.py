@@ -346,6 +346,8 @@ class Pool:
         """Unlink wholly free segments, dedicated and oldest first, until
         ``reserved <= target``.  With ``keep_one``, one free pool segment stays
         so small puts stay warm; quota pressure passes ``keep_one=False``."""
+        if self.reserved <= target:
+            return  # every free calls this: the common case costs no sort
         for s in sorted(self._segs.values(), key=lambda s: (not s.dedicated, s.seq)):
             if self.reserved <= target:
                 return

@@ -14,6 +14,7 @@ calls mmap(2) directly through libc instead of using ``mmap.mmap`` or
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -231,6 +232,7 @@ class Window:
 
     kind = KIND
     address: int = 0
+    _base = 0  # 0 until mapped: nothing to unmap
 
     def __init__(self, file: SegmentFile, offset: int, nbytes: int, *, writable: bool,
                  populate: bool = False) -> None:
@@ -249,7 +251,13 @@ class Window:
                            repr(file.name))
         self.address = self._base + offset - start
         self.size = nbytes
-        self._finalizer = weakref.finalize(self, _munmap, self._base, self._len)
+
+    def __del__(self) -> None:
+        # Not weakref.finalize: a reader maps a window per get, and registering
+        # a finalizer costs as much as the mmap.  Runs once every view is gone.
+        if self._base:
+            with contextlib.suppress(Exception):  # at interpreter exit, libc may be gone
+                _munmap(self._base, self._len)
 
     @property
     def shared(self) -> bool:

@@ -73,6 +73,7 @@ class Relay:
         self._listener.bind(self.path)
         self._listener.listen(64)
         self._conns: list[socket.socket] = []
+        self.accepted = 0  # client connections, over the relay's life
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -92,6 +93,7 @@ class Relay:
                 return
             with self._lock:
                 self._conns.append(client)
+                self.accepted += 1
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from ..._proto import MAX_WAIT
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
+from .. import _many
 from .._auth import principal_of, require_names
 from .._broker import Version
 from .._deps import RequestHeader, SessionHeader, broker_of, caller, hangup, json_response, once
@@ -64,12 +64,11 @@ async def publish_many(req: BatchPublish, request: Request, session: SessionHead
 async def get_many(req: BatchGet, request: Request, session: SessionHeader = None,
                    request_id: RequestHeader = None) -> Response:
     require_names(principal_of(request), req.names)
-    broker = broker_of(request)
-    timeout = None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
+    broker, timeout = broker_of(request), _many.wait_of(req)
 
     async def run() -> Response:
         got = await broker.get_many(session, caller(request), req.names, timeout,
-                                    request=request_id,
+                                    newer_than=req.newer_than or 0, request=request_id,
                                     gone=None if timeout == 0 else lambda: hangup(request))
         return _handles(request, list(got))
 

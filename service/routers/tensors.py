@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -84,8 +85,8 @@ def _bad_query(message: str) -> InvalidRequest:
     return exc
 
 
-def _name(request: Request) -> str:
-    name: str = request.path_params["name"]
+def tensor_name(name: str) -> str:
+    """The ``{name}`` of a hot route's path, checked."""
     if not _NAME.match(name):
         shown = name if len(name) <= 60 else name[:60] + f"... ({len(name)} characters)"
         raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no "
@@ -93,10 +94,12 @@ def _name(request: Request) -> str:
     return name
 
 
-async def get_tensor(request: Request) -> Response:
-    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
-    name = _name(request)
-    q = request.query_params
+def _name(request: Request) -> str:
+    return tensor_name(request.path_params["name"])
+
+
+def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:
+    """(seconds to wait or None for forever, newer_than) of a get's query."""
     try:
         timeout = float(q.get("timeout", 0.0))
         newer_than = int(q.get("newer_than", 0))
@@ -105,7 +108,13 @@ async def get_tensor(request: Request) -> Response:
                          "integer") from None
     if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
         raise _bad_query("timeout and newer_than must be >= 0")
-    wait = None if timeout > MAX_WAIT else timeout
+    return (None if timeout > MAX_WAIT else timeout), newer_than
+
+
+async def get_tensor(request: Request) -> Response:
+    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
+    name = _name(request)
+    wait, newer_than = get_params(request.query_params)
     broker = broker_of(request)
     rid = request.headers.get(REQUEST_HEADER)
 
@@ -121,9 +130,19 @@ async def get_tensor(request: Request) -> Response:
 
 async def put(request: Request) -> Response:
     """POST /v1/put/{name} (a hot route; see the module docstring)."""
-    name = _name(request)
-    q = request.query_params
-    length = request.headers.get("content-length", "")
+    req = put_params(_name(request), request.query_params, request.headers.get("content-length", ""))
+    broker = broker_of(request)
+
+    async def run() -> Response:
+        body = await request.body()
+        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
+        return _json(broker.handle(v))
+
+    return await once(request, run)
+
+
+def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
+    """What an inline put's query and Content-Length ask for, checked."""
     if not length.isdigit() or int(length) > INLINE_MAX:
         raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
                              f"larger tensors go through /v1/alloc and /v1/publish")
@@ -135,22 +154,20 @@ async def put(request: Request) -> Response:
         ttl = -1.0
     if ttl is not None and not (0 < ttl < math.inf):
         raise _bad_query("ttl must be a finite number of seconds > 0")
-    shape = q.get("shape", "")
+    shape, dtype = q.get("shape", ""), q["dtype"]
     if len(shape) > 400:
         raise _bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
     try:
         dims = [int(d) for d in shape.split(",")] if shape else []
-        req = AllocRequest(name=name, shape=dims, dtype=q["dtype"], ttl=ttl)
-    except (ValueError, ValidationError) as exc:
-        raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        body = await request.body()
-        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
-        return _json(broker.handle(v))
-
-    return await once(request, run)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid put of {name!r}: {exc}") from None
+    if len(dims) > MAX_NDIM or min(dims, default=0) < 0 or len(dtype) > 40:
+        try:  # AllocRequest's own checks say what is wrong, as on every other route
+            AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
+        except ValidationError as exc:
+            raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
+    # The name, dims, dtype and ttl are checked above: AllocRequest's constraints all hold.
+    return AllocRequest.model_construct(name=name, shape=dims, dtype=dtype, ttl=ttl)
 
 
 HOT_ROUTES = [

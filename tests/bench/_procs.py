@@ -124,6 +124,43 @@ def handoff_depot(url: str, name: str, iters: int, ack: Connection) -> None:
             ack.send_bytes(repr(value).encode())
 
 
+def _read_all(arrays: Any) -> float:
+    """Read every tensor of a batch: its first and last elements, added up."""
+    total = 0.0
+    for a in arrays:
+        total += a[0].item() + a[-1].item()
+    return total
+
+
+def batch_depot(url: str, names: list[str], iters: int, ack: Connection) -> None:
+    """B8: waits in ``get_many`` for versions newer than the ones it read last,
+    reads every tensor through DLPack, and acknowledges the sum of its reads."""
+    import numpy as np
+    from tensordepot import Client
+
+    with Client(url) as c:
+        ack.send_bytes(b"ready")
+        last: dict[str, int] = {}
+        for _ in range(iters):
+            got = c.get_many(names, timeout=60, newer_than=last)
+            total = _read_all(np.from_dlpack(t) for t in got.values())
+            last = {n: t.version for n, t in got.items()}
+            del got
+            ack.send_bytes(repr(total).encode())
+
+
+def batch_pipe(conn: Connection, ack: Connection) -> None:
+    """B8: receives pickled dicts of arrays from a multiprocessing Pipe."""
+    ack.send_bytes(b"ready")
+    while True:
+        d = conn.recv()
+        if d is None:
+            return
+        total = _read_all(d.values())
+        del d
+        ack.send_bytes(repr(total).encode())
+
+
 def _ack_each(recv: Any, ack: Connection) -> None:
     """Acknowledge every tensor ``recv()`` returns with its first element, until None."""
     ack.send_bytes(b"ready")

@@ -216,8 +216,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     b = r["benchmarks"]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    (a_goal, a_b1, a_b2), (a_b3, a_b4, a_b5) = axes
+    fig, axes = plt.subplots(3, 3, figsize=(15, 12))
+    (a_goal, a_b1, a_b2), (a_b3, a_b4, a_b5), (a_b7, a_b8, a_b9) = axes
 
     rows = [row for row in r["checks"] if row["goal_op"] != "info" and row["measured"] is not None]
     _bars(
@@ -318,6 +318,22 @@ def plot(r: dict[str, Any], path: Path) -> None:
         a_b5.legend(fontsize=8)
     else:
         _bars(a_b5, "B5", [], [], "")
+
+    pairs = (
+        (a_b7, "B7", "B7: state dict, {tensors} tensors", "exchange", "put_many + get_many",
+         "copy_2_threads", "2-thread copy of its bytes"),
+        (a_b8, "B8", "B8: {tensors} small tensors, process to process", "tensordepot",
+         "put_many -> get_many -> read", "pipe", "Pipe, pickled dict"),
+        (a_b9, "B9", "B9: first put into a fresh broker", "cold_put", "cold put",
+         "fresh_copy", "copy into fresh shm"),
+    )
+    for ax, key, title, ours, ours_label, peer, peer_label in pairs:
+        if key in b:
+            d = b[key]
+            _bars(ax, title.format(**d), [ours_label, peer_label],
+                  [d[ours]["median"], d[peer]["median"]], "ms (lower is better)")
+        else:
+            _bars(ax, key, [], [], "")
 
     fig.suptitle(
         f"tensordepot benchmarks, {r['mode']} mode, {r['date'][:10]}: {machine_line(r)}", fontsize=9

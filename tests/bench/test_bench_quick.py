@@ -31,9 +31,13 @@ SERIES = {
     "B4": ["batch", "singles", "batch_round_trips", "single_round_trips"],
     "B5": ["tensordepot_get.1", "tensordepot_get.2", "bare_fastapi.1", "bare_fastapi.2"],
     "B6": ["producer", "consumer"],
+    "B7": ["exchange", "copy_2_threads", "round_trips"],
+    "B8": ["tensordepot", "pipe"],
+    "B9": ["cold_put", "fresh_copy", "next_two_puts"],
 }
-GOALS = ["B1.copy", "B2", "B4.rt", "B4", "B5.1", "B5.2", "B6.producer", "B6.consumer"] + (
-    ["B1.torch", "B3"] if HAVE_TORCH else []
+GOALS = ["B1.copy", "B2", "B3'.pipe", "B4.rt", "B4", "B5.1", "B5.2", "B6.producer",
+         "B6.consumer", "B7", "B7.rt", "B8", "B9"] + (
+    ["B1.torch", "B3", "B3'.torch"] if HAVE_TORCH else []
 )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +84,34 @@ def test_releases_riding_on_a_failed_request_are_not_lost(broker: BrokerProc) ->
             c._call("POST", "/v1/sessions/x/claim")  # a request that is not resent
         assert any(f"x-tensordepot-release: {lease}".encode() in r for r in relay.requests)
         wait_for(lambda: c.stat().leases == 0, 5, what="the release to be sent again")
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_requests_reuse_one_kept_alive_connection(broker: BrokerProc, chunked: bool) -> None:
+    with Relay(broker.url) as relay, Client(relay.url) as c:
+        relay.chunked = chunked
+        for i in range(20):
+            c.put("w", np.full(4, i, dtype=np.float32))
+            assert np.from_dlpack(c.get("w"))[0] == i
+        assert c.stat().tensors == 1
+        # One connection for the foreground; the background thread may have
+        # borrowed a second while a release went out during a request.
+        assert relay.accepted <= 2, f"{relay.accepted} connections for {c.round_trips} requests"
+
+
+def test_an_idle_connection_the_broker_closed_is_not_reused(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        c.put("w", np.arange(4, dtype=np.float32))
+        t = c.get("w")
+        idle = list(c._transport._idle)
+        assert idle, "the client kept no connection"
+        for conn in idle:  # the broker closes them, as after its keep-alive timeout
+            assert conn.sock is not None
+            conn.sock.shutdown(socket.SHUT_WR)
+            wait_for(lambda s=conn.sock: select.select([s], [], [], 0)[0], 5,
+                     what="the broker to close the connection")
+        del t  # the release (a POST that is never resent) must not go out on a closed connection
+        wait_for(lambda: broker.stat().leases == 0, 5, what="the release to reach the broker")
 
 
 def test_not_a_broker_says_so(tmp_path_factory: pytest.TempPathFactory) -> None:

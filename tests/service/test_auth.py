@@ -30,7 +30,7 @@ from tensordepot.service._auth import (
     match_route,
     read_token_file,
 )
-from tensordepot.service.routers import batch, cuda, sessions, system, tensors
+from tensordepot.service.routers import batch, cuda, many, sessions, system, tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ def test_scopes_prefixes_and_groups(tmp_path: Path) -> None:
 
 def test_every_route_of_the_app_has_a_scope() -> None:
     app = create_app(Settings(token="", insecure_no_auth=True))  # which checks them
-    modules = (tensors, batch, sessions, system, cuda)
+    modules = (tensors, batch, many, sessions, system, cuda)
     routes = [*app.routes, *(r for m in modules for r in m.router.routes)]
     served = {(m, r.path) for r in routes for m in getattr(r, "methods", None) or () if m != "HEAD"}
     assert served == {(r.method, r.path) for r in ROUTES}, "ROUTES lists exactly the app's routes"

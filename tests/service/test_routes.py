@@ -198,6 +198,9 @@ def test_overflowing_byte_counts_are_400_not_507(app: App, shape: list[int], dty
                                     {"name": "huge", "shape": shape, "dtype": dtype}]},
                     headers=app.headers())
     assert_error(r, 400, "invalid_request")
+    r = app.tc.post("/v1/many/alloc", json={"names": ["ok", "huge"], "shapes": [[4], shape],
+                                            "dtypes": ["uint8", dtype]}, headers=app.headers())
+    assert_error(r, 400, "invalid_request")
     check_accounting(app.broker)
     assert app.broker.bytes_in_use == 0 and app.broker.entries == {}, (
         "a failed batch leaves nothing")
@@ -267,9 +270,16 @@ def test_unknown_name_is_404(app: App) -> None:
     assert_error(r, 404, "not_found")
     r = app.tc.post("/v1/abort", json={"name": "present", "version": 1}, headers=app.headers())
     assert_error(r, 404, "not_found")
-    r = app.tc.post("/v1/batch/get", json={"names": ["present", "missing"]}, headers=app.headers())
-    assert_error(r, 404, "not_found")
-    assert app.broker.leases == {}, "a failed batch get holds no lease"
+    for path in ("/v1/batch/get", "/v1/many/get"):
+        r = app.tc.post(path, json={"names": ["present", "missing"]}, headers=app.headers())
+        assert_error(r, 404, "not_found")
+        assert app.broker.leases == {}, "a failed batch get holds no lease"
+    r = app.tc.post("/v1/many/get", json={"names": ["present"], "newer_than": [1, 2]},
+                    headers=app.headers())
+    assert_error(r, 400, "invalid_request", "one per name")
+    r = app.tc.post("/v1/many/publish", json={"names": ["present"], "versions": [1, 2]},
+                    headers=app.headers())
+    assert_error(r, 400, "invalid_request", "one version per name")
     assert app.tc.delete("/v1/tensors/present").status_code == 204
 
 
@@ -302,6 +312,10 @@ def test_out_of_memory_is_507(app: App) -> None:
     r = app.tc.post("/v1/batch/alloc", headers=app.headers(), json={"items": [
         {"name": "b0", "shape": [MiB], "dtype": "uint8"},
         {"name": "b1", "shape": [3 * MiB], "dtype": "uint8"}]})
+    assert_error(r, 507, "out_of_memory")
+    assert "b0" not in app.broker.entries, "a batch that does not fit leaves nothing behind"
+    r = app.tc.post("/v1/many/alloc", headers=app.headers(), json={
+        "names": ["b0", "b1"], "shapes": [[MiB], [3 * MiB]], "dtypes": ["uint8", "uint8"]})
     assert_error(r, 507, "out_of_memory")
     assert "b0" not in app.broker.entries, "a batch that does not fit leaves nothing behind"
     check_accounting(app.broker)

@@ -1,0 +1,196 @@
+"""put_many and get_many: a state dict in one request per step, cheap per tensor.
+
+The requests and answers are columns (``ManyAlloc``, ``ManyPublish``,
+``BatchGet``; ``HandleColumns``), so a thousand tensors cost a thousand
+list entries, not a thousand validated models.  Per tensor the client then
+does only what it must: a slice of the cached fill mapping to copy into, or
+a ``SharedTensor`` with its lease.
+
+Reader mappings.  A ``get`` maps a window per tensor, copy-on-write, so that
+a stray write through a view that ignores the read-only flag (torch, jax)
+stays in that view's own private pages (README, Lifetime: M2).  A
+``get_many`` maps one window per segment, over the span of the batch's
+tensors in it: the tensors of one batch share it, and stay apart because
+their bytes do not overlap (a write within one tensor's bytes changes no
+other tensor's bytes, as a copy-on-write page holds the neighbour's bytes
+unchanged).  Tensors whose bytes do overlap (a name given twice, or two
+names sharing bytes through ``put`` of a got tensor) each get a window of
+their own.  A later get or get_many maps anew and never sees such a write.
+The window lives while any tensor of the batch in it does; memory the
+broker reuses meanwhile is never read through it, since no live view
+covers it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .._errors import BrokerUnavailable, DepotError
+from .._wire import HandleColumns
+from ..shm import UnsupportedDType, dtype_from_name, dtype_from_numpy
+from ..shm._copy import copy_many
+from ..shm._posix import byte_view
+from ._source import Source
+from ._tensor import SharedTensor, _Lease
+
+if TYPE_CHECKING:
+    from ..shm import DType
+    from ._client import Client
+
+_NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
+_DTYPES: dict[str, DType] = {}  # our dtype name -> DType
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> C strides in elements
+
+
+def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]:
+    """What put_many copies from: numpy arrays as they are, anything else through ``Source``."""
+    import numpy as np
+
+    if type(x) is np.ndarray:
+        found = _NAMES.get(x.dtype)
+        if found is None:
+            try:
+                found = _NAMES[x.dtype] = dtype_from_numpy(x.dtype).name
+            except UnsupportedDType:
+                found = None  # Source says what is wrong
+        if found is not None:
+            return x, found
+    src = Source(x, f"tensors[{name!r}]")
+    opened.append(src)
+    return src.array, src.dtype
+
+
+def _dtype(name: str) -> DType:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = dtype_from_name(name)
+    return dt
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        acc, out = 1, []
+        for d in reversed(shape):
+            out.append(acc)
+            acc *= max(d, 1)
+        strides = tuple(reversed(out))
+        if len(_STRIDES) < 4096:  # state dicts repeat a few shapes; bound the cache anyway
+            _STRIDES[shape] = strides
+    return strides
+
+
+def put_many(client: Client, tensors: Mapping[str, Any], ttl: float | None) -> dict[str, int]:
+    """``Client.put_many`` for CPU tensors: allocate all, copy all, publish all."""
+    names = list(tensors)
+    opened: list[Source] = []
+    try:
+        arrays, dtypes = [], []
+        for name in names:
+            a, d = _array_and_dtype(tensors[name], name, opened)
+            arrays.append(a)
+            dtypes.append(d)
+        body = {"names": names, "shapes": [list(a.shape) for a in arrays], "dtypes": dtypes,
+                "ttl": ttl}
+        raw = client._call("POST", "/v1/many/alloc", body, rid=client._rid(), grants=True,
+                           decode=False)
+        cols = HandleColumns.model_validate_json(raw)
+        try:
+            flats = [client._fill_flat(seg) for seg in cols.segments]
+            pairs = []
+            for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes):
+                if n:
+                    pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
+            copy_many(pairs)  # when it raises, no copy thread is still writing
+        except BaseException:
+            for name, version in zip(cols.names, cols.versions):
+                client._abort_version(name, version)
+            raise
+    finally:
+        for src in opened:
+            src.close()
+    client._call("POST", "/v1/many/publish", {"names": cols.names, "versions": cols.versions},
+                 rid=client._rid(), decode=False)
+    return dict(zip(cols.names, cols.versions))
+
+
+def get_many(client: Client, body: dict[str, Any], io_timeout: float | None) -> dict[str, SharedTensor]:
+    """``Client.get_many``: one request, one window per segment, a tensor per name."""
+    raw = client._call("POST", "/v1/many/get", body, timeout=io_timeout, rid=client._rid(),
+                       grants=True, decode=False)
+    cols = HandleColumns.model_validate_json(raw)
+    n = len(cols.names)
+    leases: list[int | None] = list(cols.leases) if cols.leases is not None else [None] * n
+    bg, sid = client._bg, client._sid
+    tensors: list[SharedTensor | None] = [None] * n
+    try:
+        windows = _windows(client, cols)
+        ref = weakref.ref(client)
+        release = None if bg is None else functools.partial(bg.release_later, sid)
+        with client._gate:  # no fork while leases are registered
+            for i in range(n):
+                if cols.segment[i] < 0:
+                    continue  # below: client._tensor takes the gate itself
+                window, flat, base = windows[i]
+                lid, lease = leases[i], None
+                if lid is not None and release is not None:
+                    lease = _Lease(lid, release)
+                    bg.track(sid, lid)  # type: ignore[union-attr]
+                shape = tuple(cols.shapes[i])
+                t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
+                                     _dtype(cols.dtypes[i]), cols.nbytes[i], window, flat,
+                                     cols.offsets[i] - base, lease)
+                t._lease_session = sid
+                tensors[i] = t
+        for i, h in cols.others.items():
+            tensors[i] = client._tensor(h, writable=False)
+    except BaseException:
+        if bg is not None:
+            for made, lid in zip(tensors, leases):
+                if made is None and lid is not None:  # the others go when their tensors do
+                    bg.release_later(sid, lid)
+        raise
+    return dict(zip(cols.names, tensors))  # type: ignore[arg-type]
+
+
+def _windows(client: Client, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
+    """Per tensor: (its window, the window as a flat uint8 array, the segment
+    offset the window starts at)."""
+    n = len(cols.names)
+    by_segment: dict[int, list[int]] = {}
+    for i in range(n):
+        if cols.segment[i] >= 0:
+            by_segment.setdefault(cols.segment[i], []).append(i)
+    out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
+    for j, members in by_segment.items():
+        try:
+            f = client._file(cols.segments[j], False)
+            ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
+            shared, alone = [], []
+            end = -1
+            for k, (lo, hi, i) in enumerate(ranges):
+                nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
+                # Overlapping bytes (the same bytes twice) may not share a window.
+                if lo < end or (nxt is not None and nxt < hi):
+                    alone.append(i)
+                else:
+                    shared.append(i)
+                end = max(end, hi)
+            if shared:
+                lo = min(cols.offsets[i] for i in shared)
+                hi = max(cols.offsets[i] + cols.nbytes[i] for i in shared)
+                w = f.window(lo, hi - lo, writable=False)
+                flat = byte_view(w, 0, hi - lo, writable=True)  # private pages: see module doc
+                for i in shared:
+                    out[i] = (w, flat, lo)
+            for i in alone:
+                w = f.window(cols.offsets[i], cols.nbytes[i], writable=False)
+                out[i] = (w, byte_view(w, 0, cols.nbytes[i], writable=True), cols.offsets[i])
+        except (DepotError, OSError) as exc:
+            if isinstance(exc, DepotError):
+                raise
+            raise BrokerUnavailable(f"cannot map segment {cols.segments[j]}: {exc}") from exc
+    return out

@@ -1,0 +1,104 @@
+"""Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish`` and ``/v1/many/get``.
+
+A state dict is hundreds or thousands of tensors, and per tensor the older
+``/v1/batch`` routes validate, build and serialise a whole ``Handle`` model
+in the broker and again in the client.  These routes carry the same facts
+as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
+``HandleColumns`` out), so a batch costs a few list operations per tensor.
+The routers (routers/batch.py) and the fast lane (service/_lane.py) both
+call the functions here; ``*_now`` answers without awaiting, or returns
+None when the request must wait (a new segment, an unpublished version).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .._proto import MAX_WAIT
+from .._wire import BatchGet, ManyAlloc, ManyPublish
+from ._broker import Broker, Version
+from ._sessions import Caller
+
+
+def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: str) -> bytes:
+    """``HandleColumns`` for these versions (with their leases, if any), as JSON."""
+    index: dict[str, int] = {}
+    segments: list[str] = []
+    segment, offsets, nbytes = [], [], []
+    others: dict[int, Any] = {}
+    for i, (v, lease) in enumerate(pairs):
+        blk = v.block
+        if blk.device != "cpu":
+            others[i] = json.loads(broker.handle(v, lease).model_dump_json())
+            segment.append(-1)
+            offsets.append(0)
+        else:
+            j = index.get(blk.segment)
+            if j is None:
+                j = index[blk.segment] = len(segments)
+                segments.append(blk.segment)
+            segment.append(j)
+            offsets.append(blk.offset)
+        nbytes.append(blk.nbytes)
+    leases = [lease for _, lease in pairs]
+    return json.dumps({
+        "names": [v.name for v, _ in pairs],
+        "versions": [v.number for v, _ in pairs],
+        "state": state,
+        "segments": segments,
+        "segment": segment,
+        "offsets": offsets,
+        "nbytes": nbytes,
+        "shapes": [v.shape for v, _ in pairs],
+        "dtypes": [v.dtype for v, _ in pairs],
+        "leases": None if all(lease is None for lease in leases) else leases,
+        "others": others,
+    }, separators=(",", ":")).encode()
+
+
+def alloc_now(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
+              request: str | None) -> bytes | None:
+    got = broker.try_alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request)
+    return None if got is None else columns(broker, [(v, None) for v in got], "writing")
+
+
+async def alloc(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
+                request: str | None) -> bytes:
+    """``request``: the request id, which cancels the allocations if the
+    answer is never read (``Broker.release``)."""
+    got = await broker.alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request)
+    return columns(broker, [(v, None) for v in got], "writing")
+
+
+def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> bytes:
+    if len(req.names) != len(req.versions):
+        from .._errors import InvalidRequest
+
+        raise InvalidRequest(f"publish needs one version per name: {len(req.names)} names, "
+                             f"{len(req.versions)} versions")
+    versions = broker.publish_many(sid, who, list(zip(req.names, req.versions)))
+    return columns(broker, [(v, None) for v in versions], "ready")
+
+
+def wait_of(req: BatchGet) -> float | None:
+    """The batch's deadline in seconds; None waits forever (also past ``MAX_WAIT``)."""
+    return None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
+
+
+def _floors(req: BatchGet) -> int | list[int]:
+    return req.newer_than if req.newer_than is not None else 0
+
+
+def get_now(broker: Broker, sid: str | None, who: Caller, req: BatchGet,
+            request: str | None) -> bytes | None:
+    got = broker.try_get_many(sid, who, req.names, _floors(req), request=request)
+    return None if got is None else columns(broker, got, "ready")
+
+
+async def get(broker: Broker, sid: str | None, who: Caller, req: BatchGet, request: str | None,
+              timeout: float | None, gone: Callable[[], Awaitable[Any]] | None) -> bytes:
+    got = await broker.get_many(sid, who, req.names, timeout, newer_than=_floors(req),
+                                request=request, gone=gone)
+    return columns(broker, got, "ready")

@@ -1,0 +1,118 @@
+"""put_many and get_many with a real broker: columns on the wire, one reader
+window per segment per get_many, and what that must not change: every
+tensor's bytes, copy-on-write reads (README, Lifetime: M2), leases, and
+get_many waiting for newer versions."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, wait_for
+from tensordepot import InvalidRequest, InvalidType, TensorNotFound
+
+
+def test_put_many_and_get_many_keep_every_tensor(broker: BrokerProc) -> None:
+    torch = pytest.importorskip("torch")
+    sd = {
+        "f32": np.arange(1000, dtype=np.float32),
+        "i64": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "strided": np.arange(40, dtype=np.float64)[::3],  # not contiguous
+        "fortran": np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
+        "empty": np.zeros((0, 5), dtype=np.float32),
+        "scalar": np.float64(2.5),
+        "list": [1, 2, 3],
+        "torch": torch.arange(7, dtype=torch.float32),
+        "bf16": torch.arange(5, dtype=torch.bfloat16),
+        "big": np.full(3 << 20, 7, dtype=np.uint8),  # copied by threads
+    }
+    with broker.client() as c:
+        versions = c.put_many(sd)
+        assert versions == dict.fromkeys(sd, 1)
+        got = c.get_many(list(sd))
+        for name, x in sd.items():
+            t = got[name]
+            want = x.float().numpy() if name == "bf16" else np.asarray(x)
+            have = torch.from_dlpack(t).float().numpy() if name == "bf16" else np.from_dlpack(t)
+            assert have.shape == want.shape and np.array_equal(have, want), name
+            assert (t.version, t.shape) == (1, want.shape), name
+        assert got["bf16"].dtype == "bfloat16" and got["scalar"].shape == ()
+        assert c.stat().leases == len(sd)
+        del got, t, have
+        wait_for(lambda: c.stat().leases == 0, 10, what="the batch's leases to be released")
+
+
+def test_a_batch_shares_one_window_per_segment(broker: BrokerProc) -> None:
+    sd = {f"w{i}": np.full(300, i, dtype=np.float32) for i in range(50)}
+    with broker.client() as c:
+        c.put_many(sd)
+        got = c.get_many(list(sd))
+        windows = {id(t._window) for t in got.values()}
+        segments = {t._window.name for t in got.values()}
+        assert len(windows) == len(segments) == 1, "one mapping per segment per batch"
+        single = c.get("w0")
+        assert single._window is not got["w0"]._window, "a get maps its own window"
+        del got, single
+
+
+def test_a_stray_write_stays_in_its_tensor(broker: BrokerProc) -> None:
+    """Copy-on-write reads with a shared window: a write through one tensor of a
+    batch (torch ignores the read-only flag) changes neither its neighbours in
+    the batch, nor the same name read again, nor what another process reads."""
+    torch = pytest.importorskip("torch")
+    sd = {f"w{i}": np.full(100, i, dtype=np.float32) for i in range(8)}  # 400 bytes: shared pages
+    with broker.client() as c, broker.client() as other:
+        c.put_many(sd)
+        got = c.get_many(list(sd))
+        x = torch.from_dlpack(got["w3"])
+        x.fill_(-1.0)  # the whole tensor: its neighbours share its first and last pages
+        assert float(x.sum()) == -100.0, "the write did not land in the writer's view"
+        for name, t in got.items():
+            if name != "w3":
+                assert np.all(np.from_dlpack(t) == int(name[1:])), name
+        again = c.get_many(["w3", "w4"])
+        assert np.all(np.from_dlpack(again["w3"]) == 3) and np.all(np.from_dlpack(again["w4"]) == 4)
+        assert np.all(np.from_dlpack(other.get("w3")) == 3)
+        del got, again, x, t
+
+
+def test_tensors_sharing_bytes_get_windows_of_their_own(broker: BrokerProc) -> None:
+    torch = pytest.importorskip("torch")
+    with broker.client() as c:
+        c.put("w", np.arange(64, dtype=np.float32))
+        c.put("alias", c.get("w"))  # the same bytes under a second name
+        c.put("other", np.arange(64, dtype=np.float32))
+        got = c.get_many(["w", "alias", "other"])
+        assert got["w"]._window is not got["alias"]._window
+        torch.from_dlpack(got["w"]).fill_(5.0)
+        assert np.array_equal(np.from_dlpack(got["alias"]), np.arange(64, dtype=np.float32))
+        del got
+
+
+def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
+    with broker.client() as c, broker.client() as producer:
+        producer.put_many({"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)})
+        first = c.get_many(["a", "b"])
+        seen = {n: t.version for n, t in first.items()}
+        del first
+        got: list[dict[str, int]] = []
+
+        def read() -> None:
+            batch = c.get_many(["a", "b"], timeout=30, newer_than=seen)
+            got.append({n: t.version for n, t in batch.items()})
+
+        th = threading.Thread(target=read)
+        th.start()
+        wait_for(lambda: producer.stat().waiting == 1, 10, what="get_many to wait")
+        producer.put_many({"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
+        th.join(30)
+        assert got == [{"a": 2, "b": 2}]
+        assert c.get_many(["a", "b"], newer_than=1)["a"].version == 2
+        with pytest.raises(TensorNotFound):
+            c.get_many(["a", "b"], newer_than={"a": 2})
+        with pytest.raises(InvalidType, match="newer_than"):
+            c.get_many(["a"], newer_than="1")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="newer_than"):
+            c.get_many(["a"], newer_than={"a": -1})
+        wait_for(lambda: c.stat().leases == 0, 10, what="the leases to be released")
