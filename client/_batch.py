@@ -101,12 +101,13 @@ def put_many(client: Client, tensors: Mapping[str, Any], ttl: float | None) -> d
         try:
             flats = [client._fill_flat(seg) for seg in cols.segments]
             pairs = []
-            for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes):
+            for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes,
+                                      strict=True):
                 if n:
                     pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
             copy_many(pairs)  # when it raises, no copy thread is still writing
         except BaseException:
-            for name, version in zip(cols.names, cols.versions):
+            for name, version in zip(cols.names, cols.versions, strict=True):
                 client._abort_version(name, version)
             raise
     finally:
@@ -114,10 +115,11 @@ def put_many(client: Client, tensors: Mapping[str, Any], ttl: float | None) -> d
             src.close()
     client._call("POST", "/v1/many/publish", {"names": cols.names, "versions": cols.versions},
                  rid=client._rid(), decode=False)
-    return dict(zip(cols.names, cols.versions))
+    return dict(zip(cols.names, cols.versions, strict=True))
 
 
-def get_many(client: Client, body: dict[str, Any], io_timeout: float | None) -> dict[str, SharedTensor]:
+def get_many(client: Client, body: dict[str, Any],
+             io_timeout: float | None) -> dict[str, SharedTensor]:
     """``Client.get_many``: one request, one window per segment, a tensor per name."""
     raw = client._call("POST", "/v1/many/get", body, timeout=io_timeout, rid=client._rid(),
                        grants=True, decode=False)
@@ -149,11 +151,11 @@ def get_many(client: Client, body: dict[str, Any], io_timeout: float | None) -> 
             tensors[i] = client._tensor(h, writable=False)
     except BaseException:
         if bg is not None:
-            for made, lid in zip(tensors, leases):
+            for made, lid in zip(tensors, leases, strict=True):
                 if made is None and lid is not None:  # the others go when their tensors do
                     bg.release_later(sid, lid)
         raise
-    return dict(zip(cols.names, tensors))  # type: ignore[arg-type]
+    return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
 
 
 def _windows(client: Client, cols: HandleColumns) -> list[tuple[Any, Any, int]]:

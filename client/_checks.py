@@ -107,7 +107,8 @@ def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
     if isinstance(newer_than, Mapping):
         for key in newer_than:
             if not isinstance(key, str):
-                raise InvalidType(f"newer_than maps tensor names to versions; {shown(key)} is not a name")
+                raise InvalidType(f"newer_than maps tensor names to versions; {shown(key)} is "
+                                  "not a name")
         floors = [check_version(newer_than.get(n, 0), f"newer_than[{n!r}]") for n in names]
     else:
         floors = [check_version(newer_than)] * len(names)

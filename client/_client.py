@@ -17,7 +17,7 @@ from .._defaults import ENV_TOKEN, default_url
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest
 from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import INLINE_MAX, Handle, SessionInfo, Stat, TensorInfo
-from ..shm._copy import copy_into
+from ..shm._copy import copy_into, copy_many
 from ..shm._posix import SegmentFile, Window, array_at, byte_view
 from . import _batch, _cuda_ops
 from ._background import Background
@@ -155,6 +155,7 @@ class Client:
         self._gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
         # empty() windows not yet private
         self._writers: weakref.WeakSet[Window] = weakref.WeakSet()
+        self._finishing = threading.Lock()  # held while the session is being ended
         self._sid = ""
         self._label = label
         self._closing = False
@@ -510,6 +511,20 @@ class Client:
         io_timeout = None if wait is None else wait + self._transport.timeout
         return _batch.get_many(self, body, io_timeout)
 
+    def _tensors(self, handles: list[Handle]) -> dict[str, SharedTensor]:
+        """Read-only tensors for a batch's handles (all, or none and their
+        leases released): the AsyncClient's get_many."""
+        out: dict[str, SharedTensor] = {}
+        try:
+            for h in handles:
+                out[h.name] = self._tensor(h, writable=False)
+        except BaseException:
+            for h in handles[len(out):]:
+                if h.lease is not None and self._bg is not None:
+                    self._bg.release_later(self._sid, h.lease)
+            raise
+        return out
+
     def push(self, name: str, to: str, *, token: str | None = None,
              tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
         """Send the newest version of ``name`` to the broker on another host whose
@@ -623,8 +638,6 @@ class Client:
 
         gc.collect()  # views caught in reference cycles would otherwise hold leases
         self._maybe_finish_close()
-        with self._lock:
-            pass  # the background thread may be ending the session: return once it has
 
     def _maybe_finish_close(self) -> None:
         if not self._closing:
@@ -653,21 +666,10 @@ class Client:
                 except DepotError:
                     pass
             if self._bg is not None:
-                self._bg.flush()
-            if self._bg is not None and self._bg.live:
-                return  # the background thread retries as views die
-            self._closed = True
-            # Under the lock: when the background thread ends the session, a
-            # close() in another thread returns only once the broker has it.
-            if self._sid:
-                try:
-                    self._transport.request("DELETE", f"/v1/sessions/{self._sid}",
-                                            headers={SESSION_HEADER: self._sid})
-                except DepotError:
-                    pass
-        if self._bg is not None:
-            self._bg.stop()
-        self._transport.close()
+                self._bg.stop()
+            self._transport.close()
+        finally:
+            self._finishing.release()
 
     def __enter__(self) -> Self:
         """``with Client() as c:`` closes it on leaving the block."""

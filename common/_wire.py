@@ -315,7 +315,8 @@ class ManyAlloc(_Frozen):
         max_length=MAX_BATCH)
     dtypes: list[Annotated[str, Field(max_length=40)]] = Field(max_length=MAX_BATCH,
                                                                examples=[["float32", "bfloat16"]])
-    ttl: float | None = Field(None, gt=0, description="delete each tensor this many seconds after publish")
+    ttl: float | None = Field(None, gt=0,
+                              description="delete each tensor this many seconds after publish")
 
 
 class ManyPublish(_Frozen):

@@ -320,6 +320,7 @@ ROUTES: tuple[Rule, ...] = (
     Rule("GET", "/v1/tensors", READ, "lists only names within the prefix"),
     Rule("GET", "/v1/tensors/{name:path}", READ),
     Rule("POST", "/v1/batch/get", READ, "every name within the prefix"),
+    Rule("POST", "/v1/many/get", READ, "every name within the prefix"),
     Rule("POST", "/v1/release", READ, "the session's own leases"),
     Rule("POST", "/v1/put/{name:path}", WRITE),
     Rule("DELETE", "/v1/tensors/{name:path}", WRITE),
@@ -329,9 +330,8 @@ ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/link", WRITE, "the new name within the prefix"),
     Rule("POST", "/v1/batch/alloc", WRITE),
     Rule("POST", "/v1/batch/publish", WRITE),
-    Rule("POST", "/v1/many/get", READ, "every name within the prefix"),
-    Rule("POST", "/v1/many/alloc", WRITE),
-    Rule("POST", "/v1/many/publish", WRITE),
+    Rule("POST", "/v1/many/alloc", WRITE, "every name within the prefix"),
+    Rule("POST", "/v1/many/publish", WRITE, "every name within the prefix"),
 )
 _EXACT = {(r.method, r.path): r for r in ROUTES if "{" not in r.path}
 

@@ -509,7 +509,8 @@ class Broker:
     def _check_alloc(self, req: AllocRequest) -> tuple[tuple[int, ...], str, int, int]:
         return self._check_item(req.device, req.dtype, req.shape)
 
-    def _check_item(self, device: str, dtype: str, dims: list[int]) -> tuple[tuple[int, ...], str, int, int]:
+    def _check_item(self, device: str, dtype: str,
+                    dims: list[int]) -> tuple[tuple[int, ...], str, int, int]:
         """(shape, dtype name, item size, bytes) of an allocation; raises InvalidRequest."""
         if device not in ("cpu", "cpu:0"):
             self.cuda.check_device(device)
@@ -608,7 +609,8 @@ class Broker:
             raise InvalidRequest("a batch allocates each name once")
         seen: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], str, int, int]] = {}
         items = []
-        for shape, d in zip(shapes, dtypes):  # a state dict repeats a few (dtype, shape) pairs
+        # A state dict repeats a few (dtype, shape) pairs: each is checked once.
+        for shape, d in zip(shapes, dtypes, strict=True):
             key = (d, tuple(shape))
             item = seen.get(key)
             if item is None:
@@ -641,7 +643,7 @@ class Broker:
         s, items = self._batch(sid, caller, names, shapes, dtypes)
         blocks: list[Block] = []
         try:
-            for name, item in zip(names, items):
+            for name, item in zip(names, items, strict=True):
                 try:
                     blocks.append(await self._block(item[3]))
                 except PoolExhausted as exc:
@@ -659,7 +661,8 @@ class Broker:
                    ttl: float | None, request: str | None) -> list[Version]:
         placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, nbytes, blk, False,
                               request)[0]
-                  for name, (shape, dtype, itemsize, nbytes), blk in zip(names, items, blocks)]
+                  for name, (shape, dtype, itemsize, nbytes), blk
+                  in zip(names, items, blocks, strict=True)]
         self._count("allocs", len(placed))
         return placed
 
@@ -759,7 +762,8 @@ class Broker:
         got = self.try_alloc(sid, caller, req, self._check_inline(req, data))
         return None if got is None else self._fill_inline(sid, caller, got[0], data)
 
-    def _check_inline(self, req: AllocRequest, data: bytes) -> tuple[tuple[int, ...], str, int, int]:
+    def _check_inline(self, req: AllocRequest,
+                      data: bytes) -> tuple[tuple[int, ...], str, int, int]:
         checked = self._check_alloc(req)
         shape, nbytes = checked[0], checked[3]
         if nbytes > INLINE_MAX:
@@ -851,17 +855,21 @@ class Broker:
         seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
         return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
 
-    async def get_many(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
-                       *, newer_than: int | list[int] = 0, request: str | None = None,
-                       gone: Callable[[], Awaitable[Any]] | None = None) -> list[tuple[Version, int]]:
+    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, *, newer_than: int | list[int] = 0,
+                       request: str | None = None,
+                       gone: Callable[[], Awaitable[Any]] | None = None,
+                       ) -> list[tuple[Version, int]]:
         """All of them under one deadline, or an error and none.  ``newer_than``:
         one version floor for every name, or one per name."""
         if isinstance(newer_than, list) and len(newer_than) != len(names):
-            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} names; "
+            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} "
+                                 f"names; "
                                  f"give one per name, in the same order")
         return await self._get_all(sid, caller, names, timeout, newer_than, request, gone)
 
-    async def _get_all(self, sid: str | None, caller: Caller, names: list[str], timeout: float | None,
+    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None,
                        floors: int | list[int], request: str | None,
                        gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
         s = self._session(sid, caller)
@@ -919,9 +927,11 @@ class Broker:
                     raise ClientGone(name)
                 remaining = None if deadline is None else deadline - loop.time()
                 if self.peers is not None:  # wake up to ask the peers again
-                    remaining = min(self.peers.poll_interval, math.inf if remaining is None else remaining)
+                    remaining = min(self.peers.poll_interval,
+                                    math.inf if remaining is None else remaining)
                 waker.future = loop.create_future()
-                timer = None if remaining is None else loop.call_later(max(remaining, 0.0), waker.wake)
+                timer = (None if remaining is None
+                         else loop.call_later(max(remaining, 0.0), waker.wake))
                 try:
                     await waker.future
                 finally:

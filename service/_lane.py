@@ -190,7 +190,7 @@ class Lane:
         """At the end of a request's body: answer it now, or start a task that will."""
         try:
             answer = self._dispatch(req)
-        except BaseException as exc:  # noqa: BLE001 - every error becomes an answer
+        except BaseException as exc:  # every error becomes an answer
             answer = self._error(req, exc)
         if isinstance(answer, tuple):
             # A publish that woke parked gets answers first: its writer hears
@@ -205,7 +205,7 @@ class Lane:
         async def finish(pending: Awaitable[Answer]) -> None:
             try:
                 result = await pending
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 result = self._error(req, exc)
             busy.response_complete = True
             req.keep_alive = busy.keep_alive
@@ -339,10 +339,10 @@ def _get_tensor(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
 
     async def later() -> Answer:
         busy = req.busy
-        gone = None
+        lost = None
         if wait != 0 and broker._ready(name, newer_than) is None and busy is not None:
             lost = busy.message_event.future  # resolved when the client hangs up
-            gone = lambda: lost
+        gone = None if lost is None else (lambda: lost)
         v, lease = await broker.get(sid, who, name, wait, newer_than, request=rid, gone=gone)
         return 200, handle_json(broker, v, lease)
 
@@ -419,7 +419,8 @@ def _many_publish(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
 def _many_get(lane: Lane, req: LaneRequest) -> Answer | Awaitable[Answer]:
     """POST /v1/many/get: routers/many.py ``get_many``."""
     body = _parse(req, BatchGet)
-    broker, sid, who, rid = lane.broker, req.header(_SESSION), caller_of(req.scope), req.header(_REQUEST)
+    broker, sid, who = lane.broker, req.header(_SESSION), caller_of(req.scope)
+    rid = req.header(_REQUEST)
     timeout = _many.wait_of(body)
 
     def now() -> Answer | None:

@@ -78,7 +78,7 @@ def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> b
 
         raise InvalidRequest(f"publish needs one version per name: {len(req.names)} names, "
                              f"{len(req.versions)} versions")
-    versions = broker.publish_many(sid, who, list(zip(req.names, req.versions)))
+    versions = broker.publish_many(sid, who, list(zip(req.names, req.versions, strict=True)))
     return columns(broker, [(v, None) for v in versions], "ready")
 
 

@@ -130,7 +130,8 @@ async def get_tensor(request: Request) -> Response:
 
 async def put(request: Request) -> Response:
     """POST /v1/put/{name} (a hot route; see the module docstring)."""
-    req = put_params(_name(request), request.query_params, request.headers.get("content-length", ""))
+    req = put_params(_name(request), request.query_params,
+                     request.headers.get("content-length", ""))
     broker = broker_of(request)
 
     async def run() -> Response:
