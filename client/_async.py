@@ -58,7 +58,15 @@ from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFo
 from .._proto import UNKNOWN_SESSION
 from .._wire import Handle, SessionInfo, Stat, TensorInfo
 from . import _cuda_ops
-from ._checks import check_mapping, check_name, check_names, check_shape, check_timeout, check_ttl
+from ._checks import (
+    check_floors,
+    check_mapping,
+    check_name,
+    check_names,
+    check_shape,
+    check_timeout,
+    check_ttl,
+)
 from ._client import Client, _inline, alloc_body, get_request
 from ._source import Source, dtype_name
 from ._tensor import SharedTensor
@@ -737,17 +745,25 @@ class AsyncClient:
         return await self._tensor(h, writable=False)
 
     async def get_many(
-        self, names: Iterable[str], timeout: float | None = 0.0
+        self,
+        names: Iterable[str],
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | Mapping[str, int] = 0,
     ) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of them,
-        or an error and none), as ``Client.get_many``."""
+        or an error and none), as ``Client.get_many``; ``newer_than`` too."""
         names = check_names(names)
         wait = check_timeout(timeout)
+        body: dict[str, Any] = {"names": names, "timeout": wait}
+        floors = check_floors(newer_than, names)
+        if floors is not None:
+            body["newer_than"] = floors
         io = None if wait is None else wait + self._transport.timeout
         resp = await self._call(
             "POST",
             "/v1/batch/get",
-            {"names": names, "timeout": wait},
+            body,
             timeout=io,
             rid=_rid(),
             grants=True,

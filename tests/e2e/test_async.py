@@ -135,6 +135,47 @@ def test_put_many_get_many_and_names(broker: BrokerProc) -> None:
     drained(broker)
 
 
+def test_the_same_api_as_the_client() -> None:
+    """Every public method of Client that AsyncClient shares takes the same
+    parameters, so code moves between them by adding ``await``."""
+    import inspect
+
+    from tensordepot import Client
+
+    shared = [m for m in ("put", "get", "empty", "publish", "put_many", "get_many", "delete",
+                          "list", "stat") if hasattr(Client, m)]
+    assert len(shared) >= 8
+    for m in shared:
+        ours = inspect.signature(getattr(AsyncClient, m)).parameters
+        theirs = inspect.signature(getattr(Client, m)).parameters
+        assert list(ours) == list(theirs), m
+        for name, p in theirs.items():
+            assert (ours[name].kind, ours[name].default) == (p.kind, p.default), (m, name)
+
+
+def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
+    async def main() -> None:
+        async with AsyncClient(broker.url) as c:
+            await c.put_many({"a": np.zeros(4), "b": np.zeros(4)})
+            first = await c.get_many(["a", "b"])
+            seen = {n: t.version for n, t in first.items()}
+            del first
+            waiting = asyncio.ensure_future(c.get_many(["a", "b"], timeout=30, newer_than=seen))
+            await c.put("a", np.ones(4))
+            await asyncio.sleep(0)  # let the batch ask first: it must still wait for "b"
+            assert not waiting.done()
+            await c.put("b", np.ones(4))
+            got = await waiting
+            assert {n: t.version for n, t in got.items()} == {"a": 2, "b": 2}
+            assert all(np.array_equal(np.from_dlpack(t), np.ones(4)) for t in got.values())
+            del got
+            with pytest.raises(TensorNotFound):
+                await c.get_many(["a"], newer_than={"a": 2})
+
+    run(main)
+    drained(broker)
+
+
 def test_empty_and_publish(broker: BrokerProc) -> None:
     async def main() -> None:
         async with AsyncClient(broker.url) as c, AsyncClient(broker.url) as other:
