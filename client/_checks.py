@@ -10,31 +10,19 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._errors import InvalidRequest, InvalidType
 from .._proto import MAX_WAIT
-from .._wire import NAME_PATTERN
-
-_NAME = re.compile(NAME_PATTERN)
-NAME_RULE = "1 to 512 printable ASCII characters, no spaces"
+from .._wire import NAME_RULE as NAME_RULE
+from .._wire import check_name as check_name
 
 
 def shown(value: Any, limit: int = 60) -> str:
     """``repr(value)``, cut to a sane length."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def check_name(name: Any, what: str = "name") -> str:
-    if not isinstance(name, str):
-        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} "
-                          f"{shown(name)}")
-    if not _NAME.match(name):
-        raise InvalidRequest(f"{what} {shown(name)} is not a valid tensor name: use {NAME_RULE}")
-    return name
 
 
 def check_names(names: Any) -> list[str]:

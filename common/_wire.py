@@ -8,14 +8,46 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from ._errors import InvalidRequest, InvalidType
 
 # A tensor name: printable ASCII without spaces, up to 512 characters.
 # Dots and slashes are fine ("model.layers.0.weight", "run/1/w").
 NAME_PATTERN = r"^[\x21-\x7e]{1,512}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, examples=["model.layers.0.weight"])]
+NAME_RULE = "1 to 512 printable ASCII characters, no spaces"
+# fullmatch, never re.match(...$): Python's `$` also matches before a trailing
+# newline, so "w\n" would pass and then name another tensor at a door that
+# cuts the path at the newline.  (pydantic's pattern is a Rust regex, where
+# `$` is the end of the text.)
+_NAME_RE = re.compile(r"[\x21-\x7e]{1,512}")
+
+
+def is_name(name: str) -> bool:
+    """Whether ``name`` is a valid tensor name (``NAME_RULE``)."""
+    return _NAME_RE.fullmatch(name) is not None
+
+
+def check_name(name: Any, what: str = "name") -> str:
+    """The one tensor-name check, for the client, both HTTP doors and Flight:
+    ``name`` back, or ``InvalidRequest`` (400; ``InvalidType`` for a non-str)
+    saying what was given and what is allowed.  Control characters (``\\n``,
+    ``\\t``, NUL, ...), spaces and non-ASCII are refused."""
+    if not isinstance(name, str):
+        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} "
+                          f"{_shown(name)}")
+    if _NAME_RE.fullmatch(name) is None:
+        raise InvalidRequest(f"{what} {_shown(name)} is not a valid tensor name: use {NAME_RULE}")
+    return name
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 MAX_NDIM = 32
 MAX_BATCH = 10_000
 INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._wire import NAME_PATTERN, AllocRequest, FlightMeta
+from .._wire import AllocRequest, FlightMeta, is_name
 from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
@@ -63,8 +63,6 @@ T = TypeVar("T")
 
 def parse_ticket(raw: bytes) -> tuple[str, int | None]:
     """``name`` or ``name@version`` -> (name, version or None); ValueError if malformed."""
-    import re
-
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
@@ -73,7 +71,7 @@ def parse_ticket(raw: bytes) -> tuple[str, int | None]:
     head, sep, tail = text.rpartition("@")
     if sep and tail.isdigit() and head:
         name, version = head, int(tail)
-    if not re.match(NAME_PATTERN, name):
+    if not is_name(name):
         raise ValueError(f"bad ticket {text[:80]!r}: expected 'name' or 'name@version' "
                          f"(names are 1-512 printable ASCII characters without spaces)")
     if version is not None and version < 1:
