@@ -6,7 +6,7 @@ tensordepot`` and every CPU path work without cupy and without a GPU.  The
 runtime calls go through cupy (``pip install tensordepot[cuda12]`` or
 ``[cuda13]``); a few driver calls cupy does not wrap (device UUIDs, an
 allocation's base address) go through ``libcuda.so.1`` with ctypes, and the
-broker's context size through ``libnvidia-ml.so.1``.
+broker's context size through ``libnvidia-ml.so.1`` (both in ``_cuda_driver.py``).
 
 CUDA invariants this module relies on:
 
@@ -47,7 +47,11 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ._device import ENV_VISIBLE, DeviceMap, format_uuid
+from ._cuda_driver import CudaError as CudaError
+from ._cuda_driver import _check, _driver
+from ._cuda_driver import device_uuids as device_uuids
+from ._cuda_driver import nvml_used as nvml_used
+from ._device import ENV_VISIBLE, DeviceMap
 
 log = logging.getLogger("tensordepot.cuda")
 
@@ -59,10 +63,6 @@ _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified a
 _EVENT_IPC = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _EVENT_LOCAL = 0x2  # cudaEventDisableTiming
 INSTALL_HINT = "pip install 'tensordepot[cuda12]' (or [cuda13], matching the CUDA driver)"
-
-
-class CudaError(RuntimeError):
-    """CUDA is unavailable here, or a CUDA call failed; the message says which."""
 
 
 # -- lazy imports --------------------------------------------------------------
@@ -106,56 +106,6 @@ def _status(exc: BaseException) -> int | None:
     return getattr(exc, "status", None)
 
 
-# -- the driver API, for what cupy does not wrap ---------------------------------
-
-
-class _CUuuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-@functools.lru_cache(maxsize=1)
-def _driver() -> Any:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise CudaError(f"the CUDA driver (libcuda.so.1) is not loadable: {exc}") from None
-    _check(lib, lib.cuInit(0), "cuInit")
-    return lib
-
-
-def _check(lib: Any, rc: int, what: str) -> None:
-    if rc != 0:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(rc, ctypes.byref(name))
-        raise CudaError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({rc})")
-
-
-def device_uuids() -> list[str]:
-    """The UUIDs of the GPUs this process sees, in ordinal order (after
-    CUDA_VISIBLE_DEVICES).  Initialises the driver but creates no context.
-
-    cupy's ``getDeviceProperties()['uuid']`` goes through a C string and loses
-    everything after a zero byte, so the driver is asked directly;
-    ``cuDeviceGetUuid_v2`` gives a MIG device its own UUID."""
-    try:
-        lib = _driver()
-    except CudaError as exc:
-        if "CUDA_ERROR_NO_DEVICE" in str(exc):  # CUDA_VISIBLE_DEVICES hides every GPU
-            return []
-        raise
-    count = ctypes.c_int()
-    _check(lib, lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
-    out = []
-    for i in range(count.value):
-        dev = ctypes.c_int()
-        _check(lib, lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
-        u = _CUuuid()
-        _check(lib, get_uuid(ctypes.byref(u), dev), "cuDeviceGetUuid")
-        out.append(format_uuid(bytes(u.bytes)))
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def local_devices() -> DeviceMap:
     """This process's DeviceMap (its CUDA_VISIBLE_DEVICES cannot change once
@@ -177,32 +127,6 @@ def allocation_range(address: int, ordinal: int) -> tuple[int, int]:
     with on_device(ordinal):  # the driver call needs the pointer's context current
         _check(lib, fn(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
     return int(base.value), int(size.value)
-
-
-class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]
-
-
-def nvml_used(uuid: str) -> int | None:
-    """Device memory in use on GPU ``uuid`` by everyone, as NVML counts it; None
-    when NVML is unavailable (no libnvidia-ml, a MIG device, a sandbox)."""
-    try:
-        lib = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if lib.nvmlInit_v2() != 0:
-        return None
-    try:
-        handle = ctypes.c_void_p()
-        if lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) != 0:
-            return None
-        mem = _NvmlMemory()
-        if lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
-            return None
-        return int(mem.used)
-    finally:
-        lib.nvmlShutdown()
 
 
 # -- the broker's side: blocks and events ----------------------------------------
