@@ -1,8 +1,8 @@
 """Who may do what: the broker's one authorization layer.
 
-``AuthMiddleware`` runs first, before every other middleware and route (the
-hot paths included).  It resolves each request to a ``Principal`` and stores
-it in ``scope["state"]["principal"]`` (``request.state.principal``):
+``Authorizer`` runs first for every request, at both doors (the gate,
+service/_gate.py, calls it before anything else).  It resolves each request
+to a ``Principal`` and stores it in ``scope["state"]["principal"]``:
 
 * **unix socket, allowed uid**: the peer's uid comes from SO_PEERCRED, which
   the kernel fills in at connect(2) and the peer cannot forge.  The broker's
@@ -17,17 +17,15 @@ it in ``scope["state"]["principal"]`` (``request.state.principal``):
   warning on every connection's first request.
 
 Anything else is answered here: 401 (no or unknown credentials) or 403
-(known, but not allowed).  ``ROUTES`` gives each route the scope it needs;
-names in the path are checked against the principal's prefix here, names in
-request bodies by the handlers with ``require_name``.  ``create_app`` refuses
-to build an app with a route missing from ``ROUTES``.
+(known, but not allowed).  The route table (service/_routes.py) gives each
+route the scope it needs; the gate checks every name of a request, in its
+path or its body, against the principal's prefix with ``require_names``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -289,103 +287,7 @@ def load_policy(settings: Settings) -> AuthPolicy:
                       file_gid, group_writable=bool(allow_gids or others))
 
 
-# -- which route needs what ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Rule:
-    method: str
-    path: str  # the route's template, exactly as the router declares it
-    scope: str | None  # None: open to anyone, credentials or not
-    note: str = ""
-
-
-# Every route of the app, with the scope it needs.  Names in the path
-# ({name:path}) are checked against the principal's prefix before the route
-# runs; names in bodies are checked by the handler (require_name).
-ROUTES: tuple[Rule, ...] = (
-    Rule("GET", "/healthz", None, "liveness for health checks; says nothing else"),
-    Rule("GET", "/openapi.json", READ),
-    Rule("GET", "/docs", READ),
-    Rule("GET", "/docs/oauth2-redirect", READ),
-    Rule("GET", "/redoc", READ),
-    Rule("GET", "/metrics", READ, "totals only: no names, no sessions"),
-    Rule("GET", "/v1/stat", READ, "totals only"),
-    Rule("POST", "/v1/sessions", READ),
-    Rule("POST", "/v1/sessions/{session}/heartbeat", READ, "the session's owner"),
-    Rule("POST", "/v1/sessions/{session}/fork", READ, "the session's owner"),
-    Rule("POST", "/v1/cuda/share", WRITE, "the name within the prefix"),
-    Rule("POST", "/v1/cuda/live", READ, "which blocks exist; no names"),
-    Rule("POST", "/v1/sessions/{session}/claim", READ, "the identity that forked it"),
-    Rule("DELETE", "/v1/sessions/{session}", READ, "the session's owner, or admin"),
-    Rule("GET", "/v1/tensors", READ, "lists only names within the prefix"),
-    Rule("GET", "/v1/tensors/{name:path}", READ),
-    Rule("POST", "/v1/batch/get", READ, "every name within the prefix"),
-    Rule("POST", "/v1/many/get", READ, "every name within the prefix"),
-    Rule("POST", "/v1/release", READ, "the session's own leases"),
-    Rule("POST", "/v1/put/{name:path}", WRITE),
-    Rule("DELETE", "/v1/tensors/{name:path}", WRITE),
-    Rule("POST", "/v1/alloc", WRITE),
-    Rule("POST", "/v1/publish", WRITE),
-    Rule("POST", "/v1/abort", WRITE),
-    Rule("POST", "/v1/link", WRITE, "the new name within the prefix"),
-    Rule("POST", "/v1/batch/alloc", WRITE),
-    Rule("POST", "/v1/batch/publish", WRITE),
-    Rule("POST", "/v1/many/alloc", WRITE, "every name within the prefix"),
-    Rule("POST", "/v1/many/publish", WRITE, "every name within the prefix"),
-)
-_EXACT = {(r.method, r.path): r for r in ROUTES if "{" not in r.path}
-
-
-def _compile(template: str) -> re.Pattern[str]:
-    # Starlette's convertors: {x} is one path segment, {x:path} the rest (maybe empty).
-    out, pos = "", 0
-    for m in re.finditer(r"\{(\w+)(:path)?\}", template):
-        out += re.escape(template[pos:m.start()])
-        out += f"(?P<{m.group(1)}>.*)" if m.group(2) else f"(?P<{m.group(1)}>[^/]+)"
-        pos = m.end()
-    return re.compile(out + re.escape(template[pos:]) + "$")
-
-
-_PATTERNS = [(r, _compile(r.path)) for r in ROUTES if "{" in r.path]
-
-
-def match_route(method: str, path: str) -> tuple[Rule | None, str | None]:
-    """The rule for this request and the tensor name in its path, if any."""
-    if method == "HEAD":
-        method = "GET"
-    rule = _EXACT.get((method, path))
-    if rule is not None:
-        return rule, None
-    for rule, pattern in _PATTERNS:
-        if rule.method == method:
-            m = pattern.match(path)
-            if m is not None:
-                return rule, m.groupdict().get("name")
-    return None, None
-
-
-def check_routes(routes: Iterable[Any]) -> None:
-    """Raise RuntimeError if an app route has no rule: no route goes unguarded by accident."""
-    missing = []
-    for route in routes:
-        path, methods = getattr(route, "path", None), getattr(route, "methods", None)
-        if path is None or not methods:
-            continue
-        for method in sorted(set(methods) - {"HEAD"}):
-            if (method, path) not in {(r.method, r.path) for r in ROUTES}:
-                missing.append(f"{method} {path}")
-    if missing:
-        raise RuntimeError(f"routes without a scope in service/_auth.py ROUTES: "
-                           f"{', '.join(missing)}")
-
-
 # -- helpers for the routes ---------------------------------------------------------------
-
-def principal_of(request: Any) -> Principal:
-    """The principal ``AuthMiddleware`` resolved for this request."""
-    principal: Principal = request.scope["state"]["principal"]
-    return principal
-
 
 def require_name(principal: Principal, name: str) -> None:
     """Raise Forbidden unless ``principal`` may touch the tensor ``name`` (its prefix)."""
@@ -408,55 +310,36 @@ def _missing_scope(principal: Principal, needed: str, method: str, template: str
                      f"(see --token-file)")
 
 
-# -- the middleware ------------------------------------------------------------------
+# -- the authorizer --------------------------------------------------------------------
 
-class AuthMiddleware:
-    """Pure ASGI: resolve the principal, check the route's scope and the path's
-    name, store ``scope["state"]["principal"]``, or answer 401/403 here."""
+class Authorizer:
+    """Resolve each request's principal and check the scope of its route.
+    The gate (service/_gate.py) calls it for both doors, before anything
+    else happens: no body is read, no rider released, before it passes."""
 
-    def __init__(self, app: Any, policy: AuthPolicy) -> None:
-        self.app = app
+    def __init__(self, policy: AuthPolicy) -> None:
         self.policy = policy
         self._warned_unconnected = False
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        try:
-            self.authorize(scope)
-        except AuthError as exc:
-            await _reject(send, exc)
-            return
-        await self.app(scope, receive, send)
-
-    def authorize(self, scope: Any) -> Principal:
-        """Resolve and check the principal of an HTTP request's scope, store it
-        in ``scope["state"]["principal"]`` and return it; raises AuthError
-        (401 or 403).  The broker's fast lane (service/_lane.py) calls this too."""
+    def authorize(self, scope: Any, method: str, template: str, needed: str | None) -> Principal:
+        """The principal of an HTTP request's scope, stored in
+        ``scope["state"]["principal"]``; raises AuthError (401 or 403).
+        ``needed`` is the route's scope (None: open to anyone); ``template``
+        names the route in messages."""
         state = scope.setdefault("state", {})
-        method, path = scope["method"], scope["path"]
         try:
             principal = self._resolve(scope, state)
             if principal is None:  # credentials were needed and are missing or wrong
-                rule, _ = match_route(method, path)
-                if rule is not None and rule.scope is None:
-                    principal = ANONYMOUS
-                else:
+                if needed is not None:
                     raise AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
                                     "(Client(token=...) or $TENSORDEPOT_TOKEN)")
-            elif principal.prefix is not None or principal.scopes != SCOPES[ADMIN]:
-                rule, name = match_route(method, path)
-                needed = READ if rule is None else rule.scope  # unknown routes: the app's 404
-                if needed is not None and not principal.has(needed):
-                    raise _missing_scope(principal, needed, method, rule.path if rule else path)
-                if name is not None:
-                    require_name(principal, name)
-        except AuthError as exc:
-            if exc.status == 403 and match_route(method, path)[0] in _OPEN:
-                principal = ANONYMOUS  # open routes answer anyone
-            else:
+                principal = ANONYMOUS
+            elif needed is not None and not principal.has(needed):
+                raise _missing_scope(principal, needed, method, template)
+        except Forbidden:
+            if needed is not None:
                 raise
+            principal = ANONYMOUS  # open routes answer anyone
         state["principal"] = principal
         return principal
 
@@ -510,21 +393,9 @@ class AuthMiddleware:
                     "every tensor", peer)
 
 
-_OPEN = {r for r in ROUTES if r.scope is None}
-
-
 def _bearer(scope: Any) -> bytes | None:
     for key, value in scope["headers"]:
         if key == b"authorization":
             kind, _, token = value.partition(b" ")
             return token.strip() if kind.lower() == b"bearer" and token.strip() else None
     return None
-
-
-async def _reject(send: Any, exc: AuthError) -> None:
-    body = json.dumps({"error": {"code": exc.code, "message": str(exc)}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if exc.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -4,11 +4,11 @@ Each app owns a ``CollectorRegistry`` of its own (never prometheus_client's
 global default), so several brokers in one process (tests, embedding) do
 not clash.  Two sources fill it:
 
-* ``RequestMetrics``, a pure ASGI middleware outside every other one, times
-  each HTTP request, whoever serves it (a route, or a middleware that
-  answers hot paths itself), and labels it with the method, the *template*
-  of the route the path matches (``/v1/tensors/{name}``, never the raw
-  path, so tensor names cannot multiply series) and the status.
+* ``Metrics.observe_route``, which the gate (service/_gate.py) calls for
+  each HTTP request at either door, refused ones included, labelled with
+  the method, the *template* of the route the path matches
+  (``/v1/tensors/{name}``, never the raw path, so tensor names cannot
+  multiply series) and the status.
 * ``BrokerCollector`` reads the broker at scrape time: its plain event
   counters (``Broker.counters``) and its memory and lifetime accounting,
   shared memory as ``device="cpu"`` and each GPU in use as
@@ -19,8 +19,7 @@ not clash.  Two sources fill it:
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -72,99 +71,25 @@ BYTE_COUNTERS = {
 }
 DEVICE = "cpu"  # the device label of shared memory; a GPU's is its DeviceStat.device
 
-_PARAM = re.compile(r"{([^}:]+)(?::[^}]+)?}")
 _NOT_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
-
-
-def _leaves(routes: Iterable[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(full path template, route) for every route in a routing tree, in match order.
-
-    Leaves have ``path`` and ``path_regex`` (starlette's Route, FastAPI's
-    APIRoute).  Containers hold more routes: a Mount or Router in
-    ``routes`` (a Mount's ``path`` prefixes them), and an included FastAPI
-    router, which newer FastAPI keeps whole rather than copying its routes,
-    in ``original_router.routes`` (its routes carry their router's prefix)."""
-    for route in routes:
-        path = getattr(route, "path", None)
-        if isinstance(path, str) and getattr(route, "path_regex", None) is not None \
-                and getattr(route, "routes", None) is None:
-            yield prefix + path, route
-            continue
-        children = getattr(route, "routes", None)
-        if children is None:
-            children = getattr(getattr(route, "original_router", None), "routes", None)
-        if children is not None:
-            yield from _leaves(children, prefix + (path if isinstance(path, str) else ""))
-
-
-def _pattern(path: str) -> re.Pattern[str]:
-    """The regex starlette compiles for a path template: ``{x:path}`` matches
-    across slashes, any other parameter within one segment."""
-    parts, pos = ["^"], 0
-    for m in _PARAM.finditer(path):
-        param = ".*" if m.group(0).endswith(":path}") else "[^/]+"
-        parts += [re.escape(path[pos:m.start()]), param]
-        pos = m.end()
-    parts += [re.escape(path[pos:]), "$"]
-    return re.compile("".join(parts))
-
-
-class RouteTemplates:
-    """Path -> the template of the first route whose pattern matches it.
-
-    Built from the app's routes on first use, after every router is
-    included.  A static path is one dict lookup; a path with parameters is
-    checked against the few parametrised routes, their literal prefix
-    first.  Results are not cached: paths carry tensor names, so a cache
-    would grow with every name ever asked for."""
-
-    def __init__(self, routes: Callable[[], Iterable[Any]]) -> None:
-        self._routes = routes
-        self._static: dict[str, str] | None = None
-        self._params: list[tuple[str, re.Pattern[str], str]] = []
-
-    def _build(self) -> dict[str, str]:
-        static: dict[str, str] = {}
-        for path, _ in _leaves(self._routes()):
-            if "{" not in path:
-                static.setdefault(path, path)
-            else:
-                template = _PARAM.sub(r"{\1}", path)  # "{name:path}" -> "{name}"
-                self._params.append((path[:path.index("{")], _pattern(path), template))
-        self._static = static
-        return static
-
-    def __call__(self, path: str) -> str:
-        static = self._static if self._static is not None else self._build()
-        hit = static.get(path)
-        if hit is not None:
-            return hit
-        for prefix, regex, template in self._params:
-            if path.startswith(prefix) and regex.match(path):
-                return template
-        return UNMATCHED
 
 
 class Metrics:
     """An app's registry, its request histogram, and the broker collector."""
 
-    def __init__(self, broker: Callable[[], Broker | None],
-                 routes: Callable[[], Iterable[Any]]) -> None:
+    def __init__(self, broker: Callable[[], Broker | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.latency = Histogram(
             "tensordepot_http_request_duration_seconds",
             "Time from a request's arrival to the end of its response, by method, route "
             "template and status; a get that waits for a publish counts its wait.",
             ["method", "route", "status"], registry=self.registry, buckets=LATENCY_BUCKETS)
-        self.route_of = RouteTemplates(routes)
         self._children: dict[tuple[str, str, int], Any] = {}
         self.registry.register(BrokerCollector(broker))
 
-    def observe(self, method: str, path: str, status: int, seconds: float) -> None:
-        self.observe_route(method, self.route_of(path), status, seconds)
-
     def observe_route(self, method: str, template: str, status: int, seconds: float) -> None:
-        """``observe`` for a request whose route template is known already."""
+        """Time one request: its method, its route's template (never the raw
+        path, so tensor names cannot multiply series) and its status."""
         if method not in METHODS:  # clients may send any word as a method
             method = "other"
         key = (method, template, status)
@@ -175,33 +100,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class RequestMetrics:
-    """Pure ASGI middleware: times every HTTP request into ``Metrics``."""
-
-    def __init__(self, app: Any, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500  # what the server answers if the app raises before responding
-
-        async def send_and_note(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            self.metrics.observe(scope["method"], scope["path"], status,
-                                 time.perf_counter() - start)
 
 
 class BrokerCollector(Collector):

@@ -296,14 +296,36 @@ class PeerCredProtocol(HttpToolsProtocol):
         if self._in_head:
             self._head += len(data)
         super().data_received(data)
-        if self._in_head and self._head > MAX_HEADER_BYTES and not self.transport.is_closing():
+        if self._in_head and self._head > MAX_HEADER_BYTES:
+            self._refuse_head()
+
+    _refused = False  # answered 431: what the parser still hands over is dropped
+
+    def _refuse_head(self) -> None:
+        self._refused = True
+        if not self.transport.is_closing():
             self.transport.write(_raw_error(431, "Request Header Fields Too Large", "too_large",
                                             f"the request head is over {MAX_HEADER_BYTES} bytes"))
             self.transport.close()
+        self._lane_req = None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
+        self._head_size = 0
+
+    # The head's size, counted as the parser hands it over: a head that
+    # arrives whole in one read is parsed (and would be dispatched) within
+    # data_received, before the byte count there could refuse it.
+    _head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        super().on_header(name, value)
 
     # The fast lane (service/_lane.py) takes the hottest routes here; every
     # other request goes through ASGI as uvicorn runs it.
@@ -312,6 +334,10 @@ class PeerCredProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head = False, 0
+        if self._head_size > MAX_HEADER_BYTES:
+            self._refuse_head()
+        if self._refused:
+            return
         lane = self._lane
         req = None if lane is None else lane.take(self)
         if req is None:
@@ -320,12 +346,16 @@ class PeerCredProtocol(HttpToolsProtocol):
             self._lane_req = req
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         if self._lane_req is not None and self._lane is not None:
             self._lane.body(self._lane_req, body)
         else:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         req, self._lane_req = self._lane_req, None
         if req is not None and self._lane is not None:
             self._lane.run(self, req)

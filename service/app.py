@@ -1,4 +1,4 @@
-"""The FastAPI application: lifespan, error boundary, routers."""
+"""The FastAPI application: the lifespan, the gate and its two doors, the API documents."""
 
 from __future__ import annotations
 
@@ -8,50 +8,23 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
-from .._errors import DepotError
 from .._version import __version__
-from .._wire import ErrorBody
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
-from ._auth import AuthMiddleware, AuthPolicy, check_routes, load_policy
+from ._asgi import AsgiDoor
+from ._auth import AuthPolicy, load_policy
 from ._broker import Broker
 from ._cuda import CudaMemory
-from ._deps import Guard, MarkServer, error_response
+from ._gate import Gate
 from ._lane import Lane
-from ._metrics import Metrics, RequestMetrics
+from ._metrics import Metrics
+from ._routes import openapi_routes
 from .config import Settings, get_settings, parse_size
-from .routers import batch, cuda, many, sessions, system, tensors
 
 log = logging.getLogger("tensordepot.broker")
-
-# Every route may answer with these; the body is always ErrorBody (FastAPI's
-# default 422 schema, {"detail": [...]}, is not what the error boundary sends).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorBody, "description": what}
-    for status, what in ((400, "bad input"), (401, "no or unknown credentials (a bearer token)"),
-                         (403, ("not allowed: a missing scope, a name outside the token's "
-                                "prefix, a unix peer whose uid is not admitted, or another "
-                                "client's session")),
-                         (404, "unknown name or route"), (409, "conflict with the tensor's state"),
-                         (413, "request body too large"), (422, "malformed request"),
-                         (429, "a per-client limit (sessions)"),
-                         (503, "the broker is shutting down"),
-                         (507, "out of memory (--max-memory, or a per-session/per-token quota)"))
-}
-
-
-def _describe(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts)
-
 
 def create_app(settings: Settings | None = None, policy: AuthPolicy | None = None) -> FastAPI:
     """Build the broker app.  ``settings`` defaults to the environment, and
@@ -112,39 +85,21 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     app.state.settings = settings
     app.state.metric_sources = []  # callables that return more /metrics lines (Flight, peers)
     app.state.auth_policy = policy = policy or load_policy(settings)
-    app.add_middleware(Guard)  # body limits and piggybacked releases, after auth
-    # Added after the ones above, so it runs before them: nothing (not even a
-    # piggybacked release) happens before the request's principal is known and allowed.
-    app.add_middleware(AuthMiddleware, policy=policy)
-    # Times every request, refused ones and hot paths included.
-    app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None), lambda: app.routes)
-    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
-    app.add_middleware(MarkServer)  # outermost: every answer says who sent it
+    app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None))
+    # One gate, two doors: the real server's protocol answers every route it
+    # can itself (service/_lane.py); everything else takes the ASGI door, the
+    # one middleware, which hands FastAPI only the API documents.
+    gate = Gate(app.state, policy, app.state.metrics)
+    app.add_middleware(AsgiDoor, gate=gate)
+    app.state.lane = Lane(gate)
 
-    @app.exception_handler(DepotError)
-    async def _depoterror_response(request: Request, exc: DepotError) -> JSONResponse:
-        return error_response(exc.status, exc.code, str(exc))
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:  # the route table, documented
+            app.openapi_schema = get_openapi(title=app.title, version=app.version,
+                                             summary=app.summary, routes=openapi_routes())
+        return app.openapi_schema
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, "invalid_request", _describe(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "no_such_route", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, f"{request.method} {request.url.path}: "
-                                                     f"{exc.detail}")
-
-    modules = (tensors, batch, many, sessions, system, cuda)
-    for module in modules:
-        app.include_router(module.router, responses=ERROR_RESPONSES)
-    # Included routers are wrapped in app.routes; their own lists hold the routes.
-    check_routes([*app.routes, *(r for m in modules for r in m.router.routes)])
-    # Matching is linear: the hot routes go first, as plain Starlette routes
-    # (their FastAPI declarations above stay for the OpenAPI document).
-    app.router.routes[:0] = tensors.HOT_ROUTES
-    # The real server's protocol answers the hottest routes itself (service/_lane.py).
-    app.state.lane = Lane(app)
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -1,75 +1,73 @@
-"""Batches: a whole state dict in one round trip per step."""
+"""Batches as lists of handles (``/v1/batch/*``), the first batch routes.
+``/v1/many/*`` carries the same facts as columns, for less work per tensor;
+both clients use those."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
 from .. import _many
-from .._auth import principal_of, require_names
-from .._broker import Version
-from .._deps import RequestHeader, SessionHeader, broker_of, caller, hangup, json_response, once
+from .._auth import READ, WRITE
+from .._broker import Broker, Version
+from .._handler import Answer, Call, Reply, route, routes_of
 
-router = APIRouter(prefix="/v1/batch", tags=["batch"])
-
-
-def _handles(request: Request, pairs: list[tuple[Version, int | None]]) -> Response:
-    broker = broker_of(request)
-    return json_response(HandleList(items=[broker.handle(v, lease) for v, lease in pairs])
-                         .model_dump_json())
+TAG = "batch"
 
 
-@router.post("/alloc", response_model=HandleList, summary="Allocate many versions at once")
-async def alloc_many(req: BatchAlloc, request: Request, session: SessionHeader = None,
-                     request_id: RequestHeader = None) -> Response:
-    # before anything is allocated
-    require_names(principal_of(request), (i.name for i in req.items))
-    broker = broker_of(request)
+def _handles(broker: Broker, pairs: list[tuple[Version, int | None]]) -> bytes:
+    return HandleList(items=[broker.handle(v, lease) for v, lease in pairs]) \
+        .model_dump_json().encode()
 
-    async def run() -> Response:
+
+@route("POST", "/v1/batch/alloc", WRITE, "alloc_batch", tag=TAG, body=BatchAlloc,
+       answers=HandleList, once=True, note="every name within the prefix",
+       summary="Allocate many versions at once (all of them, or none)")
+def batch_alloc(call: Call[BatchAlloc]) -> Reply:
+    assert call.body is not None
+    broker, sid, who, items = call.broker, call.session, call.who, call.body.items
+
+    async def later() -> Answer:
         done: list[tuple[Version, int | None]] = []
         try:
-            for item in req.items:
-                done.append(await broker.alloc(session, caller(request), item,
-                                               request=request_id))
+            for item in items:
+                done.append(await broker.alloc(sid, who, item, request=call.request_id))
         except BaseException:
             # All or nothing: a batch that does not fit leaves no half-written state dict.
             for v, hold in done:
                 if hold is not None:
-                    broker.release(session, caller(request), [hold])
+                    broker.release(sid, who, [hold])
                 broker.abandon(v)
             raise
-        return _handles(request, done)
+        return 200, _handles(broker, done)
 
-    return await once(request, run)
-
-
-@router.post("/publish", response_model=HandleList,
-             summary="Publish many versions at once (all of them, or none)")
-async def publish_many(req: BatchPublish, request: Request, session: SessionHeader = None,
-                       request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), (i.name for i in req.items))
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        versions = broker.publish_many(session, caller(request),
-                                       [(i.name, i.version) for i in req.items])
-        return _handles(request, [(v, None) for v in versions])
-
-    return await once(request, run)
+    return later()
 
 
-@router.post("/get", response_model=HandleList,
-             summary="Lease many tensors at once, under one deadline (all of them, or none)")
-async def get_many(req: BatchGet, request: Request, session: SessionHeader = None,
-                   request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), req.names)
-    broker, timeout = broker_of(request), _many.wait_of(req)
+@route("POST", "/v1/batch/publish", WRITE, "publish_batch", tag=TAG, body=BatchPublish,
+       answers=HandleList, once=True, note="every name within the prefix",
+       summary="Publish many versions at once (all of them, or none)")
+def batch_publish(call: Call[BatchPublish]) -> Reply:
+    assert call.body is not None
+    broker = call.broker
+    versions = broker.publish_many(call.session, call.who,
+                                   [(i.name, i.version) for i in call.body.items])
+    return 200, _handles(broker, [(v, None) for v in versions])
 
-    async def run() -> Response:
-        got = await broker.get_many(session, caller(request), req.names, timeout,
-                                    newer_than=req.newer_than or 0, request=request_id,
-                                    gone=None if timeout == 0 else lambda: hangup(request))
-        return _handles(request, list(got))
 
-    return await once(request, run)
+@route("POST", "/v1/batch/get", READ, "get_batch", tag=TAG, body=BatchGet, answers=HandleList,
+       once=True, note="every name within the prefix",
+       summary="Lease many tensors at once, under one deadline (all of them, or none)")
+def batch_get(call: Call[BatchGet]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+    timeout = _many.wait_of(req)
+
+    async def later() -> Answer:
+        got = await broker.get_many(call.session, call.who, req.names, timeout,
+                                    newer_than=req.newer_than or 0, request=call.request_id,
+                                    gone=None if timeout == 0 else call.gone)
+        return 200, _handles(broker, list(got))
+
+    return later()
+
+
+ROUTES = routes_of(batch_alloc, batch_publish, batch_get)

@@ -2,31 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-
 from ..._wire import Handle, LiveReply, LiveRequest, ShareRequest
-from .._auth import principal_of, require_name
-from .._deps import RequestHeader, SessionHeader, broker_of, caller, json_response, once
+from .._auth import READ, WRITE
+from .._handler import Answer, Call, Reply, route, routes_of
 
-router = APIRouter(prefix="/v1/cuda", tags=["cuda"])
-
-
-@router.post("/share", response_model=Handle,
-             summary="Publish a producer's CUDA memory by IPC handle, without a copy")
-async def share(req: ShareRequest, request: Request, session: SessionHeader = None,
-                request_id: RequestHeader = None) -> Response:
-    require_name(principal_of(request), req.name)
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        v = await broker.cuda.share(broker, session, caller(request), req)
-        return json_response(broker.handle(v).model_dump_json())
-
-    return await once(request, run)
+TAG = "cuda"
 
 
-@router.post("/live", response_model=LiveReply,
-             summary="Which CUDA blocks and shared allocations still exist, and which are in use")
-async def live(req: LiveRequest, request: Request) -> LiveReply:
-    broker = broker_of(request)
-    return broker.cuda.live(broker, req)
+@route("POST", "/v1/cuda/share", WRITE, "share_cuda", tag=TAG, body=ShareRequest,
+       answers=Handle, once=True, note="the name within the prefix",
+       summary="Publish a producer's CUDA memory by IPC handle, without a copy")
+def share(call: Call[ShareRequest]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+
+    async def later() -> Answer:
+        v = await broker.cuda.share(broker, call.session, call.who, req)
+        return 200, broker.handle(v).model_dump_json().encode()
+
+    return later()
+
+
+@route("POST", "/v1/cuda/live", READ, "live_cuda", tag=TAG, body=LiveRequest, answers=LiveReply,
+       note="which blocks exist; no names",
+       summary="Which CUDA blocks and shared allocations still exist, and which are in use")
+def live(call: Call[LiveRequest]) -> Reply:
+    assert call.body is not None
+    return 200, call.broker.cuda.live(call.broker, call.body).model_dump_json().encode()
+
+
+ROUTES = routes_of(share, live)

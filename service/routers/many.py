@@ -1,56 +1,56 @@
 """Batches as columns: a state dict in one round trip per step, cheap per
-tensor (service/_many.py).  The broker's fast lane serves the same routes
-(service/_lane.py); these declarations serve ASGI clients and the OpenAPI
-document."""
+tensor (service/_many.py)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
-
 from ..._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
 from .. import _many
-from .._auth import principal_of, require_names
-from .._deps import RequestHeader, SessionHeader, broker_of, caller, hangup, json_response, once
+from .._auth import READ, WRITE
+from .._handler import Answer, Call, Reply, route, routes_of
 
-router = APIRouter(prefix="/v1/many", tags=["batch"])
-
-
-@router.post("/alloc", response_model=HandleColumns,
-             summary="Allocate a version of each tensor (all of them, or none)")
-async def alloc_many(req: ManyAlloc, request: Request, session: SessionHeader = None,
-                     request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), req.names)  # before anything is allocated
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        return json_response(await _many.alloc(broker, session, caller(request), req, request_id))
-
-    return await once(request, run)
+TAG = "batch"
 
 
-@router.post("/publish", response_model=HandleColumns,
-             summary="Publish many versions at once (all of them, or none)")
-async def publish_many(req: ManyPublish, request: Request, session: SessionHeader = None,
-                       request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), req.names)
-    broker = broker_of(request)
+@route("POST", "/v1/many/alloc", WRITE, "alloc_many", tag=TAG, body=ManyAlloc,
+       answers=HandleColumns, once=True, note="every name within the prefix",
+       summary="Allocate a version of each tensor (all of them, or none)")
+def alloc_many(call: Call[ManyAlloc]) -> Reply:
+    assert call.body is not None
+    broker, sid, who, body, rid = call.broker, call.session, call.who, call.body, call.request_id
+    out = _many.alloc_now(broker, sid, who, body, rid)
+    if out is not None:
+        return 200, out
 
-    async def run() -> Response:
-        return json_response(_many.publish(broker, session, caller(request), req))
+    async def later() -> Answer:
+        return 200, await _many.alloc(broker, sid, who, body, rid)
 
-    return await once(request, run)
+    return later()
 
 
-@router.post("/get", response_model=HandleColumns,
-             summary="Lease many tensors at once, under one deadline (all of them, or none)")
-async def get_many(req: BatchGet, request: Request, session: SessionHeader = None,
-                   request_id: RequestHeader = None) -> Response:
-    require_names(principal_of(request), req.names)
-    broker, timeout = broker_of(request), _many.wait_of(req)
+@route("POST", "/v1/many/publish", WRITE, "publish_many", tag=TAG, body=ManyPublish,
+       answers=HandleColumns, once=True, note="every name within the prefix",
+       summary="Publish many versions at once (all of them, or none)")
+def publish_many(call: Call[ManyPublish]) -> Reply:
+    assert call.body is not None
+    return 200, _many.publish(call.broker, call.session, call.who, call.body)
 
-    async def run() -> Response:
-        gone = None if timeout == 0 else (lambda: hangup(request))
-        return json_response(await _many.get(broker, session, caller(request), req, request_id,
-                                             timeout, gone))
 
-    return await once(request, run)
+@route("POST", "/v1/many/get", READ, "get_many", tag=TAG, body=BatchGet, answers=HandleColumns,
+       once=True, note="every name within the prefix",
+       summary="Lease many tensors at once, under one deadline (all of them, or none)")
+def get_many(call: Call[BatchGet]) -> Reply:
+    assert call.body is not None
+    broker, sid, who, body, rid = call.broker, call.session, call.who, call.body, call.request_id
+    out = _many.get_now(broker, sid, who, body, rid)
+    if out is not None:
+        return 200, out
+    timeout = _many.wait_of(body)
+
+    async def later() -> Answer:
+        gone = None if timeout == 0 else call.gone
+        return 200, await _many.get(broker, sid, who, body, rid, timeout, gone)
+
+    return later()
+
+
+ROUTES = routes_of(alloc_many, publish_many, get_many)

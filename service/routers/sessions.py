@@ -3,44 +3,55 @@ that opened a session may use it (403 for anyone else)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Any
 
 from ..._wire import ForkInfo, SessionInfo, SessionOpen
-from .._deps import RequestHeader, broker_of, caller, json_response, once
+from .._auth import READ
+from .._handler import Call, Reply, route, routes_of
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+TAG = "sessions"
+_SESSION = {"parameters": [{"name": "session", "in": "path", "required": True,
+                            "schema": {"type": "string"},
+                            "description": "the id from POST /v1/sessions"}]}
 
 
-@router.post("", response_model=SessionInfo, summary="Open a session for a client process")
-async def open_session(req: SessionOpen, request: Request) -> SessionInfo:
+@route("POST", "/v1/sessions", READ, "open_session", tag=TAG, body=SessionOpen,
+       answers=SessionInfo, summary="Open a session for a client process")
+def open_session(call: Call[SessionOpen]) -> Reply:
+    assert call.body is not None
     # The pid in the body is informational: only SO_PEERCRED makes a session tracked.
-    return broker_of(request).open_session(caller(request), req.label)
+    return 200, call.broker.open_session(call.who, call.body.label).model_dump_json().encode()
 
 
-@router.post("/{session}/heartbeat", status_code=204, summary="Keep a heartbeat session alive")
-async def heartbeat(session: str, request: Request) -> Response:
-    broker_of(request).heartbeat(session, caller(request))
-    return Response(status_code=204)
+@route("POST", "/v1/sessions/{session}/heartbeat", READ, "heartbeat", tag=TAG, status=204,
+       docs=_SESSION, note="the session's owner", summary="Keep a heartbeat session alive")
+def heartbeat(call: Call[Any]) -> Reply:
+    call.broker.heartbeat(call.params["session"], call.who)
+    return 204, b""
 
 
-@router.post("/{session}/fork", response_model=ForkInfo,
-             summary="Copy this session's leases into a session for a child about to be forked")
-async def fork(session: str, request: Request, request_id: RequestHeader = None) -> Response:
-    async def run() -> Response:
-        return json_response(
-            broker_of(request).fork_session(session, caller(request)).model_dump_json())
-
-    return await once(request, run)
+@route("POST", "/v1/sessions/{session}/fork", READ, "fork_session", tag=TAG, answers=ForkInfo,
+       once=True, docs=_SESSION, note="the session's owner",
+       summary="Copy this session's leases into a session for a child about to be forked")
+def fork(call: Call[Any]) -> Reply:
+    return 200, call.broker.fork_session(call.params["session"], call.who) \
+        .model_dump_json().encode()
 
 
-@router.post("/{session}/claim", response_model=SessionInfo,
-             summary="Take over the session a parent made for this forked child")
-async def claim(session: str, request: Request) -> Response:
-    return json_response(
-        broker_of(request).claim_session(session, caller(request)).model_dump_json())
+@route("POST", "/v1/sessions/{session}/claim", READ, "claim_session", tag=TAG,
+       answers=SessionInfo, docs=_SESSION, note="the identity that forked it",
+       summary="Take over the session a parent made for this forked child")
+def claim(call: Call[Any]) -> Reply:
+    return 200, call.broker.claim_session(call.params["session"], call.who) \
+        .model_dump_json().encode()
 
 
-@router.delete("/{session}", status_code=204, summary="Close a session, releasing its leases")
-async def close_session(session: str, request: Request) -> Response:
-    broker_of(request).close_session(session, caller(request))
-    return Response(status_code=204)
+@route("DELETE", "/v1/sessions/{session}", READ, "close_session", tag=TAG, status=204,
+       docs=_SESSION, note="the session's owner, or admin",
+       summary="Close a session, releasing its leases")
+def close_session(call: Call[Any]) -> Reply:
+    call.broker.close_session(call.params["session"], call.who)
+    return 204, b""
+
+
+ROUTES = routes_of(open_session, heartbeat, fork, claim, close_session)

@@ -1,34 +1,47 @@
-"""Health, accounting and Prometheus metrics."""
+"""Health, accounting and Prometheus metrics, and the API documents."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from typing import Any
 
 from ..._version import __version__
 from ..._wire import Health, Stat
-from .._deps import broker_of
+from .._auth import READ
+from .._handler import Call, Reply, Route, route, routes_of
 from .._metrics import CONTENT_TYPE
 
-router = APIRouter(tags=["system"])
+TAG = "system"
 
 
-@router.get("/healthz", response_model=Health, summary="Liveness")
-async def healthz(request: Request) -> Health:
-    broker = broker_of(request)
-    return Health(status="shutting_down" if broker.closing else "ok", version=__version__)
+@route("GET", "/healthz", None, "healthz", tag=TAG, answers=Health,
+       note="liveness for health checks; says nothing else", summary="Liveness")
+def healthz(call: Call[Any]) -> Reply:
+    status = "shutting_down" if call.broker.closing else "ok"
+    return 200, Health(status=status, version=__version__).model_dump_json().encode()
 
 
-@router.get("/v1/stat", response_model=Stat, summary="Memory and lifetime accounting")
-async def stat(request: Request) -> Stat:
-    return broker_of(request).stat()
+@route("GET", "/v1/stat", READ, "stat", tag=TAG, answers=Stat, note="totals only",
+       summary="Memory and lifetime accounting")
+def stat(call: Call[Any]) -> Reply:
+    return 200, call.broker.stat().model_dump_json().encode()
 
 
-@router.get("/metrics", response_class=Response, summary="Prometheus metrics",
-            responses={200: {"content": {"text/plain": {}}}})
-async def metrics(request: Request) -> Response:
-    text: bytes = request.app.state.metrics.render()
-    # Flight, peers
-    extra = [line for source in request.app.state.metric_sources for line in source()]
+@route("GET", "/metrics", READ, "metrics", tag=TAG, media=CONTENT_TYPE,
+       note="totals only: no names, no sessions", summary="Prometheus metrics",
+       docs={"responses": {"200": {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}})
+def metrics(call: Call[Any]) -> Reply:
+    app_state = call.state
+    text: bytes = app_state.metrics.render()
+    extra = [line for source in app_state.metric_sources for line in source()]  # Flight, peers
     if extra:
         text += ("\n".join(extra) + "\n").encode()
-    return Response(text, media_type=CONTENT_TYPE)
+    return 200, text
+
+
+# FastAPI serves the API documents itself, behind the same gate.
+DOCUMENTS = [Route("GET", path, READ, op, None, tag=TAG)
+             for path, op in (("/openapi.json", "openapi"), ("/docs", "docs"),
+                              ("/docs/oauth2-redirect", "docs_oauth2_redirect"),
+                              ("/redoc", "redoc"))]
+
+ROUTES = [*routes_of(healthz, stat, metrics), *DOCUMENTS]

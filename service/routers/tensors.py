@@ -1,31 +1,18 @@
 """Tensors: allocate, publish, put, get (long poll), release, delete, list.
 
-The two hottest requests, ``GET /v1/tensors/{name}`` and ``POST
-/v1/put/{name}``, are served by plain Starlette routes placed ahead of
-FastAPI's (``HOT_ROUTES``, inserted by ``app.create_app``): FastAPI's
-routing, dependency solving and parameter validation cost more than twice a
-bare endpoint's whole request.  They parse and check their own parameters,
-exactly as their FastAPI declarations below document them (which serve the
-OpenAPI document), and their errors go through the app's exception handlers
-like every other route's.
+Each route below is its one and only implementation: both doors (the fast
+lane and ASGI) call these handlers through the gate (service/_gate.py).
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Mapping
-from typing import Annotated
+from typing import Any
 
-from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel, ValidationError
-from starlette.routing import Route
+from pydantic import BaseModel
 
-from ..._errors import InvalidRequest
-from ..._proto import MAX_WAIT, REQUEST_HEADER, SESSION_HEADER
+from ..._proto import MAX_WAIT, SESSION_HEADER
 from ..._wire import (
     INLINE_MAX,
-    MAX_NDIM,
     NAME_PATTERN,
     AllocRequest,
     Handle,
@@ -34,40 +21,38 @@ from ..._wire import (
     ReleaseRequest,
     TensorList,
 )
-from .._auth import principal_of, require_name
-from .._deps import (
-    RequestHeader,
-    SessionHeader,
-    broker_of,
-    caller,
-    hangup,
-    json_response,
-    once,
-)
+from .._auth import READ, WRITE
+from .._broker import Broker
+from .._handler import Answer, Call, Reply, get_params, put_params, route, routes_of
 
-router = APIRouter(prefix="/v1", tags=["tensors"])
-_NAME = re.compile(NAME_PATTERN)
-
-
-def _json(handle: Handle) -> Response:
-    # Serialised here: FastAPI would validate the model against response_model
-    # again on the way out; the model is already valid by construction.
-    return json_response(handle.model_dump_json())
+TAG = "tensors"
 
 
 class Released(BaseModel):
     released: int
 
 
-_SESSION_PARAM = {"name": SESSION_HEADER, "in": "header", "required": True,
-                  "schema": {"type": "string"}, "description": "the id from POST /v1/sessions"}
-_NAME_PARAM = {"name": "name", "in": "path", "required": True,
-               "schema": {"type": "string", "pattern": NAME_PATTERN},
-               "description": "printable ASCII without spaces, 1 to 512 characters"}
+def handle_json(broker: Broker, v: Any, lease: int | None = None) -> bytes:
+    """``broker.handle(v, lease)`` as JSON.  A published CPU version's handle
+    never changes but for the lease: its JSON is made once, around the lease."""
+    if v.state != "ready" or v.block.device != "cpu":
+        return broker.handle(v, lease).model_dump_json().encode()
+    wire = v.wire
+    if wire is None:
+        text = broker.handle(v, None).model_dump_json().encode()
+        head, lease_null, tail = text.rpartition(b'"lease":null')
+        assert lease_null, text
+        wire = v.wire = (head + b'"lease":', tail)
+    return b"%s%s%s" % (wire[0], b"null" if lease is None else b"%d" % lease, wire[1])
 
-# The hot routes parse their own parameters; this is what they enforce.
-_GET_PARAMS = {"parameters": [
-    _NAME_PARAM,
+
+SESSION_PARAM = {"name": SESSION_HEADER, "in": "header", "required": False,
+                 "schema": {"type": "string"}, "description": "the id from POST /v1/sessions"}
+NAME_PARAM = {"name": "name", "in": "path", "required": True,
+              "schema": {"type": "string", "pattern": NAME_PATTERN},
+              "description": "printable ASCII without spaces, 1 to 512 characters"}
+_GET_DOCS = {"parameters": [
+    NAME_PARAM,
     {"name": "timeout", "in": "query", "required": False,
      "schema": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "enum": ["inf"]}],
                 "default": 0},
@@ -75,206 +60,129 @@ _GET_PARAMS = {"parameters": [
     {"name": "newer_than", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 0, "default": 0},
      "description": "only a version newer than this"},
-    _SESSION_PARAM,
+    SESSION_PARAM,
 ]}
-
-
-def _bad_query(message: str) -> InvalidRequest:
-    exc = InvalidRequest(f"invalid request: {message}")
-    exc.status = 422  # as FastAPI answers for the query parameters it validates itself
-    return exc
-
-
-def tensor_name(name: str) -> str:
-    """The ``{name}`` of a hot route's path, checked."""
-    if not _NAME.match(name):
-        shown = name if len(name) <= 60 else name[:60] + f"... ({len(name)} characters)"
-        raise _bad_query(f"tensor name {shown!r}: use 1 to 512 printable ASCII characters, no "
-                         "spaces")
-    return name
-
-
-def _name(request: Request) -> str:
-    return tensor_name(request.path_params["name"])
-
-
-def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:
-    """(seconds to wait or None for forever, newer_than) of a get's query."""
-    try:
-        timeout = float(q.get("timeout", 0.0))
-        newer_than = int(q.get("newer_than", 0))
-    except ValueError:
-        raise _bad_query("timeout must be a number of seconds (or inf), newer_than an "
-                         "integer") from None
-    if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
-        raise _bad_query("timeout and newer_than must be >= 0")
-    return (None if timeout > MAX_WAIT else timeout), newer_than
-
-
-async def get_tensor(request: Request) -> Response:
-    """GET /v1/tensors/{name} (a hot route; see the module docstring)."""
-    name = _name(request)
-    wait, newer_than = get_params(request.query_params)
-    broker = broker_of(request)
-    rid = request.headers.get(REQUEST_HEADER)
-
-    async def run() -> Response:
-        ready = broker._ready(name, newer_than) is not None
-        v, lease = await broker.get(request.headers.get(SESSION_HEADER), caller(request), name,
-                                    wait, newer_than, request=rid,
-                                    gone=None if ready or wait == 0 else lambda: hangup(request))
-        return _json(broker.handle(v, lease))
-
-    return await once(request, run)
-
-
-async def put(request: Request) -> Response:
-    """POST /v1/put/{name} (a hot route; see the module docstring)."""
-    req = put_params(_name(request), request.query_params,
-                     request.headers.get("content-length", ""))
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        body = await request.body()
-        v = await broker.put_inline(request.headers.get(SESSION_HEADER), caller(request), req, body)
-        return _json(broker.handle(v))
-
-    return await once(request, run)
-
-
-def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
-    """What an inline put's query and Content-Length ask for, checked."""
-    if not length.isdigit() or int(length) > INLINE_MAX:
-        raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
-                             f"larger tensors go through /v1/alloc and /v1/publish")
-    if "dtype" not in q:
-        raise _bad_query("put needs ?dtype=")
-    try:
-        ttl = float(q["ttl"]) if q.get("ttl") else None
-    except ValueError:
-        ttl = -1.0
-    if ttl is not None and not (0 < ttl < math.inf):
-        raise _bad_query("ttl must be a finite number of seconds > 0")
-    shape, dtype = q.get("shape", ""), q["dtype"]
-    if len(shape) > 400:
-        raise _bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
-    try:
-        dims = [int(d) for d in shape.split(",")] if shape else []
-    except ValueError as exc:
-        raise InvalidRequest(f"invalid put of {name!r}: {exc}") from None
-    if len(dims) > MAX_NDIM or min(dims, default=0) < 0 or len(dtype) > 40:
-        try:  # AllocRequest's own checks say what is wrong, as on every other route
-            AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
-        except ValidationError as exc:
-            raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
-    # The name, dims, dtype and ttl are checked above: AllocRequest's constraints all hold.
-    return AllocRequest.model_construct(name=name, shape=dims, dtype=dtype, ttl=ttl)
-
-
-HOT_ROUTES = [
-    Route("/v1/tensors/{name:path}", get_tensor, methods=["GET"]),
-    Route("/v1/put/{name:path}", put, methods=["POST"]),
-]
-
-
-@router.get("/tensors/{name:path}", response_model=Handle, openapi_extra=_GET_PARAMS,
-            summary="Lease the newest published version, waiting up to `timeout` seconds")
-async def get_tensor_documented(request: Request) -> Response:
-    return await get_tensor(request)
-
-
-@router.post("/alloc", response_model=Handle,
-             summary="Allocate a new version (state 'writing') to fill in place")
-async def alloc(req: AllocRequest, request: Request, session: SessionHeader = None,
-                request_id: RequestHeader = None) -> Response:
-    require_name(principal_of(request), req.name)
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        v, hold = await broker.alloc(session, caller(request), req, request=request_id)
-        return _json(broker.handle(v, hold))
-
-    return await once(request, run)
-
-
-@router.post("/publish", response_model=Handle, summary="Make a written version visible")
-async def publish(req: PublishRequest, request: Request, session: SessionHeader = None,
-                  request_id: RequestHeader = None) -> Response:
-    require_name(principal_of(request), req.name)
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        return _json(broker.handle(broker.publish(session, caller(request), req.name, req.version)))
-
-    return await once(request, run)
-
-
-@router.post("/abort", status_code=204,
-             summary="Give back an allocated version that will not be published")
-async def abort(req: PublishRequest, request: Request, session: SessionHeader = None,
-                request_id: RequestHeader = None) -> Response:
-    require_name(principal_of(request), req.name)
-    broker = broker_of(request)
-
-    async def run() -> Response:
-        broker.abort(session, caller(request), req.name, req.version)
-        return Response(status_code=204)
-
-    return await once(request, run)
-
-
-_OCTETS = {
-    "parameters": [_NAME_PARAM, _SESSION_PARAM],
+_PUT_DOCS = {
+    "parameters": [
+        NAME_PARAM,
+        {"name": "dtype", "in": "query", "required": True,
+         "schema": {"type": "string", "maxLength": 40}, "example": "float32"},
+        {"name": "shape", "in": "query", "required": False,
+         "schema": {"type": "string", "maxLength": 400, "default": ""},
+         "description": "comma-separated dims; empty for a scalar"},
+        {"name": "ttl", "in": "query", "required": False,
+         "schema": {"type": "number", "exclusiveMinimum": 0},
+         "description": "delete this many seconds after publish"},
+        SESSION_PARAM,
+    ],
     "requestBody": {"required": True, "content": {"application/octet-stream": {
         "schema": {"type": "string", "format": "binary",
                    "description": f"the tensor's C-ordered bytes, at most {INLINE_MAX}"}}}},
 }
 
 
-@router.post("/put/{name:path}", response_model=Handle, openapi_extra=_OCTETS,
-             summary="Allocate, fill and publish a small tensor in one round trip")
-async def put_documented(
-    request: Request,
-    dtype: Annotated[str, Query(max_length=40, examples=["float32"])],
-    shape: Annotated[str, Query(max_length=400,
-                                description="comma-separated dims; empty for a scalar")] = "",
-    ttl: Annotated[float | None,
-                   Query(gt=0, description="delete this many seconds after publish")] = None,
-) -> Response:
-    return await put(request)
+@route("GET", "/v1/tensors/{name:path}", READ, "get_tensor", tag=TAG, answers=Handle, once=True,
+       docs=_GET_DOCS,
+       summary="Lease the newest published version, waiting up to `timeout` seconds")
+def get_tensor(call: Call[Any]) -> Reply:
+    name = call.params["name"]
+    wait, newer_than = get_params(call.query)
+    broker, sid, rid, who = call.broker, call.session, call.request_id, call.who
+    got = broker.try_get(sid, who, name, newer_than, request=rid)
+    if got is not None:
+        return 200, handle_json(broker, *got)
+
+    async def later() -> Answer:
+        # Watch for a hang-up only when the get will really wait.
+        watch = wait != 0 and call.gone is not None and broker._ready(name, newer_than) is None
+        v, lease = await broker.get(sid, who, name, wait, newer_than, request=rid,
+                                    gone=call.gone if watch else None)
+        return 200, handle_json(broker, v, lease)
+
+    return later()
 
 
-@router.post("/link", response_model=Handle,
-             summary="Publish a leased version's bytes under another name, without a copy")
-async def link(req: LinkRequest, request: Request, session: SessionHeader = None,
-               request_id: RequestHeader = None) -> Response:
-    require_name(principal_of(request), req.name)
-    broker = broker_of(request)
+@route("POST", "/v1/put/{name:path}", WRITE, "put_tensor", tag=TAG, answers=Handle, once=True,
+       docs=_PUT_DOCS, summary="Allocate, fill and publish a small tensor in one round trip")
+def put_tensor(call: Call[Any]) -> Reply:
+    areq = put_params(call.params["name"], call.query, call.header(b"content-length") or "")
+    broker, sid, who, data = call.broker, call.session, call.who, call.data
+    v = broker.try_put_inline(sid, who, areq, data)
+    if v is not None:
+        return 200, handle_json(broker, v)
 
-    async def run() -> Response:
-        return _json(broker.handle(broker.link(session, caller(request), req.name, req.lease,
-                                               req.ttl)))
+    async def later() -> Answer:
+        return 200, handle_json(broker, await broker.put_inline(sid, who, areq, data))
 
-    return await once(request, run)
-
-
-@router.post("/release", response_model=Released,
-             summary="Release leases, and cancel requests whose answers were never read")
-async def release(req: ReleaseRequest, request: Request, session: SessionHeader = None) -> Released:
-    broker = broker_of(request)
-    n = broker.release(session, caller(request), req.leases, req.requests)
-    n += broker.release_stale(caller(request), req.stale)
-    return Released(released=n)
+    return later()
 
 
-@router.get("/tensors", response_model=TensorList, summary="List tensors")
-async def list_tensors(request: Request) -> TensorList:
-    principal = principal_of(request)  # a prefix-limited token sees only its own names
-    return TensorList(items=[i for i in broker_of(request).list() if principal.may_use(i.name)])
+@route("POST", "/v1/alloc", WRITE, "alloc_tensor", tag=TAG, body=AllocRequest, answers=Handle,
+       once=True, summary="Allocate a new version (state 'writing') to fill in place")
+def alloc(call: Call[AllocRequest]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+
+    async def later() -> Answer:
+        v, hold = await broker.alloc(call.session, call.who, req, request=call.request_id)
+        return 200, handle_json(broker, v, hold)
+
+    return later()
 
 
-@router.delete("/tensors/{name:path}", status_code=204,
-               summary="Delete a name now; its memory is freed when the last reader releases it")
-async def delete_tensor(name: str, request: Request) -> Response:
-    broker_of(request).delete(name)
-    return Response(status_code=204)
+@route("POST", "/v1/publish", WRITE, "publish_tensor", tag=TAG, body=PublishRequest,
+       answers=Handle, once=True, summary="Make a written version visible")
+def publish(call: Call[PublishRequest]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+    return 200, handle_json(broker, broker.publish(call.session, call.who, req.name, req.version))
+
+
+@route("POST", "/v1/abort", WRITE, "abort_tensor", tag=TAG, body=PublishRequest, status=204,
+       once=True, summary="Give back an allocated version that will not be published")
+def abort(call: Call[PublishRequest]) -> Reply:
+    assert call.body is not None
+    call.broker.abort(call.session, call.who, call.body.name, call.body.version)
+    return 204, b""
+
+
+@route("POST", "/v1/link", WRITE, "link_tensor", tag=TAG, body=LinkRequest, answers=Handle,
+       once=True, note="the new name within the prefix",
+       summary="Publish a leased version's bytes under another name, without a copy")
+def link(call: Call[LinkRequest]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+    return 200, handle_json(broker, broker.link(call.session, call.who, req.name, req.lease,
+                                                req.ttl))
+
+
+@route("POST", "/v1/release", READ, "release", tag=TAG, body=ReleaseRequest, answers=Released,
+       note="the session's own leases",
+       summary="Release leases, and cancel requests whose answers were never read")
+def release(call: Call[ReleaseRequest]) -> Reply:
+    assert call.body is not None
+    broker, req = call.broker, call.body
+    n = broker.release(call.session, call.who, req.leases, req.requests)
+    if req.stale:
+        n += broker.release_stale(call.who, req.stale)
+    return 200, b'{"released":%d}' % n
+
+
+@route("GET", "/v1/tensors", READ, "list_tensors", tag=TAG, answers=TensorList,
+       note="lists only names within the prefix", summary="List tensors")
+def list_tensors(call: Call[Any]) -> Reply:
+    principal = call.principal  # a prefix-limited token sees only its own names
+    items = [i for i in call.broker.list() if principal.may_use(i.name)]
+    return 200, TensorList(items=items).model_dump_json().encode()
+
+
+@route("DELETE", "/v1/tensors/{name:path}", WRITE, "delete_tensor", tag=TAG, status=204,
+       docs={"parameters": [NAME_PARAM]},
+       summary="Delete a name now; its memory is freed when the last reader releases it")
+def delete_tensor(call: Call[Any]) -> Reply:
+    call.broker.delete(call.params["name"])
+    return 204, b""
+
+
+ROUTES = routes_of(get_tensor, put_tensor, alloc, publish, abort, link, release, list_tensors,
+                   delete_tensor)

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from tensordepot import OutOfMemory, TensorNotFound, __version__
 from tensordepot.service import Settings, create_app
+from tensordepot.service._metrics import UNMATCHED
+from tensordepot.service._routes import match
 
 LATENCY = "tensordepot_http_request_duration_seconds"
 MiB = 1 << 20
@@ -151,8 +153,9 @@ def test_each_app_has_a_registry_of_its_own() -> None:
     """Two brokers in one process keep apart, and neither uses the global registry."""
     a, b = create_app(Settings()), create_app(Settings())
     assert a.state.metrics.registry is not b.state.metrics.registry
-    a.state.metrics.observe("GET", "/v1/tensors/x/y", 200, 0.002)
-    a.state.metrics.observe("BREW", "/v1/tensors/z", 200, 0.002)  # an unknown method is "other"
+    a.state.metrics.observe_route("GET", "/v1/tensors/{name}", 200, 0.002)
+    # an unknown method is "other"
+    a.state.metrics.observe_route("BREW", "/v1/tensors/{name}", 200, 0.002)
     assert _count(a.state.metrics.render(), "/v1/tensors/{name}") == 2
     assert _count(b.state.metrics.render(), "/v1/tensors/{name}") == 0
     text = a.state.metrics.render().decode()
@@ -172,4 +175,6 @@ def test_each_app_has_a_registry_of_its_own() -> None:
     pytest.param("/wp-login.php", "unmatched", id="unmatched"),
 ])
 def test_route_templates(path: str, template: str) -> None:
-    assert create_app(Settings()).state.metrics.route_of(path) == template
+    """The route label is the template of the route the path matches."""
+    found = [r for r in (match(m, path)[0] for m in ("GET", "POST", "DELETE")) if r is not None]
+    assert (found[0].template if found else UNMATCHED) == template

@@ -1,0 +1,328 @@
+"""The gate: everything that happens around a route's handler, for both doors.
+
+The fast lane (service/_lane.py) and the ASGI door (service/_asgi.py) turn
+bytes into a request and an answer back into bytes.  Everything between is
+here, as plain function calls, in this order:
+
+1. ``admit``: the route (``_routes.match``: 404, 405), the principal and the
+   route's scope (``Authorizer``: 401, 403), the name in the path
+   (``check_name``: 400) and the principal's prefix (403).  Nothing else
+   runs, and no body is buffered, for a request that is not admitted.
+2. ``dispatch``: the release and cancel ids riding on the request's headers
+   (``release_riders``), the body parsed as the route's model (400, 422),
+   the names in it checked against the prefix, then the handler, under its
+   request id for routes that replay their first answer (``once``).
+3. ``failure``: the one error serializer, ``{"error": {"code", "message"}}``.
+4. ``head``: the one set of answer headers (the server mark, the content
+   type, ``www-authenticate`` on 401), and ``observe``: the route metrics.
+
+The body limit (413) is the doors' to enforce while they read, with the
+one ``too_large`` error; the head limit (431) is the HTTP protocol's
+(service/_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .._errors import DepotError, InvalidRequest
+from .._proto import (
+    CANCEL_HEADER,
+    MAX_RELEASE_IDS,
+    RELEASE_HEADER,
+    REQUEST_HEADER,
+    SERVER_HEADER,
+    SESSION_HEADER,
+)
+from .._version import __version__
+from .._wire import check_name
+from ._auth import READ, Authorizer, AuthPolicy, Principal, require_name, require_names
+from ._broker import Broker, ClientGone
+from ._handler import JSON, Answer, Call, Reply, Route, parse_body
+from ._metrics import UNMATCHED, Metrics
+from ._routes import match
+from ._sessions import Caller
+
+if TYPE_CHECKING:
+    from ._sessions import Session
+
+log = logging.getLogger("tensordepot.broker")
+
+_SESSION = SESSION_HEADER.encode()
+_REQUEST = REQUEST_HEADER.encode()
+_RELEASE = RELEASE_HEADER.encode()
+_CANCEL = CANCEL_HEADER.encode()
+CANCELLED: Answer = (409, (
+    b'{"error":{"code":"cancelled","message":"the client hung up or cancelled this request"}}'))
+INTERNAL: Answer = (500, b"Internal Server Error")
+
+
+class NoRoute(InvalidRequest):
+    """No route serves this path (404), or not with this method (405)."""
+
+    def __init__(self, method: str, path: str, other_method: bool) -> None:
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        super().__init__(f"{method} {shown}: " + (
+            "Method Not Allowed" if other_method else "Not Found"))
+        self.status, self.code = (405, "method_not_allowed") if other_method \
+            else (404, "no_such_route")
+
+
+class Admitted:
+    """A request the gate let in: its route, path parameters and principal."""
+
+    __slots__ = ("params", "principal", "route")
+
+    def __init__(self, route: Route, params: dict[str, str], principal: Principal) -> None:
+        self.route, self.params, self.principal = route, params, principal
+
+
+def error_body(code: str, message: str) -> bytes:
+    """The one error body: ``{"error": {"code", "message"}}``."""
+    return json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
+
+
+def caller_of(scope: Any) -> Caller:
+    """Who sent this request: the authenticated principal when there is one,
+    else the unix peer's uid; the pid only when the kernel reported it."""
+    state = scope.get("state") or {}
+    principal = state.get("principal")
+    conn = state.get("connection")  # kept per connection: the same principal, the same caller
+    if conn is not None:
+        known = conn.get("caller")
+        if known is not None and known[0] is principal:
+            return known[1]  # type: ignore[no-any-return]
+    cred = state.get("peercred")
+    pid = cred[0] if cred else None
+    if principal is not None:
+        who = Caller(principal.id, pid)
+    elif cred:
+        who = Caller(f"uid:{cred[1]}", pid)
+    else:
+        who = Caller("tcp", None)
+    if conn is not None:
+        conn["caller"] = (principal, who)
+    return who
+
+
+def query_of(raw: bytes) -> dict[str, str]:
+    """A query string as Starlette's ``request.query_params`` reads it (blank
+    values kept; the last of repeated keys wins)."""
+    q = raw.decode("latin-1")
+    if "%" in q or "+" in q:
+        return dict(urllib.parse.parse_qsl(q, keep_blank_values=True))
+    return {k: v for k, _, v in (p.partition("=") for p in q.split("&") if p)}
+
+
+def _names(body: Any) -> Iterator[str]:
+    """Every tensor name a request body carries."""
+    name = getattr(body, "name", None)
+    if isinstance(name, str):
+        yield name
+    yield from getattr(body, "names", ())
+    for item in getattr(body, "items", ()):
+        yield item.name
+
+
+def _ids(raw: bytes, what: str) -> list[bytes]:
+    ids = [x.strip() for x in raw.split(b",") if x.strip()]
+    if len(ids) > MAX_RELEASE_IDS:
+        raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per "
+                             "request")
+    return ids
+
+
+def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None,
+                   cancels: bytes | None) -> None:
+    """Release the lease ids and cancel the request ids that ride on a
+    request's headers (``x-tensordepot-release``, ``x-tensordepot-cancel``)."""
+    lease_ids = [int(x) for x in _ids(releases or b"", RELEASE_HEADER) if x.isdigit()]
+    requests = [x.decode("latin-1") for x in _ids(cancels or b"", CANCEL_HEADER)]
+    broker.release(sid, who, lease_ids, requests)
+
+
+def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str | None,
+             identity: str) -> tuple[Session, str] | None:
+    """(session, key) under which a request's answer is kept, or None when
+    the request carries no usable id (no session of this caller's, no id, or
+    an id longer than 64 characters).  An id replays only for the same
+    method and path: reused on another route, it runs anew."""
+    s = broker.sessions.get(sid or "") if rid else None
+    if s is None or rid is None or len(rid) > 64 or s.owner != identity:
+        return None
+    return s, f"{method} {path} {rid}"
+
+
+async def run_once(slot: tuple[Session, str] | None,
+                   run: Callable[[], Awaitable[Answer]]) -> Answer:
+    """The first answer to a request id (``once_key``) is kept and replayed;
+    a resend that arrives while the first attempt still runs waits for its
+    answer.  Without a slot, a DepotError propagates."""
+    if slot is None:
+        try:
+            return await run()
+        except ClientGone:
+            return CANCELLED
+    s, key = slot
+    while True:
+        hit = s.answers.get(key)
+        if hit is not None:
+            return hit
+        running = s.running.get(key)
+        if running is None:
+            break
+        await asyncio.shield(running)  # the first attempt is still running: wait for its answer
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    s.running[key] = done
+    try:
+        try:
+            status, body = await run()
+        except DepotError as exc:
+            status, body = exc.status, error_body(exc.code, str(exc))
+        except ClientGone:  # nobody got an answer: a resend runs again
+            return CANCELLED
+        s.remember(key, status, body)
+        return status, body
+    finally:
+        s.running.pop(key, None)
+        done.set_result(None)
+
+
+async def _awaited(reply: Reply) -> Answer:
+    return reply if isinstance(reply, tuple) else await reply
+
+
+_REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
+            403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+            410: "Gone", 413: "Content Too Large", 422: "Unprocessable Content",
+            429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable",
+            507: "Insufficient Storage"}
+MARK = (SERVER_HEADER.encode(), __version__.encode())
+
+
+class Gate:
+    """The gate of one app: its broker, its authorizer and its metrics."""
+
+    def __init__(self, state: Any, policy: AuthPolicy, metrics: Metrics) -> None:
+        self.state = state  # the app's state: the broker once the lifespan made it
+        self.auth = Authorizer(policy)
+        self.metrics = metrics
+        self._heads: dict[tuple[int, str], list[tuple[bytes, bytes]]] = {}
+
+    _broker: Broker | None = None
+
+    @property
+    def broker(self) -> Broker:
+        broker = self._broker
+        if broker is None:  # made by the lifespan, after the app: kept once known
+            broker = self._broker = self.state.broker
+        return broker
+
+    # -- 1. admission ------------------------------------------------------------------
+    def admit(self, method: str, path: str, scope: Any) -> Admitted:
+        """The route, its parameters and the principal, or a DepotError."""
+        r, params, other = match(method, path)
+        if r is None:  # unknown routes need the read scope, then answer 404 (405)
+            self.auth.authorize(scope, method, path, READ)
+            raise NoRoute(method, path, other)
+        principal = self.auth.authorize(scope, method, r.template, r.scope)
+        name = params.get("name")
+        if name is not None:
+            check_name(name, "tensor name")
+            require_name(principal, name)
+        return Admitted(r, params, principal)
+
+    # -- 2. the handler ------------------------------------------------------------------
+    def dispatch(self, adm: Admitted, method: str, path: str, scope: Any,
+                 headers: dict[bytes, bytes], query: bytes, data: bytes,
+                 gone: Callable[[], Awaitable[Any]] | None) -> Reply:
+        """Run the admitted request's riders and handler: an answer now, or an
+        awaitable of one.  Raises DepotError for bad input."""
+        r, broker, principal = adm.route, self.broker, adm.principal
+        who = caller_of(scope)
+        releases, cancels = headers.get(_RELEASE), headers.get(_CANCEL)
+        sid = headers.get(_SESSION)
+        if (releases or cancels) and sid:
+            release_riders(broker, sid.decode("latin-1"), who, releases, cancels)
+        body = None
+        if r.body is not None:
+            body = parse_body(r.body, data, headers.get(b"content-type"))
+            if principal.prefix is not None:
+                require_names(principal, _names(body))
+        call: Call[Any] = Call(broker, method, path, adm.params, query_of(query) if query else {},
+                               headers, data, body, principal, who, self.state, gone)
+        handler = r.handler
+        assert handler is not None, r.path
+        if not r.once:
+            reply = handler(call)
+            if isinstance(reply, tuple):
+                return reply
+            pending = reply
+            return run_once(None, lambda: pending)
+        slot = once_key(broker, method, path, call.session, call.request_id, who.identity)
+        if slot is not None:
+            hit = slot[0].answers.get(slot[1])
+            if hit is not None:
+                return hit
+            if slot[1] in slot[0].running:  # the first attempt still runs: wait for its answer
+                return run_once(slot, lambda: _awaited(handler(call)))
+        try:
+            reply = handler(call)
+        except DepotError as exc:
+            if slot is None:
+                raise
+            reply = exc.status, error_body(exc.code, str(exc))
+        if isinstance(reply, tuple):
+            if slot is not None:
+                slot[0].remember(slot[1], *reply)
+            return reply
+        waiting = reply
+        return run_once(slot, lambda: waiting)
+
+    # -- 3. errors -----------------------------------------------------------------------
+    @staticmethod
+    def failure(exc: BaseException, method: str = "", path: str = "") -> Answer:
+        """The answer for an exception: a DepotError's status and body; a
+        hang-up's 409; anything else is a bug, logged, and a bare 500."""
+        if isinstance(exc, DepotError):
+            return exc.status, error_body(exc.code, str(exc))
+        if isinstance(exc, ClientGone):
+            return CANCELLED
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        log.error("exception in %s %s", method, path, exc_info=exc)
+        return INTERNAL
+
+    # -- 4. what every answer carries ----------------------------------------------------
+    def head(self, status: int, media: str) -> list[tuple[bytes, bytes]]:
+        """The headers of an answer, but its length: the server mark (every
+        answer says it comes from a tensordepot broker), the content type,
+        ``www-authenticate`` on 401."""
+        key = (status, media)
+        out = self._heads.get(key)
+        if out is None:
+            out = [MARK]
+            if status == INTERNAL[0]:
+                out.append((b"content-type", b"text/plain; charset=utf-8"))
+            elif status != 204:
+                out.append((b"content-type", (media if status < 300 else JSON).encode()))
+            if status == 401:
+                out.append((b"www-authenticate", b"Bearer"))
+            self._heads[key] = out
+        return out
+
+    @staticmethod
+    def reason(status: int) -> str:
+        return _REASONS.get(status, "")
+
+    def observe(self, method: str, r: Route | None, status: int, started: float) -> None:
+        self.metrics.observe_route(method, UNMATCHED if r is None else r.template, status,
+                                   time.perf_counter() - started)

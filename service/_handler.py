@@ -1,0 +1,201 @@
+"""What a route's handler is, and what it is handed.
+
+Every HTTP route of the broker has exactly one handler, a plain function
+declared with ``@route(...)`` in one module of ``service/routers/``.  The
+declaration says everything else about the route, once: its method and
+path template, the scope it needs, its short OpenAPI operation id, its body
+model, what it answers, and whether a request id makes it idempotent.  The
+route table (``service/_routes.py``) collects the declarations; the gate
+(``service/_gate.py``) runs everything around a handler; the two doors
+(``service/_lane.py`` inside the HTTP protocol, ``service/_asgi.py`` for
+ASGI) hand it requests.
+
+A handler takes a ``Call`` and returns an answer, ``(status, body)``, or an
+awaitable of one when it must wait (a get for a version not yet published,
+an allocation that needs a new segment).  An answer given at once costs no
+task.  A handler raises ``DepotError`` for bad input; the gate turns it into
+the one error body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
+
+from pydantic import BaseModel, ValidationError
+
+from .._errors import InvalidRequest
+from .._proto import MAX_BODY_BYTES, MAX_WAIT
+from .._wire import INLINE_MAX, MAX_NDIM, AllocRequest
+
+if TYPE_CHECKING:
+    from ._auth import Principal
+    from ._broker import Broker
+    from ._sessions import Caller
+
+Answer = tuple[int, bytes]  # status, body (JSON unless the route says otherwise)
+Reply = Union[Answer, Awaitable[Answer]]  # noqa: UP007  (a runtime alias: Python 3.10)
+M = TypeVar("M", bound=BaseModel)
+
+JSON = "application/json"
+
+
+class Call(Generic[M]):
+    """One request, as a handler sees it: the same object at both doors.
+
+    ``body`` is the parsed body model of the route (None for a route without
+    one), ``data`` the raw body bytes; ``params`` holds the path parameters,
+    ``query`` the query string's (the last of repeated keys wins, blank
+    values kept).  ``gone``, when the door can tell, returns an awaitable
+    that resolves when the client hangs up (for waits)."""
+
+    __slots__ = ("body", "broker", "data", "gone", "headers", "method", "params", "path",
+                 "principal", "query", "state", "who")
+
+    def __init__(self, broker: Broker, method: str, path: str, params: dict[str, str],
+                 query: Mapping[str, str], headers: dict[bytes, bytes], data: bytes,
+                 body: M | None, principal: Principal, who: Caller, state: Any,
+                 gone: Callable[[], Awaitable[Any]] | None) -> None:
+        self.broker, self.method, self.path, self.params = broker, method, path, params
+        self.query, self.headers, self.data, self.body = query, headers, data, body
+        self.principal, self.who, self.state, self.gone = principal, who, state, gone
+
+    def header(self, name: bytes) -> str | None:
+        value = self.headers.get(name)
+        return None if value is None else value.decode("latin-1")
+
+    @property
+    def session(self) -> str | None:
+        return self.header(b"x-tensordepot-session")
+
+    @property
+    def request_id(self) -> str | None:
+        return self.header(b"x-tensordepot-request")
+
+
+Handler = Callable[[Call[Any]], Reply]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of the table: everything about it, said once."""
+
+    method: str
+    path: str  # the template, Starlette's syntax: {name:path} spans slashes
+    scope: str | None  # the scope it needs; None: open to anyone
+    op: str  # the OpenAPI operation id: short and stable
+    handler: Handler | None  # None: FastAPI serves it (the API documents)
+    summary: str = ""
+    tag: str = ""
+    body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
+    answers: Any = None  # the answer's model, for the OpenAPI document
+    status: int = 200  # the status of a good answer
+    media: str = JSON  # the content type of a good answer
+    once: bool = False  # a request id makes it idempotent (the first answer is replayed)
+    docs: dict[str, Any] = field(default_factory=dict)  # OpenAPI: parameters, requestBody
+    note: str = ""  # SECURITY.md's scope table: who may use it beyond the scope
+
+    @property
+    def template(self) -> str:
+        """The path as OpenAPI and the metric labels name it: ``/v1/tensors/{name}``."""
+        return self.path.replace(":path}", "}")
+
+
+def route(method: str, path: str, scope: str | None, op: str, **kw: Any
+          ) -> Callable[[Handler], Handler]:
+    """Declare the decorated function as the handler of one route.  The
+    module's ``ROUTES`` list (made with ``routes_of``) collects it."""
+
+    def declare(handler: Handler) -> Handler:
+        handler.route = Route(method, path, scope, op, handler, **kw)  # type: ignore[attr-defined]
+        return handler
+
+    return declare
+
+
+def routes_of(*handlers: Handler) -> list[Route]:
+    return [h.route for h in handlers]  # type: ignore[attr-defined]
+
+
+# -- parsing: the same rules at every door -------------------------------------------------
+
+def bad_query(message: str) -> InvalidRequest:
+    exc = InvalidRequest(f"invalid request: {message}")
+    exc.status = 422
+    return exc
+
+
+def too_large() -> InvalidRequest:
+    exc = InvalidRequest(f"the request body is over {MAX_BODY_BYTES} bytes; send large tensors "
+                         f"through /v1/alloc and shared memory, and batches in parts")
+    exc.status, exc.code = 413, "too_large"
+    return exc
+
+
+def invalid(exc: ValidationError) -> InvalidRequest:
+    """A body that does not validate, described (422)."""
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
+    out = InvalidRequest("invalid request: " + "; ".join(parts))
+    out.status = 422
+    return out
+
+
+def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
+    """A JSON body as ``model``: UTF-8 JSON (RFC 8259), sent as
+    ``application/json`` or with no content type.  Anything else is bad input."""
+    if content_type is not None:
+        media = content_type.partition(b";")[0].strip().lower()
+        if media != b"application/json" and not media.endswith(b"+json"):
+            raise InvalidRequest(f"the body must be JSON sent as 'content-type: application/json',"
+                                 f" not {media.decode('latin-1')[:80]!r}")
+    try:
+        return model.model_validate_json(data or b"null")
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
+def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:
+    """(seconds to wait or None for forever, newer_than) of a get's query."""
+    try:
+        timeout = float(q.get("timeout", 0.0))
+        newer_than = int(q.get("newer_than", 0))
+    except ValueError:
+        raise bad_query("timeout must be a number of seconds (or inf), newer_than an "
+                        "integer") from None
+    if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
+        raise bad_query("timeout and newer_than must be >= 0")
+    return (None if timeout > MAX_WAIT else timeout), newer_than
+
+
+def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
+    """What an inline put's query and Content-Length ask for, checked."""
+    if not length.isdigit() or int(length) > INLINE_MAX:
+        raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
+                             f"larger tensors go through /v1/alloc and /v1/publish")
+    if "dtype" not in q:
+        raise bad_query("put needs ?dtype=")
+    try:
+        ttl = float(q["ttl"]) if q.get("ttl") else None
+    except ValueError:
+        ttl = -1.0
+    if ttl is not None and not (0 < ttl < math.inf):
+        raise bad_query("ttl must be a finite number of seconds > 0")
+    shape, dtype = q.get("shape", ""), q["dtype"]
+    if len(shape) > 400:
+        raise bad_query(f"shape has {len(shape)} characters; at most 400 ({MAX_NDIM} dimensions)")
+    try:
+        dims = [int(d) for d in shape.split(",")] if shape else []
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid put of {name!r}: {exc}") from None
+    if len(dims) > MAX_NDIM or min(dims, default=0) < 0 or len(dtype) > 40:
+        try:  # AllocRequest's own checks say what is wrong, as on every other route
+            AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
+        except ValidationError as exc:
+            raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
+    # The name, dims, dtype and ttl are checked above: AllocRequest's constraints all hold.
+    return AllocRequest.model_construct(name=name, shape=dims, dtype=dtype, ttl=ttl)

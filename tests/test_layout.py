@@ -1,0 +1,49 @@
+"""The shape of the house: product modules a reader takes in at once, and
+every route handled once.
+
+A product module over ``MAX_LINES`` lines must say why in its docstring
+(the words "over 500 lines"), so that a long file is a decision, not drift.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+
+from _harness import ROOT
+
+MAX_LINES = 500
+PRODUCT = ("common", "client", "service", "shm", "cli")
+
+
+def _modules() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--", *PRODUCT], cwd=ROOT,
+                         capture_output=True, check=True).stdout
+    return [p for p in out.decode().split("\0") if p.endswith(".py")]
+
+
+def test_no_product_module_is_over_500_lines_without_saying_why() -> None:
+    files = _modules()
+    assert len(files) > 30
+    long = []
+    for rel in files:
+        text = (ROOT / rel).read_text()
+        lines = text.count("\n")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MAX_LINES and "over 500 lines" not in doc:
+            long.append(f"{rel}: {lines} lines")
+    assert not long, f"modules over {MAX_LINES} lines that do not say why: {long}"
+
+
+def test_every_route_has_one_handler_and_the_lane_has_none() -> None:
+    """Handlers live in service/routers/ and nowhere else: the doors and the
+    gate dispatch through the route table, never by path."""
+    from tensordepot.service._routes import ROUTES
+
+    handlers = [r.handler for r in ROUTES if r.handler is not None]
+    assert len(handlers) == len(set(handlers)), "one handler serves one route"
+    for h in handlers:
+        assert h.__module__.startswith("tensordepot.service.routers."), h
+    for door in ("service/_lane.py", "service/_asgi.py", "service/_gate.py"):
+        text = (ROOT / door).read_text()
+        assert "/v1/" not in text.replace("service/_", ""), f"{door} names a route's path"
