@@ -5,8 +5,8 @@ bytes into a request and an answer back into bytes.  Everything between is
 here, as plain function calls, in this order:
 
 1. ``admit``: the route (``_routes.match``: 404, 405), the principal and the
-   route's scope (``Authorizer``: 401, 403), the name in the path
-   (``check_name``: 400) and the principal's prefix (403).  Nothing else
+   route's scope (``Authorizer``: 401, 403), the principal's prefix for the
+   name in the path (403), and the name itself (``check_name``: 400).  Nothing else
    runs, and no body is buffered, for a request that is not admitted.
 2. ``dispatch``: the release and cancel ids riding on the request's headers
    (``release_riders``), the body parsed as the route's model (400, 422),
@@ -235,9 +235,9 @@ class Gate:
             raise NoRoute(method, path, other)
         principal = self.auth.authorize(scope, method, r.template, r.scope)
         name = params.get("name")
-        if name is not None:
-            check_name(name, "tensor name")
+        if name is not None:  # outside the prefix is 403, whatever the name
             require_name(principal, name)
+            check_name(name, "tensor name")
         return Admitted(r, params, principal)
 
     # -- 2. the handler ------------------------------------------------------------------

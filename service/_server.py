@@ -299,6 +299,15 @@ class PeerCredProtocol(HttpToolsProtocol):
         if self._in_head and self._head > MAX_HEADER_BYTES:
             self._refuse_head()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser cannot read: the one error body, marked
+        as every answer of the broker, instead of uvicorn's plain text."""
+        if not self.transport.is_closing():
+            self.transport.write(_raw_error(400, "Bad Request", "invalid_request",
+                                            f"{msg} Send HTTP/1.1 with an ASCII request line and "
+                                            f"headers."))
+            self.transport.close()
+
     _refused = False  # answered 431: what the parser still hands over is dropped
 
     def _refuse_head(self) -> None:

@@ -98,7 +98,7 @@ def test_scopes_prefixes_and_groups(tmp_path: Path) -> None:
             ("POST", "/v1/put/a/x", READ, 403), ("DELETE", "/v1/tensors/a/x", READ, 403),
             ("GET", "/v1/tensors/a/x", READ, 200), ("POST", "/v1/alloc", READ, 403),
             ("POST", "/v1/put/a/x", WRITE, 200), ("POST", "/v1/put/b/x", WRITE, 403),
-            ("GET", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors/", WRITE, 400),
+            ("GET", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors/", WRITE, 403),
             ("HEAD", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors", WRITE, 200),
             ("GET", "/no/such/route", READ, 200)):  # the app answers 404 for it
         got, _ = call(policy, method, path, dict(tcp), bearer(secret[token]))
@@ -128,13 +128,16 @@ def test_every_route_goes_through_the_gate() -> None:
     assert match("PUT", "/v1/stat") == (None, {}, True), "another method: 405"
 
 
-def test_security_md_lists_every_scope() -> None:
-    text = (ROOT / "SECURITY.md").read_text()
-    table = text.split("<!-- scopes:begin -->")[1].split("<!-- scopes:end -->")[0]
+def test_the_readme_route_table_is_the_route_table() -> None:
+    """The README shows the route table once (SECURITY.md points to it)."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- routes:begin -->")[1].split("<!-- routes:end -->")[0]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")]
             for line in table.strip().splitlines()[2:]]
-    documented = [(m, p.strip("`"), None if s == "open" else s, n) for m, p, s, n in rows]
+    documented = [(m, p.strip("`"), None if s == "open" else s, n) for m, p, _, s, n in rows]
     assert documented == [(r.method, r.path, r.scope, r.note) for r in ROUTES]
+    assert [op for _, _, op, _, _ in rows] == [r.op if r.handler else "(FastAPI)" for r in ROUTES]
+    assert "README.md#how-it-fits-together" in (ROOT / "SECURITY.md").read_text()
 
 
 def test_policy_refusals(tmp_path: Path) -> None:
