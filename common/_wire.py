@@ -18,7 +18,6 @@ from ._errors import InvalidRequest, InvalidType
 # A tensor name: printable ASCII without spaces, up to 512 characters.
 # Dots and slashes are fine ("model.layers.0.weight", "run/1/w").
 NAME_PATTERN = r"^[\x21-\x7e]{1,512}$"
-Name = Annotated[str, Field(pattern=NAME_PATTERN, examples=["model.layers.0.weight"])]
 NAME_RULE = "1 to 512 printable ASCII characters, no spaces"
 # fullmatch, never re.match(...$): Python's `$` also matches before a trailing
 # newline, so "w\n" would pass and then name another tensor at a door that
@@ -48,6 +47,18 @@ def check_name(name: Any, what: str = "name") -> str:
 def _shown(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _valid_name(name: str) -> str:
+    return check_name(name, "tensor name")
+
+
+# A name in a model checks itself with ``check_name``: the broker answers a
+# bad one with that InvalidRequest (400), as for a name in a path
+# (service/_handler.py ``invalid``).  The schema shows the same rule.
+Name = Annotated[str, AfterValidator(_valid_name),
+                 Field(json_schema_extra={"pattern": NAME_PATTERN},
+                       examples=["model.layers.0.weight"])]
 MAX_NDIM = 32
 MAX_BATCH = 10_000
 INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish

@@ -135,7 +135,13 @@ def too_large() -> InvalidRequest:
 
 
 def invalid(exc: ValidationError) -> InvalidRequest:
-    """A body that does not validate, described (422)."""
+    """A body that does not validate, described (422); a bad name in it is
+    ``check_name``'s InvalidRequest (400), as everywhere else."""
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, InvalidRequest):
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            return InvalidRequest(f"{where}: {cause}" if where else str(cause))
     parts = []
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err.get("loc", ()))
