@@ -1,8 +1,9 @@
 """The broker: FastAPI app, registry of names, versions, leases and sessions.
 
 The public names load on first use (PEP 562): the ``tensordepot`` command
-lives in this package, and its client commands (``ls``, ``rm``, ``stat``,
-``wait``) must not pay for importing FastAPI and uvicorn.
+(``tensordepot.cli``) reads ``config.Settings`` for its flags, and its client
+commands (``ls``, ``rm``, ``stat``, ``wait``) must not pay for importing
+FastAPI and uvicorn.
 """
 
 from __future__ import annotations

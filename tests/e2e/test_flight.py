@@ -527,7 +527,7 @@ def test_bad_flight_settings_fail_at_start(args: list[str], message: str, token:
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """``serve`` itself, in this process: it stops before the broker starts.  A
     Flight listener, loopback included, needs a token like every TCP listener."""
-    from tensordepot.service._cli import main
+    from tensordepot.cli import main
 
     for key in [k for k in os.environ if k.startswith("TENSORDEPOT_")]:
         monkeypatch.delenv(key)
