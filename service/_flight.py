@@ -36,6 +36,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
 from pydantic import ValidationError
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
@@ -52,13 +53,24 @@ from ..shm._arrow import (
 )
 from ._auth import AuthPolicy
 from ._broker import Broker, Version
-from ._peers import PEER_HEADER, VIA, VIA_HEADER, Traffic
+from ._peers import PEER_HEADER, VIA, VIA_HEADER, PeerMetric, Traffic
 from ._scopes import Scopes
 from ._server import ListenError
 from ._sessions import LOCAL
 
 log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")
+
+FLIGHT_METRICS = (
+    PeerMetric("tensordepot_flight_bytes_served", "Bytes streamed to each peer or client (DoGet).",
+               "bytes_served"),
+    PeerMetric("tensordepot_flight_streams_served", "Streams (DoGet) started for each peer or "
+               "client.", "streams_served"),
+    PeerMetric("tensordepot_flight_bytes_pushed", "Bytes pushed here by each peer or client "
+               "(DoPut).", "bytes_pushed"),
+    PeerMetric("tensordepot_flight_pushes", "Tensors pushed here and published, per peer or "
+               "client.", "pushes"),
+)
 
 
 def parse_ticket(raw: bytes) -> tuple[str, int | None]:
@@ -241,17 +253,10 @@ class FlightService:
                 self._shut = True
                 self._server.shutdown()
 
-    def metric_lines(self) -> list[str]:
-        return self.traffic.lines([
-            ("tensordepot_flight_bytes_served_total", "counter",
-             "Bytes streamed to each peer or client (DoGet)", {"": "bytes_served"}),
-            ("tensordepot_flight_streams_served_total", "counter",
-             "Streams (DoGet) started for each peer or client", {"": "streams_served"}),
-            ("tensordepot_flight_bytes_pushed_total", "counter",
-             "Bytes pushed here by each peer or client (DoPut)", {"": "bytes_pushed"}),
-            ("tensordepot_flight_pushes_total", "counter",
-             "Tensors pushed here and published, per peer or client", {"": "pushes"}),
-        ])
+    def collect(self) -> Iterator[Metric]:
+        """The traffic with each peer or client (a prometheus_client
+        collector, registered in the app's registry)."""
+        yield from self.traffic.families(FLIGHT_METRICS)
 
     def call(self, context: Any) -> _Call:
         mw = context.get_middleware("auth")

@@ -85,8 +85,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts import connect  # imports pyarrow
 
-                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None))
-                app.state.metric_sources += hosts.metric_sources
+                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None),
+                                app.state.metrics)
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:
                 yield
@@ -110,7 +110,6 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     )
     settings = settings or get_settings()
     app.state.settings = settings
-    app.state.metric_sources = []  # callables that return more /metrics lines (Flight, peers)
     app.state.auth_policy = policy = policy or load_policy(settings)
     app.add_middleware(Guard)  # body limits and piggybacked releases, after auth
     # Added after the ones above, so it runs before them: nothing (not even a

@@ -26,9 +26,5 @@ async def stat(request: Request) -> Stat:
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics",
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
-    text: bytes = request.app.state.metrics.render()
-    # Flight, peers
-    extra = [line for source in request.app.state.metric_sources for line in source()]
-    if extra:
-        text += ("\n".join(extra) + "\n").encode()
+    text: bytes = request.app.state.metrics.render()  # Flight and peers included
     return Response(text, media_type=CONTENT_TYPE)
