@@ -40,7 +40,7 @@ from prometheus_client.core import Metric
 from pydantic import ValidationError
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._wire import AllocRequest, FlightMeta, is_name
+from .._wire import AllocRequest, FlightMeta, check_name, is_name
 from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
@@ -92,13 +92,20 @@ def parse_ticket(raw: bytes) -> tuple[str, int | None]:
 
 
 def descriptor_name(descriptor: Any) -> str:
+    """The tensor name a descriptor's one-element path holds, through the one
+    name check (``check_name``); a ticket's ``@version`` has no place here, so
+    ``w@3`` names the tensor ``w@3``."""
     fl = import_flight()
     path = descriptor.path if descriptor.descriptor_type == fl.DescriptorType.PATH else None
     if not path or len(path) != 1:
         raise ValueError("bad descriptor: give the tensor's name as a one-element path "
                          "(FlightDescriptor.for_path(name))")
-    name, _ = parse_ticket(path[0])
-    return name
+    raw = path[0]
+    try:
+        name = raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"bad descriptor {raw[:80]!r}: a tensor name is ASCII") from None
+    return check_name(name, "descriptor name")
 
 
 def meta_of(v: Version, self_url: str, instance: str) -> FlightMeta:

@@ -50,7 +50,7 @@ from prometheus_client.core import (
 from pydantic import ValidationError
 
 from .._errors import BrokerUnavailable, DepotError, TensorNotFound
-from .._wire import AllocRequest, FlightMeta
+from .._wire import AllocRequest, FlightMeta, check_name
 from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
 from ._broker import Broker, Replica
 from ._sessions import LOCAL
@@ -368,7 +368,13 @@ class Peers:
         try:
             info = self._client(peer).get_flight_info(fl.FlightDescriptor.for_path(name),
                                                       self._options(via, self.timeout))
-            return FlightMeta.model_validate_json(meta_json(info.schema))
+            meta = FlightMeta.model_validate_json(meta_json(info.schema))
+            # The answer names what will be allocated and published here: the
+            # one name check, and the name that was asked for, nothing else.
+            check_name(meta.name, "the name in the answer")
+            if meta.name != name:
+                raise ValueError(f"it answered for {meta.name!r}")
+            return meta
         except pa.ArrowKeyError:
             return None
         except (pa.ArrowException, ValueError) as exc:
