@@ -15,7 +15,15 @@ input or a broker in trouble is a ``DepotError``; each subclass below says
 when it is raised.  ``InvalidRequest`` is also a ``ValueError``,
 ``InvalidType`` also a ``TypeError`` and ``TensorNotFound`` also a
 ``KeyError``.
+
+``Client``, ``AsyncClient`` and ``SharedTensor`` load on first use (PEP 562),
+so that ``tensordepot.shm`` and ``tensordepot.service``, which import this
+package, never load the client.
 """
+
+from __future__ import annotations
+
+import typing
 
 from ._errors import AuthError as AuthError
 from ._errors import BrokerUnavailable as BrokerUnavailable
@@ -30,13 +38,16 @@ from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
 from ._errors import UntrustedBroker as UntrustedBroker
+from ._lazy import lazy_names as _lazy_names
 from ._version import __version__ as __version__
 from ._wire import DeviceStat as DeviceStat
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
-from .client import AsyncClient as AsyncClient
-from .client import Client as Client
-from .client import SharedTensor as SharedTensor
+
+if typing.TYPE_CHECKING:
+    from .client import AsyncClient as AsyncClient
+    from .client import Client as Client
+    from .client import SharedTensor as SharedTensor
 
 __all__ = [
     "AsyncClient",
@@ -60,3 +71,6 @@ __all__ = [
     "UntrustedBroker",
     "__version__",
 ]
+
+__getattr__, __dir__ = _lazy_names(
+    __name__, {"AsyncClient": ".client", "Client": ".client", "SharedTensor": ".client"}, globals())

@@ -1,3 +1,3 @@
-from .service._cli import main
+from .cli import main
 
 raise SystemExit(main())

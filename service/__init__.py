@@ -1,14 +1,16 @@
 """The broker: FastAPI app, registry of names, versions, leases and sessions.
 
 The public names load on first use (PEP 562): the ``tensordepot`` command
-lives in this package, and its client commands (``ls``, ``rm``, ``stat``,
-``wait``) must not pay for importing FastAPI and uvicorn.
+(``tensordepot.cli``) reads ``config.Settings`` for its flags, and its client
+commands (``ls``, ``rm``, ``stat``, ``wait``) must not pay for importing
+FastAPI and uvicorn.
 """
 
 from __future__ import annotations
 
-import importlib
 import typing
+
+from .._lazy import lazy_names as _lazy_names
 
 if typing.TYPE_CHECKING:
     from ._broker import Broker as Broker
@@ -19,15 +21,4 @@ __all__ = ["Broker", "Settings", "create_app"]
 
 _HOMES = {"Broker": "._broker", "Settings": ".config", "create_app": ".app"}
 
-
-def __getattr__(name: str) -> typing.Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = _lazy_names(__name__, _HOMES, globals())

@@ -36,10 +36,11 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
 from pydantic import ValidationError
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._wire import AllocRequest, FlightMeta, is_name
+from .._wire import AllocRequest, FlightMeta, check_name, is_name
 from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
@@ -52,13 +53,24 @@ from ..shm._arrow import (
 )
 from ._auth import AuthPolicy
 from ._broker import Broker, Version
-from ._peers import PEER_HEADER, VIA, VIA_HEADER, Traffic
+from ._peers import PEER_HEADER, VIA, VIA_HEADER, PeerMetric, Traffic
 from ._scopes import Scopes
 from ._server import ListenError
 from ._sessions import LOCAL
 
 log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")
+
+FLIGHT_METRICS = (
+    PeerMetric("tensordepot_flight_bytes_served", "Bytes streamed to each peer or client (DoGet).",
+               "bytes_served"),
+    PeerMetric("tensordepot_flight_streams_served", "Streams (DoGet) started for each peer or "
+               "client.", "streams_served"),
+    PeerMetric("tensordepot_flight_bytes_pushed", "Bytes pushed here by each peer or client "
+               "(DoPut).", "bytes_pushed"),
+    PeerMetric("tensordepot_flight_pushes", "Tensors pushed here and published, per peer or "
+               "client.", "pushes"),
+)
 
 
 def parse_ticket(raw: bytes) -> tuple[str, int | None]:
@@ -80,13 +92,20 @@ def parse_ticket(raw: bytes) -> tuple[str, int | None]:
 
 
 def descriptor_name(descriptor: Any) -> str:
+    """The tensor name a descriptor's one-element path holds, through the one
+    name check (``check_name``); a ticket's ``@version`` has no place here, so
+    ``w@3`` names the tensor ``w@3``."""
     fl = import_flight()
     path = descriptor.path if descriptor.descriptor_type == fl.DescriptorType.PATH else None
     if not path or len(path) != 1:
         raise ValueError("bad descriptor: give the tensor's name as a one-element path "
                          "(FlightDescriptor.for_path(name))")
-    name, _ = parse_ticket(path[0])
-    return name
+    raw = path[0]
+    try:
+        name = raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError:
+        raise InvalidRequest(f"bad descriptor {raw[:80]!r}: a tensor name is ASCII") from None
+    return check_name(name, "descriptor name")
 
 
 def meta_of(v: Version, self_url: str, instance: str) -> FlightMeta:
@@ -241,17 +260,10 @@ class FlightService:
                 self._shut = True
                 self._server.shutdown()
 
-    def metric_lines(self) -> list[str]:
-        return self.traffic.lines([
-            ("tensordepot_flight_bytes_served_total", "counter",
-             "Bytes streamed to each peer or client (DoGet)", {"": "bytes_served"}),
-            ("tensordepot_flight_streams_served_total", "counter",
-             "Streams (DoGet) started for each peer or client", {"": "streams_served"}),
-            ("tensordepot_flight_bytes_pushed_total", "counter",
-             "Bytes pushed here by each peer or client (DoPut)", {"": "bytes_pushed"}),
-            ("tensordepot_flight_pushes_total", "counter",
-             "Tensors pushed here and published, per peer or client", {"": "pushes"}),
-        ])
+    def collect(self) -> Iterator[Metric]:
+        """The traffic with each peer or client (a prometheus_client
+        collector, registered in the app's registry)."""
+        yield from self.traffic.families(FLIGHT_METRICS)
 
     def call(self, context: Any) -> _Call:
         mw = context.get_middleware("auth")

@@ -8,12 +8,12 @@ import asyncio
 import ctypes
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._auth import AuthPolicy
 from ._broker import Broker
+from ._metrics import Metrics
 from .config import Settings
 
 log = logging.getLogger("tensordepot.broker")
@@ -39,25 +39,35 @@ def keep_receive_buffers_warm(nbytes: int = 64 << 20) -> None:
 
 @dataclass
 class Hosts:
+    metrics: Metrics | None = None
     flight: Any = None  # FlightService
     peers: Any = None  # Peers
-    metric_sources: list[Callable[[], list[str]]] = field(default_factory=list)
+
+    def _export(self, collector: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.add(collector)
 
     async def close(self) -> None:
-        """Stop both; transfers in flight fail and give their allocations back."""
+        """Stop both; transfers in flight fail and give their allocations back.
+        Their metrics leave the app's registry."""
+        for part in (self.peers, self.flight):
+            if part is not None and self.metrics is not None:
+                self.metrics.remove(part)
         if self.peers is not None:
             await self.peers.close()
         if self.flight is not None:
             await self.flight.close()
 
 
-def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any = None) -> Hosts:
+def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any = None,
+            metrics: Metrics | None = None) -> Hosts:
     """Attach ``flight`` (bound by the CLI, or bound here on ``policy``: the
-    broker's own tokens and scopes) and start the peers.  Call on the event loop."""
+    broker's own tokens and scopes) and start the peers; both export their
+    metrics through ``metrics`` (the app's registry).  Call on the event loop."""
     from ._flight import bind_flight
     from ._peers import Peers
 
-    hosts = Hosts()
+    hosts = Hosts(metrics)
     keep_receive_buffers_warm()
     instance = secrets.token_hex(8)  # this run's id: version numbers restart with a broker
     if flight is None and settings.flight:
@@ -65,7 +75,7 @@ def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any 
     if flight is not None:
         flight.attach(broker, asyncio.get_running_loop(), instance)
         hosts.flight = flight
-        hosts.metric_sources.append(flight.metric_lines)
+        hosts._export(flight)
     if settings.peer:
         ca = None
         if settings.peer_tls_ca:
@@ -77,5 +87,5 @@ def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any 
         peers.start()
         broker.peers = peers
         hosts.peers = peers
-        hosts.metric_sources.append(peers.metric_lines)
+        hosts._export(peers)
     return hosts

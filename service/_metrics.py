@@ -14,6 +14,9 @@ not clash.  Two sources fill it:
   shared memory as ``device="cpu"`` and each GPU in use as
   ``device="cuda:GPU-<uuid>"``.  Nothing on the broker's hot paths touches
   prometheus_client.
+* ``Metrics.add`` registers more collectors for as long as they run: the
+  Flight endpoint (``FlightService``) and the peers (``Peers``), whose
+  per-peer traffic is read the same way, at scrape time.
 """
 
 from __future__ import annotations
@@ -86,6 +89,16 @@ class Metrics:
             ["method", "route", "status"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self._children: dict[tuple[str, str, int], Any] = {}
         self.registry.register(BrokerCollector(broker))
+        self.collectors: list[Collector] = []  # added with add(), in order
+
+    def add(self, collector: Collector) -> None:
+        """Export ``collector``'s metrics too, until ``remove``."""
+        self.registry.register(collector)
+        self.collectors.append(collector)
+
+    def remove(self, collector: Collector) -> None:
+        self.registry.unregister(collector)
+        self.collectors.remove(collector)
 
     def observe_route(self, method: str, template: str, status: int, seconds: float) -> None:
         """Time one request: its method, its route's template (never the raw

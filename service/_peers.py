@@ -36,14 +36,21 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from pydantic import ValidationError
 
 from .._errors import BrokerUnavailable, DepotError, TensorNotFound
-from .._wire import AllocRequest, FlightMeta
+from .._wire import AllocRequest, FlightMeta, check_name
 from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
 from ._broker import Broker, Replica
 from ._sessions import LOCAL
@@ -63,9 +70,23 @@ def clean(exc: BaseException) -> str:
     return msg.strip() or type(exc).__name__
 
 
+@dataclass(frozen=True)
+class PeerMetric:
+    """One metric family with a ``peer`` label, read from ``Traffic``: a
+    counter of ``key``, or, given ``count``, a summary whose sum is ``key``
+    and whose count is ``count``."""
+
+    name: str
+    help: str
+    key: str
+    count: str = ""
+
+
 class Traffic:
-    """Counts per remote broker, updated from any thread.  The number of
-    remotes counted is bounded; the rest are counted as ``other``."""
+    """Counts per remote broker, updated from any thread, exported by
+    ``families`` when Prometheus scrapes (the transfers never touch
+    prometheus_client).  The number of remotes counted is bounded; the rest
+    are counted as ``other``."""
 
     LIMIT = 64
 
@@ -82,21 +103,35 @@ class Traffic:
                 d = self.by_peer.setdefault(peer, {})
             d[key] = d.get(key, 0) + n
 
-    def lines(self, metrics: list[tuple[str, str, str, dict[str, str]]]) -> list[str]:
-        """Prometheus text: for each (name, type, help, {sample suffix: key}),
-        one sample per peer and suffix."""
+    def families(self, metrics: Iterable[PeerMetric]) -> Iterator[Metric]:
+        """One family per metric, one sample per peer (prometheus_client
+        writes the text, escaping the label values)."""
         with self._lock:
             snap = {p: dict(d) for p, d in self.by_peer.items()}
-        out: list[str] = []
-        for name, kind, text, samples in metrics:
-            out += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            for peer in sorted(snap):
-                label = peer.replace("\\", "\\\\").replace('"', '\\"')
-                for suffix, key in samples.items():
-                    value = snap[peer].get(key, 0)
-                    shown = int(value) if float(value).is_integer() else value
-                    out.append(f'{name}{suffix}{{peer="{label}"}} {shown}')
-        return out
+        for m in metrics:
+            family: CounterMetricFamily | SummaryMetricFamily
+            if m.count:
+                family = SummaryMetricFamily(m.name, m.help, labels=["peer"])
+                for peer in sorted(snap):
+                    family.add_metric([peer], count_value=int(snap[peer].get(m.count, 0)),
+                                      sum_value=snap[peer].get(m.key, 0))
+            else:
+                family = CounterMetricFamily(m.name, m.help, labels=["peer"])
+                for peer in sorted(snap):
+                    family.add_metric([peer], snap[peer].get(m.key, 0))
+            yield family
+
+
+PEER_METRICS = (
+    PeerMetric("tensordepot_peer_bytes_pulled", "Bytes received from each peer (failed transfers "
+               "included).", "bytes_pulled"),
+    PeerMetric("tensordepot_peer_transfers", "Replicas pulled from each peer.", "transfers"),
+    PeerMetric("tensordepot_peer_transfer_failures", "Transfers from each peer that failed part "
+               "way.", "failures"),
+    PeerMetric("tensordepot_peer_checks", "Metadata calls (GetFlightInfo) to each peer.", "checks"),
+    PeerMetric("tensordepot_peer_transfer_seconds", "Duration of the completed transfers from "
+               "each peer.", "seconds", count="transfers"),
+)
 
 
 @dataclass(frozen=True)
@@ -333,7 +368,13 @@ class Peers:
         try:
             info = self._client(peer).get_flight_info(fl.FlightDescriptor.for_path(name),
                                                       self._options(via, self.timeout))
-            return FlightMeta.model_validate_json(meta_json(info.schema))
+            meta = FlightMeta.model_validate_json(meta_json(info.schema))
+            # The answer names what will be allocated and published here: the
+            # one name check, and the name that was asked for, nothing else.
+            check_name(meta.name, "the name in the answer")
+            if meta.name != name:
+                raise ValueError(f"it answered for {meta.name!r}")
+            return meta
         except pa.ArrowKeyError:
             return None
         except (pa.ArrowException, ValueError) as exc:
@@ -429,27 +470,14 @@ class Peers:
         for c in self._clients.values():
             c.close()
 
-    def metric_lines(self) -> list[str]:
+    def collect(self) -> Iterator[Metric]:
+        """The replicas held here and the traffic with each peer (a
+        prometheus_client collector, registered in the app's registry)."""
         replicas = [e.ready for e in self.broker.entries.values()
                     if e.ready is not None and e.ready.replica is not None]
-        out = [
-            "# HELP tensordepot_replicas Tensors held here as replicas pulled from peers",
-            "# TYPE tensordepot_replicas gauge",
-            f"tensordepot_replicas {len(replicas)}",
-            "# HELP tensordepot_replica_bytes Bytes of the replicas held here",
-            "# TYPE tensordepot_replica_bytes gauge",
-            f"tensordepot_replica_bytes {sum(v.nbytes for v in replicas)}",
-        ]
-        return out + self.traffic.lines([
-            ("tensordepot_peer_bytes_pulled_total", "counter",
-             "Bytes received from each peer (failed transfers included)", {"": "bytes_pulled"}),
-            ("tensordepot_peer_transfers_total", "counter", "Replicas pulled from each peer",
-             {"": "transfers"}),
-            ("tensordepot_peer_transfer_failures_total", "counter",
-             "Transfers from each peer that failed part way", {"": "failures"}),
-            ("tensordepot_peer_checks_total", "counter",
-             "Metadata calls (GetFlightInfo) to each peer", {"": "checks"}),
-            ("tensordepot_peer_transfer_seconds", "summary",
-             "Duration of the completed transfers from each peer",
-             {"_sum": "seconds", "_count": "transfers"}),
-        ])
+        yield GaugeMetricFamily("tensordepot_replicas",
+                                "Tensors held here as replicas pulled from peers.",
+                                value=len(replicas))
+        yield GaugeMetricFamily("tensordepot_replica_bytes", "Bytes of the replicas held here.",
+                                value=sum(v.nbytes for v in replicas))
+        yield from self.traffic.families(PEER_METRICS)

@@ -58,8 +58,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts import connect  # imports pyarrow
 
-                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None))
-                app.state.metric_sources += hosts.metric_sources
+                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None),
+                                app.state.metrics)
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:
                 yield
@@ -83,7 +83,6 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     )
     settings = settings or get_settings()
     app.state.settings = settings
-    app.state.metric_sources = []  # callables that return more /metrics lines (Flight, peers)
     app.state.auth_policy = policy = policy or load_policy(settings)
     app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None))
     # One gate, two doors: the real server's protocol answers every route it

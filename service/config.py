@@ -1,34 +1,50 @@
-"""Broker settings: every flag of ``tensordepot serve`` is also a
-``TENSORDEPOT_*`` environment variable (flags win)."""
+"""Broker settings: one field per setting, read from ``TENSORDEPOT_<NAME>``.
+
+``tensordepot serve`` makes its flags from these fields (``--<name>``, the
+field's description as its help; flags win over the environment), so a
+setting is described once."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from functools import lru_cache
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, ByteSize, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .._defaults import default_socket_path
 from .._ids import group_id
-from ._broker import Limits
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
-          "tib": 1 << 40}
+if TYPE_CHECKING:  # the broker loads only where limits() is called: the CLI reads Settings
+    from ._broker import Limits
+
+_SIZE = TypeAdapter(ByteSize)
 
 
 def parse_size(text: str | int) -> int:
-    """``"8GiB"`` -> 8589934592.  Plain numbers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"8GiB"`` -> 8589934592, through pydantic's ``ByteSize``: decimal units
+    (k, kb, M, MB, ...), binary ones (KiB, MiB, GiB, ...), case-insensitive,
+    fractions (``"1.5GiB"``); plain numbers are bytes.  ValueError otherwise."""
+    try:
+        return int(_SIZE.validate_python(text))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB, 1000000)") from None
+
+
+def _size(text: str) -> str:
+    parse_size(text)
+    return text
+
+
+def _size_or_auto(text: str) -> str:
+    return text if text == "auto" else _size(text)
+
+
+# Sizes stay as given (messages quote them); a bad one fails when Settings is built.
+Size = Annotated[str, AfterValidator(_size)]
+SizeOrAuto = Annotated[str, AfterValidator(_size_or_auto)]
 
 
 def shm_capacity() -> int:
@@ -39,44 +55,54 @@ def shm_capacity() -> int:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TENSORDEPOT_", extra="ignore")
 
+    # Each description is the help of its flag: ``tensordepot serve`` generates
+    # --<name> (and $TENSORDEPOT_<NAME>) from these fields.
     listen: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="unix:///path.sock or http://host:port; repeatable")
-    max_memory: str = Field("auto", description="shared memory the broker may hold; auto: half of "
-                                                "/dev/shm")
-    segment_size: str = Field("256MiB", description="size of each pooled segment")
-    warm_memory: str = Field("auto", description="free memory kept warm for reuse; auto: 2GiB or "
-                                                 "max-memory")
-    prealloc: str = Field("256MiB", description="pool memory to create and pre-fault at start")
-    cuda_memory: str = Field("auto", description="device memory the broker may hold on each GPU; "
-                             "auto: half of the GPU's memory")
-    cuda_segment_size: str = Field("256MiB", description="size of each pooled CUDA block")
-    shm_prefix: str = Field("", description="segment name prefix; default derived from the first "
+        default_factory=list, description="where to listen: unix:///path.sock or "
+        "http://host:port; repeatable; none: the default socket, where clients look when "
+        "$TENSORDEPOT_URL is unset")
+    max_memory: SizeOrAuto = Field("auto", description="shared memory the broker may hold, more "
+                                   "than 0, e.g. 8GiB; auto: half of /dev/shm")
+    segment_size: Size = Field("256MiB", description="size of each pooled shared-memory segment")
+    warm_memory: SizeOrAuto = Field("auto", description="free memory kept warm for reuse; auto: "
+                                    "2GiB or --max-memory, whichever is less")
+    prealloc: Size = Field("256MiB", description="pool memory created and pre-faulted at start")
+    cuda_memory: SizeOrAuto = Field(
+        "auto", description="device memory the broker may hold on each GPU, e.g. 16GiB; auto: "
+        "half of each GPU's memory; nothing is allocated on a GPU until a tensor is placed there")
+    cuda_segment_size: Size = Field("256MiB", description="size of each pooled CUDA block")
+    shm_prefix: str = Field("", description="segment name prefix; empty: derived from the first "
                                             "--listen")
-    shm_group: str = Field("", description="group of the socket (0660) and segments (0640, or "
-                                            "0660 with --allow-uid/--allow-gid); default none "
-                                            "(0600)")
-    token: str = Field("",
-                       description="an admin bearer token (prefer --token-file: argv is public)")
-    token_file: str = Field("", description="file of bearer tokens with scopes, one per line")
-    insecure_no_auth: bool = Field(False, description="let TCP listeners run without any token")
+    shm_group: str = Field("", description="group of the socket (0660) and the segments (0640: "
+                           "the group maps them read-only; 0660 with --allow-uid/--allow-gid); "
+                           "empty: owner only (0600)")
+    token: str = Field("", description="an admin bearer token (visible in the process list: "
+                                       "prefer --token-file or TENSORDEPOT_TOKEN)")
+    token_file: str = Field("", description="bearer tokens, one per line: '<token> <scope> "
+                            "[prefix=<p>] [name=<n>]', scope read, write or admin; mode 0600")
+    insecure_no_auth: bool = Field(False, description="let TCP listeners run without a token "
+                                   "(anyone who reaches them may do anything)")
     allow_uid: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="unix-socket peers (uid or name) admitted, as admin")
+        default_factory=list, description="also admit this user (uid or name) on the unix socket, "
+        "as admin; repeatable; needs --shm-group, a group it is in")
     allow_gid: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="unix-socket peers in this group (gid or name) admitted")
+        default_factory=list, description="also admit members of this group (gid or name) on the "
+        "unix socket, as admin; the socket and segments become the group's, mode 0660; repeatable")
     reap_interval: float = Field(0.5, gt=0, description="seconds between liveness checks")
-    session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout for sessions whose pid "
-                                                       "cannot be checked")
-    alloc_ttl: float = Field(600.0, ge=0, description="unpublished allocations expire after this "
-                                                      "many seconds (0: never)")
+    session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout, in seconds, for "
+                               "sessions whose pid cannot be checked")
+    alloc_ttl: float = Field(600.0, ge=0, description="seconds an allocation may stay unpublished "
+                             "before it is reclaimed (0: never)")
     max_sessions: int = Field(16384, gt=0, description="sessions the broker holds at most")
-    max_sessions_per_peer: int = Field(256, gt=0, description="sessions one process (or one token "
-                                                              "over TCP) may hold")
-    max_memory_per_session: str = Field("0", description="bytes one session may hold (0: no limit)")
-    max_memory_per_token: str = Field("0", description="bytes one identity (uid or token) may hold "
-                                                       "(0: no limit)")
+    max_sessions_per_peer: int = Field(256, gt=0, description="sessions one process, or one token "
+                                       "over TCP, may hold")
+    max_memory_per_session: Size = Field("0", description="bytes one session may hold, e.g. 1GiB "
+                                         "(0: no limit)")
+    max_memory_per_token: Size = Field("0", description="bytes one identity (a uid, or a token) "
+                                       "may hold, e.g. 4GiB (0: no limit)")
     max_connections: int = Field(4096, gt=0, description="open connections; beyond it the "
-                                                         "longest-idle is closed")
-    log_level: str = Field("info")
+                                 "longest-idle one is closed")
+    log_level: str = Field("info", description="debug, info, warning or error")
 
     # -- across hosts: Arrow Flight (service/_flight.py, service/_peers.py) ---------------
     flight: str = Field("", description="serve tensors to other hosts: grpc://HOST:PORT or "
@@ -87,11 +113,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="pull tensors missing here from this broker's --flight URL; repeatable")
     peer_refresh: float = Field(1.0, ge=0, description="seconds a replica is served before its "
-                                                       "peers are asked for a newer version; 0: "
-                                                       "every get")
+                                "peers are asked for a newer version; 0: on every get")
     peer_timeout: float = Field(5.0, gt=0, description="seconds to wait for a peer's answer, or "
                                                        "for the next chunk of a transfer")
-    peer_token: str = Field("", description="bearer token sent to peers; default: --token")
+    peer_token: str = Field("", description="bearer token sent to peers; empty: --token (prefer "
+                            "TENSORDEPOT_PEER_TOKEN: argv is visible to other users)")
     peer_tls_ca: str = Field("", description="PEM CA bundle that signs the grpc+tls:// peers' "
                                              "certificates")
 
@@ -123,6 +149,8 @@ class Settings(BaseSettings):
         return parse_size(self.warm_memory)
 
     def limits(self) -> Limits:
+        from ._broker import Limits
+
         return Limits(session_ttl=self.session_ttl, alloc_ttl=self.alloc_ttl,
                       max_sessions=self.max_sessions,
                       max_sessions_per_peer=self.max_sessions_per_peer,

@@ -30,11 +30,7 @@ def stat(call: Call[Any]) -> Reply:
        note="totals only: no names, no sessions", summary="Prometheus metrics",
        docs={"responses": {"200": {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}})
 def metrics(call: Call[Any]) -> Reply:
-    app_state = call.state
-    text: bytes = app_state.metrics.render()
-    extra = [line for source in app_state.metric_sources for line in source()]  # Flight, peers
-    if extra:
-        text += ("\n".join(extra) + "\n").encode()
+    text: bytes = call.state.metrics.render()  # the broker, Flight and the peers: collectors
     return 200, text
 
 

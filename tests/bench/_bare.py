@@ -2,7 +2,7 @@
 
     python tests/bench/_bare.py /tmp/dir/bare.sock
 
-The uvicorn settings are the broker's (service/_cli.py): httptools, a unix
+The uvicorn settings are the broker's (cli/_serve.py): httptools, a unix
 socket bound by us with mode 0600, lifespan on, no access log.  The endpoint
 returns a constant JSON body of the size of a get's handle, with the header
 by which the client recognises a broker, and does nothing else, so the gap to

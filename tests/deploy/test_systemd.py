@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from _harness import ROOT, TEST_PREFIX, shm_entries, wait_for
 from tensordepot import Client
-from tensordepot.service._cli import build_parser
+from tensordepot.cli import build_parser
 
 UNIT = ROOT / "deploy" / "systemd" / "tensordepot.service"
 TENSORDEPOT = Path(sys.executable).parent / "tensordepot"
@@ -110,7 +110,7 @@ def test_unit_leaves_what_the_broker_needs(service: dict[str, list[str]]) -> Non
 def test_exec_start_parses_with_the_real_cli(service: dict[str, list[str]]) -> None:
     argv = exec_start(service)
     args = build_parser().parse_args(argv[1:])
-    assert args.command == "serve" and args.func.__name__ == "_serve"
+    assert args.command == "serve" and args.func.__name__ == "serve"
 
 
 @pytest.fixture

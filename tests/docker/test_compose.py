@@ -241,7 +241,7 @@ def test_dockerfile_installs_every_package_folder_and_runs_serve() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     section = pyproject.split("[tool.setuptools.package-dir]")[1].split("\n[")[0]
     folders = set(re.findall(r'^"tensordepot[\w.]*" = "([^"]+)"', section, re.MULTILINE))
-    assert folders >= {"common", "client", "service", "shm"}, folders
+    assert folders >= {"common", "cli", "client", "service", "shm"}, folders
     copied = copies()
     for dest, src in copied.items():
         assert src.exists(), f"COPY {src.relative_to(ROOT)} {dest}: no such file"

@@ -387,7 +387,7 @@ def test_serve_refuses_a_squatted_socket_directory(other: User, squat_dir: str) 
 
 SERVE_DEFAULT = """
 import sys
-from tensordepot.service._cli import main
+from tensordepot.cli import main
 sys.exit(main(["serve", "--shm-prefix", ARGS[0], "--prealloc", "0"]))
 """
 

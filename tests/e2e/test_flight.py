@@ -471,6 +471,19 @@ def test_unknown_names_and_bad_tickets_get_flights_status_codes(scoped: BrokerPr
                 client.do_get(fl.Ticket(bad), opts).read_all()
         with pytest.raises(pa.ArrowInvalid, match="bad descriptor"):
             client.get_flight_info(fl.FlightDescriptor.for_command(b"secret"), opts)
+        # Tickets and descriptors go through the one name check: a trailing
+        # newline, a space or a control character is refused, not cut off.
+        for bad in (b"secret\n", b"secret\n@1", b"sec\x00ret"):
+            with pytest.raises(pa.ArrowInvalid, match="bad ticket"):
+                client.do_get(fl.Ticket(bad), opts).read_all()
+        for bad in (b"secret\n", b"has space", b"tab\there"):
+            with pytest.raises(pa.ArrowInvalid, match="is not a valid tensor name"):
+                client.get_flight_info(fl.FlightDescriptor.for_path(bad), opts)
+        with pytest.raises(pa.ArrowInvalid, match="a tensor name is ASCII"):
+            client.get_flight_info(fl.FlightDescriptor.for_path("caf\u00e9".encode()), opts)
+        # A descriptor holds a name, never a ticket's @version.
+        with pytest.raises(pa.ArrowKeyError, match="tensor 'secret@1' not found"):
+            client.get_flight_info(fl.FlightDescriptor.for_path("secret@1"), opts)
         info = client.get_flight_info(fl.FlightDescriptor.for_path("secret"), opts)
         meta = json.loads(info.schema.metadata[b"tensordepot"])
         got = (meta["shape"], meta["dtype"], meta["version"], meta["nbytes"])
@@ -489,6 +502,39 @@ def test_unknown_names_and_bad_tickets_get_flights_status_codes(scoped: BrokerPr
     with scoped.client() as c:
         assert sorted(i.name for i in c.list()) == ["pub/w", "secret"]
     wait_for(lambda: scoped.stat().versions == 2, 10, what="refused pushes to be given back")
+
+
+class _LyingPeer(fl.FlightServerBase):  # type: ignore[misc]
+    """A Flight server that answers every lookup with another tensor's metadata."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.answer = answer
+
+    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        sch = pa.schema([("bytes", pa.uint8())],
+                        metadata={b"tensordepot": json.dumps(self.answer).encode()})
+        ticket = fl.Ticket(f"{self.answer['name']}@1".encode())
+        return fl.FlightInfo(sch, descriptor, [fl.FlightEndpoint(ticket, [])], 40, 40)
+
+
+@pytest.mark.parametrize("answered", [pytest.param("other", id="another-name"),
+                                      pytest.param("asked\n", id="newline")])
+def test_a_peer_answer_for_another_name_is_refused(
+        answered: str, broker_factory: Callable[..., BrokerProc]) -> None:
+    """What a peer names is what this broker would allocate and publish: its
+    answer must name the tensor asked for, and pass the one name check."""
+    meta = {"name": answered, "version": 1, "shape": [10], "dtype": "float32", "nbytes": 40,
+            "origin": "grpc://liar:1", "origin_instance": "liar", "origin_version": 1}
+    liar = _LyingPeer(meta)
+    try:
+        b = broker_factory("--peer", f"grpc://127.0.0.1:{liar.port}")
+        with b.client() as c:
+            with pytest.raises(BrokerUnavailable, match="not a tensordepot stream"):
+                c.get("asked")
+            assert c.list() == []
+    finally:
+        liar.shutdown()
 
 
 def test_tls(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
@@ -527,7 +573,7 @@ def test_bad_flight_settings_fail_at_start(args: list[str], message: str, token:
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """``serve`` itself, in this process: it stops before the broker starts.  A
     Flight listener, loopback included, needs a token like every TCP listener."""
-    from tensordepot.service._cli import main
+    from tensordepot.cli import main
 
     for key in [k for k in os.environ if k.startswith("TENSORDEPOT_")]:
         monkeypatch.delenv(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -16,9 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import TEST_PREFIX, BrokerProc, shm_entries
+from _harness import ROOT, TEST_PREFIX, BrokerProc, shm_entries
 from tensordepot import __version__
-from tensordepot.service._cli import format_size
+from tensordepot.cli import build_parser, format_size
+from tensordepot.service.config import Settings, parse_size
 
 # The console script pip installed next to this interpreter: `tensordepot`.
 TENSORDEPOT = str(Path(sys.executable).parent / "tensordepot")
@@ -75,6 +77,81 @@ def filled(broker: BrokerProc) -> BrokerProc:
 )
 def test_format_size(n: int, text: str) -> None:
     assert format_size(n) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        pytest.param("8GiB", 8 << 30, id="gib"),
+        pytest.param("512MiB", 512 << 20, id="mib"),
+        pytest.param("1000000", 1_000_000, id="plain"),
+        pytest.param(4096, 4096, id="int"),
+        pytest.param("0", 0, id="zero"),
+        pytest.param("1.5GiB", 3 << 29, id="fraction"),
+        pytest.param("2GB", 2 * 1000**3, id="decimal"),
+        pytest.param("4k", 4000, id="k"),
+        pytest.param("16 mib", 16 << 20, id="lower-case-and-space"),
+        pytest.param("100TiB", 100 << 40, id="tib"),
+    ],
+)
+def test_parse_size(text: str | int, n: int) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "", "8 GiBs", "1e3"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+# -- serve's flags are the settings -------------------------------------------------------------
+
+
+def serve_parser() -> Any:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return sub.choices["serve"]
+
+
+def test_every_setting_has_one_flag_whose_help_is_its_description() -> None:
+    """One help text per setting: the flag's help is the field's own description."""
+    actions = [a for a in serve_parser()._actions if a.dest != "help"]
+    for name, field in Settings.model_fields.items():
+        flags = [a for a in actions if a.dest == name]
+        assert len(flags) == 1, (name, flags)
+        [action] = flags
+        assert action.option_strings == ["--" + name.replace("_", "-")], action.option_strings
+        assert field.description and action.help == field.description, name
+    assert sorted(a.dest for a in actions) == sorted(Settings.model_fields), "a flag, no setting"
+
+
+def test_serve_help_names_each_variable_once() -> None:
+    out = ok("serve", "--help")
+    for name in Settings.model_fields:
+        assert len(re.findall(rf"\$TENSORDEPOT_{name.upper()}\b", out)) == 1, name
+
+
+def test_every_serve_flag_the_readme_uses_parses() -> None:
+    readme = (ROOT / "README.md").read_text()
+    used = set()
+    for line in readme.splitlines():
+        if "tensordepot serve" in line:
+            used |= {w.split("=")[0] for w in line.split("tensordepot serve", 1)[1].split()
+                     if w.startswith("--")}
+    known = {s for a in serve_parser()._actions for s in a.option_strings}
+    assert used and used <= known, sorted(used - known)
+
+
+def test_serve_flags_keep_their_kinds() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--listen", "unix:///a.sock", "--listen", "http://127.0.0.1:1",
+         "--peer", "grpc://h:1", "--insecure-no-auth", "--reap-interval", "0.25",
+         "--max-sessions", "8", "--max-memory", "1GiB"])
+    assert args.listen == ["unix:///a.sock", "http://127.0.0.1:1"] and args.peer == ["grpc://h:1"]
+    assert args.insecure_no_auth is True and args.reap_interval == 0.25 and args.max_sessions == 8
+    assert args.max_memory == "1GiB" and args.token is None and args.allow_uid is None
+    bare = build_parser().parse_args(["serve"])
+    unset = [name for name in Settings.model_fields if getattr(bare, name) is not None]
+    assert not unset, f"flags left out override the environment: {unset}"
 
 
 # -- what the client commands import -----------------------------------------------------------
@@ -324,6 +401,12 @@ def test_serve_then_wait(broker_factory: Callable[..., BrokerProc], tmp_path: Pa
             {},
             "--segment-size (or $TENSORDEPOT_SEGMENT_SIZE): not a size",
             id="segment-size",
+        ),
+        pytest.param(
+            [],
+            {"TENSORDEPOT_REAP_INTERVAL": "0"},
+            "--reap-interval (or $TENSORDEPOT_REAP_INTERVAL): Input should be greater than 0",
+            id="env-out-of-range",
         ),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,3 +179,53 @@ def test_route_templates(path: str, template: str) -> None:
     """The route label is the template of the route the path matches."""
     found = [r for r in (match(m, path)[0] for m in ("GET", "POST", "DELETE")) if r is not None]
     assert (found[0].template if found else UNMATCHED) == template
+
+
+# -- Flight and peers: collectors in the app's registry ----------------------------------------
+
+
+class _TrafficOf:
+    """A collector of one ``Traffic``, as ``FlightService`` and ``Peers`` are."""
+
+    def __init__(self, metrics: Any) -> None:
+        from tensordepot.service._peers import Traffic
+
+        self.traffic = Traffic()
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Any]:
+        return self.traffic.families(self.metrics)
+
+
+def test_peer_metrics_escape_their_labels() -> None:
+    """A peer's name (a ``--peer`` URL, or what a caller declares) is a label
+    value: a newline, a quote or a backslash in it cannot start a sample of
+    its own or end the label early."""
+    from tensordepot.service._flight import FLIGHT_METRICS
+    from tensordepot.service._peers import PEER_METRICS
+
+    app = create_app(Settings())
+    metrics = app.state.metrics
+    flight, peers = _TrafficOf(FLIGHT_METRICS), _TrafficOf(PEER_METRICS)
+    evil = 'grpc://h:1"} 1\ntensordepot_fake 9\n\\'
+    flight.traffic.add(evil, "streams_served", 1)
+    flight.traffic.add(evil, "bytes_served", 4096)
+    peers.traffic.add(evil, "transfers", 2)
+    peers.traffic.add(evil, "seconds", 0.5)
+    metrics.add(flight)
+    metrics.add(peers)
+    text = metrics.render().decode()
+    assert '{peer="grpc://h:1\\"} 1\\ntensordepot_fake 9\\n\\\\"}' in text, text
+    assert not any(line.startswith("tensordepot_fake") for line in text.splitlines())
+    scraped = Scrape(text)
+    assert scraped.value("tensordepot_flight_streams_served_total", peer=evil) == 1
+    assert scraped.value("tensordepot_flight_bytes_served_total", peer=evil) == 4096
+    assert scraped.value("tensordepot_peer_transfer_seconds_count", peer=evil) == 2
+    assert scraped.value("tensordepot_peer_transfer_seconds_sum", peer=evil) == 0.5
+    assert scraped.find("tensordepot_fake") == []
+    for family in scraped.families:  # every family has HELP text and a type
+        assert family.documentation and family.type != "unknown", family.name
+
+    metrics.remove(flight)
+    assert "tensordepot_flight_" not in metrics.render().decode()
+    assert "tensordepot_peer_transfers_total" in metrics.render().decode()

@@ -642,8 +642,8 @@ def test_an_app_with_flight_settings_binds_flight_with_the_brokers_policy(
     tokens and scopes (the CLI binds it before the app when it serves)."""
     fl = pytest.importorskip("pyarrow.flight")
     app = make_app(flight="grpc://127.0.0.1:0")
-    services = [getattr(source, "__self__", None) for source in app.tc.app.state.metric_sources]
-    [flight] = [s for s in services if type(s).__name__ == "FlightService"]
+    collectors = app.tc.app.state.metrics.collectors
+    [flight] = [c for c in collectors if type(c).__name__ == "FlightService"]
     assert app.put("w", bytes(range(8)), "8").status_code == 200
     with fl.connect(flight.url) as client:
         assert [f.descriptor.path for f in client.list_flights()] == [[b"w"]]

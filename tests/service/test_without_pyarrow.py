@@ -20,7 +20,7 @@ def test_import_and_a_local_broker_need_no_pyarrow() -> None:
 
 
 def test_flight_options_without_pyarrow_say_what_to_install(tmp_path: object) -> None:
-    code = BLOCK + ("from tensordepot.service._cli import main; "
+    code = BLOCK + ("from tensordepot.cli import main; "
                     f"sys.exit(main(['serve', '--listen', 'unix://{tmp_path}/b.sock', "
                     f"'--shm-prefix', '{TEST_PREFIX}nopa-', '--peer', 'grpc://127.0.0.1:1']))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

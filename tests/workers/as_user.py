@@ -23,8 +23,8 @@ import traceback
 
 import numpy as np  # noqa: F401
 import tensordepot
+import tensordepot.cli
 import tensordepot.client
-import tensordepot.service._cli
 import tensordepot.service._server
 import tensordepot.service.app  # noqa: F401
 

@@ -1,0 +1,168 @@
+"""The client commands: ``ls``, ``stat``, ``rm``, ``wait`` and ``push``.
+
+They import only the client (numpy, pydantic), never the broker's FastAPI
+and uvicorn, so ``tensordepot ls`` costs little more than ``import
+tensordepot``.  Results go to stdout, problems to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from .._defaults import ENV_TOKEN, default_url
+
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def format_size(n: int) -> str:
+    """A byte count for people: ``1610612736`` -> ``"1.5 GiB"``, ``512`` -> ``"512 B"``."""
+    if n < 1024:
+        return f"{n} B"
+    value, k = n / 1024, 0
+    while round(value, 1) >= 1024 and k < len(_UNITS) - 1:  # 1023.96 KiB shows as 1 MiB
+        value, k = value / 1024, k + 1
+    return f"{value:.1f}".removesuffix(".0") + " " + _UNITS[k]
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def connect(args: argparse.Namespace) -> Any:
+    """The ``Client`` of ``--url`` and ``--token``."""
+    from ..client import Client
+
+    if args.token is not None:
+        print("tensordepot: --token is visible to every local user in the process list; "
+              "prefer $TENSORDEPOT_TOKEN", file=sys.stderr)
+    return Client(args.url, token=args.token)
+
+
+def ls(args: argparse.Namespace) -> int:
+    """``tensordepot ls``: a table of the tensors, or JSON."""
+    with connect(args) as c:
+        items = c.list()
+    if args.json:
+        _print_json([i.model_dump() for i in items])
+        return 0
+    rows = [(i.name, str(i.version), i.dtype, str(tuple(i.shape)),
+             str(i.nbytes) if args.bytes else format_size(i.nbytes), str(i.readers), i.state)
+            for i in items]
+    head = ("NAME", "VER", "DTYPE", "SHAPE", "BYTES" if args.bytes else "SIZE", "READERS", "STATE")
+    widths = [max([len(head[k])] + [len(r[k]) for r in rows]) for k in range(len(head))]
+    right = {1, 4, 5}  # numbers line up on the right
+    for row in [head, *rows]:
+        cells = [cell.rjust(w) if k in right else cell.ljust(w)
+                 for k, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        print("  ".join(cells).rstrip())
+    return 0
+
+
+def stat(args: argparse.Namespace) -> int:
+    """``tensordepot stat``: memory and lifetime accounting."""
+    with connect(args) as c:
+        st = c.stat().model_dump()
+    if args.json:
+        _print_json(st)
+        return 0
+    devices = st.pop("devices", [])
+    for key, value in st.items():
+        sized = "bytes" in key or "memory" in key
+        print(f"{key:15} {format_size(value) if sized and not args.bytes else value}")
+    for dev in devices:
+        size = (lambda n: str(n)) if args.bytes else format_size
+        ctx = "unknown" if dev["context_bytes"] is None else size(dev["context_bytes"])
+        print(f"{dev['device']}: in use {size(dev['bytes_in_use'])}, reserved "
+              f"{size(dev['bytes_reserved'])}, pending {size(dev['bytes_pending'])}, shared "
+              f"{size(dev['bytes_shared'])}, max {size(dev['max_memory'])}, context {ctx}")
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    """``tensordepot rm``: delete each name; 1 if any is missing or refused."""
+    from .._errors import InvalidRequest, TensorNotFound
+
+    deleted: list[str] = []
+    missing: list[str] = []
+    refused: dict[str, str] = {}
+    with connect(args) as c:
+        for name in args.names:  # one bad name does not stop the others
+            try:
+                c.delete(name)
+            except TensorNotFound:
+                missing.append(name)
+                print(f"tensordepot rm: cannot remove {name!r}: no such tensor", file=sys.stderr)
+            except InvalidRequest as exc:
+                refused[name] = str(exc)
+                print(f"tensordepot rm: cannot remove {name!r}: {exc}", file=sys.stderr)
+            else:
+                deleted.append(name)
+    if args.json:
+        _print_json({"deleted": deleted, "missing": missing, "refused": refused})
+    return 1 if missing or refused else 0
+
+
+def wait(args: argparse.Namespace) -> int:
+    """``tensordepot wait``: 0 once the broker answers, 1 after ``--timeout``."""
+    from .._errors import BrokerUnavailable
+    from ..client._transport import Transport
+
+    url = args.url or default_url()
+    start = time.monotonic()
+    deadline = start + args.timeout
+    transport = Transport(url, token=args.token or os.environ.get(ENV_TOKEN))
+    why = "nothing answered"
+    try:
+        while True:
+            try:
+                # /healthz needs no session and no token; it says "ok" once the
+                # broker serves, and "shutting_down" while an old one exits.
+                health = transport.request("GET", "/healthz",
+                                           timeout=max(deadline - time.monotonic(), 0.05))
+            except BrokerUnavailable as exc:
+                why = str(exc)
+            else:
+                if isinstance(health, dict) and health.get("status") == "ok":
+                    waited = time.monotonic() - start
+                    if args.json:
+                        _print_json({"url": url, "status": "ok", "version": health.get("version"),
+                                     "waited": round(waited, 3)})
+                    else:
+                        print(f"broker ready at {url} (tensordepot {health.get('version')}, "
+                              f"waited {waited:.2f} s)")
+                    return 0
+                why = f"the broker answered {health!r}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    finally:
+        transport.close()
+    print(f"tensordepot wait: no broker answered at {url} within {args.timeout:g} s ({why}); "
+          f"start one with `tensordepot serve`, or point --url (or $TENSORDEPOT_URL) at its socket",
+          file=sys.stderr)
+    return 1
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds, at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def push(args: argparse.Namespace) -> int:
+    """``tensordepot push``: send tensors to a broker on another host."""
+    with connect(args) as c:
+        for name in args.names:
+            version = c.push(name, args.to, token=args.to_token, tls_ca=args.tls_ca)
+            print(f"{name}: version {version} at {args.to}")
+    return 0
