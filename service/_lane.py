@@ -30,7 +30,7 @@ import asyncio
 import time
 import urllib.parse
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httptools
 
@@ -38,8 +38,22 @@ from .._proto import MAX_BODY_BYTES
 from ._gate import Admitted, Gate
 from ._handler import Answer, Reply, too_large
 
-if TYPE_CHECKING:
-    from ._server import PeerCredProtocol
+
+class PeerCredProtocol(Protocol):
+    """What the lane uses of the HTTP protocol that hands it requests
+    (service/_server.py ``PeerCredProtocol``, a uvicorn protocol)."""
+
+    parser: Any
+    cycle: Any
+    expect_100_continue: Any
+    limit_concurrency: Any
+    scope: Any
+    url: Any
+    loop: Any
+    tasks: Any
+    transport: Any
+
+    def on_response_complete(self) -> None: ...
 
 DOOR_HEADER = b"x-tensordepot-door"
 
@@ -108,7 +122,7 @@ class Lane:
         method = parser.get_method().decode("ascii")
         if method == "HEAD":
             return None
-        scope: dict[str, Any] = proto.scope  # type: ignore[assignment]
+        scope: dict[str, Any] = proto.scope
         # Names are lower case; the first of repeated headers wins, as in
         # Starlette's request.headers.get().
         headers: dict[bytes, bytes] = dict(reversed(scope["headers"]))
@@ -162,7 +176,7 @@ class Lane:
             self._send(proto, req, reply)
             return
         busy = req.busy = _Busy(req.keep_alive)
-        proto.cycle = busy  # type: ignore[assignment]
+        proto.cycle = busy
 
         async def finish(pending: Awaitable[Answer]) -> None:
             try:
