@@ -25,6 +25,10 @@ event loop, except event queries, which a task runs in a worker thread.
 * **Shares.**  ``share()`` publishes memory a producer owns, by its IPC
   handle and offset.  The broker never frees it; it withdraws the names of
   a producer's shares when the producer's session ends.
+
+Why one module of more than 500 lines: its four parts share two tables, the
+live leases' release events and the blocks waiting for them, and each part
+changes both; split, each file would import the other's private state.
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ from ..shm._device import DeviceError, DeviceMap, parse_device, uuid_key
 from ..shm._pool import Block, Pool, PoolExhausted
 
 if TYPE_CHECKING:
-    from ._broker import Broker, Lease, Version
-    from ._sessions import Caller, Session
+    from ._records import Entry, Lease, Version
+    from ._sessions import Caller, Session, Sessions
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -99,6 +103,23 @@ class Gpus(Protocol):
     def unavailable(self) -> str | None: ...
     def devices(self) -> DeviceMap: ...
     def open(self, ordinal: int, uuid: str) -> Gpu: ...
+
+
+class Registry(Protocol):
+    """What shares and session ends need of the broker (``_broker.Broker``)."""
+
+    @property
+    def closing(self) -> bool: ...
+    @property
+    def entries(self) -> dict[str, Entry]: ...
+    @property
+    def sessions(self) -> Sessions: ...
+
+    def delete(self, name: str) -> None: ...
+    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                    block: Block | None = None,
+                    request: str | None = None) -> tuple[Version, int | None]: ...
+    def publish(self, sid: str | None, caller: Caller, name: str, number: int) -> Version: ...
 
 
 @dataclass(eq=False)
@@ -211,7 +232,7 @@ class CudaMemory:
         return d.uuid
 
     def check_device(self, device: str) -> None:
-        """The broker's ``_check_alloc`` hook for any device that is not the CPU."""
+        """The broker's check of an allocation on any device that is not the CPU."""
         self.wire_uuid(device)
 
     def _device(self, uuid: str) -> _Device:
@@ -377,7 +398,7 @@ class CudaMemory:
                       strides=strides,
                       dtype=v.dtype, device=block.device, state=v.state, lease=lease, cuda=cuda)
 
-    def end_session(self, broker: Broker, session: Session) -> None:
+    def end_session(self, broker: Registry, session: Session) -> None:
         """Withdraw the names whose current version is memory this session shared."""
         mine = {b for b, s in self._shares.items() if s.session == session.id}
         if not mine or broker.closing:
@@ -387,7 +408,7 @@ class CudaMemory:
                 broker.delete(name)
                 self.count("shares_withdrawn")
 
-    async def share(self, broker: Broker, sid: str | None, caller: Caller,
+    async def share(self, broker: Registry, sid: str | None, caller: Caller,
                     req: ShareRequest) -> Version:
         """Publish producer-owned memory as the next version of ``req.name``."""
         uuid = self.wire_uuid(req.device)
@@ -419,7 +440,7 @@ class CudaMemory:
         self.count("shares")
         return broker.publish(sid, caller, req.name, v.number)
 
-    def live(self, broker: Broker, req: LiveRequest) -> LiveReply:
+    def live(self, broker: Registry, req: LiveRequest) -> LiveReply:
         """Which of these blocks (or shared allocations) the broker still has,
         which a lease or a reader's queued kernel still uses, and which shared
         allocations lost their producer (its session ended, or its process is

@@ -18,7 +18,8 @@ from typing import Any
 
 from .._proto import MAX_WAIT
 from .._wire import BatchGet, ManyAlloc, ManyPublish
-from ._broker import Broker, Version
+from ._broker import Broker
+from ._records import Version
 from ._sessions import Caller
 
 

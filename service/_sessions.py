@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import Conflict, Forbidden, InvalidRequest, LimitExceeded
+from .._errors import BrokerUnavailable, Conflict, Forbidden, InvalidRequest, LimitExceeded
 from .._proto import REQUEST_CACHE, UNKNOWN_SESSION, proc_stat
 
 if TYPE_CHECKING:
     import asyncio
 
-    from ._broker import Version
+    from ._records import Version
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class Sessions:
         self.proc = proc
         self.table: dict[str, Session] = {}
         self._per_peer: dict[str, int] = {}
+        self.closing = False  # the broker is shutting down: no session starts new work
 
     def __len__(self) -> int:
         return len(self.table)
@@ -170,6 +171,12 @@ class Sessions:
             )
         s.last_seen = self.clock()
         return s
+
+    def admit(self, sid: str | None, caller: Caller) -> Session:
+        """``use``, for new work: refused while the broker shuts down."""
+        if self.closing:
+            raise BrokerUnavailable("the broker is shutting down; retry against the new broker")
+        return self.use(sid, caller)
 
     def remove(self, s: Session) -> None:
         if self.table.pop(s.id, None) is None:

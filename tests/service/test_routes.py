@@ -339,7 +339,7 @@ def test_shutting_down_is_503(app: App) -> None:
     waiter = threading.Thread(target=lambda: results.append(
         app.tc.get("/v1/tensors/never?timeout=60", headers=app.headers())))
     waiter.start()
-    wait_for(lambda: "never" in app.broker._waits, 10, what="the get to wait")
+    wait_for(lambda: "never" in app.broker.waits, 10, what="the get to wait")
     app.on_loop(app.broker.begin_shutdown)
     waiter.join(10)
     assert not waiter.is_alive(), "a waiting get must wake when the broker shuts down"

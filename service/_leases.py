@@ -1,0 +1,86 @@
+"""Leases: which session holds which version, so its memory stays put.
+
+A get leases the version it answers with; an ``alloc(hold=True)`` leases the
+version being written for the writer's own views; a forked child gets copies
+of its parent's leases.  A lease belongs to one session and ends when that
+session releases it, cancels the request that took it, or ends.  When the
+last lease of a version that is no longer current ends, its memory is freed
+(``Memory.free_if_unreachable``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from ._records import Lease
+
+if TYPE_CHECKING:
+    from ._cuda import CudaMemory
+    from ._memory import Memory
+    from ._records import Version
+    from ._sessions import Session, Sessions
+
+
+class Leases:
+    """Every live lease, by id."""
+
+    def __init__(self, sessions: Sessions, memory: Memory, cuda: CudaMemory,
+                 count: Callable[..., None]) -> None:
+        self.sessions = sessions
+        self.memory = memory
+        self.cuda = cuda
+        self._count = count
+        self.table: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+
+    def take(self, s: Session, v: Version, request: str | None = None, *, count: bool = True,
+             hold: bool = False) -> int:
+        """A new lease of ``v`` for ``s``; ``request``: the id of the request
+        that took it, which releases it if its answer is never read."""
+        lid = next(self._ids)
+        self.table[lid] = Lease(lid, s.id, v, request, hold)
+        s.leases.add(lid)
+        if request is not None:
+            s.by_request.setdefault(request, set()).add(lid)
+        v.readers += 1
+        if v.entry is not None and not hold:
+            v.entry.readers += 1
+        self.cuda.on_lease(lid, v, s)
+        if count:
+            self._count("gets")
+            self._count("bytes_got", v.nbytes)
+        return lid
+
+    def of(self, s: Session) -> list[Lease]:
+        return [self.table[lid] for lid in s.leases]
+
+    def release_ids(self, s: Session, lease_ids: Iterable[int]) -> int:
+        """End those of ``lease_ids`` that ``s`` holds (others are ignored)."""
+        n = 0
+        for lid in list(lease_ids):
+            lease = self.table.get(lid)
+            if lease is not None and lease.session == s.id:
+                self.release_one(lid)
+                n += 1
+        return n
+
+    def release_one(self, lid: int) -> None:
+        lease = self.table.pop(lid)
+        s = self.sessions.get(lease.session)
+        if s is not None:
+            s.leases.discard(lid)
+            if lease.request is not None:
+                ids = s.by_request.get(lease.request)
+                if ids is not None:
+                    ids.discard(lid)  # a set: a batch's thousand releases stay linear
+                    if not ids:
+                        del s.by_request[lease.request]
+        v = lease.version
+        v.readers -= 1
+        if v.entry is not None and not lease.hold:
+            v.entry.readers -= 1
+        self.cuda.on_release(lease)
+        self.memory.free_if_unreachable(v)
+        self._count("releases")

@@ -1,0 +1,244 @@
+"""Memory: where versions live, when their bytes are freed, and when retired.
+
+Host memory is a ``Pool`` of shared-memory segments; GPU memory is
+``CudaMemory`` (``_cuda``).  This module places versions in them, keeps the
+books (bytes in use, live versions, quotas through ``Quotas``), makes new
+segments in worker threads and unlinks them there, never on the event loop
+(README, Lifetime: M7), and maps segments for the broker's own reads and
+writes (inline puts, Flight, peers).
+
+It holds the broker's first invariant (``_broker`` lists them all):
+**memory that a live view in any process can still reach is never handed
+to another tensor.**  Two functions enforce it:
+
+* ``free_if_unreachable`` is the one place a version's memory goes back to
+  its pool: only when its name no longer refers to it (``current`` false)
+  and no lease holds it.  A block that other versions share (``link``) is
+  freed with the last of them.
+* ``lapse`` and ``distrust`` mark memory that a process the broker cannot
+  vouch for may still map (a session that missed its heartbeats, an
+  unpublished write that expired): the pool then *retires* such a block
+  instead of reusing it.  ``release_stale`` undoes that for the leases a
+  resumed client says it no longer views.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from .._errors import BrokerUnavailable, OutOfMemory
+from ..shm import PosixMapping, byte_view
+from ..shm._base import Segment
+from ..shm._pool import Block, Pool
+
+if TYPE_CHECKING:
+    from ._cuda import CudaMemory
+    from ._quotas import Quotas
+    from ._records import Lease, Version
+    from ._sessions import Caller, Session
+
+log = logging.getLogger("tensordepot.broker")
+
+MAX_LAPSED = 4096  # lapsed sessions whose retired leases can still be given back
+
+
+class Memory:
+    """The broker's host pool and GPUs, and the books on them."""
+
+    def __init__(self, pool: Pool, cuda: CudaMemory, quotas: Quotas,
+                 count: Callable[[str], None]) -> None:
+        self.pool = pool
+        self.cuda = cuda
+        self.quotas = quotas
+        self._count = count
+        self.bytes_in_use = 0
+        self.versions_live = 0
+        # Lapsed sessions: session id -> (owner identity, lease id -> block it held).
+        self._lapsed: OrderedDict[str, tuple[str, dict[int, Block]]] = OrderedDict()
+        self._maps: dict[str, PosixMapping] = {}
+        # Slow memory work happens in threads: creating (fallocate) and unlinking.
+        self._creator = ThreadPoolExecutor(2, thread_name_prefix="tensordepot-create")
+        self._unlinker = ThreadPoolExecutor(1, thread_name_prefix="tensordepot-unlink")
+        self._fresh: set[Segment] = set()  # created in a thread, not yet handed to the pool
+        self._fresh_lock = threading.Lock()
+        self._growing: asyncio.Future[None] | None = None  # a pool segment being made
+        self._closed = False
+        pool._unlinker = self._unlink_later
+        pool.on_drop = self._forget_mapping
+
+    # -- placing -------------------------------------------------------------------
+    async def block(self, nbytes: int) -> Block:
+        """A host block for ``nbytes``; a new segment is made in a worker thread.
+        Requests that need a pool segment while one is being made wait for it
+        and share it, instead of each making (and reserving) one of their own."""
+        while True:
+            blk = self.pool.try_alloc(nbytes)
+            if blk is not None:
+                return blk
+            size, dedicated = self.pool.plan(nbytes)
+            if dedicated or self._growing is None:
+                break
+            await asyncio.shield(self._growing)
+        self.pool.reserve(size)
+        loop = asyncio.get_running_loop()
+        growing = None if dedicated else loop.create_future()
+        if growing is not None:
+            self._growing = growing
+        try:
+            seg = await loop.run_in_executor(self._creator, self._create, size)
+        except BaseException:
+            self.pool.unreserve(size)
+            raise
+        finally:
+            if growing is not None:
+                self._growing = None
+                growing.set_result(None)
+        with self._fresh_lock:
+            self._fresh.discard(seg)
+        return self.pool.take(self.pool.add(seg, dedicated), nbytes)
+
+    def _create(self, size: int) -> Segment:
+        seg = self.pool.create(size)
+        with self._fresh_lock:
+            if self._closed:  # the broker shut down while this segment was made
+                seg.unlink()
+                raise BrokerUnavailable("the broker is shutting down")
+            self._fresh.add(seg)
+        return seg
+
+    def _unlink_later(self, seg: Segment) -> None:
+        if self._closed:
+            seg.unlink()
+        else:
+            self._unlinker.submit(seg.unlink)
+
+    def refused(self, name: str, nbytes: int, exc: Exception) -> OutOfMemory:
+        """The 507 for an allocation no pool could place."""
+        self._count("quota_refusals")
+        return OutOfMemory(
+            f"cannot place {name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
+            f"or start the broker with a larger --max-memory"
+        )
+
+    def placed(self, s: Session, v: Version) -> None:
+        """``v`` now owns its block: it counts as in use, and against ``s``'s quotas."""
+        self.bytes_in_use += v.block.nbytes
+        self.versions_live += 1
+        self.quotas.record(s, v)
+
+    def linked(self, v: Version) -> None:
+        """``v`` shares a block already in use (``link``): its bytes count once."""
+        self.versions_live += 1
+
+    def give_back(self, block: Block) -> None:
+        """A block that was never handed out: nobody maps it, so reuse it at once."""
+        (self.pool if block.device == "cpu" else self.cuda).free(block)
+
+    # -- memory safety (the invariant in the module docstring) -------------------------
+    def free_if_unreachable(self, v: Version) -> None:
+        """Free ``v``'s memory if nothing can reach it: its name no longer
+        refers to it and no lease holds it.  The only way back to a pool."""
+        if not v.current and v.readers == 0 and v.block is not None:
+            block, v.block = v.block, None  # type: ignore[assignment]
+            self.versions_live -= 1
+            self.quotas.uncharge(v)
+            block.refs -= 1
+            if block.refs == 0:  # no other version (see link) shares the bytes
+                # A block with stale holders is retired instead of freed.
+                (self.pool if block.device == "cpu" else self.cuda).free(block)
+                self.bytes_in_use -= block.nbytes
+
+    def retire(self, v: Version) -> None:
+        """Its name no longer refers to ``v``: freed once its last lease ends."""
+        v.current = False
+        self.free_if_unreachable(v)
+
+    @staticmethod
+    def distrust(block: Block) -> None:
+        """A process may still map ``block`` and nobody will say when it stops:
+        when freed, the block is retired instead of reused."""
+        block.stale += 1
+
+    def lapse(self, s: Session, leases: list[Lease]) -> None:
+        """``s`` ended unheard (its process may be paused, not dead): everything
+        it could map is distrusted.  Its leases are remembered so that the
+        process, when it resumes and its views die, can give them back
+        (``release_stale``)."""
+        held = {}
+        for lease in leases:
+            if lease.version.block is not None:
+                self.distrust(lease.version.block)
+                held[lease.id] = lease.version.block
+        holds = {lease.version for lease in leases if lease.hold}
+        for v in s.writing:
+            if v not in holds:  # a put's fill in flight: no lease ever says it is done
+                self.distrust(v.block)
+        if held:
+            self._lapsed[s.id] = (s.owner, held)
+            # Beyond the bound, the oldest are forgotten: retired until their segment drains.
+            while len(self._lapsed) > MAX_LAPSED:
+                self._lapsed.popitem(last=False)
+
+    def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:
+        """A client whose session lapsed says the views of these leases of
+        that old session are gone: their memory, retired when the session
+        lapsed, may be reused."""
+        n = 0
+        for sid, lease_ids in stale.items():
+            rec = self._lapsed.get(sid)
+            if rec is None or rec[0] != caller.identity:
+                continue  # not a lapsed session of this caller: nothing to give back
+            held = rec[1]
+            for lid in lease_ids:
+                blk = held.pop(lid, None)
+                if blk is None:
+                    continue
+                blk.stale -= 1
+                n += 1
+                if blk.stale == 0 and blk.retired and blk.device == "cpu":
+                    self.pool.unretire(blk)
+            if not held:
+                del self._lapsed[sid]
+        return n
+
+    # -- the broker's own mappings -------------------------------------------------
+    def _forget_mapping(self, segment: str) -> None:
+        self._maps.pop(segment, None)
+
+    def _map(self, segment: str) -> PosixMapping:
+        m = self._maps.get(segment)
+        if m is None:  # the pool's on_drop forgets mappings of unlinked segments
+            m = self._maps[segment] = PosixMapping(segment, writable=True)
+        return m
+
+    def view(self, v: Version, *, writable: bool = False) -> Any:
+        """The bytes of ``v`` as a flat uint8 numpy array over the broker's own
+        mapping.  The array keeps the mapping alive after the pool unlinks the
+        segment."""
+        return byte_view(self._map(v.block.segment), v.block.offset, v.nbytes, writable=writable)
+
+    def fill(self, v: Version, data: bytes) -> None:
+        """Copy ``data`` (``v.nbytes`` of them, checked) into an unpublished ``v``."""
+        if v.nbytes:
+            ctypes.memmove(self._map(v.block.segment).address + v.block.offset, data, v.nbytes)
+
+    # -- shutdown --------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker threads and unlink every segment (broker shutdown)."""
+        with self._fresh_lock:
+            self._closed = True
+        self._creator.shutdown(wait=True)
+        self._unlinker.shutdown(wait=True)
+        for seg in self._fresh:  # made, but the request that wanted it never resumed
+            seg.unlink()
+        self._fresh.clear()
+        self._maps.clear()
+        self.cuda.close()
+        self.pool.close()

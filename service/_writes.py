@@ -1,0 +1,314 @@
+"""Writes: new versions, from allocation to publish (or reclaim).
+
+``alloc`` places version N+1 of a name in the *writing* state, owned by the
+allocating session, in memory the pool (or a GPU) has; ``publish`` makes it
+*ready*, for good, and retires the previous ready version; ``abort`` and
+``abandon`` reclaim a version never published.  Batches (``*_many``) do the
+same for a state dict, all or none.  Inline puts and ``link`` are the two
+shortcuts: a small tensor's bytes in the request, and published bytes
+shared under a second name.  ``Broker`` answers with these methods.
+
+``_publish`` is where the second invariant (``_broker``) is kept:
+**published bytes never change**.  The broker writes only into versions
+being written (``_fill_inline``), publishing ends that state, and ``link``
+shares only published bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .._errors import Conflict, InvalidRequest, TensorNotFound
+from .._wire import INLINE_MAX, AllocRequest
+from ..shm._pool import Block, PoolExhausted
+from ._records import CPU, Checked, Version, check_item
+
+if TYPE_CHECKING:
+    from ..shm._pool import Pool
+    from ._cuda import CudaMemory
+    from ._leases import Leases
+    from ._memory import Memory
+    from ._quotas import Quotas
+    from ._records import Records
+    from ._sessions import Caller, Session, Sessions
+    from ._waits import Waits
+
+
+class Writes:
+    """The writing side of the registry."""
+
+    def __init__(self, *, sessions: Sessions, records: Records, memory: Memory, quotas: Quotas,
+                 lending: Leases, waits: Waits, alloc_ttl: float, clock: Callable[[], float],
+                 count: Callable[..., None]) -> None:
+        self.sessions = sessions
+        self.records = records
+        self.memory = memory
+        self.pool: Pool = memory.pool
+        self.cuda: CudaMemory = memory.cuda
+        self.quotas = quotas
+        self.lending = lending
+        self.waits = waits
+        self.alloc_ttl = alloc_ttl  # unpublished past this: reclaimed (0: never)
+        self.clock = clock
+        self._count = count
+
+    # -- placing -------------------------------------------------------------
+    def _check_item(self, device: str, dtype: str, dims: list[int]) -> Checked:
+        if device not in CPU:
+            self.cuda.check_device(device)
+        return check_item(dtype, dims)
+
+    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                    block: Block | None = None,
+                    request: str | None = None) -> tuple[Version, int | None]:
+        """A new version in the writing state, and the writer's hold if asked.
+        ``block``: place it there (a producer's shared CUDA memory)."""
+        s = self.sessions.admit(sid, caller)
+        shape, dtype, itemsize, nbytes = self._check_item(req.device, req.dtype, req.shape)
+        self.quotas.charge(s, nbytes, req.name)
+        try:
+            if block is None:
+                block = (await self.memory.block(nbytes) if req.device in CPU
+                         else self.cuda.alloc(s, req, nbytes))
+        except PoolExhausted as exc:
+            raise self.memory.refused(req.name, nbytes, exc) from None
+        sessions = self.sessions
+        if sessions.closing or sessions.get(s.id) is not s:  # it ended while a segment was made
+            self.memory.give_back(block)
+            self.sessions.admit(sid, caller)  # raises the reason
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
+                           request=request)
+
+    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
+                  checked: Checked | None = None) -> tuple[Version, int | None] | None:
+        """``alloc`` when it needs no new segment (a CPU tensor that fits in
+        existing memory), without awaiting; None when it does.  ``checked``:
+        what ``_check_item`` returned for ``req``, if the caller called it already."""
+        s = self.sessions.admit(sid, caller)
+        shape, dtype, itemsize, nbytes = (checked
+                                          or self._check_item(req.device, req.dtype, req.shape))
+        if req.device not in CPU:
+            return None
+        self.quotas.charge(s, nbytes, req.name)
+        block = self.pool.try_alloc(nbytes)
+        if block is None:
+            return None
+        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block)
+
+    def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
+               dtype: str, itemsize: int, block: Block, count: bool = True,
+               request: str | None = None) -> tuple[Version, int | None]:
+        """The new writing version of ``name`` in ``block`` (``count``: in the
+        metrics now; a batch counts its versions at once).  ``request``: the id
+        of the request that allocated it, which cancels it if its answer was
+        never read (and its hold, if any)."""
+        e = self.records.entry(name)
+        v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
+                    ttl=ttl, entry=e)
+        if self.alloc_ttl:
+            v.deadline = self.clock() + self.alloc_ttl
+        e.next_version += 1
+        e.writing[v.number] = v
+        s.writing.add(v)
+        self.memory.placed(s, v)
+        v.request = request
+        if count:
+            self._count("allocs")
+        return v, (self.lending.take(s, v, request, count=False, hold=True) if hold else None)
+
+    # -- batches (a state dict in one request per step) ------------------------
+    def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
+               dtypes: list[str]) -> tuple[Session, list[Checked]]:
+        """The session and every item checked (CPU memory), before anything is placed."""
+        s = self.sessions.admit(sid, caller)
+        if not len(names) == len(shapes) == len(dtypes):
+            raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
+                                 f"names, {len(shapes)} shapes, {len(dtypes)} dtypes")
+        if len(set(names)) != len(names):
+            raise InvalidRequest("a batch allocates each name once")
+        seen: dict[tuple[str, tuple[int, ...]], Checked] = {}
+        items = []
+        # A state dict repeats a few (dtype, shape) pairs: each is checked once.
+        for shape, d in zip(shapes, dtypes, strict=True):
+            key = (d, tuple(shape))
+            item = seen.get(key)
+            if item is None:
+                item = seen[key] = check_item(d, shape)
+            items.append(item)
+        total = sum(item[3] for item in items)
+        self.quotas.charge(s, total, f"{len(names)} tensors" if len(names) != 1 else names[0])
+        return s, items
+
+    def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                       shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
+                       request: str | None = None) -> list[Version] | None:
+        """``alloc_many`` when every tensor fits in existing memory, without
+        awaiting; None (and nothing allocated) when one does not."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        for item in items:
+            blk = self.pool.try_alloc(item[3])
+            if blk is None:
+                for b in blocks:
+                    self.pool.free(b)  # never handed out: safe to reuse at once
+                return None
+            blocks.append(blk)
+        return self._place_all(s, names, items, blocks, ttl, request)
+
+    async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
+                         shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
+                         request: str | None = None) -> list[Version]:
+        """A new writing version of each name (CPU memory), all or none."""
+        s, items = self._batch(sid, caller, names, shapes, dtypes)
+        blocks: list[Block] = []
+        try:
+            for name, item in zip(names, items, strict=True):
+                try:
+                    blocks.append(await self.memory.block(item[3]))
+                except PoolExhausted as exc:
+                    raise self.memory.refused(name, item[3], exc) from None
+            sessions = self.sessions
+            if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
+                self.sessions.admit(sid, caller)  # raises the reason
+        except BaseException:
+            for b in blocks:
+                self.pool.free(b)  # nobody maps them yet
+            raise
+        return self._place_all(s, names, items, blocks, ttl, request)
+
+    def _place_all(self, s: Session, names: list[str], items: list[Checked], blocks: list[Block],
+                   ttl: float | None, request: str | None) -> list[Version]:
+        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, blk, False, request)[0]
+                  for name, (shape, dtype, itemsize, _), blk
+                  in zip(names, items, blocks, strict=True)]
+        self._count("allocs", len(placed))
+        return placed
+
+    # -- publishing --------------------------------------------------------
+    def _writing(self, s: Session, name: str, number: int) -> Version:
+        e = self.records.entries.get(name)
+        v = e.writing.get(number) if e is not None else None
+        if v is None:
+            for orphan in list(s.writing):
+                if orphan.name == name and orphan.number == number:
+                    self.abandon(orphan)  # its name was deleted while it was written
+            raise TensorNotFound(
+                f"no unpublished version {number} of {name!r}: it was published already, "
+                f"deleted while being written, or reclaimed (its writer's session ended, or it "
+                f"stayed unpublished longer than --alloc-ttl)"
+            )
+        if v.owner != s.id:
+            raise Conflict(f"version {number} of {name!r} belongs to another session")
+        return v
+
+    def publish(self, sid: str | None, caller: Caller, name: str, number: int) -> Version:
+        s = self.sessions.admit(sid, caller)
+        return self._publish(s, self._writing(s, name, number))
+
+    def publish_many(self, sid: str | None, caller: Caller,
+                     items: list[tuple[str, int]]) -> list[Version]:
+        """All or nothing: every item is checked before any is published."""
+        s = self.sessions.admit(sid, caller)
+        if len(set(items)) != len(items):
+            raise InvalidRequest("a batch publishes each (name, version) once")
+        versions = [self._writing(s, name, number) for name, number in items]
+        return [self._publish(s, v) for v in versions]
+
+    def _publish(self, s: Session, v: Version) -> Version:
+        """``v`` becomes ready, for good: its bytes never change again."""
+        e = v.entry
+        assert e is not None
+        del e.writing[v.number]
+        s.writing.discard(v)
+        v.state, v.owner, v.deadline = "ready", None, None
+        old = e.ready
+        if old is not None and old.number > v.number:
+            # A newer version was published first; this one is superseded at once.
+            self.memory.retire(v)
+            return old
+        e.ready = v
+        e.expires_at = None if v.ttl is None else self.clock() + v.ttl
+        if old is not None:
+            self.memory.retire(old)
+        self._count("publishes")
+        self._count("bytes_put", v.nbytes)
+        self.waits.wake(v.name)
+        return v
+
+    def abort(self, sid: str | None, caller: Caller, name: str, number: int) -> None:
+        """Give back a version this session allocated and will not publish."""
+        s = self.sessions.admit(sid, caller)
+        for v in list(s.writing):
+            if v.name == name and v.number == number:
+                self.abandon(v)
+                return
+        raise TensorNotFound(f"this session is not writing version {number} of {name!r}")
+
+    def abandon(self, v: Version) -> None:
+        """Reclaim a version that was allocated but never published."""
+        if v.owner:
+            s = self.sessions.get(v.owner)
+            if s is not None:
+                s.writing.discard(v)
+        e = self.records.entries.get(v.name)
+        if e is not None and e.writing.get(v.number) is v:
+            del e.writing[v.number]
+            if e.ready is None and not e.writing:
+                self.records.drop(e)
+        self.memory.retire(v)
+        self._count("writes_reclaimed")
+
+    async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
+                         data: bytes) -> Version:
+        """Allocate, fill and publish a small tensor whose bytes came in the request."""
+        self._check_inline(req, data)
+        v, _ = await self.alloc(sid, caller, req)
+        return self._fill_inline(sid, caller, v, data)
+
+    def try_put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
+                       data: bytes) -> Version | None:
+        """``put_inline`` when it needs no new segment, without awaiting; None when it does."""
+        got = self.try_alloc(sid, caller, req, self._check_inline(req, data))
+        return None if got is None else self._fill_inline(sid, caller, got[0], data)
+
+    def _check_inline(self, req: AllocRequest, data: bytes) -> Checked:
+        checked = self._check_item(req.device, req.dtype, req.shape)
+        shape, nbytes = checked[0], checked[3]
+        if nbytes > INLINE_MAX:
+            raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + "
+                                 "publish")
+        if len(data) != nbytes:
+            raise InvalidRequest(
+                f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
+            )
+        return checked
+
+    def _fill_inline(self, sid: str | None, caller: Caller, v: Version, data: bytes) -> Version:
+        self.memory.fill(v, data)  # len(data) == v.nbytes, checked: the block holds it
+        return self.publish(sid, caller, v.name, v.number)
+
+    def link(self, sid: str | None, caller: Caller, name: str, lease_id: int,
+             ttl: float | None = None) -> Version:
+        """Publish the bytes a lease holds as the next version of ``name``, without a copy.
+
+        The new version shares the block; the memory is freed when every
+        version that shares it is gone."""
+        s = self.sessions.admit(sid, caller)
+        lease = self.lending.table.get(lease_id)
+        if lease is None or lease.session != s.id or lease.version.block is None:
+            raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source "
+                                 "tensor again")
+        src = lease.version
+        if src.state != "ready":
+            raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
+        e = self.records.entry(name)
+        src.block.refs += 1
+        v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
+                    s.id, ttl=ttl, entry=e)
+        e.next_version += 1
+        e.writing[v.number] = v
+        s.writing.add(v)
+        self.memory.linked(v)
+        self._count("links")
+        return self._publish(s, v)
