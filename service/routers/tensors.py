@@ -94,7 +94,7 @@ def get_tensor(call: Call[Any]) -> Reply:
 
     async def later() -> Answer:
         # Watch for a hang-up only when the get will really wait.
-        watch = wait != 0 and call.gone is not None and broker._ready(name, newer_than) is None
+        watch = wait != 0 and call.gone is not None and broker.ready(name, newer_than) is None
         v, lease = await broker.get(sid, who, name, wait, newer_than, request=rid,
                                     gone=call.gone if watch else None)
         return 200, handle_json(broker, v, lease)
