@@ -26,7 +26,7 @@ event loop, except event queries, which a task runs in a worker thread.
   handle and offset.  The broker never frees it; it withdraws the names of
   a producer's shares when the producer's session ends.
 
-Why one module of more than 500 lines: its four parts share two tables, the
+Why one module of over 500 lines: its four parts share two tables, the
 live leases' release events and the blocks waiting for them, and each part
 changes both; split, each file would import the other's private state.
 """
