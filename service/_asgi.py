@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from .._proto import MAX_BODY_BYTES
+from ._broker import ClientGone
 from ._gate import MARK, Gate
 from ._handler import too_large
 
@@ -27,8 +28,8 @@ async def _read_body(receive: Any, headers: dict[bytes, bytes]) -> bytes:
     chunks, seen = [], 0
     while True:
         message = await receive()
-        if message["type"] == "http.disconnect":
-            break
+        if message["type"] == "http.disconnect":  # gone mid-body: nothing runs
+            raise ClientGone("the client hung up before its request's body arrived")
         chunk = message.get("body", b"")
         seen += len(chunk)
         if seen > MAX_BODY_BYTES:

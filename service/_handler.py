@@ -94,6 +94,7 @@ class Route:
     status: int = 200  # the status of a good answer
     media: str = JSON  # the content type of a good answer
     once: bool = False  # a request id makes it idempotent (the first answer is replayed)
+    head: bool = True  # a GET route HEAD may ask too (False: the GET takes a lease)
     docs: dict[str, Any] = field(default_factory=dict)  # OpenAPI: parameters, requestBody
     note: str = ""  # SECURITY.md's scope table: who may use it beyond the scope
 

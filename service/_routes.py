@@ -57,22 +57,27 @@ _PATTERNS = [_Pattern(r) for r in ROUTES if "{" in r.path]
 _PATHS = frozenset(r.path for r in ROUTES if "{" not in r.path)
 
 
+def _find(method: str, path: str) -> tuple[Route | None, dict[str, str]]:
+    r = _EXACT.get((method, path))
+    if r is not None:
+        return r, {}
+    for p in _PATTERNS:
+        if p.route.method == method:
+            params = p.match(path)
+            if params is not None:
+                return p.route, params
+    return None, {}
+
+
 def match(method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
     """(the route, its path parameters, whether the path exists for another
     method) for a request; (None, {}, False) for a path no route serves.
-    HEAD is GET without the body."""
-    if method == "HEAD":
-        method = "GET"
-    r = _EXACT.get((method, path))
-    if r is not None:
-        return r, {}, False
-    other = path in _PATHS
-    for p in _PATTERNS:
-        params = p.match(path)
-        if params is not None:
-            if p.route.method == method:
-                return p.route, params, False
-            other = True
+    HEAD is GET without the body, on the GET routes that change nothing."""
+    head = method == "HEAD"
+    r, params = _find("GET" if head else method, path)
+    if r is not None and (r.head or not head):
+        return r, params, False
+    other = r is not None or path in _PATHS or any(p.match(path) is not None for p in _PATTERNS)
     return None, {}, other
 
 

@@ -82,7 +82,7 @@ _PUT_DOCS = {
 
 
 @route("GET", "/v1/tensors/{name:path}", READ, "get_tensor", tag=TAG, answers=Handle, once=True,
-       docs=_GET_DOCS,
+       docs=_GET_DOCS, head=False,
        summary="Lease the newest published version, waiting up to `timeout` seconds")
 def get_tensor(call: Call[Any]) -> Reply:
     name = call.params["name"]

@@ -42,8 +42,8 @@ def call(policy: AuthPolicy, method: str, path: str, state: dict[str, Any],
     gate = Gate(SimpleNamespace(), policy, Metrics(lambda: None))
     try:
         return 200, gate.admit(method, path, scope).principal
-    except NoRoute:  # admitted; no route serves it (404)
-        return 200, scope["state"]["principal"]
+    except NoRoute as exc:  # admitted, but no route serves it (404, 405)
+        return exc.status, scope["state"]["principal"]
     except DepotError as exc:
         return exc.status, None
 
@@ -99,9 +99,10 @@ def test_scopes_prefixes_and_groups(tmp_path: Path) -> None:
             ("GET", "/v1/tensors/a/x", READ, 200), ("POST", "/v1/alloc", READ, 403),
             ("POST", "/v1/put/a/x", WRITE, 200), ("POST", "/v1/put/b/x", WRITE, 403),
             ("GET", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors/", WRITE, 403),
-            ("HEAD", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors", WRITE, 200),
-            ("GET", "/no/such/route", READ, 200)):  # the app answers 404 for it
-        got, _ = call(policy, method, path, dict(tcp), bearer(secret[token]))
+            ("HEAD", "/v1/tensors/a/x", WRITE, 405),  # a HEAD may not take a lease
+            ("HEAD", "/v1/stat", READ, 200), ("GET", "/v1/tensors", WRITE, 200),
+            ("GET", "/no/such/route", READ, 404), ("GET", "/no/such/route", None, 401)):
+        got, _ = call(policy, method, path, dict(tcp), bearer(secret[token]) if token else [])
         assert got == status, (method, path, token)
     assert call(policy, "GET", "/v1/stat", dict(tcp), bearer("x" * 20))[0] == 401
     assert call(policy, "GET", "/v1/stat", dict(tcp))[0] == 401
