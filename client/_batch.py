@@ -151,8 +151,9 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
     raw = yield from core.call("POST", "/v1/many/get", body, timeout=io, rid=core.rid(),
                                grants=True, raw=True)
     cols = HandleColumns.model_validate_json(raw)
-    cheap = core.map_cheaply("cuda" if cols.others else "posix")
-    return (yield Offload(_tensors, core, cols, cheap=cheap))  # type: ignore[no-any-return]
+    if core.map_cheaply("cuda" if cols.others else "posix"):
+        return _tensors(core, cols)
+    return (yield Offload(_tensors, core, cols))  # type: ignore[no-any-return]
 
 
 def _tensors(client: Core, cols: HandleColumns) -> dict[str, SharedTensor]:

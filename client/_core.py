@@ -163,15 +163,18 @@ class Core:
         if not background:
             if self.closed or self.closing:
                 raise InvalidRequest("this client is closed; create a new one")
-            self.claim_if_forked()
+            if self._fork_claim is not None:
+                self.claim_if_forked()
         if not self.sid:
             yield from self.open_session("")
         headers, ids, rids = self.headers(rid, carry=not background)
         sid = self.sid
         resend = rid is not None or method != "POST"
+        io = io_timeout(timeout, self.timeout)
+        self.round_trips += 1
         try:
-            status, payload = yield from self.exchange(method, path, body, headers,
-                                                       timeout=timeout, resend=resend, keep=keep)
+            status, payload = yield from exchange(self.endpoint, method, path, body, headers,
+                                                  timeout=io, resend=resend, keep=keep)
             return decode(status, payload, raw)
         except DepotError as exc:
             if not getattr(exc, "answered", False):
@@ -184,8 +187,9 @@ class Core:
         # The broker restarted or reaped us: open a fresh session and send it once more.
         yield from self.open_session(sid)
         headers, _, _ = self.headers(rid, carry=False)
-        status, payload = yield from self.exchange(method, path, body, headers, timeout=timeout,
-                                                   resend=resend, keep=keep)
+        self.round_trips += 1
+        status, payload = yield from exchange(self.endpoint, method, path, body, headers,
+                                              timeout=io, resend=resend, keep=keep)
         return decode(status, payload, raw)
 
     def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
@@ -256,7 +260,10 @@ class Core:
             yield from self.publish(t.name, t.version)
         except (BrokerUnavailable, TensorNotFound) as exc:
             raise t._broken(exc) from exc
-        yield Offload(t._published, cheap=t.nbytes < _REMAP_IN_THREAD)
+        if t.nbytes < _REMAP_IN_THREAD:
+            t._published()
+        else:
+            yield Offload(t._published)
         return t
 
     def publish_now(self, t: SharedTensor) -> None:
@@ -264,11 +271,10 @@ class Core:
         self.run(self.publish_tensor(t))
 
     # -- tensors -----------------------------------------------------------------------------
-    def map_cheaply(self, *kinds: str) -> bool:
-        """Whether mapping tensors of these kinds never waits: one lazy mmap
-        per tensor, no page touched, no lock that another thread holds."""
-        return (all(k == "posix" for k in kinds) and not self.segments.lock.locked()
-                and not self.gate.locked())
+    def map_cheaply(self, kind: str) -> bool:
+        """Whether mapping tensors of this kind never waits: one lazy mmap per
+        tensor, no page touched, no lock that another thread holds."""
+        return kind == "posix" and not self.segments.lock.locked() and not self.gate.locked()
 
     def posix_tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
         """The tensor of a shared-memory handle (its operation gives back what

@@ -10,8 +10,9 @@ validation would cost as much as the JSON itself on a 1,000-tensor batch.
 
 Where work may not run on an event loop, an operation offloads it: the copy
 of a put, mapping a tensor when that may wait (a GPU handle, a lock another
-thread holds), a GPU operation whole (``Offload(core.run, ...)``: it runs
-blocking, on the core's own transport).  What an operation allocated, it
+thread holds; else it maps in place, as cheap as any step), a GPU operation
+whole (``Offload(core.run, ...)``: it runs blocking, on the core's own
+transport).  What an operation allocated, it
 gives back when a later step fails or its caller is cancelled.
 """
 
@@ -129,7 +130,10 @@ def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any,
                                         device=_cuda_handles.wire_device(device), hold=True)
     h = Handle.model_validate_json((yield from core.alloc(body)))
     try:
-        t = yield Offload(tensor, core, h, True, cheap=core.map_cheaply(h.kind))
+        if core.map_cheaply(h.kind):
+            t = tensor(core, h, True)
+        else:
+            t = yield Offload(tensor, core, h, True)
     except BaseException:
         yield from core.give_back([h])
         raise
@@ -169,7 +173,9 @@ def get(core: Core, name: str, timeout: Any, newer_than: Any) -> Op[SharedTensor
     raw = yield from core.call("GET", path, timeout=io, rid=core.rid(), grants=True, raw=True)
     h = Handle.model_validate_json(raw)
     try:
-        t: SharedTensor = yield Offload(tensor, core, h, False, cheap=core.map_cheaply(h.kind))
+        if core.map_cheaply(h.kind):
+            return tensor(core, h, False)
+        t: SharedTensor = yield Offload(tensor, core, h, False)
     except BaseException:
         _release(core, h)
         raise
