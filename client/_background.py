@@ -18,12 +18,10 @@ import os
 import select
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .._errors import DepotError
-
-if TYPE_CHECKING:
-    from ._client import Client
+from .._wire import ReleaseRequest
 
 log = logging.getLogger("tensordepot.client")
 _COALESCE = 0.01  # seconds a queued release may wait for company (or a request to ride)
@@ -35,10 +33,22 @@ _ACTIVE = 0.1
 Key = tuple[str, int]  # (session id, lease id): ids restart with each broker
 
 
-class Background:
-    """One daemon thread per Client."""
+class Owner(Protocol):
+    """What the thread works for (``_core.Core``)."""
 
-    def __init__(self, client: Client) -> None:
+    sid: str
+
+    def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any: ...
+    def rid(self) -> str: ...
+    def claim_if_forked(self) -> None: ...
+    def prune(self) -> None: ...
+    def _maybe_finish_close(self) -> None: ...
+
+
+class Background:
+    """One daemon thread per client."""
+
+    def __init__(self, client: Owner) -> None:
         self.pending: collections.deque[Key] = collections.deque()
         self.cancels: collections.deque[tuple[str, str]] = collections.deque()
         self.live: set[Key] = set()  # leases some view still holds
@@ -104,7 +114,7 @@ class Background:
         request to carry (or for ``flush``).  Those of an earlier session ended
         with it (the broker restarted, or reaped it), and their ids may now
         name leases of the current session: they are dropped, never sent."""
-        sid = self._client._sid
+        sid = self._client.sid
         ids: list[int] = []
         self.carried += 1
         while self.pending and len(ids) < limit:
@@ -132,7 +142,7 @@ class Background:
     def give_back(self, ids: list[int], rids: list[str]) -> None:
         """A request that carried these failed before the broker answered: queue
         them again (releasing twice is harmless; ids are never reused)."""
-        sid = self._client._sid
+        sid = self._client.sid
         self.pending.extend((sid, i) for i in ids)
         self.cancels.extend((sid, r) for r in rids)
         self._wake()
@@ -142,12 +152,13 @@ class Background:
         self.carried -= 1  # not carried by a request: sent here
         stale, self.stale = self.stale, {}
         if ids or rids or stale:
-            body = {"leases": ids, "requests": rids, "stale": stale}
+            # Not validated here: the broker judges its limits (an error is logged below).
+            body = ReleaseRequest.model_construct(leases=ids, requests=rids, stale=stale)
             try:
                 # Releasing twice is harmless (ids are never reused): with a
                 # request id, it is resent on a fresh connection if need be.
-                self._client._call("POST", "/v1/release", body, background=True,
-                                   rid=self._client._rid())
+                self._client.call_now("POST", "/v1/release", body, background=True,
+                                      rid=self._client.rid())
             except DepotError as exc:  # the broker is gone: its leases are gone with it
                 log.debug("release of %d lease(s) failed: %s", len(ids), exc)
 
@@ -173,7 +184,7 @@ class Background:
                     os.read(self._r, 4096)
             except OSError:
                 break
-            client._claim_if_forked()
+            client.claim_if_forked()
             now = time.monotonic()
             if self.carried != carried:  # the client is making requests: they carry releases
                 carried = self.carried
@@ -190,12 +201,13 @@ class Background:
             if self.heartbeat is not None and now - last_beat >= self.heartbeat:
                 last_beat = now
                 try:
-                    client._call("POST", f"/v1/sessions/{client._sid}/heartbeat", background=True)
+                    client.call_now("POST", f"/v1/sessions/{client.sid}/heartbeat",
+                                    background=True)
                 except DepotError:
                     pass
             if now - last_prune >= 2.0:
                 last_prune = now
-                client._prune_files()
+                client.prune()
             client._maybe_finish_close()
 
     def stop(self) -> None:

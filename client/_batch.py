@@ -1,4 +1,5 @@
-"""put_many and get_many: a state dict in one request per step, cheap per tensor.
+"""put_many and get_many, as operations of steps (``_http.py``): a state
+dict in one request per step, cheap per tensor.
 
 The requests and answers are columns (``ManyAlloc``, ``ManyPublish``,
 ``BatchGet``; ``HandleColumns``), so a thousand tensors cost a thousand
@@ -25,20 +26,24 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BrokerUnavailable, DepotError
-from .._wire import HandleColumns
+from .._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
 from ..shm import UnsupportedDType, dtype_from_name, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._posix import byte_view
+from . import _cuda_handles, _cuda_ops
+from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
+from ._core import Core
+from ._http import Offload, Op
+from ._ops import tensor
 from ._source import Source
-from ._tensor import SharedTensor, _Lease
+from ._tensor import Publisher, SharedTensor, _Lease
 
 if TYPE_CHECKING:
     from ..shm import DType
-    from ._client import Client
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
 _DTYPES: dict[str, DType] = {}  # our dtype name -> DType
@@ -83,8 +88,15 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return strides
 
 
-def put_many(client: Client, tensors: Mapping[str, Any], ttl: float | None) -> dict[str, int]:
-    """``Client.put_many`` for CPU tensors: allocate all, copy all, publish all."""
+def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> Op[dict[str, int]]:
+    """Allocate all, copy all, publish all (or, failing or cancelled, give all back)."""
+    check_mapping(tensors)
+    ttl = check_ttl(ttl)
+    if any(_cuda_handles.involves_gpu(x, device) for x in tensors.values()):
+        op = _cuda_ops.put_many(core, tensors, device=device, ttl=ttl)
+        return (yield Offload(core.run, op))  # type: ignore[no-any-return]
+    if not tensors:
+        return {}
     names = list(tensors)
     opened: list[Source] = []
     try:
@@ -93,49 +105,71 @@ def put_many(client: Client, tensors: Mapping[str, Any], ttl: float | None) -> d
             a, d = _array_and_dtype(tensors[name], name, opened)
             arrays.append(a)
             dtypes.append(d)
-        body = {"names": names, "shapes": [list(a.shape) for a in arrays], "dtypes": dtypes,
-                "ttl": ttl}
-        raw = client._call("POST", "/v1/many/alloc", body, rid=client._rid(), grants=True,
-                           decode=False)
-        cols = HandleColumns.model_validate_json(raw)
+        body = ManyAlloc.model_construct(names=names, shapes=[list(a.shape) for a in arrays],
+                                         dtypes=dtypes, ttl=ttl)
+        cols = HandleColumns.model_validate_json((yield from core.alloc(body, "/v1/many/alloc")))
         try:
-            flats = [client._fill_flat(seg) for seg in cols.segments]
-            pairs = []
-            for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes,
-                                      strict=True):
-                if n:
-                    pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
-            copy_many(pairs)  # when it raises, no copy thread is still writing
+            yield Offload(_fill, core, cols, arrays)  # when it raises, no copy thread still writes
         except BaseException:
-            for name, version in zip(cols.names, cols.versions, strict=True):
-                client._abort_version(name, version)
+            yield from _abort(core, cols)
             raise
     finally:
         for src in opened:
             src.close()
-    client._call("POST", "/v1/many/publish", {"names": cols.names, "versions": cols.versions},
-                 rid=client._rid(), decode=False)
+    try:
+        yield from core.call("POST", "/v1/many/publish",
+                             ManyPublish.model_construct(names=cols.names, versions=cols.versions),
+                             rid=core.rid(), raw=True, keep=True)
+    except BaseException:
+        yield from _abort(core, cols)  # if the broker published them, it finds nothing to abort
+        raise
     return dict(zip(cols.names, cols.versions, strict=True))
 
 
-def get_many(client: Client, body: dict[str, Any],
-             io_timeout: float | None) -> dict[str, SharedTensor]:
-    """``Client.get_many``: one request, one window per segment, a tensor per name."""
-    raw = client._call("POST", "/v1/many/get", body, timeout=io_timeout, rid=client._rid(),
-                       grants=True, decode=False)
+def _fill(core: Core, cols: HandleColumns, arrays: list[Any]) -> None:
+    flats = [core.segments.fill_flat(seg) for seg in cols.segments]
+    pairs = []
+    for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True):
+        if n:
+            pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
+    copy_many(pairs)
+
+
+def _abort(core: Core, cols: HandleColumns) -> Op[None]:
+    for name, version in zip(cols.names, cols.versions, strict=True):
+        yield from core.abort(name, version)
+
+
+def get_many(core: Core, names: Iterable[str], timeout: Any,
+             newer_than: Any) -> Op[dict[str, SharedTensor]]:
+    """One request, one window per segment, a tensor per name."""
+    names = check_names(names)
+    wait = check_timeout(timeout)
+    body = BatchGet.model_construct(names=names, timeout=wait,
+                                    newer_than=check_floors(newer_than, names))
+    io = None if wait is None else wait + core.timeout
+    raw = yield from core.call("POST", "/v1/many/get", body, timeout=io, rid=core.rid(),
+                               grants=True, raw=True)
     cols = HandleColumns.model_validate_json(raw)
+    if core.map_cheaply("cuda" if cols.others else "posix"):
+        return _tensors(core, cols)
+    return (yield Offload(_tensors, core, cols))  # type: ignore[no-any-return]
+
+
+def _tensors(client: Core, cols: HandleColumns) -> dict[str, SharedTensor]:
+    """The batch's tensors (all, or none and their leases released)."""
     n = len(cols.names)
     leases: list[int | None] = list(cols.leases) if cols.leases is not None else [None] * n
-    bg, sid = client._bg, client._sid
+    bg, sid = client.bg, client.sid
     tensors: list[SharedTensor | None] = [None] * n
     try:
         windows = _windows(client, cols)
-        ref = weakref.ref(client)
+        ref = weakref.ref[Publisher](client)
         release = None if bg is None else functools.partial(bg.release_later, sid)
-        with client._gate:  # no fork while leases are registered
+        with client.gate:  # no fork while leases are registered
             for i in range(n):
                 if cols.segment[i] < 0:
-                    continue  # below: client._tensor takes the gate itself
+                    continue  # below: tensor() takes the gate itself
                 window, flat, base = windows[i]
                 lid, lease = leases[i], None
                 if lid is not None and release is not None:
@@ -148,7 +182,7 @@ def get_many(client: Client, body: dict[str, Any],
                 t._lease_session = sid
                 tensors[i] = t
         for i, h in cols.others.items():
-            tensors[i] = client._tensor(h, writable=False)
+            tensors[i] = tensor(client, h, False)
     except BaseException:
         if bg is not None:
             for made, lid in zip(tensors, leases, strict=True):
@@ -158,7 +192,7 @@ def get_many(client: Client, body: dict[str, Any],
     return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
 
 
-def _windows(client: Client, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
+def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
     """Per tensor: (its window, the window as a flat uint8 array, the segment
     offset the window starts at)."""
     n = len(cols.names)
@@ -169,7 +203,7 @@ def _windows(client: Client, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
     out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
     for j, members in by_segment.items():
         try:
-            f = client._file(cols.segments[j], False)
+            f = client.segments.file(cols.segments[j], False)
             ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
             shared, alone = [], []
             end = -1

@@ -35,12 +35,10 @@ from ..shm._dlpack import (
     parse_stream,
     patch_capsule,
 )
-from ._tensor import SharedTensor, _Lease
+from ._tensor import Publisher, SharedTensor, _Lease
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-    from ._client import Client
 
 log = logging.getLogger("tensordepot.client")
 
@@ -94,7 +92,7 @@ class CudaSharedTensor(SharedTensor):
     is flagged READ_ONLY in its capsule, but a consumer that writes through
     it changes the published bytes."""
 
-    def __init__(self, client: Client, handle: Handle, mapping: Any, lease: _Lease | None, *,
+    def __init__(self, client: Publisher, handle: Handle, mapping: Any, lease: _Lease | None, *,
                  writable: bool, ordinal: int, streams: Streams,
                  producer_gone: Callable[[], bool] | None = None) -> None:
         super().__init__(client, handle, mapping, lease, writable=writable)

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._client import Client
-
-_clients: weakref.WeakSet[Client] = weakref.WeakSet()
-_forking: list[Client] = []
+from typing import Protocol
 
 
-def register(client: Client) -> None:
+class Forkable(Protocol):
+    """What takes part in a fork (``_core.Core``)."""
+
+    def _before_fork(self) -> None: ...
+    def _after_fork_parent(self) -> None: ...
+    def _after_fork_child(self) -> None: ...
+
+
+_clients: weakref.WeakSet[Forkable] = weakref.WeakSet()
+_forking: list[Forkable] = []
+
+
+def register(client: Forkable) -> None:
     _clients.add(client)
 
 

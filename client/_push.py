@@ -3,22 +3,23 @@
 The bytes go from this process's read-only mapping of the local broker's
 segment into Flight's stream without a copy (``shm/_arrow.py``); the other
 broker allocates, fills and publishes them as its next version of the name.
-pyarrow is imported only when a push happens.
+pyarrow is imported only when a push happens.  A push is one operation run
+whole in one thread (an asyncio caller's worker thread): Flight's client
+blocks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import FlightMeta
 from ..shm._arrow import batches, import_flight, parse_flight_url, schema
 from ..shm._posix import array_at
-
-if TYPE_CHECKING:
-    from ._client import Client
+from . import _ops
+from ._core import Core
+from ._http import Offload, Op
 
 ENV_PEER_TOKEN = "TENSORDEPOT_PEER_TOKEN"
 
@@ -40,10 +41,15 @@ def _error(to: str, name: str, exc: Exception) -> DepotError:
     return BrokerUnavailable(f"push of {name!r} to {to} failed: {msg}")
 
 
-def push(client: Client, name: str, to: str, *, token: str | None = None,
-         tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
+def push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes | None,
+         timeout: float | None) -> Op[int]:
     """Send the newest version of ``name`` to the broker whose Flight endpoint
     is ``to``; return the version it has there."""
+    return (yield Offload(core.run, _push(core, name, to, token, tls_ca, timeout)))  # type: ignore[no-any-return]
+
+
+def _push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes | None,
+          timeout: float | None) -> Op[int]:
     import pyarrow as pa
 
     fl = import_flight()
@@ -55,7 +61,7 @@ def push(client: Client, name: str, to: str, *, token: str | None = None,
     if isinstance(tls_ca, str):
         with open(tls_ca, "rb") as f:
             tls_ca = f.read()
-    t = client.get(name)
+    t = yield from _ops.get(core, name, 0.0, 0)
     try:
         meta = FlightMeta(name=name, version=t.version, shape=list(t.shape), dtype=t.dtype,
                           nbytes=t.nbytes)

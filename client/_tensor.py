@@ -12,16 +12,9 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import (
-    BrokerUnavailable,
-    DepotError,
-    InvalidRequest,
-    TensorBroken,
-    TensorNotFound,
-    TensorReleased,
-)
+from .._errors import DepotError, InvalidRequest, TensorBroken, TensorReleased
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
 from ..shm._dlpack import carrier, export_carrier, kDLCPU
@@ -29,7 +22,11 @@ from ..shm._dlpack import carrier, export_carrier, kDLCPU
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from ._client import Client
+
+class Publisher(Protocol):
+    """The client core a tensor came from (``_core.Core``)."""
+
+    def publish_now(self, t: SharedTensor) -> None: ...
 
 
 class _Lease:
@@ -81,7 +78,7 @@ class SharedTensor:
     page in the writing process only, never what other processes read.
     """
 
-    def __init__(self, client: Client, handle: Handle, window: Any, lease: _Lease | None,
+    def __init__(self, client: Publisher, handle: Handle, window: Any, lease: _Lease | None,
                  *, writable: bool) -> None:
         self._setup(weakref.ref(client), handle.name, handle.version, tuple(handle.shape),
                     tuple(handle.strides), dtype_from_name(handle.dtype), handle.device,
@@ -91,7 +88,7 @@ class SharedTensor:
     _flat_offset = 0  # ... and where this tensor starts in it
 
     @classmethod
-    def _of(cls, client: weakref.ref[Client], name: str, version: int, shape: tuple[int, ...],
+    def _of(cls, client: weakref.ref[Publisher], name: str, version: int, shape: tuple[int, ...],
             strides: tuple[int, ...], dt: DType, nbytes: int, window: Any, flat: Any,
             offset: int, lease: _Lease | None) -> SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
@@ -103,7 +100,8 @@ class SharedTensor:
         t._flat, t._flat_offset = flat, offset
         return t
 
-    def _setup(self, client: weakref.ref[Client], name: str, version: int, shape: tuple[int, ...],
+    def _setup(self, client: weakref.ref[Publisher], name: str, version: int,
+               shape: tuple[int, ...],
                strides: tuple[int, ...], dt: DType, device: str, nbytes: int, published: bool,
                window: Any, address: int, lease: _Lease | None, writable: bool) -> None:
         self.name: str = name
@@ -195,15 +193,10 @@ class SharedTensor:
         restarted, or the name was deleted meanwhile).  From an
         ``AsyncClient``, ``await client.publish(t)`` does the same without
         blocking the event loop."""
-        client = self._publishing()
-        try:
-            client._publish(self.name, self.version)
-        except (BrokerUnavailable, TensorNotFound) as exc:
-            raise self._broken(exc) from exc
-        self._published()
+        self._publishing().publish_now(self)
         return self
 
-    def _publishing(self) -> Client:
+    def _publishing(self) -> Publisher:
         """The client that publishes this tensor; raises if it cannot be published."""
         if not self._writer:
             raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are "
@@ -212,7 +205,7 @@ class SharedTensor:
             raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
         client = self._client()
         if client is None:
-            raise TensorReleased("the Client that created this tensor is gone")
+            raise TensorReleased("the client that created this tensor is gone")
         self._alive()
         return client
 

@@ -135,24 +135,6 @@ def test_put_many_get_many_and_names(broker: BrokerProc) -> None:
     drained(broker)
 
 
-def test_the_same_api_as_the_client() -> None:
-    """Every public method of Client that AsyncClient shares takes the same
-    parameters, so code moves between them by adding ``await``."""
-    import inspect
-
-    from tensordepot import Client
-
-    shared = [m for m in ("put", "get", "empty", "publish", "put_many", "get_many", "delete",
-                          "list", "stat") if hasattr(Client, m)]
-    assert len(shared) >= 8
-    for m in shared:
-        ours = inspect.signature(getattr(AsyncClient, m)).parameters
-        theirs = inspect.signature(getattr(Client, m)).parameters
-        assert list(ours) == list(theirs), m
-        for name, p in theirs.items():
-            assert (ours[name].kind, ours[name].default) == (p.kind, p.default), (m, name)
-
-
 def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
     async def main() -> None:
         async with AsyncClient(broker.url) as c:

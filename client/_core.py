@@ -1,0 +1,435 @@
+"""The client core: one session with a broker, written once for both drivers.
+
+``Core`` holds what a client is, whatever drives it: the session (opened,
+reopened, forked), the release riders and cancels queued by the background
+thread, request ids, the mapped segments, and the lease bookkeeping of the
+tensors it makes.  Its requests are generators of steps (``_http.py``):
+``call`` is the one place that adds the session and the riders to a
+request, gives the riders back when no answer was read, and, when the
+broker no longer knows the session (it restarted, or reaped us), opens a
+fresh one and sends the request once more.  The operations (``_ops.py``,
+``_batch.py``, ``_cuda_ops.py``, ``_push.py``) are built from these.
+
+A Core also runs operations itself, blocking (``run``), on a transport
+given to it: the background thread (releases, heartbeats, pruning), a
+``SharedTensor.publish()``, fork and close.  ``Client`` drives operations
+on that same transport; ``AsyncClient`` drives them on the event loop and
+leaves this one to the background thread and worker threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
+from .._wire import ForkInfo, Handle, PublishRequest, SessionInfo, SessionOpen
+from ._background import Background
+from ._checks import check_timeout
+from ._fork import register
+from ._http import COMMIT, Endpoint, Offload, Op, Request, decode, drive, exchange, io_timeout
+from ._segments import Segments
+from ._tensor import SharedTensor, _Lease
+from ._trust import trusted_uids
+
+T = TypeVar("T")
+_REMAP_IN_THREAD = 1 << 20  # bytes: a publish remaps a larger empty() tensor off the event loop
+
+
+def _new_id_prefix() -> None:
+    global _ID_PREFIX, _ids
+    _ID_PREFIX, _ids = secrets.token_hex(8), itertools.count(1)
+
+
+_ID_PREFIX = ""
+_ids = itertools.count(1)
+_new_id_prefix()
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
+def request_id() -> str:
+    """A request id unique to this process (a random prefix and a counter): the
+    broker keeps answers per session and id, so ids need only never repeat, and
+    a counter costs no system call per request, as random bytes would."""
+    return f"{_ID_PREFIX}{next(_ids):x}"
+
+
+class Blocking(Protocol):
+    """What a Core sends its own requests with (``_transport.Transport``)."""
+
+    timeout: float
+
+    def roundtrip(self, req: Request) -> tuple[int, bytes]: ...
+    def after_fork(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Extension(Protocol):
+    """Per-client state of another memory kind (CUDA: ``_cuda_handles``)."""
+
+    def prune(self, core: Core, *, foreground: bool = False) -> None: ...
+    def before_close(self, core: Core) -> None: ...
+
+
+class Core:
+    """A client's session and state (see the module docstring).  ``open``:
+    open the session now (else the first call opens it)."""
+
+    closed = True  # until built: __del__ of a half-built one does nothing
+    bg: Background | None = None
+    session: SessionInfo | None = None
+    gpu: Extension | None = None  # set by the CUDA code on first use
+    _fork_plan: ForkInfo | None = None
+
+    def __init__(self, url: str, *, token: str | None, timeout: float, label: str | None,
+                 trust_uid: Any, transport: Callable[..., Blocking], open: bool) -> None:
+        self.url = url
+        self.pid = os.getpid()
+        io = check_timeout(timeout, "timeout")
+        if not io:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, not {timeout!r}")
+        self.timeout = io
+        self.token = token
+        self.trust = trusted_uids(trust_uid)
+        self.endpoint = Endpoint.parse(url, token)
+        self.transport = transport(url, token=token, timeout=io, trust=self.trust)
+        self.segments = Segments(self.trust)
+        self.gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
+        self._lock = threading.Lock()  # a forked child's claim
+        self._finishing = threading.Lock()  # held while the session is being ended
+        self.writers: weakref.WeakSet[Any] = weakref.WeakSet()  # empty() windows not yet private
+        self.sid = ""
+        self.label = label
+        self.closing = False
+        self.round_trips = 0  # control-plane requests sent (releases included)
+        self._fork_claim: str | None = None  # a forked child's session, until claimed
+        try:
+            if open:
+                self.run(self.open_session(""))
+        except BaseException:
+            self.transport.close()  # a refused session (401, 503) must not leak its connection
+            raise
+        self.closed = False
+        self.bg = Background(self)
+        self.bg.heartbeat = self.session.heartbeat_interval if self.session else None
+        register(self)
+
+    def run(self, op: Op[T]) -> T:
+        """Run ``op`` here, blocking, on this Core's own transport."""
+        return drive(op, self.transport.roundtrip)
+
+    # -- requests ----------------------------------------------------------------------------
+    def exchange(self, method: str, path: str, body: Any = None,
+                 headers: dict[str, str] | None = None, *, timeout: float | bool | None = False,
+                 resend: bool = True, keep: bool = False,
+                 opens: bool = False) -> Op[tuple[int, bytes]]:
+        """One request as it is, outside ``call``'s rules: ``(status, body)``."""
+        self.round_trips += 1
+        return (yield from exchange(self.endpoint, method, path, body, headers,
+                                    timeout=io_timeout(timeout, self.timeout), resend=resend,
+                                    keep=keep, opens=opens))
+
+    def open_session(self, stale: str) -> Op[None]:
+        """Open a session, unless one other than ``stale`` is open already."""
+        if self.sid != stale:
+            return
+        body = SessionOpen(pid=os.getpid(), label=self.label)
+        answer = yield from self.exchange("POST", "/v1/sessions", body, keep=True, opens=True)
+        if self.sid == stale:  # concurrent callers share one answer
+            self.set_session(SessionInfo.model_validate(decode(*answer)))
+
+    def set_session(self, info: SessionInfo) -> None:
+        self.session = info
+        self.sid = info.session
+        if self.bg is not None:
+            self.bg.heartbeat = info.heartbeat_interval
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             timeout: float | bool | None = False, rid: str | None = None, grants: bool = False,
+             raw: bool = False, keep: bool = False, background: bool = False) -> Op[Any]:
+        """One request under this session: its decoded JSON (``raw``: its bytes).
+
+        ``rid``: a request id, which makes it safe to resend; ``grants``: it
+        takes leases, which are cancelled if its answer is never read;
+        ``keep``: see ``Request``; ``background``: the background thread's
+        own (no riders, no reopened session)."""
+        if not background:
+            if self.closed or self.closing:
+                raise InvalidRequest("this client is closed; create a new one")
+            if self._fork_claim is not None:
+                self.claim_if_forked()
+        if not self.sid:
+            yield from self.open_session("")
+        headers, ids, rids = self.headers(rid, carry=not background)
+        sid = self.sid
+        resend = rid is not None or method != "POST"
+        io = io_timeout(timeout, self.timeout)
+        self.round_trips += 1
+        try:
+            status, payload = yield from exchange(self.endpoint, method, path, body, headers,
+                                                  timeout=io, resend=resend, keep=keep)
+            return decode(status, payload, raw)
+        except DepotError as exc:
+            if not getattr(exc, "answered", False):
+                self._unanswered(sid, ids, rids, rid, grants)
+            if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
+                raise
+        except BaseException:  # Ctrl-C or a cancel mid-call: the answer will never be read
+            self._unanswered(sid, ids, rids, rid, grants)
+            raise
+        # The broker restarted or reaped us: open a fresh session and send it once more.
+        yield from self.open_session(sid)
+        headers, _, _ = self.headers(rid, carry=False)
+        self.round_trips += 1
+        status, payload = yield from exchange(self.endpoint, method, path, body, headers,
+                                              timeout=io, resend=resend, keep=keep)
+        return decode(status, payload, raw)
+
+    def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        """``call``, run here (blocking)."""
+        return self.run(self.call(method, path, body, **kw))
+
+    def headers(self, rid: str | None, *,
+                carry: bool) -> tuple[dict[str, str], list[int], list[str]]:
+        """A request's session headers, and (``carry``) the queued releases and
+        cancels riding on it: no round trip of their own."""
+        headers = {SESSION_HEADER: self.sid}
+        if rid is not None:
+            headers[REQUEST_HEADER] = rid
+        ids: list[int] = []
+        rids: list[str] = []
+        bg = self.bg
+        if carry and bg is not None and (bg.pending or bg.cancels):
+            ids, rids = bg.take()
+            if ids:
+                headers[RELEASE_HEADER] = ",".join(map(str, ids))
+            if rids:
+                headers[CANCEL_HEADER] = ",".join(rids)
+        return headers, ids, rids
+
+    def _unanswered(self, sid: str, ids: list[int], rids: list[str], rid: str | None,
+                    grants: bool) -> None:
+        """A request whose answer was never read: the ids that rode on it go
+        out again, and whatever it was granted (``grants``) is cancelled."""
+        bg = self.bg
+        if bg is not None:
+            bg.give_back(ids, rids)
+            if grants and rid is not None:
+                bg.cancel_later(sid, rid)
+
+    rid = staticmethod(request_id)
+
+    # -- allocations -------------------------------------------------------------------------
+    def alloc(self, body: Any, path: str = "/v1/alloc") -> Op[Any]:
+        """An allocation (``keep``: an asyncio caller cancelled meanwhile still
+        gets it, and gives it back); the raw answer."""
+        return (yield from self.call("POST", path, body, rid=self.rid(), grants=True, raw=True,
+                                     keep=True))
+
+    def abort(self, name: str, version: int) -> Op[None]:
+        """Give back an allocation that will not be published (best effort: if
+        the broker is gone, so is the allocation)."""
+        try:
+            yield from self.call("POST", "/v1/abort", PublishRequest(name=name, version=version),
+                                 rid=self.rid())
+        except DepotError:
+            pass
+
+    def give_back(self, handles: list[Handle]) -> Op[None]:
+        """Give back allocations, and release their writers' holds."""
+        for h in handles:
+            if h.lease is not None and self.bg is not None:
+                self.bg.release_later(self.sid, h.lease)
+        for h in handles:
+            yield from self.abort(h.name, h.version)
+
+    def publish(self, name: str, version: int) -> Op[None]:
+        yield from self.call("POST", "/v1/publish", PublishRequest(name=name, version=version),
+                             rid=self.rid(), keep=True)
+
+    def publish_tensor(self, t: SharedTensor) -> Op[SharedTensor]:
+        """Publish an ``empty()`` tensor of this Core's (checked by the caller)."""
+        try:
+            yield from self.publish(t.name, t.version)
+        except (BrokerUnavailable, TensorNotFound) as exc:
+            raise t._broken(exc) from exc
+        if t.nbytes < _REMAP_IN_THREAD:
+            t._published()
+        else:
+            yield Offload(t._published)
+        return t
+
+    def publish_now(self, t: SharedTensor) -> None:
+        """``SharedTensor.publish()``: ``publish_tensor``, here."""
+        self.run(self.publish_tensor(t))
+
+    # -- tensors -----------------------------------------------------------------------------
+    def map_cheaply(self, kind: str) -> bool:
+        """Whether mapping tensors of this kind never waits: one lazy mmap per
+        tensor, no page touched, no lock that another thread holds."""
+        return kind == "posix" and not self.segments.lock.locked() and not self.gate.locked()
+
+    def posix_tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
+        """The tensor of a shared-memory handle (its operation gives back what
+        the broker handed out if this raises)."""
+        try:
+            f = self.segments.file(h.segment, writable)
+            # A reader's window is private (a stray write never reaches the
+            # segment); a writer's is shared until publish.
+            w = f.window(h.offset, h.nbytes, writable=writable)
+        except OSError as exc:  # the operation gives back what the broker handed out
+            raise BrokerUnavailable(f"cannot map segment {h.segment}: {exc}") from exc
+        lease = None
+        with self.gate:
+            if h.lease is not None and self.bg is not None:
+                lease = _Lease(h.lease, functools.partial(self.bg.release_later, self.sid))
+                self.bg.track(self.sid, h.lease)
+            if writable:
+                self.writers.add(w)
+        t = SharedTensor(self, h, w, lease, writable=writable)
+        t._lease_session = self.sid
+        return t
+
+    def written(self, t: SharedTensor, h: Handle) -> Op[SharedTensor]:
+        """Hand out ``t``, an ``empty()`` tensor of allocation ``h``; a caller
+        cancelled at this point gives both back."""
+        try:
+            yield COMMIT
+        except BaseException:
+            t.release()
+            yield from self.give_back([h])
+            raise
+        return t
+
+    def prune(self) -> None:
+        """Forget what the broker freed (the background thread, every 2 s)."""
+        self.segments.prune()
+        if self.gpu is not None:
+            self.gpu.prune(self)
+
+    # -- fork --------------------------------------------------------------------------------
+    def _before_fork(self) -> None:
+        """In the parent, just before fork(): ask the broker for a session for
+        the child holding copies of this session's leases, so the views the
+        child inherits stay theirs.  No lease is registered until the fork is done."""
+        self.gate.acquire()
+        self._fork_plan = None
+        bg = self.bg
+        if self.closed or bg is None or not bg.live or os.getpid() != self.pid:
+            return
+        try:
+            self._fork_plan = ForkInfo.model_validate(
+                self.call_now("POST", f"/v1/sessions/{self.sid}/fork", background=True,
+                              rid=self.rid()))
+        except DepotError:
+            self._fork_plan = None  # the child's inherited views stay readable; see below
+
+    def _after_fork_parent(self) -> None:
+        self._fork_plan = None
+        self.gate.release()
+
+    def _after_fork_child(self) -> None:
+        self.gate = threading.Lock()
+        self._lock = threading.Lock()
+        self._finishing = threading.Lock()
+        self.segments.after_fork()
+        plan, self._fork_plan = self._fork_plan, None
+        self.pid = os.getpid()
+        self.transport.after_fork()
+        for w in list(self.writers):
+            # The parent's unpublished buffers: the child's copy of them is
+            # private, as the rest of its memory is after fork().
+            w.make_private()
+        if self.closed or self.bg is None:
+            return
+        renamed = {}
+        if plan is not None:
+            renamed = {(self.sid, int(old)): (plan.session, new)
+                       for old, new in plan.leases.items()}
+            self.sid = plan.session
+            self._fork_claim = plan.session
+        else:
+            self.sid = ""  # the child opens its own session on its first call
+        self.bg.after_fork(renamed)
+
+    def claim_if_forked(self) -> None:
+        """In a forked child, before its first request: claim the session made
+        for it (blocking, once; an asyncio caller runs it in a thread)."""
+        sid = self._fork_claim
+        if sid is None:
+            return
+        with self._lock:
+            if self._fork_claim is None:
+                return
+            self._fork_claim = None
+            try:
+                answer = self.run(self.exchange("POST", f"/v1/sessions/{sid}/claim",
+                                                headers={SESSION_HEADER: sid}))
+                self.set_session(SessionInfo.model_validate(decode(*answer)))
+            except DepotError:
+                self.sid = ""  # gone (the broker restarted, or the claim came too late)
+
+    @property
+    def forked(self) -> bool:
+        """A forked child's session waits to be claimed."""
+        return self._fork_claim is not None
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """End the session (blocking).  Never raises."""
+        if self.closed or self.closing:
+            return
+        if self.gpu is not None:
+            try:
+                self.gpu.before_close(self)  # readers of this client's share()s release first
+            except DepotError:
+                pass
+        self.closing = True
+        self.segments.clear()
+        import gc
+
+        gc.collect()  # views caught in reference cycles would otherwise hold leases
+        self._maybe_finish_close()
+
+    def _maybe_finish_close(self) -> None:
+        if not self.closing:
+            return
+        # close() and the background thread may both get here.  close() waits
+        # until whichever came first has ended the session (``closed`` is set
+        # before the session is ended), so that it never returns while the
+        # session is still open; the background thread never waits (close()
+        # may be joining it).
+        bg_thread = self.bg is not None and threading.current_thread() is self.bg.thread
+        if not self._finishing.acquire(blocking=not bg_thread):
+            return
+        try:
+            with self._lock:
+                if self.closed:
+                    return
+                if self.bg is not None:
+                    self.bg.flush()
+                if self.bg is not None and self.bg.live:
+                    return  # the background thread retries as views die
+                self.closed = True
+            if self.sid:
+                try:
+                    self.run(self.exchange("DELETE", f"/v1/sessions/{self.sid}",
+                                           headers={SESSION_HEADER: self.sid}))
+                except DepotError:
+                    pass
+            if self.bg is not None:
+                self.bg.stop()
+            self.transport.close()
+        finally:
+            self._finishing.release()
+
+    def __del__(self) -> None:
+        if not self.closed and self.bg is not None:
+            self.bg._stop = True
