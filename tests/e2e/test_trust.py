@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, free_port
+from _harness import TEST_PREFIX, BrokerProc, free_port, serve_once, shm_entries
 from _rawhttp import encode, exchange
 from tensordepot import Client, TensorNotFound
 
@@ -114,3 +115,70 @@ def test_a_get_newer_than_the_newest_says_no_newer_version_exists_yet(broker: Br
         assert "no version of 'w' newer than v1" in msg and "not found" not in msg, msg
         assert "the newest is v1" in msg, msg
         assert c.get("w", newer_than=0, timeout=0).version == 1
+
+
+# -- 2. the prefix lock cannot be squatted -----------------------------------------------------
+
+def serve_refused(prefix: str, sock_dir: str) -> subprocess.CompletedProcess[str]:
+    """``tensordepot serve`` on ``prefix``, which must refuse to start (a broker
+    that starts anyway is stopped at the deadline, and the test fails)."""
+    args = ["--listen", f"unix://{sock_dir}/broker.sock", "--shm-prefix", prefix,
+            "--max-memory", "64MiB", "--prealloc", "0"]
+    try:
+        return serve_once(*args)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the broker started on {prefix!r}") from None
+
+
+@pytest.fixture
+def squat(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """(a segment prefix nobody uses, a socket directory); what is left under it is removed."""
+    prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
+    yield prefix, str(tmp_path)
+    for entry in shm_entries(prefix):
+        os.unlink(os.path.join("/dev/shm", entry))
+
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="plants files as another uid: needs root")
+
+
+@root_only
+def test_a_symlink_planted_at_the_lock_path_is_not_followed(squat: tuple[str, str],
+                                                            tmp_path: Path) -> None:
+    prefix, sock_dir = squat
+    target = tmp_path / "made-by-root"
+    os.symlink(target, f"/dev/shm/{prefix}lock")
+    res = serve_refused(prefix, sock_dir)
+    assert not target.exists(), "the broker followed the symlink"
+    assert res.returncode == 1, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"/dev/shm/{prefix}lock" in lines[0], res.stderr
+    assert "symbolic link" in lines[0] and "remove it" in lines[0], lines
+
+
+@root_only
+@pytest.mark.parametrize("uid, mode", [(65534, 0o600), (0, 0o666)])
+def test_a_lock_file_of_another_uid_or_writable_by_others_is_refused(
+        squat: tuple[str, str], uid: int, mode: int) -> None:
+    prefix, sock_dir = squat
+    path = f"/dev/shm/{prefix}lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    os.fchmod(fd, mode)
+    os.fchown(fd, uid, -1)
+    try:
+        res = serve_refused(prefix, sock_dir)
+    finally:
+        os.close(fd)
+    assert res.returncode == 1, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and path in lines[0] and "remove it" in lines[0], res.stderr
+    assert os.stat(path).st_uid == uid, "the squatter's file is left for its owner to see"
+
+
+def test_a_second_broker_on_the_same_prefix_exits_1_with_one_line(broker: BrokerProc,
+                                                                 tmp_path: Path) -> None:
+    res = serve_refused(broker.prefix, str(tmp_path))
+    assert res.returncode == 1, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another live broker" in lines[0], res.stderr
+    assert broker.alive
