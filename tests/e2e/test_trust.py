@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import TEST_PREFIX, BrokerProc, free_port, serve_once, shm_entries
+from _harness import TEST_PREFIX, BrokerProc, free_port, serve_once, shm_entries, wait_for
 from _rawhttp import encode, exchange
 from tensordepot import Client, TensorNotFound
 
@@ -182,3 +183,38 @@ def test_a_second_broker_on_the_same_prefix_exits_1_with_one_line(broker: Broker
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "another live broker" in lines[0], res.stderr
     assert broker.alive
+
+
+# -- 4. --max-connections holds under a burst ---------------------------------------------
+
+def still_open(s: socket.socket) -> bool:
+    """Whether the broker has not closed ``s`` (an answer it sent before closing is read)."""
+    try:
+        while s.recv(4096, socket.MSG_DONTWAIT):
+            pass
+    except BlockingIOError:
+        return True
+    except ConnectionError:
+        return False
+    return False
+
+
+def test_a_burst_of_connections_is_held_to_max_connections(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    limit, burst = 5, 60
+    b = broker_factory("--max-connections", str(limit))
+    socks = []
+    try:
+        for _ in range(burst):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(b.sock)
+            socks.append(s)
+        wait_for(lambda: sum(map(still_open, socks)) <= limit, 10,
+                 what=f"the broker to keep at most {limit} of {burst} connections")
+        assert sum(map(still_open, socks)) >= limit - 1, "it keeps the newest ones"
+    finally:
+        for s in socks:
+            s.close()
+    with b.client() as c:  # a new client still gets in: an idle connection makes room
+        c.put("w", np.ones(3))
+        assert c.get("w").version == 1
