@@ -218,3 +218,23 @@ def test_a_burst_of_connections_is_held_to_max_connections(
     with b.client() as c:  # a new client still gets in: an idle connection makes room
         c.put("w", np.ones(3))
         assert c.get("w").version == 1
+
+
+# -- 3. a token that starts with '#' is refused, not read as a comment ------------------------
+
+def test_a_token_starting_with_a_hash_is_refused_not_dropped_as_a_comment(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    hashed = "#" + secrets.token_urlsafe(24)
+    bad = write_tokens(tmp_path / "bad", f"# the broker's tokens\n#\n{hashed} admin\n")
+    res = serve_once("--listen", f"unix://{tmp_path}/s.sock", "--token-file", bad)
+    assert res.returncode == 2, res
+    assert f"{bad}, line 3" in res.stderr and "cannot start with '#'" in res.stderr, res.stderr
+    assert hashed not in res.stderr
+    # '#' then a space, or alone, is a comment still
+    good = write_tokens(tmp_path / "good", f"# the broker's tokens\n  #\n\t# admin\n{hashed[1:]} "
+                                           "admin\n")
+    port = free_port()
+    b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", good)
+    with Client(f"http://127.0.0.1:{port}", token=hashed[1:]) as c:
+        assert c.list() == []
+    assert b.alive
