@@ -53,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     from ..service._server import ListenError, PeerCredProtocol, Server, bind_all, close_all
     from ..service.app import create_app
     from ..service.config import shm_capacity
+    from ..shm import PrefixLock, PrefixLockError
 
     try:
         settings = _settings(args)
@@ -83,14 +84,22 @@ def serve(args: argparse.Namespace) -> int:
     except (ListenError, DepotError, OSError) as exc:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 1
+    try:  # after the sockets: a live broker on the same socket is named as such
+        lock = PrefixLock(settings.prefix())
+    except (PrefixLockError, OSError) as exc:
+        close_all(listens, socks)
+        print(f"tensordepot serve: {exc}", file=sys.stderr)
+        return 1
     try:
         flight = _bind_hosts(settings, policy)
     except ListenError as exc:
+        lock.release()
         close_all(listens, socks)
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 1
     app = create_app(settings, policy)
     app.state.flight = flight
+    app.state.prefix_lock = lock
     app.state.on_close = lambda: close_all(listens, socks)
     PeerCredProtocol.max_connections = settings.max_connections
     _raise_fd_limit()
@@ -109,6 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         server.run(sockets=socks)
     finally:
         close_all(listens, socks)
+        lock.release()  # the lifespan releases it; not when the app never started
         if flight is not None:  # when the app never started, nothing else stops it
             flight.shutdown()
     return 0 if server.started else 1

@@ -114,8 +114,11 @@ def _check_secret(secret: str, where: str) -> bytes:
 def read_token_file(path: str) -> list[Token]:
     """Parse a token file: one token per line, ``<token> <scope> [prefix=<p>] [name=<n>]``.
 
-    ``#`` starts a comment line.  The file must belong to the broker's uid (or
-    root) and be readable by nobody else (mode 0600 or 0400): refused otherwise."""
+    A comment line starts (after blanks) with ``#`` followed by a space, a
+    tab or the end of the line.  Any other line whose first word starts with
+    ``#`` is refused: a token that starts with ``#`` is never dropped silently
+    as a comment.  The file must belong to the broker's uid (or root) and be
+    readable by nobody else (mode 0600 or 0400): refused otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -141,9 +144,12 @@ def read_token_file(path: str) -> list[Token]:
     tokens = []
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split()
-        if not words or words[0].startswith("#"):
+        if not words or words[0] == "#":
             continue
         where = f"--token-file {path}, line {number}"
+        if words[0].startswith("#"):
+            raise AuthConfigError(f"{where}: a token cannot start with '#'; for a comment, put a "
+                                  f"space after the '#'")
         if len(words) < 2 or words[1] not in SCOPES:
             raise AuthConfigError(f"{where}: write '<token> <scope> [prefix=<p>] [name=<n>]' "
                                   f"with scope read, write or admin")

@@ -316,8 +316,9 @@ class Broker:
                     v = self.records.ready(name, newer_than)
                 if v is None:
                     if timeout == 0:
-                        raise self.records.not_found(name, self.peers)
-                    v = await self._wait(s, name, newer_than, deadline, timeout, request, gone)
+                        raise self.records.not_found(name, self.peers, newer_than, caller.prefix)
+                    v = await self._wait(s, caller, name, newer_than, deadline, timeout, request,
+                                         gone)
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
                 got.append((v, self.lending.take(s, v, request)))
         except BaseException:
@@ -325,13 +326,14 @@ class Broker:
             raise
         return got
 
-    async def _wait(self, s: Session, name: str, newer_than: int, deadline: float | None,
+    async def _wait(self, s: Session, caller: Caller, name: str, newer_than: int,
+                    deadline: float | None,
                     timeout: float | None, request: str | None,
                     gone: Callable[[], Awaitable[Any]] | None) -> Version:
         """The long poll: park until a version of ``name`` newer than
         ``newer_than`` is published (here, or at a peer), or ``deadline``."""
         if deadline is not None and deadline <= asyncio.get_running_loop().time():
-            raise self.records.timed_out(name, newer_than, timeout, self.peers)
+            raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
         self._count("waits")  # gets that had to wait for a publish
         peers = self.peers
 
@@ -351,7 +353,7 @@ class Broker:
             self.sessions.admit(s.id, Caller(s.owner))  # shutting down, or it ended: says which
             raise
         if v is None:
-            raise self.records.timed_out(name, newer_than, timeout, self.peers)
+            raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
         return v
 
     def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
@@ -384,13 +386,13 @@ class Broker:
         return self.memory.release_stale(caller, stale)
 
     # -- names ---------------------------------------------------------------
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, caller: Caller = LOCAL) -> None:
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down")
         e = self.entries.get(name)
         if e is None:
-            raise TensorNotFound(f"tensor {name!r} not found ({self.records.known()}); "
-                                 "nothing to delete")
+            known = self.records.known(caller.prefix)
+            raise TensorNotFound(f"tensor {name!r} not found ({known}); nothing to delete")
         self.records.drop(e)
         if e.ready is not None:
             self.memory.retire(e.ready)

@@ -33,7 +33,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from prometheus_client.core import Metric
@@ -295,16 +295,17 @@ class FlightService:
 
     # -- broker calls (on the event loop) ----------------------------------------
     async def _lookup(self, name: str, version: int | None, via: tuple[str, ...],
-                      keep: bool) -> tuple[str, FlightMeta, Any]:
+                      keep: bool, prefix: str | None) -> tuple[str, FlightMeta, Any]:
         """Lease the newest version of ``name`` (exactly ``version`` if given)
         in a session of its own.  A miss may pull from this broker's peers,
-        unless the request came through this broker already."""
+        unless the request came through this broker already; its message
+        names only names starting with the caller's ``prefix``."""
         broker = self._broker
         assert broker is not None
         sid = broker.open_session(LOCAL, "flight").session
         reset = VIA.set(via)
         try:
-            v, _ = await broker.get(sid, LOCAL, name, 0)
+            v, _ = await broker.get(sid, replace(LOCAL, prefix=prefix), name, 0)
             if version is not None and v.number != version:
                 raise TensorNotFound(f"version {version} of {name!r} is not the newest (that is "
                                      f"{v.number}); ask GetFlightInfo for the current ticket")
@@ -353,7 +354,8 @@ class FlightService:
     def get_flight_info(self, call: _Call, descriptor: Any) -> Any:
         name = descriptor_name(descriptor)
         self.scopes.authorize(call.token, "read", name)
-        _, meta, _ = self._on_loop(self._lookup(name, None, call.via, keep=False))
+        _, meta, _ = self._on_loop(self._lookup(name, None, call.via, keep=False,
+                                                   prefix=self.scopes.prefix(call.token)))
         return self._info(meta, descriptor)
 
     def list_flights(self, call: _Call, criteria: bytes) -> Iterator[Any]:
@@ -367,7 +369,8 @@ class FlightService:
         fl = import_flight()
         name, version = parse_ticket(raw_ticket)
         self.scopes.authorize(call.token, "read", name)
-        sid, meta, view = self._on_loop(self._lookup(name, version, call.via, keep=True))
+        sid, meta, view = self._on_loop(self._lookup(name, version, call.via, keep=True,
+                                                           prefix=self.scopes.prefix(call.token)))
         lease = _StreamLease(self, sid)  # from here on, dropping it ends the lease
         # The lease ends when the last Arrow buffer over these bytes is freed:
         # gRPC may still hold the last chunks after the stream's generator ends.

@@ -102,7 +102,7 @@ def caller_of(scope: Any) -> Caller:
     cred = state.get("peercred")
     pid = cred[0] if cred else None
     if principal is not None:
-        who = Caller(principal.id, pid)
+        who = Caller(principal.id, pid, principal.prefix)
     elif cred:
         who = Caller(f"uid:{cred[1]}", pid)
     else:

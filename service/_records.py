@@ -187,22 +187,33 @@ class Records:
         return sum(1 for e in self.entries.values() if e.ready is not None)
 
     # -- what a miss says ------------------------------------------------------
-    def known(self) -> str:
-        names = sorted(n for n, e in self.entries.items() if e.ready is not None)
+    def known(self, prefix: str | None = None) -> str:
+        """The published names, those starting with ``prefix`` only: a message
+        names nothing its caller may not use."""
+        names = sorted(n for n, e in self.entries.items() if e.ready is not None
+                       and (prefix is None or n.startswith(prefix)))
         if not names:
-            return "no tensors are published"
+            return ("no tensors are published" if prefix is None
+                    else f"no tensors starting with {prefix!r} are published")
         shown = ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
         return f"known: {shown}"
 
-    def not_found(self, name: str, hook: PeerHook | None) -> TensorNotFound:
+    def not_found(self, name: str, hook: PeerHook | None, newer_than: int = 0,
+                  prefix: str | None = None) -> TensorNotFound:
+        e = self.entries.get(name)
+        if newer_than and e is not None and e.ready is not None:
+            return TensorNotFound(
+                f"no version of {name!r} newer than v{newer_than} exists yet (the newest is "
+                f"v{e.ready.number}); pass timeout= to wait for one"
+            )
         peers = "" if hook is None else hook.explain(name)
         return TensorNotFound(
-            f"tensor {name!r} not found ({self.known()}){peers}; did the producer publish it? "
-            f"pass timeout= to wait for it"
+            f"tensor {name!r} not found ({self.known(prefix)}){peers}; did the producer publish "
+            f"it? pass timeout= to wait for it"
         )
 
     def timed_out(self, name: str, newer_than: int, timeout: float | None,
-                  hook: PeerHook | None) -> TensorNotFound:
+                  hook: PeerHook | None, prefix: str | None = None) -> TensorNotFound:
         e = self.entries.get(name)
         within = f"within {timeout:g} s" if timeout is not None else "in time"
         if newer_than and e is not None and e.ready is not None:
@@ -212,4 +223,4 @@ class Records:
             )
         peers = "" if hook is None else hook.explain(name)
         return TensorNotFound(f"tensor {name!r} was not published {within} "
-                              f"({self.known()}){peers}")
+                              f"({self.known(prefix)}){peers}")

@@ -75,6 +75,12 @@ class Scopes:
                 f"not {what}"
             )
 
+    def prefix(self, token: str | None) -> str | None:
+        """The prefix of the names ``token`` may use (None: every name), for
+        messages that must name nothing else."""
+        g = self._grant(token) if self.enabled else None
+        return (g.prefix or None) if g is not None else None
+
     def allows(self, token: str | None, scope: str, name: str) -> bool:
         try:
             self.authorize(token, scope, name)

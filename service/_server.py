@@ -278,12 +278,19 @@ class PeerCredProtocol(HttpToolsProtocol):
                           "connection": {}}
         if len(self.connections) > self.max_connections and not self._evict_idle():
             transport.write(_raw_error(503, "Service Unavailable", "broker_unavailable",
-                                       f"the broker has {len(self.connections) - 1} connections "
+                                       f"the broker has {self.max_connections} connections "
                                        f"open (--max-connections) and none is idle; retry later"))
             transport.close()
 
     def _evict_idle(self) -> bool:
-        idle = [c for c in self.connections
+        """Make room for this connection, if the live ones (not closing
+        already) exceed the limit: close the one idle longest.  False when
+        none is idle.  A connection evicted earlier, still closing, neither
+        counts nor makes room, so a burst cannot evict the same one again."""
+        live = [c for c in self.connections if not c.transport.is_closing()]
+        if len(live) <= self.max_connections:
+            return True
+        idle = [c for c in live
                 if c is not self and isinstance(c, PeerCredProtocol)
                 and (c.cycle is None or c.cycle.response_complete)]
         if not idle:

@@ -35,10 +35,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: a stable identity, and the pid the kernel vouches for."""
+    """Who sent a request: a stable identity, the pid the kernel vouches for,
+    and the prefix of the names it may use (its token's; None: every name),
+    so that what the broker tells it names nothing else."""
 
     identity: str
     peer_pid: int | None = None  # SO_PEERCRED on a unix socket; never a claimed pid
+    prefix: str | None = None
 
     @property
     def peer(self) -> str:

@@ -34,7 +34,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cfg: Settings = app.state.settings
         prefix = cfg.prefix()
-        lock = PrefixLock(prefix)
+        # `tensordepot serve` takes the lock before it starts, to refuse in one line
+        lock = getattr(app.state, "prefix_lock", None) or PrefixLock(prefix)
         removed = sweep(prefix, keep={lock.name})
         if removed:
             log.warning("removed %d segment(s) left behind by a dead broker", len(removed))

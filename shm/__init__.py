@@ -19,6 +19,7 @@ from ._dtypes import numpy_dtype as numpy_dtype
 from ._posix import PosixMapping as PosixMapping
 from ._posix import PosixSegment as PosixSegment
 from ._posix import PrefixLock as PrefixLock
+from ._posix import PrefixLockError as PrefixLockError
 from ._posix import array_at as array_at
 from ._posix import byte_view as byte_view
 from ._posix import random_name as random_name
@@ -33,6 +34,7 @@ __all__ = [
     "PosixMapping",
     "PosixSegment",
     "PrefixLock",
+    "PrefixLockError",
     "UnsupportedDType",
     "array_at",
     "byte_view",

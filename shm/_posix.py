@@ -343,28 +343,58 @@ def sweep(prefix: str, keep: set[str] | None = None) -> list[str]:
     return removed
 
 
+class PrefixLockError(RuntimeError):
+    """The prefix lock cannot be taken: another live broker holds it, or the
+    file at its path is not one this broker may trust (one line, for the CLI)."""
+
+
 class PrefixLock:
     """An exclusive flock on ``/dev/shm/<prefix>lock``.
 
     Held for the broker's whole life.  The kernel drops it when the broker
     dies, so the next broker can tell a dead owner (lock free: sweep its
     segments) from a live one (lock held: refuse to start).
+
+    The path is predictable and /dev/shm is writable by every local user, so
+    the file is opened without following a symlink, and it must be a regular
+    file of this process's uid that neither group nor others may write:
+    anything else was planted, and the broker refuses to start
+    (``PrefixLockError``) rather than lock, or create, a file it does not own.
     """
 
     _fd = -1
 
     def __init__(self, prefix: str, mode: int = 0o600) -> None:
         self.name = check_name(prefix + "lock")
-        self._fd = os.open(segment_path(self.name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+        path = segment_path(self.name)
+        fix = "remove it (another local user may have planted it), or give another --shm-prefix"
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags, mode)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PrefixLockError(f"the lock file {path} is a symbolic link; {fix}") from None
+            if exc.errno == errno.EACCES:
+                raise PrefixLockError(f"cannot open the lock file {path} ({exc.strerror}): "
+                                      f"{_owner(path)}; {fix}") from None
+            raise
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            os.close(fd)
+            raise PrefixLockError(
+                f"the lock file {path} is not this broker's (uid {os.geteuid()}, not writable by "
+                f"others): {_owner(path)}; {fix}")
+        self._fd = fd
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(self._fd)
             self._fd = -1
             if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise RuntimeError(
-                    f"another live broker holds the segment prefix {prefix!r}; stop it, or give "
-                    f"this one another --listen path or --shm-prefix"
+                raise PrefixLockError(
+                    f"another live broker holds the segment prefix {prefix!r} ({path}); stop it, "
+                    f"or give this one another --listen path or --shm-prefix"
                 ) from None
             raise
 
@@ -378,6 +408,16 @@ class PrefixLock:
             pass
         os.close(self._fd)
         self._fd = -1
+
+
+def _owner(path: str) -> str:
+    """Who owns ``path`` and its mode, for a message."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return exc.strerror or "it cannot be read"
+    kind = "a regular file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+    return f"it is {kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
 def byte_view(mapping: Any, offset: int, nbytes: int, *, writable: bool) -> Any:

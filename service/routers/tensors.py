@@ -180,7 +180,7 @@ def list_tensors(call: Call[Any]) -> Reply:
        docs={"parameters": [NAME_PARAM]},
        summary="Delete a name now; its memory is freed when the last reader releases it")
 def delete_tensor(call: Call[Any]) -> Reply:
-    call.broker.delete(call.params["name"])
+    call.broker.delete(call.params["name"], call.who)
     return 204, b""
 
 
