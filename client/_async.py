@@ -11,7 +11,7 @@ same lease lifetime.  The Core's own (blocking) transport is used only off
 the event loop: by the background thread, and in worker threads.
 
 What never runs on the event loop: the copy of a put (in the copy threads),
-mapping a whole segment for it (``MAP_POPULATE``), the remap of a large
+mapping a whole segment for it (pre-faulted), the remap of a large
 ``empty()`` tensor at publish, GPU work and pushes (each run whole in a
 worker thread), and waiting on a lock that another thread holds (mapping a
 tensor moves to a worker thread while the Core's locks are taken).

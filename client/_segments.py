@@ -50,7 +50,7 @@ class Segments:
 
     def fill_map(self, segment: str) -> Window:
         """The whole segment, mapped shared and writable once, for put's copies.
-        Writers pre-fault it in one call (MAP_POPULATE)."""
+        Writers pre-fault it, a step at a time (``shm._posix._populate``)."""
         m = self._fill_maps.get(segment)
         if m is None:
             f = self.file(segment, True)

@@ -40,7 +40,6 @@ _PROT_WRITE = 0x2
 _MAP_SHARED = 0x01
 _MAP_PRIVATE = 0x02
 _MAP_FIXED = 0x10
-_MAP_POPULATE = 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 # mmap offsets must be multiples of the page size (mmap(2)); a window over
 # [offset, offset + n) maps the whole pages around it.
@@ -53,6 +52,14 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+# Pre-faulting holds the process's mmap lock: in one call (MAP_POPULATE) a
+# 1 GiB segment holds it for about half a second, and every other thread
+# that maps, unmaps or grows its heap meanwhile (an event loop answering
+# requests) waits that long.  In steps of this size, it waits one step.
+_POPULATE_STEP = 16 << 20
 
 
 def check_name(name: str) -> str:
@@ -169,6 +176,15 @@ def _munmap(address: int, size: int) -> None:
     _libc.munmap(address, size)
 
 
+def _populate(address: int, size: int) -> None:
+    """Fault in ``[address, address + size)`` for writing, a step at a time
+    (see ``_POPULATE_STEP``).  On kernels without MADV_POPULATE_WRITE, or
+    where it fails, the pages fault in as they are first written."""
+    for at in range(0, size, _POPULATE_STEP):
+        if _libc.madvise(address + at, min(_POPULATE_STEP, size - at), _MADV_POPULATE_WRITE):
+            return
+
+
 def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int,
           what: str) -> int:
     addr = _libc.mmap(address, size, prot, flags, fd, offset)
@@ -243,12 +259,11 @@ class Window:
         start = offset - offset % PAGE
         self._len = max(-(-(offset + nbytes) // PAGE) * PAGE - start, PAGE)
         self._start = start
-        if writable:
-            flags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
-        else:
-            flags = _MAP_PRIVATE
+        flags = _MAP_SHARED if writable else _MAP_PRIVATE
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file.fd, start,
                            repr(file.name))
+        if populate and writable:
+            _populate(self._base, self._len)
         self.address = self._base + offset - start
         self.size = nbytes
 
@@ -301,11 +316,9 @@ class PosixMapping:
             if size == 0:
                 raise ValueError(f"segment {name!r} is empty")
             prot = _PROT_READ | (_PROT_WRITE if writable else 0)
-            mflags = _MAP_SHARED | (_MAP_POPULATE if populate else 0)
-            addr = _libc.mmap(None, size, prot, mflags, fd, 0)
-            if addr is None or addr == _MAP_FAILED:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mmap of {name!r} failed: {os.strerror(err)}")
+            addr = _mmap(None, size, prot, _MAP_SHARED, fd, 0, repr(name))
+            if populate and writable:
+                _populate(addr, size)
         finally:
             # The mapping keeps the memory alive; the fd is not needed after mmap.
             os.close(fd)

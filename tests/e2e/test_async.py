@@ -608,10 +608,6 @@ def test_server_answers_concurrent_gets(server: tuple[Server, BrokerProc]) -> No
     drained(b)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known regression of the one-core client: in 1 run of 2 to 8 the server's event loop stalls "
-    "about 0.5 s while the copy thread maps a fresh 768 MiB segment (MAP_POPULATE); the client "
-    "before the core passed 10 of 10 here; open"))
 def test_server_stays_responsive_during_a_big_put(server: tuple[Server, BrokerProc]) -> None:
     """A put of 768 MiB into a fresh segment (the broker makes it, the server
     maps it and copies): /ping answers fast all along, and the server's own
