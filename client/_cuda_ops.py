@@ -37,8 +37,7 @@ from .._wire import (
     encode_ipc,
 )
 from ..shm._device import DeviceError
-from ..shm._dlpack import Borrowed, borrow_dlpack, import_dlpack, parse_stream
-from ..shm._dtypes import dtype_from_numpy
+from ..shm._dlpack import Borrowed, borrow_dlpack, parse_stream
 from ._core import Core
 from ._cuda_handles import _cuda, on_gpu, open_block, state, wire_device
 from ._http import Op
@@ -59,19 +58,15 @@ def _exportable(x: Any) -> Any:
 
 
 def _host(x: Any) -> tuple[Any, str, Any]:
-    """(C-contiguous numpy array of the bytes, dtype name, what to close) of a host source."""
+    """(C-contiguous numpy array of the bytes, dtype name, what to close) of a
+    host source: the Client's own intake (``_source.Source``), so a host
+    source is judged the same whichever device it goes to."""
     import numpy as np
 
-    closer = None
-    if isinstance(x, np.ndarray):
-        arr, dtype = x, dtype_from_numpy(x.dtype).name
-    elif hasattr(x, "__dlpack__"):
-        closer = import_dlpack(_exportable(x))
-        arr, dtype = closer.array, closer.dtype.name
-    else:
-        arr = np.asarray(x)
-        dtype = dtype_from_numpy(arr.dtype).name
-    return np.ascontiguousarray(arr), dtype, closer
+    from ._source import Source
+
+    src = Source(x)
+    return np.ascontiguousarray(src.array), src.dtype, src
 
 
 class _Inputs:

@@ -3,6 +3,7 @@ item size without a copy (DLPack for torch, jax, cupy host arrays)."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidRequest, InvalidType
@@ -27,6 +28,7 @@ class Source:
         from ._tensor import SharedTensor
 
         self._imported = None
+        refuse_masked(x, what)
         if isinstance(x, SharedTensor):  # another client's, or an empty() one: copy its raw bytes
             self.array, self.dtype = raw_view(x), x.dtype
         elif isinstance(x, np.ndarray):
@@ -48,6 +50,16 @@ class Source:
         if self._imported is not None:
             self._imported.close()
             self._imported = None
+
+
+def refuse_masked(x: Any, what: str) -> None:
+    """A masked array has two readings (its raw bytes, or its bytes with the
+    fill value where masked): refuse it, and say how to pick one."""
+    ma = sys.modules.get("numpy.ma")  # not imported: x cannot be a masked array
+    if ma is not None and isinstance(x, ma.MaskedArray):
+        raise InvalidType(f"{what} is a numpy masked array, which tensordepot does not store "
+                          f"(the mask would be lost); pass {what}.filled(value) for its values "
+                          f"with masked entries replaced, or {what}.data for its raw values")
 
 
 def _numpy_dtype(dt: Any, what: str) -> str:
