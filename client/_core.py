@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
-from .._wire import ForkInfo, Handle, PublishRequest, SessionInfo, SessionOpen
+from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
 from ._background import Background
 from ._checks import check_timeout
 from ._fork import register
@@ -40,6 +40,12 @@ from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
 
 T = TypeVar("T")
+
+
+class _SessionEnded(Exception):
+    """A request that names leases of its session found that session gone."""
+
+
 _REMAP_IN_THREAD = 1 << 20  # bytes: a publish remaps a larger empty() tensor off the event loop
 
 
@@ -153,13 +159,16 @@ class Core:
 
     def call(self, method: str, path: str, body: Any = None, *,
              timeout: float | bool | None = False, rid: str | None = None, grants: bool = False,
-             raw: bool = False, keep: bool = False, background: bool = False) -> Op[Any]:
+             raw: bool = False, keep: bool = False, background: bool = False,
+             bound: bool = False) -> Op[Any]:
         """One request under this session: its decoded JSON (``raw``: its bytes).
 
         ``rid``: a request id, which makes it safe to resend; ``grants``: it
         takes leases, which are cancelled if its answer is never read;
         ``keep``: see ``Request``; ``background``: the background thread's
-        own (no riders, no reopened session)."""
+        own (no riders, no reopened session); ``bound``: its body names
+        leases of this session, so it is never sent again under a fresh one
+        (``_SessionEnded`` is raised once that is open)."""
         if not background:
             if self.closed or self.closing:
                 raise InvalidRequest("this client is closed; create a new one")
@@ -186,6 +195,8 @@ class Core:
             raise
         # The broker restarted or reaped us: open a fresh session and send it once more.
         yield from self.open_session(sid)
+        if bound:
+            raise _SessionEnded(sid)
         headers, _, _ = self.headers(rid, carry=False)
         self.round_trips += 1
         status, payload = yield from exchange(self.endpoint, method, path, body, headers,
@@ -249,6 +260,22 @@ class Core:
                 self.bg.release_later(self.sid, h.lease)
         for h in handles:
             yield from self.abort(h.name, h.version)
+
+    def link(self, name: str, t: SharedTensor, ttl: float | None) -> Op[int | None]:
+        """Put ``t``, a published tensor of this client, as a new version of
+        ``name`` that shares its bytes (no copy): the new version, or None
+        when ``t``'s lease is not one of the current session, whose ids name
+        nothing, or other tensors, now (the broker restarted, or reaped the
+        session it was taken in): then the caller copies ``t``."""
+        lease = t._lease_id()
+        if lease is None or t._lease_session != self.sid:
+            return None
+        body = LinkRequest.model_construct(name=name, lease=lease, ttl=ttl)
+        try:
+            answer = yield from self.call("POST", "/v1/link", body, rid=self.rid(), bound=True)
+        except _SessionEnded:
+            return None  # found out just now
+        return int(answer["version"])
 
     def publish(self, name: str, version: int) -> Op[None]:
         yield from self.call("POST", "/v1/publish", PublishRequest(name=name, version=version),

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .._errors import InvalidRequest
-from .._wire import INLINE_MAX, AllocRequest, Handle, LinkRequest, Stat, TensorInfo, TensorList
+from .._wire import INLINE_MAX, AllocRequest, Handle, Stat, TensorInfo, TensorList
 from ..shm._copy import copy_into
 from ..shm._posix import array_at
 from . import _cuda_handles, _cuda_ops
@@ -69,9 +69,12 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
     if _cuda_handles.involves_gpu(x, device):
         version: int = yield Offload(core.run, _cuda_ops.put(core, name, x, device=device, ttl=ttl))
         return version
-    link = _link(core, name, x, ttl)
-    if link is not None:
-        return int((yield from core.call("POST", "/v1/link", link, rid=core.rid()))["version"])
+    if isinstance(x, SharedTensor) and x._client() is core and x.published:
+        # Already in broker memory: the new version shares the bytes, unless
+        # x is leased in an earlier session (then it is copied below).
+        linked = yield from core.link(name, x, ttl)
+        if linked is not None:
+            return linked
     src = Source(x)
     try:
         arr = src.array
@@ -107,19 +110,6 @@ def _fill(core: Core, h: Handle, arr: Any) -> None:
         dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,
                        owner=m)
         copy_into(dst, arr)
-
-
-def _link(core: Core, name: str, x: Any, ttl: float | None) -> LinkRequest | None:
-    """The body of a ``/v1/link`` that puts ``x`` without a copy, when it is
-    a published tensor of this client, leased by this session."""
-    if isinstance(x, SharedTensor) and x._client() is core and x.published:
-        lease = x._lease_id()
-        if lease is not None and x._lease_session == core.sid:
-            # Already in broker memory, leased by this session: the new
-            # version shares the bytes.  A lease of an earlier session (the
-            # broker restarted) may name another tensor now: copy instead.
-            return LinkRequest.model_construct(name=name, lease=lease, ttl=ttl)
-    return None
 
 
 def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any,

@@ -22,6 +22,16 @@ from tensordepot import AsyncClient, InvalidRequest
 MiB = 1 << 20
 
 
+def drained_of_leases(b: BrokerProc) -> None:
+    """No lease and no waiting get at the broker (releases go in the background)."""
+
+    def idle() -> bool:
+        st = b.stat()
+        return st.leases == 0 and st.waiting == 0
+
+    wait_for(idle, 10, what="no leases and no waiting gets at the broker")
+
+
 def drained(b: BrokerProc) -> None:
     """No lease, no version, no byte in use at the broker (releases go in the background)."""
 
@@ -30,6 +40,52 @@ def drained(b: BrokerProc) -> None:
         return st.leases == 0 and st.versions == 0 and st.bytes_in_use == 0
 
     wait_for(idle, 10, what="no leases, versions or bytes at the broker")
+
+
+# -- a re-put after the broker restarted ---------------------------------------------------------
+
+
+def _restart(b: BrokerProc) -> None:
+    """SIGKILL the broker, and start a new one on the same socket and prefix."""
+    b.kill()
+    b.start()
+
+
+def _expected() -> dict[str, Any]:
+    return {"small": np.arange(100.0), "big": np.arange(MiB, dtype=np.float32)}
+
+
+def test_a_tensor_held_from_a_killed_broker_is_copied_by_the_first_put(
+        broker: BrokerProc) -> None:
+    want = _expected()
+    with broker.client() as c:
+        c.put_many(want)
+        held = {"big": c.get("big"), **{f"many-{k}": v for k, v in
+                                        c.get_many(["small", "big"]).items()}}
+        _restart(broker)
+        for key, t in held.items():
+            assert c.put(f"again-{key}", t) >= 1  # the first put after the restart
+        got = c.get_many([f"again-{key}" for key in held])
+        for key, t in held.items():
+            assert np.array_equal(np.from_dlpack(got[f"again-{key}"]), want[t.name])
+        assert c.stat().tensors == len(held)
+        del got, held, t
+
+    async def main() -> None:
+        async with AsyncClient(broker.url) as ac:
+            await ac.put_many(want)
+            many = await ac.get_many(["small"])
+            held = {"big": await ac.get("big"), "many-small": many.pop("small")}
+            await asyncio.get_running_loop().run_in_executor(None, _restart, broker)
+            for key, t in held.items():
+                assert await ac.put(f"again-{key}", t) >= 1
+            for key, t in held.items():
+                got = await ac.get(f"again-{key}")
+                assert np.array_equal(np.from_dlpack(got), want[t.name])
+            del got, held, t
+
+    asyncio.run(main())
+    drained_of_leases(broker)
 
 
 # -- masked arrays ------------------------------------------------------------------------------
