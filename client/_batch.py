@@ -27,26 +27,23 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import BrokerUnavailable, DepotError
 from .._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
-from ..shm import UnsupportedDType, dtype_from_name, dtype_from_numpy
+from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
 from ._core import Core
+from ._extent import Where, broken, check_columns, check_extent, dtype_of
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
 from ._tensor import Publisher, SharedTensor, _Lease
 
-if TYPE_CHECKING:
-    from ..shm import DType
-
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
-_DTYPES: dict[str, DType] = {}  # our dtype name -> DType
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> C strides in elements
 
 
@@ -66,13 +63,6 @@ def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]
     src = Source(x, f"tensors[{name!r}]")
     opened.append(src)
     return src.array, src.dtype
-
-
-def _dtype(name: str) -> DType:
-    dt = _DTYPES.get(name)
-    if dt is None:
-        dt = _DTYPES[name] = dtype_from_name(name)
-    return dt
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -109,7 +99,8 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
                                          dtypes=dtypes, ttl=ttl)
         cols = HandleColumns.model_validate_json((yield from core.alloc(body, "/v1/many/alloc")))
         try:
-            yield Offload(_fill, core, cols, arrays)  # when it raises, no copy thread still writes
+            # When it raises, no copy thread still writes.
+            yield Offload(_fill, core, cols, arrays, dtypes)
         except BaseException:
             yield from _abort(core, cols)
             raise
@@ -126,17 +117,28 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
     return dict(zip(cols.names, cols.versions, strict=True))
 
 
-def _fill(core: Core, cols: HandleColumns, arrays: list[Any]) -> None:
+def _fill(core: Core, cols: HandleColumns, arrays: list[Any], dtypes: list[str]) -> None:
+    check_columns(cols)
+    if cols.others or len(cols.names) != len(arrays):
+        raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
     flats = [core.segments.fill_flat(seg) for seg in cols.segments]
     pairs = []
-    for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True):
+    for i, (a, seg, off, n) in enumerate(zip(arrays, cols.segment, cols.offsets, cols.nbytes,
+                                             strict=True)):
+        check_extent(_described(cols, i), flats[seg].size, off, n, cols.shapes[i], None,
+                     cols.dtypes[i], (a.shape, dtypes[i]))
         if n:
             pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
     copy_many(pairs)
 
 
+def _described(cols: HandleColumns, i: int) -> Where:
+    return (cols.names[i], cols.versions[i], cols.segments[cols.segment[i]])
+
+
 def _abort(core: Core, cols: HandleColumns) -> Op[None]:
-    for name, version in zip(cols.names, cols.versions, strict=True):
+    # Not strict: columns that a check refused may differ in length.
+    for name, version in zip(cols.names, cols.versions, strict=False):
         yield from core.abort(name, version)
 
 
@@ -163,6 +165,7 @@ def _tensors(client: Core, cols: HandleColumns) -> dict[str, SharedTensor]:
     bg, sid = client.bg, client.sid
     tensors: list[SharedTensor | None] = [None] * n
     try:
+        check_columns(cols)
         windows = _windows(client, cols)
         ref = weakref.ref[Publisher](client)
         release = None if bg is None else functools.partial(bg.release_later, sid)
@@ -177,17 +180,17 @@ def _tensors(client: Core, cols: HandleColumns) -> dict[str, SharedTensor]:
                     bg.track(sid, lid)  # type: ignore[union-attr]
                 shape = tuple(cols.shapes[i])
                 t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
-                                     _dtype(cols.dtypes[i]), cols.nbytes[i], window, flat,
-                                     cols.offsets[i] - base, lease)
+                                     dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
+                                     window, flat, cols.offsets[i] - base, lease)
                 t._lease_session = sid
                 tensors[i] = t
         for i, h in cols.others.items():
             tensors[i] = tensor(client, h, False)
     except BaseException:
-        if bg is not None:
-            for made, lid in zip(tensors, leases, strict=True):
-                if made is None and lid is not None:  # the others go when their tensors do
-                    bg.release_later(sid, lid)
+        if bg is not None:  # every lease handed out (``leases`` may be longer than ``tensors``)
+            for i, lid in enumerate(leases):
+                if lid is not None and (i >= n or tensors[i] is None):  # the others go when
+                    bg.release_later(sid, lid)  # their tensors do
         raise
     return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
 
@@ -204,6 +207,9 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
     for j, members in by_segment.items():
         try:
             f = client.segments.file(cols.segments[j], False)
+            for i in members:
+                check_extent(_described(cols, i), f.size, cols.offsets[i], cols.nbytes[i],
+                             cols.shapes[i], None, cols.dtypes[i])
             ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
             shared, alone = [], []
             end = -1

@@ -29,6 +29,7 @@ from ..shm._posix import array_at
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_name, check_shape, check_timeout, check_ttl, check_version
 from ._core import Core
+from ._extent import check_extent, describe
 from ._http import Offload, Op
 from ._source import Source, dtype_name
 from ._tensor import SharedTensor
@@ -89,7 +90,8 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
                                             device="cpu", ttl=ttl, hold=False)
         h = Handle.model_validate_json((yield from core.alloc(body)))
         try:
-            yield Offload(_fill, core, h, arr)  # when it raises, no copy thread still writes
+            # When it raises, no copy thread still writes.
+            yield Offload(_fill, core, h, arr, src.dtype)
         except BaseException:
             yield from core.abort(h.name, h.version)
             raise
@@ -104,9 +106,11 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
     return h.version
 
 
-def _fill(core: Core, h: Handle, arr: Any) -> None:
+def _fill(core: Core, h: Handle, arr: Any, dtype: str) -> None:
+    m = core.segments.fill_map(h.segment)
+    check_extent(describe(h), m.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype,
+                 (arr.shape, dtype))
     if h.nbytes:
-        m = core.segments.fill_map(h.segment)
         dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,
                        owner=m)
         copy_into(dst, arr)

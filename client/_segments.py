@@ -14,6 +14,7 @@ from typing import Any
 
 from .._errors import BrokerUnavailable
 from ..shm._posix import SegmentFile, Window, byte_view
+from ._extent import broken
 
 
 class Segments:
@@ -41,6 +42,8 @@ class Segments:
                             f"segment {segment} is missing from /dev/shm: the broker restarted or "
                             f"runs in another IPC namespace (docker: share ipc with the broker)"
                         ) from None
+                    except ValueError as exc:  # not a name a broker makes (shm check_name)
+                        raise broken(f"segment {segment!r}", str(exc)) from None
                     except PermissionError:
                         raise BrokerUnavailable(
                             f"no permission to map segment {segment}: run as the broker's user or "

@@ -11,13 +11,24 @@ numpy array is refused, whatever its size, by both clients.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import json
+import os
+import secrets
+import shutil
+import socketserver
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, wait_for
+from _harness import TEST_PREFIX, WORKERS, BrokerProc, shm_entries, wait_for
 from tensordepot import AsyncClient, InvalidRequest
+from tensordepot.shm._posix import PosixSegment
 
 MiB = 1 << 20
 
@@ -40,6 +51,182 @@ def drained(b: BrokerProc) -> None:
         return st.leases == 0 and st.versions == 0 and st.bytes_in_use == 0
 
     wait_for(idle, 10, what="no leases, versions or bytes at the broker")
+
+
+# -- handles that reach outside their bytes ----------------------------------------------------
+
+SIZE = MiB  # the fake broker's one segment
+BIG = 1 << 17  # float32 elements of a put's tensor (handle_taker.py): 512 KiB, not inline
+# Each lie, as what it changes in a true handle; None: a handle's strides (batches have none).
+LIES: dict[str, dict[str, Any] | None] = {
+    "shape-past-nbytes": {"shape": "twice"},
+    "shape-past-segment": {"shape": [SIZE]},
+    "strides-past-nbytes": {"strides": [2]},
+    "negative-strides": {"strides": [-1]},
+    "offset-past-segment": {"offset": SIZE - 8},
+    "negative-offset": {"offset": -4096},
+    "nbytes-past-segment": {"nbytes": SIZE, "shape": [SIZE // 4]},
+    "unknown-dtype": {"dtype": "float33"},
+    "segment-not-a-name": {"segment": "../../etc/passwd"},
+    "uneven-columns": {"columns": {"offsets": [4096, 4096]}},
+    "segment-index-past-segments": {"columns": {"segment": [3]}},
+}
+BATCHES = ("get_many", "put_many")
+
+
+def _lies(op: str) -> list[str]:
+    return [k for k, lie in LIES.items()
+            if (op in BATCHES or "columns" not in (lie or {}))
+            and not (op in BATCHES and "strides" in (lie or {}))]
+
+
+class FakeBroker:
+    """An HTTP server on a unix socket that answers the client's requests as
+    a broker would, with a crafted handle per name into a real segment (made
+    here with the project's shm code), and records what the client gives
+    back: releases (on their own, or riding on a request) and aborts."""
+
+    def __init__(self, sock: str, segment: str) -> None:
+        self.segment = segment
+        self.lock = threading.Lock()
+        self.released: list[int] = []
+        self.aborted: list[str] = []
+        self.published: list[Any] = []
+        self.ended = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                fake.answer(self)
+
+            do_POST = do_DELETE = do_GET
+
+        self.server = socketserver.ThreadingUnixStreamServer(sock, Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+    @staticmethod
+    def lease(name: str) -> int:
+        return 100 + list(LIES).index(name)
+
+    def handle(self, name: str, state: str, lease: int | None, big: bool) -> dict[str, Any]:
+        n = BIG if big else 4
+        h: dict[str, Any] = {"name": name, "version": 1, "kind": "posix",
+                             "segment": self.segment, "offset": 4096, "nbytes": 4 * n,
+                             "shape": [n], "strides": [1], "dtype": "float32",
+                             "device": "cpu", "state": state, "lease": lease}
+        for key, value in (LIES[name] or {}).items():
+            h[key] = [2 * n] if value == "twice" else value
+        return h
+
+    def columns(self, name: str, state: str, leases: bool, big: bool) -> dict[str, Any]:
+        h = self.handle(name, state, None, big)
+        cols = {"names": [name], "versions": [1], "state": state, "segments": [h["segment"]],
+                "segment": [0], "offsets": [h["offset"]], "nbytes": [h["nbytes"]],
+                "shapes": [h["shape"]], "dtypes": [h["dtype"]],
+                "leases": [self.lease(name)] if leases else None}
+        cols.update(h.get("columns", {}))
+        return cols
+
+    def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        if (method, path) == ("POST", "/v1/sessions"):
+            return 200, {"session": "fake", "pid": None, "tracked": False,
+                         "heartbeat_interval": None}
+        if method == "DELETE" and path == "/v1/sessions/fake":
+            self.ended += 1
+            return 204, None
+        if method == "GET" and path.startswith("/v1/tensors/"):
+            name = path.rsplit("/", 1)[1]
+            return 200, self.handle(name, "ready", self.lease(name), False)
+        if path == "/v1/alloc":
+            name = body["name"]
+            return 200, self.handle(name, "writing", self.lease(name) if body["hold"] else None,
+                                    not body["hold"])
+        if path == "/v1/many/get":
+            return 200, self.columns(body["names"][0], "ready", True, False)
+        if path == "/v1/many/alloc":
+            return 200, self.columns(body["names"][0], "writing", False, True)
+        if path == "/v1/abort":
+            self.aborted.append(body["name"])
+            return 204, None
+        if path == "/v1/release":
+            self.released += body["leases"]
+            return 204, None
+        if path in ("/v1/publish", "/v1/many/publish"):
+            self.published.append(body)
+            return 200, {"version": 1}
+        return 404, {"error": {"code": "not_found", "message": f"{method} {path}"}}
+
+    def answer(self, h: BaseHTTPRequestHandler) -> None:
+        n = int(h.headers.get("content-length") or 0)
+        body = json.loads(h.rfile.read(n)) if n else None
+        riders = h.headers.get("x-tensordepot-release")
+        with self.lock:
+            self.released += [int(i) for i in riders.split(",")] if riders else []
+            status, out = self.route(h.command, h.path.split("?")[0], body)
+        data = b"" if out is None else json.dumps(out).encode()
+        h.send_response(status)
+        h.send_header("x-tensordepot-broker", "fake")
+        h.send_header("content-type", "application/json")
+        h.send_header("content-length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, FakeBroker]]:
+    prefix = f"{TEST_PREFIX}fake-{secrets.token_hex(4)}-"
+    seg = PosixSegment(prefix + "0", SIZE)
+    where = tempfile.mkdtemp(prefix="td-", dir="/tmp")
+    sock = os.path.join(where, "broker.sock")
+    broker = FakeBroker(sock, seg.name)
+    try:
+        yield "unix://" + sock, broker
+    finally:
+        broker.close()
+        seg.unlink()
+        shutil.rmtree(where, ignore_errors=True)
+        assert shm_entries(prefix) == []
+
+
+@pytest.mark.parametrize("op,driver", [
+    pytest.param("get", "sync", id="get"), pytest.param("get", "async", id="async-get"),
+    pytest.param("get_many", "sync", id="get_many"),
+    pytest.param("get_many", "async", id="async-get_many"),
+    pytest.param("empty", "sync", id="empty"), pytest.param("empty", "async", id="async-empty"),
+    pytest.param("put", "sync", id="put"), pytest.param("put_many", "async", id="async-put_many"),
+])
+def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
+        fake: tuple[str, FakeBroker], op: str, driver: str) -> None:
+    url, broker = fake
+    lies = _lies(op)
+    res = subprocess.run([sys.executable, str(WORKERS / "handle_taker.py"), url, driver, op,
+                          *lies], capture_output=True, text=True, timeout=120)
+    said = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert res.returncode == 0, (f"the client died ({res.returncode}) after {list(said)}:\n"
+                                 f"{res.stderr[-2000:]}")
+    wrong = {name: (r["raised"], r["message"]) for name, r in said.items()
+             if r["raised"] != "TensorBroken"}
+    assert not wrong and list(said) == lies, wrong
+    for r in said.values():
+        assert "refusing the broker's handle" in r["message"], r
+    # What the broker handed out came back, before the session ended.
+    assert broker.ended == 1
+    if op in ("put", "put_many"):
+        assert sorted(broker.aborted) == sorted(lies) and broker.published == []
+    else:
+        assert sorted(broker.released) == sorted(broker.lease(name) for name in lies)
 
 
 # -- a re-put after the broker restarted ---------------------------------------------------------

@@ -1,0 +1,112 @@
+"""What the client believes of a handle: only what it has checked against
+the segment it maps.
+
+A handle says where a tensor lives (a segment, an offset, a byte count) and
+what it is (shape, strides, dtype).  A view made from it reads, or writes,
+every byte its shape and strides reach from its offset.  A handle that
+reaches outside its bytes would make that view read another tensor's bytes
+(or write into them), or, past the end of the segment or before its start,
+fault: SIGBUS past the end of the file, SIGSEGV past the mapping.  A real
+broker never sends one; a broken or impostor one may.  So before a window
+is mapped, every handle passes ``check_extent``: the one check, which get,
+get_many, empty, put and put_many (``Client`` and ``AsyncClient`` alike)
+reach.  What fails raises ``TensorBroken``, and the operation gives back
+what the broker handed out (the lease, or the allocation).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .._errors import TensorBroken
+from .._wire import MAX_NDIM, Handle, HandleColumns
+from ..shm import DType, UnsupportedDType, dtype_from_name
+
+_FIX = ("A tensordepot broker never sends that: check who serves the broker's socket, and "
+        "that the client and the broker are of the same version")
+
+
+Where = tuple[str, int, str] | str  # (name, version, segment) of a handle, or what else it is
+
+
+def describe(h: Handle) -> Where:
+    return (h.name, h.version, h.segment)
+
+
+def broken(where: Where, problem: str) -> TensorBroken:
+    what = where if isinstance(where, str) else f"{where[0]!r} v{where[1]} in segment {where[2]}"
+    return TensorBroken(f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
+                        f"written through it, and what the broker handed out is given back. {_FIX}")
+
+
+_DTYPES: dict[str, DType] = {}  # dtype names seen so far
+
+
+def dtype_of(where: Where, name: str) -> DType:
+    """The dtype a handle names (cached: a batch names a few, many times)."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        try:
+            dt = _DTYPES[name] = dtype_from_name(name)
+        except (UnsupportedDType, TypeError) as exc:
+            raise broken(where, f"its dtype {name!r} is unknown ({exc})") from None
+    return dt
+
+
+def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Sequence[int],
+                 strides: Sequence[int] | None, dtype: str,
+                 asked: tuple[tuple[int, ...], str] | None = None) -> DType:
+    """The dtype of a tensor at ``offset`` of a segment of ``size`` bytes,
+    ``nbytes`` long, with ``shape`` and ``strides`` (in elements; None: C
+    order), once every byte its elements reach is known to lie within its
+    bytes, and those within the segment; ``asked``: the (shape, dtype) a put
+    asked for, which an allocation must be.  Raises ``TensorBroken``.
+
+    The numbers are ints: the wire models validated the answer.  A batch
+    checks a thousand tensors this way, so the usual case costs a few
+    comparisons."""
+    if asked is not None and (tuple(shape) != asked[0] or dtype != asked[1]):
+        raise broken(where, f"it is {list(shape)} of {dtype!r}, not the {list(asked[0])} of "
+                            f"{asked[1]!r} asked for")
+    dt = _DTYPES.get(dtype) or dtype_of(where, dtype)
+    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
+        raise broken(where, f"its shape {list(shape)} is not up to {MAX_NDIM} dimensions >= 0")
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise broken(where, f"its bytes [{offset}, {offset}+{nbytes}) are not within its "
+                            f"segment of {size} bytes")
+    count = math.prod(shape)
+    if count * dt.itemsize != nbytes:
+        raise broken(where, f"its shape {list(shape)} of {dt.name} is {count * dt.itemsize} "
+                            f"bytes, not its {nbytes}")
+    if strides is not None:
+        if len(strides) != len(shape):
+            raise broken(where, f"its strides {list(strides)} do not match its shape "
+                                f"{list(shape)}")
+        if count:
+            # The lowest and the highest element its strides reach, from its first.
+            low = sum(min(0, (d - 1) * s) for d, s in zip(shape, strides, strict=True))
+            high = sum(max(0, (d - 1) * s) for d, s in zip(shape, strides, strict=True))
+            if low < 0 or (high + 1) * dt.itemsize > nbytes:
+                raise broken(where, f"its strides {list(strides)} reach bytes "
+                                    f"[{low * dt.itemsize}, {(high + 1) * dt.itemsize}) of its "
+                                    f"{nbytes}")
+    return dt
+
+
+def check_columns(cols: HandleColumns) -> None:
+    """The columns of a batch's handles hold one entry per tensor, and each
+    names a segment of the batch (or -1: its handle is in ``others``)."""
+    n = len(cols.names)
+    lengths = [len(c) for c in (cols.versions, cols.segment, cols.offsets, cols.nbytes,
+                                cols.shapes, cols.dtypes,
+                                cols.names if cols.leases is None else cols.leases)]
+    what = f"a batch of {n} tensor(s)"
+    if any(k != n for k in lengths):
+        raise broken(what, f"its columns have {sorted(set(lengths))} entries, not {n} each")
+    for i, j in enumerate(cols.segment):
+        if not (-1 <= j < len(cols.segments)) or (j == -1) != (i in cols.others):
+            raise broken(what, f"tensor {cols.names[i]!r} names segment {j} of "
+                               f"{len(cols.segments)}")
+    if any(not 0 <= i < n for i in cols.others):
+        raise broken(what, f"it has handles for positions {sorted(cols.others)} of {n}")
