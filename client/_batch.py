@@ -97,7 +97,7 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
             dtypes.append(d)
         body = ManyAlloc.model_construct(names=names, shapes=[list(a.shape) for a in arrays],
                                          dtypes=dtypes, ttl=ttl)
-        cols = HandleColumns.model_validate_json((yield from core.alloc(body, "/v1/many/alloc")))
+        cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
         try:
             # When it raises, no copy thread still writes.
             yield Offload(_fill, core, cols, arrays, dtypes)
@@ -150,9 +150,7 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
     body = BatchGet.model_construct(names=names, timeout=wait,
                                     newer_than=check_floors(newer_than, names))
     io = None if wait is None else wait + core.timeout
-    raw = yield from core.call("POST", "/v1/many/get", body, timeout=io, rid=core.rid(),
-                               grants=True, raw=True)
-    cols = HandleColumns.model_validate_json(raw)
+    cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
     if core.map_cheaply("cuda" if cols.others else "posix"):
         return _tensors(core, cols)
     return (yield Offload(_tensors, core, cols))  # type: ignore[no-any-return]

@@ -28,12 +28,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
 from ._background import Background
-from ._checks import check_timeout
-from ._extent import check_extent, describe
+from ._checks import check_timeout, shown
+from ._extent import broken, check_extent, describe
 from ._fork import register
 from ._http import COMMIT, Endpoint, Offload, Op, Request, decode, drive, exchange, io_timeout
 from ._segments import Segments
@@ -41,6 +43,7 @@ from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class _SessionEnded(Exception):
@@ -239,11 +242,28 @@ class Core:
     rid = staticmethod(request_id)
 
     # -- allocations -------------------------------------------------------------------------
-    def alloc(self, body: Any, path: str = "/v1/alloc") -> Op[Any]:
+    def granted(self, model: type[M], method: str, path: str, body: Any = None, *,
+                timeout: float | bool | None = False, keep: bool = False) -> Op[M]:
+        """A request that takes leases or memory (a get, an allocation): its
+        answer as ``model``.  An answer that is not one (a broken or impostor
+        broker) raises ``TensorBroken``, and what the request was granted is
+        cancelled: the broker gives it back."""
+        rid = self.rid()
+        raw = yield from self.call(method, path, body, timeout=timeout, rid=rid, grants=True,
+                                   raw=True, keep=keep)
+        try:
+            return model.model_validate_json(raw)
+        except ValueError as exc:  # pydantic's ValidationError, JSON that is not JSON
+            if self.bg is not None:
+                self.bg.cancel_later(self.sid, rid)
+            first = exc.errors()[0] if isinstance(exc, ValidationError) and exc.errors() else exc
+            raise broken(f"{method} {path.split('?')[0]}",
+                         f"its answer is not a {model.__name__} ({shown(first, 200)})") from None
+
+    def alloc(self, body: Any, model: type[M], path: str = "/v1/alloc") -> Op[M]:
         """An allocation (``keep``: an asyncio caller cancelled meanwhile still
-        gets it, and gives it back); the raw answer."""
-        return (yield from self.call("POST", path, body, rid=self.rid(), grants=True, raw=True,
-                                     keep=True))
+        gets it, and gives it back), as ``model``."""
+        return (yield from self.granted(model, "POST", path, body, keep=True))
 
     def abort(self, name: str, version: int) -> Op[None]:
         """Give back an allocation that will not be published (best effort: if

@@ -212,7 +212,7 @@ def put(client: Core, name: str, x: Any, *, device: object, ttl: float | None) -
         src, shape, dtype, _ = inputs.take(x)
         body = AllocRequest.model_construct(name=name, shape=list(shape), dtype=dtype,
                                             device=target, ttl=ttl, hold=False)
-        h = Handle.model_validate_json((yield from client.alloc(body)))
+        h = yield from client.alloc(body, Handle)
         try:
             _fill(client, h, src, cuda)
             _finish_writes(cuda, [h], _crossing(cuda, h, src))
@@ -253,8 +253,8 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
             items.append(AllocRequest.model_construct(
                 name=name, shape=list(shape), dtype=dtype,
                 device=_target(x, device, cuda_source), ttl=ttl, hold=False))
-        raw = yield from client.alloc(BatchAlloc.model_construct(items=items), "/v1/batch/alloc")
-        handles = HandleList.model_validate_json(raw).items
+        handles = (yield from client.alloc(BatchAlloc.model_construct(items=items), HandleList,
+                                           "/v1/batch/alloc")).items
         try:
             host_pairs = []
             cross: set[int] = set()

@@ -88,7 +88,7 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
             return int(answer["version"])
         body = AllocRequest.model_construct(name=name, shape=list(arr.shape), dtype=src.dtype,
                                             device="cpu", ttl=ttl, hold=False)
-        h = Handle.model_validate_json((yield from core.alloc(body)))
+        h = yield from core.alloc(body, Handle)
         try:
             # When it raises, no copy thread still writes.
             yield Offload(_fill, core, h, arr, src.dtype)
@@ -122,7 +122,7 @@ def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any,
     body = AllocRequest.model_construct(name=name, shape=check_shape(shape),
                                         dtype=dtype_name(dtype), ttl=check_ttl(ttl),
                                         device=_cuda_handles.wire_device(device), hold=True)
-    h = Handle.model_validate_json((yield from core.alloc(body)))
+    h = yield from core.alloc(body, Handle)
     try:
         if core.map_cheaply(h.kind):
             t = tensor(core, h, True)
@@ -164,8 +164,7 @@ def get(core: Core, name: str, timeout: Any, newer_than: Any) -> Op[SharedTensor
         path, io = path + "&timeout=inf", None
     elif wait > 0:
         path, io = path + f"&timeout={wait!r}", wait + core.timeout
-    raw = yield from core.call("GET", path, timeout=io, rid=core.rid(), grants=True, raw=True)
-    h = Handle.model_validate_json(raw)
+    h = yield from core.granted(Handle, "GET", path, timeout=io)
     try:
         if core.map_cheaply(h.kind):
             return tensor(core, h, False)
