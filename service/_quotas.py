@@ -3,9 +3,11 @@
 ``Limits`` is every bound the broker's state keeps (sessions, unpublished
 allocations, memory per session and per identity).  ``Quotas`` counts the
 bytes of every live version against the session and the identity that made
-it (by ``put``, ``empty``, a batch, a Flight ``DoPut``), refuses past either
-limit with 507, and gives the bytes back when the version's memory is freed.
-Nothing is evicted to make room.
+it (by ``put``, ``empty``, a batch, a Flight ``DoPut``, or ``link``: an
+alias is charged to whoever links it, as a copy would be, so no bytes are
+ever held uncharged), refuses past either limit with 507, and gives the
+bytes back when the version's memory is freed.  Nothing is evicted to make
+room.
 
 The API, for every door that places versions::
 

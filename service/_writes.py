@@ -301,7 +301,8 @@ class Writes:
         """Publish the bytes a lease holds as the next version of ``name``, without a copy.
 
         The new version shares the block; the memory is freed when every
-        version that shares it is gone."""
+        version that shares it is gone.  It is charged to this session and its
+        identity like a put of the same bytes (``_quotas``)."""
         s = self.sessions.admit(sid, caller)
         lease = self.lending.table.get(lease_id)
         if lease is None or lease.session != s.id or lease.version.block is None:
@@ -310,13 +311,17 @@ class Writes:
         src = lease.version
         if src.state != "ready":
             raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
-        e = self.records.entry(name)
-        src.block.refs += 1
-        v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
-                    s.id, ttl=ttl, entry=e)
-        e.next_version += 1
-        e.writing[v.number] = v
-        s.writing.add(v)
-        self.memory.linked(v)
+        # An alias is charged to whoever makes it, as a copy would be: when the
+        # original goes, the bytes it leaves held are still counted.
+        with self.quotas.charge(s, src.nbytes, name) as charge:
+            e = self.records.entry(name)
+            src.block.refs += 1
+            v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize,
+                        "writing", s.id, ttl=ttl, entry=e)
+            e.next_version += 1
+            e.writing[v.number] = v
+            s.writing.add(v)
+            charge.attach(v)
+            self.memory.linked(v)
         self._count("links")
         return self._publish(s, v)
