@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._errors import Conflict, InvalidRequest, TensorNotFound
+from .._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
 from .._wire import INLINE_MAX, AllocRequest
 from ..shm._pool import Block, PoolExhausted
 from ._records import CPU, Checked, Version, check_item
@@ -216,11 +216,21 @@ class Writes:
 
     def publish_many(self, sid: str | None, caller: Caller,
                      items: list[tuple[str, int]]) -> list[Version]:
-        """All or nothing: every item is checked before any is published."""
+        """All or nothing: every item is checked before any is published.  A
+        batch that cannot be published gives back every version of it that
+        this session is writing, so a failed batch holds no memory."""
         s = self.sessions.admit(sid, caller)
-        if len(set(items)) != len(items):
-            raise InvalidRequest("a batch publishes each (name, version) once")
-        versions = [self._writing(s, name, number) for name, number in items]
+        try:
+            if len(set(items)) != len(items):
+                raise InvalidRequest("a batch publishes each (name, version) once")
+            versions = [self._writing(s, name, number) for name, number in items]
+        except DepotError as exc:
+            batch = set(items)
+            dead = [v for v in s.writing if (v.name, v.number) in batch]
+            for v in dead:
+                self.abandon(v)
+            raise type(exc)(f"{exc}; nothing of this batch was published, and its {len(dead)} "
+                            f"other allocations were given back: put the batch again") from None
         return [self._publish(s, v) for v in versions]
 
     def _publish(self, s: Session, v: Version) -> Version:

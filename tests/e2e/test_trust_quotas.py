@@ -3,18 +3,25 @@
 A name put as an alias of a got tensor (``/v1/link``) is charged to whoever
 linked it, so deleting the original leaves no bytes held uncharged;
 concurrent puts under a quota are checked and charged in one step, so
-together they never publish more than the quota.
+together they never publish more than the quota; a ``put_many`` whose
+publish fails (a name deleted meanwhile) gives back every allocation of
+its batch, so a producer looping against a deleter runs on in bounded
+memory.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from _harness import BrokerProc, wait_for
-from tensordepot import Client, OutOfMemory
+from _rawhttp import Answer, encode, exchange
+from tensordepot import Client, OutOfMemory, TensorNotFound
 
 MiB = 1 << 20
 
@@ -134,3 +141,130 @@ def test_concurrent_puts_never_publish_more_than_the_quota(
     finally:
         for cl in set(clients):
             cl.close()
+
+
+# -- 3. a put_many whose publish fails gives back its whole batch ------------------------------
+
+def call(b: BrokerProc, method: str, path: str, body: Any = None,
+         session: str | None = None) -> Answer:
+    headers = [("content-type", "application/json")]
+    headers += [("x-tensordepot-session", session)] if session else []
+    return exchange(b.sock, encode(method, path, headers,
+                                   None if body is None else json.dumps(body).encode()),
+                    method=method)
+
+
+@pytest.mark.parametrize("route", ["many", "batch"])
+def test_a_failed_batch_publish_gives_back_the_whole_batch(
+        broker_factory: Callable[..., BrokerProc], route: str) -> None:
+    """A producer that never aborts (raw HTTP): the broker itself gives back
+    every allocation of a batch whose publish fails."""
+    names = [f"sd.{i}" for i in range(20)]
+    size = 64 << 10  # 1.25 MiB per batch: 13 leaked batches fill --max-memory
+    b = broker_factory("--segment-size", "4MiB", max_memory="16MiB")
+    sid = call(b, "POST", "/v1/sessions", {"pid": os.getpid()}).json()["session"]
+    with b.client() as d:
+        try:
+            batches(b, d, sid, names, size, route)
+        finally:
+            assert call(b, "DELETE", f"/v1/sessions/{sid}", session=sid).status == 204
+
+
+def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, route: str) -> None:
+    """40 batches of ``names``, each but the first with a name deleted before its publish."""
+    for k in range(40):
+        if route == "many":
+            got = call(b, "POST", "/v1/many/alloc", {"names": names, "shapes": [[size]] * 20,
+                                                     "dtypes": ["uint8"] * 20}, sid)
+            assert got.status == 200, (k, got.json(), d.stat())
+            versions = got.json()["versions"]
+            pub = ("/v1/many/publish", {"names": names, "versions": versions})
+        else:
+            items = [{"name": n, "shape": [size], "dtype": "uint8"} for n in names]
+            got = call(b, "POST", "/v1/batch/alloc", {"items": items}, sid)
+            assert got.status == 200, (k, got.json(), d.stat())
+            versions = [h["version"] for h in got.json()["items"]]
+            pub = ("/v1/batch/publish", {"items": [{"name": n, "version": v} for n, v
+                                                   in zip(names, versions, strict=True)]})
+        if k:
+            d.delete(names[k % 20])  # deleted between alloc and publish
+        answer = call(b, "POST", *pub, session=sid)
+        if k == 0:
+            assert answer.status == 200, answer.json()
+            continue
+        assert answer.status == 404, answer.json()
+        st = d.stat()
+        assert st.versions == st.tensors, (k, st)  # every live version is a published one
+        msg = answer.json()["error"]["message"]
+        assert f"{names[k % 20]!r}" in msg and "nothing of this batch was published" in msg, msg
+
+
+def test_a_put_many_loop_against_a_deleter_runs_in_bounded_memory(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """The whole scenario with real clients: a producer's put_many loop, a
+    deleter and a consumer, in memory that 13 leaked batches would fill."""
+    names = [f"sd.{i}" for i in range(20)]
+    size = 64 << 10  # 20 x 64 KiB = 1.25 MiB per round, under --max-memory 16 MiB
+    b = broker_factory("--segment-size", "4MiB", max_memory="16MiB")
+    rounds, failed = 300, 0
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def deleter() -> None:
+        with b.client() as d:
+            i = 0
+            while not stop.is_set():
+                try:
+                    d.delete(names[i % len(names)])
+                except TensorNotFound:
+                    pass
+                i += 7
+
+    def consumer() -> None:
+        with b.client() as r:
+            while not stop.is_set():
+                try:
+                    got = r.get_many(names, timeout=0)
+                except TensorNotFound:
+                    continue
+                assert all(np.from_dlpack(t)[0] == 7 for t in got.values())
+                del got
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+        return run
+
+    helpers = [threading.Thread(target=guarded(f)) for f in (deleter, consumer)]
+    with b.client() as p:
+        for th in helpers:
+            th.start()
+        try:
+            sd = {n: np.full(size, 7, np.uint8) for n in names}
+            for k in range(rounds):
+                try:
+                    p.put_many(sd)
+                except TensorNotFound:
+                    failed += 1  # a name was deleted between alloc and publish
+                except OutOfMemory as exc:
+                    st = p.stat()
+                    raise AssertionError(f"round {k}: {exc}; {st}") from exc
+        finally:
+            stop.set()
+            for th in helpers:
+                th.join(60)
+        assert not errors, errors
+        # No allocation of a failed batch stays behind (they would stay until --alloc-ttl).
+        wait_for(lambda: p.stat().versions <= len(names), 10,
+                 what="only the published versions to be left")
+        for n in names:
+            try:
+                p.delete(n)
+            except TensorNotFound:
+                pass
+        wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().leases == 0, 10,
+                 what="every byte and lease to be given back")
+    assert failed > 0, "the deleter never hit a batch between alloc and publish"
