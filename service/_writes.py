@@ -229,8 +229,9 @@ class Writes:
             dead = [v for v in s.writing if (v.name, v.number) in batch]
             for v in dead:
                 self.abandon(v)
-            raise type(exc)(f"{exc}; nothing of this batch was published, and its {len(dead)} "
-                            f"other allocations were given back: put the batch again") from None
+            raise type(exc)(f"{exc}; nothing of this batch was published, and the {len(dead)} "
+                            f"versions of it this session was writing were given back: put the "
+                            f"batch again") from None
         return [self._publish(s, v) for v in versions]
 
     def _publish(self, s: Session, v: Version) -> Version:

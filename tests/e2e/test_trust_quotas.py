@@ -197,6 +197,7 @@ def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, rou
         assert st.versions == st.tensors, (k, st)  # every live version is a published one
         msg = answer.json()["error"]["message"]
         assert f"{names[k % 20]!r}" in msg and "nothing of this batch was published" in msg, msg
+        assert "the 19 versions of it this session was writing were given back" in msg, msg
 
 
 def test_a_put_many_loop_against_a_deleter_runs_in_bounded_memory(
