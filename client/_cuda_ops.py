@@ -271,12 +271,17 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
             copy_many(host_pairs)
             _finish_writes(cuda, handles, cross)
         except BaseException:
-            for h in handles:
-                yield from client.abort(h.name, h.version)
+            yield from client.give_back(handles)
             raise
     done = [PublishRequest.model_construct(name=h.name, version=h.version) for h in handles]
-    yield from client.call("POST", "/v1/batch/publish", BatchPublish.model_construct(items=done),
-                           rid=client.rid(), keep=True)
+    try:
+        yield from client.call("POST", "/v1/batch/publish",
+                               BatchPublish.model_construct(items=done), rid=client.rid(),
+                               keep=True)
+    except BaseException:
+        # If the broker published them, or gave them back itself, it finds nothing to abort.
+        yield from client.give_back(handles)
+        raise
     return {h.name: h.version for h in handles}
 
 

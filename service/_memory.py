@@ -127,11 +127,11 @@ class Memory:
             f"or start the broker with a larger --max-memory"
         )
 
-    def placed(self, s: Session, v: Version) -> None:
-        """``v`` now owns its block: it counts as in use, and against ``s``'s quotas."""
+    def placed(self, v: Version) -> None:
+        """``v`` now owns its block: it counts as in use (its quota charge is
+        its own, ``Charge.attach``, given back here when it is freed)."""
         self.bytes_in_use += v.block.nbytes
         self.versions_live += 1
-        self.quotas.record(s, v)
 
     def linked(self, v: Version) -> None:
         """``v`` shares a block already in use (``link``): its bytes count once."""

@@ -1,10 +1,24 @@
 """Limits and quotas: what one session, or one identity, may hold.
 
 ``Limits`` is every bound the broker's state keeps (sessions, unpublished
-allocations, memory per session and per identity); ``Quotas`` charges a
-version's bytes to the session and the identity that created it, refuses an
-allocation past either limit with 507, and gives the bytes back when the
-version's memory is freed.  Nothing is evicted to make room.
+allocations, memory per session and per identity).  ``Quotas`` counts the
+bytes of every live version against the session and the identity that made
+it (by ``put``, ``empty``, a batch, a Flight ``DoPut``, or ``link``: an
+alias is charged to whoever links it, as a copy would be, so no bytes are
+ever held uncharged), refuses past either limit with 507, and gives the
+bytes back when the version's memory is freed.  Nothing is evicted to make
+room.
+
+The API, for every door that places versions::
+
+    with quotas.charge(session, nbytes, name) as charge:  # checks and takes, at once
+        ...                                               # awaits may follow: the bytes are held
+        charge.attach(version)                            # the version carries them from now on
+    # leaving the block gives back whatever no version carries (a failure, a cancel)
+
+and ``Quotas.uncharge(version)`` when its memory is freed (``Memory``).
+Checking and taking is one step, before any await, so concurrent requests
+can never together pass a limit that each alone fits.
 """
 
 from __future__ import annotations
@@ -43,8 +57,10 @@ class Quotas:
         self._count = count
         self._identity_bytes: dict[str, int] = {}
 
-    def charge(self, s: Session, nbytes: int, name: str) -> None:
-        """Refuse ``nbytes`` more for ``s`` past a limit (OutOfMemory); charges nothing yet."""
+    def charge(self, s: Session, nbytes: int, name: str) -> Charge:
+        """Take ``nbytes`` from ``s``'s and its identity's quotas now, or refuse
+        (OutOfMemory) and take nothing.  Use the answer as a context manager:
+        what no version carries when it ends is given back."""
         lim = self.limits
         if lim.max_memory_per_session and s.bytes + nbytes > lim.max_memory_per_session:
             self._count("quota_refusals")
@@ -60,24 +76,54 @@ class Quotas:
                 f"cannot place {name!r} ({nbytes} bytes): {s.owner} already holds {held} bytes "
                 f"and --max-memory-per-token is {lim.max_memory_per_identity}; delete tensors"
             )
+        s.bytes += nbytes
+        self._identity_bytes[s.owner] = held + nbytes
+        return Charge(self, s.id, s.owner, nbytes)
 
-    def record(self, s: Session, v: Version) -> None:
-        """``v`` was placed: its bytes count against ``s`` and its owner."""
-        v.charged, v.creator, v.identity = v.nbytes, s.id, s.owner
-        s.bytes += v.charged
-        self._identity_bytes[s.owner] = self._identity_bytes.get(s.owner, 0) + v.charged
+    def _give(self, sid: str, identity: str, nbytes: int) -> None:
+        """Bytes no longer held: off the session (if it still lives) and the identity."""
+        if not nbytes:
+            return
+        s = self.sessions.get(sid)
+        if s is not None:
+            s.bytes -= nbytes
+        left = self._identity_bytes.get(identity, 0) - nbytes
+        if left > 0:
+            self._identity_bytes[identity] = left
+        else:
+            self._identity_bytes.pop(identity, None)
 
     def uncharge(self, v: Version) -> None:
-        """``v``'s memory was freed: its bytes no longer count."""
-        if not v.charged:
-            return
-        s = self.sessions.get(v.creator or "")
-        if s is not None:
-            s.bytes -= v.charged
-        if v.identity is not None:
-            left = self._identity_bytes.get(v.identity, 0) - v.charged
-            if left > 0:
-                self._identity_bytes[v.identity] = left
-            else:
-                self._identity_bytes.pop(v.identity, None)
+        """``v``'s memory was freed: the bytes it carries no longer count."""
+        if v.charged and v.identity is not None:
+            self._give(v.creator or "", v.identity, v.charged)
         v.charged = 0
+
+
+class Charge:
+    """Bytes taken from a session's and an identity's quotas (``Quotas.charge``)
+    that no version carries yet."""
+
+    def __init__(self, quotas: Quotas, session: str, identity: str, nbytes: int) -> None:
+        self._quotas = quotas
+        self.session = session
+        self.identity = identity
+        self.left = nbytes
+
+    def attach(self, v: Version) -> None:
+        """``v`` carries its bytes of this charge until its memory is freed."""
+        n = v.nbytes
+        assert n <= self.left, f"{v.name!r} v{v.number} needs {n} bytes of {self.left} charged"
+        self.left -= n
+        v.charged, v.creator, v.identity = n, self.session, self.identity
+
+    def give_back(self) -> None:
+        """Return what no version carries (idempotent)."""
+        n, self.left = self.left, 0
+        self._quotas._give(self.session, self.identity, n)
+
+    def __enter__(self) -> Charge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.give_back()

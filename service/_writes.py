@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._errors import Conflict, InvalidRequest, TensorNotFound
+from .._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
 from .._wire import INLINE_MAX, AllocRequest
 from ..shm._pool import Block, PoolExhausted
 from ._records import CPU, Checked, Version, check_item
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ._cuda import CudaMemory
     from ._leases import Leases
     from ._memory import Memory
-    from ._quotas import Quotas
+    from ._quotas import Charge, Quotas
     from ._records import Records
     from ._sessions import Caller, Session, Sessions
     from ._waits import Waits
@@ -66,19 +66,20 @@ class Writes:
         ``block``: place it there (a producer's shared CUDA memory)."""
         s = self.sessions.admit(sid, caller)
         shape, dtype, itemsize, nbytes = self._check_item(req.device, req.dtype, req.shape)
-        self.quotas.charge(s, nbytes, req.name)
-        try:
-            if block is None:
-                block = (await self.memory.block(nbytes) if req.device in CPU
-                         else self.cuda.alloc(s, req, nbytes))
-        except PoolExhausted as exc:
-            raise self.memory.refused(req.name, nbytes, exc) from None
-        sessions = self.sessions
-        if sessions.closing or sessions.get(s.id) is not s:  # it ended while a segment was made
-            self.memory.give_back(block)
-            self.sessions.admit(sid, caller)  # raises the reason
-        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
-                           request=request)
+        # Charged before the first await: concurrent allocations see each other's bytes.
+        with self.quotas.charge(s, nbytes, req.name) as charge:
+            try:
+                if block is None:
+                    block = (await self.memory.block(nbytes) if req.device in CPU
+                             else self.cuda.alloc(s, req, nbytes))
+            except PoolExhausted as exc:
+                raise self.memory.refused(req.name, nbytes, exc) from None
+            sessions = self.sessions
+            if sessions.closing or sessions.get(s.id) is not s:  # it ended meanwhile
+                self.memory.give_back(block)
+                self.sessions.admit(sid, caller)  # raises the reason
+            return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
+                               charge, request=request)
 
     def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
                   checked: Checked | None = None) -> tuple[Version, int | None] | None:
@@ -90,19 +91,21 @@ class Writes:
                                           or self._check_item(req.device, req.dtype, req.shape))
         if req.device not in CPU:
             return None
-        self.quotas.charge(s, nbytes, req.name)
-        block = self.pool.try_alloc(nbytes)
-        if block is None:
-            return None
-        return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block)
+        with self.quotas.charge(s, nbytes, req.name) as charge:
+            block = self.pool.try_alloc(nbytes)
+            if block is None:
+                return None
+            return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
+                               charge)
 
     def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
-               dtype: str, itemsize: int, block: Block, count: bool = True,
+               dtype: str, itemsize: int, block: Block, charge: Charge, count: bool = True,
                request: str | None = None) -> tuple[Version, int | None]:
-        """The new writing version of ``name`` in ``block`` (``count``: in the
-        metrics now; a batch counts its versions at once).  ``request``: the id
-        of the request that allocated it, which cancels it if its answer was
-        never read (and its hold, if any)."""
+        """The new writing version of ``name`` in ``block``, carrying its bytes
+        of ``charge`` (``count``: in the metrics now; a batch counts its
+        versions at once).  ``request``: the id of the request that allocated
+        it, which cancels it if its answer was never read (and its hold, if
+        any)."""
         e = self.records.entry(name)
         v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=ttl, entry=e)
@@ -111,7 +114,8 @@ class Writes:
         e.next_version += 1
         e.writing[v.number] = v
         s.writing.add(v)
-        self.memory.placed(s, v)
+        charge.attach(v)
+        self.memory.placed(v)
         v.request = request
         if count:
             self._count("allocs")
@@ -119,8 +123,9 @@ class Writes:
 
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
-               dtypes: list[str]) -> tuple[Session, list[Checked]]:
-        """The session and every item checked (CPU memory), before anything is placed."""
+               dtypes: list[str]) -> tuple[Session, list[Checked], Charge]:
+        """The session, every item checked (CPU memory) and the batch's bytes
+        charged, before anything is placed."""
         s = self.sessions.admit(sid, caller)
         if not len(names) == len(shapes) == len(dtypes):
             raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
@@ -137,49 +142,52 @@ class Writes:
                 item = seen[key] = check_item(d, shape)
             items.append(item)
         total = sum(item[3] for item in items)
-        self.quotas.charge(s, total, f"{len(names)} tensors" if len(names) != 1 else names[0])
-        return s, items
+        what = f"{len(names)} tensors" if len(names) != 1 else names[0]
+        return s, items, self.quotas.charge(s, total, what)
 
     def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                        shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
                        request: str | None = None) -> list[Version] | None:
         """``alloc_many`` when every tensor fits in existing memory, without
         awaiting; None (and nothing allocated) when one does not."""
-        s, items = self._batch(sid, caller, names, shapes, dtypes)
-        blocks: list[Block] = []
-        for item in items:
-            blk = self.pool.try_alloc(item[3])
-            if blk is None:
-                for b in blocks:
-                    self.pool.free(b)  # never handed out: safe to reuse at once
-                return None
-            blocks.append(blk)
-        return self._place_all(s, names, items, blocks, ttl, request)
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes)
+        with charge:
+            blocks: list[Block] = []
+            for item in items:
+                blk = self.pool.try_alloc(item[3])
+                if blk is None:
+                    for b in blocks:
+                        self.pool.free(b)  # never handed out: safe to reuse at once
+                    return None
+                blocks.append(blk)
+            return self._place_all(s, names, items, blocks, charge, ttl, request)
 
     async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                          shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
                          request: str | None = None) -> list[Version]:
         """A new writing version of each name (CPU memory), all or none."""
-        s, items = self._batch(sid, caller, names, shapes, dtypes)
-        blocks: list[Block] = []
-        try:
-            for name, item in zip(names, items, strict=True):
-                try:
-                    blocks.append(await self.memory.block(item[3]))
-                except PoolExhausted as exc:
-                    raise self.memory.refused(name, item[3], exc) from None
-            sessions = self.sessions
-            if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
-                self.sessions.admit(sid, caller)  # raises the reason
-        except BaseException:
-            for b in blocks:
-                self.pool.free(b)  # nobody maps them yet
-            raise
-        return self._place_all(s, names, items, blocks, ttl, request)
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes)
+        with charge:
+            blocks: list[Block] = []
+            try:
+                for name, item in zip(names, items, strict=True):
+                    try:
+                        blocks.append(await self.memory.block(item[3]))
+                    except PoolExhausted as exc:
+                        raise self.memory.refused(name, item[3], exc) from None
+                sessions = self.sessions
+                if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
+                    self.sessions.admit(sid, caller)  # raises the reason
+            except BaseException:
+                for b in blocks:
+                    self.pool.free(b)  # nobody maps them yet
+                raise
+            return self._place_all(s, names, items, blocks, charge, ttl, request)
 
     def _place_all(self, s: Session, names: list[str], items: list[Checked], blocks: list[Block],
-                   ttl: float | None, request: str | None) -> list[Version]:
-        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, blk, False, request)[0]
+                   charge: Charge, ttl: float | None, request: str | None) -> list[Version]:
+        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, blk, charge, False,
+                              request)[0]
                   for name, (shape, dtype, itemsize, _), blk
                   in zip(names, items, blocks, strict=True)]
         self._count("allocs", len(placed))
@@ -208,11 +216,22 @@ class Writes:
 
     def publish_many(self, sid: str | None, caller: Caller,
                      items: list[tuple[str, int]]) -> list[Version]:
-        """All or nothing: every item is checked before any is published."""
+        """All or nothing: every item is checked before any is published.  A
+        batch that cannot be published gives back every version of it that
+        this session is writing, so a failed batch holds no memory."""
         s = self.sessions.admit(sid, caller)
-        if len(set(items)) != len(items):
-            raise InvalidRequest("a batch publishes each (name, version) once")
-        versions = [self._writing(s, name, number) for name, number in items]
+        try:
+            if len(set(items)) != len(items):
+                raise InvalidRequest("a batch publishes each (name, version) once")
+            versions = [self._writing(s, name, number) for name, number in items]
+        except DepotError as exc:
+            batch = set(items)
+            dead = [v for v in s.writing if (v.name, v.number) in batch]
+            for v in dead:
+                self.abandon(v)
+            raise type(exc)(f"{exc}; nothing of this batch was published, and the {len(dead)} "
+                            f"versions of it this session was writing were given back: put the "
+                            f"batch again") from None
         return [self._publish(s, v) for v in versions]
 
     def _publish(self, s: Session, v: Version) -> Version:
@@ -293,7 +312,8 @@ class Writes:
         """Publish the bytes a lease holds as the next version of ``name``, without a copy.
 
         The new version shares the block; the memory is freed when every
-        version that shares it is gone."""
+        version that shares it is gone.  It is charged to this session and its
+        identity like a put of the same bytes (``_quotas``)."""
         s = self.sessions.admit(sid, caller)
         lease = self.lending.table.get(lease_id)
         if lease is None or lease.session != s.id or lease.version.block is None:
@@ -302,13 +322,17 @@ class Writes:
         src = lease.version
         if src.state != "ready":
             raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
-        e = self.records.entry(name)
-        src.block.refs += 1
-        v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize, "writing",
-                    s.id, ttl=ttl, entry=e)
-        e.next_version += 1
-        e.writing[v.number] = v
-        s.writing.add(v)
-        self.memory.linked(v)
+        # An alias is charged to whoever makes it, as a copy would be: when the
+        # original goes, the bytes it leaves held are still counted.
+        with self.quotas.charge(s, src.nbytes, name) as charge:
+            e = self.records.entry(name)
+            src.block.refs += 1
+            v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize,
+                        "writing", s.id, ttl=ttl, entry=e)
+            e.next_version += 1
+            e.writing[v.number] = v
+            s.writing.add(v)
+            charge.attach(v)
+            self.memory.linked(v)
         self._count("links")
         return self._publish(s, v)
