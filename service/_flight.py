@@ -302,7 +302,7 @@ class FlightService:
         names only names starting with the caller's ``prefix``."""
         broker = self._broker
         assert broker is not None
-        sid = broker.open_session(LOCAL, "flight").session
+        sid = broker.own_session("flight")
         reset = VIA.set(via)
         try:
             v, _ = await broker.get(sid, replace(LOCAL, prefix=prefix), name, 0)
@@ -330,7 +330,7 @@ class FlightService:
     async def _alloc(self, req: AllocRequest) -> tuple[str, Version, Any]:
         broker = self._broker
         assert broker is not None
-        sid = broker.open_session(LOCAL, "flight-put").session
+        sid = broker.own_session("flight-put")
         try:
             v, _ = await broker.alloc(sid, LOCAL, req)
             return sid, v, broker.view(v, writable=True)

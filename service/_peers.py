@@ -312,7 +312,7 @@ class Peers:
         Until it is published nobody sees it; on any failure, ending the
         session gives the allocation back."""
         broker, m = self.broker, f.meta
-        sid = broker.open_session(LOCAL, "peer-pull").session
+        sid = broker.own_session("peer-pull")
         try:
             v, _ = await broker.alloc(sid, LOCAL,
                                       AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))

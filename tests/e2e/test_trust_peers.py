@@ -1,0 +1,173 @@
+"""What a peer, or a Flight caller, can make a real broker do, tried with fake peers.
+
+A fake peer is a ``pyarrow.flight`` server in this process that announces
+and streams whatever the test tells it: a stream that differs from its
+announcement, a dtype this broker does not know, a tensor sent too slowly.
+Whatever it sends, the pulling broker publishes a replica only under the
+name it asked for, with the announced geometry and byte count, never in
+place of a tensor published here, and reports the peer's fault as
+``BrokerUnavailable`` naming the peer.  The broker's own Flight work (a
+pull, a DoPut, a DoGet) outlives ``--session-ttl``; a DoPut is charged to
+the token that pushes; and no Flight error carries a traceback or a path.
+Every broker is checked for clean accounting and an empty /dev/shm at the
+end (the ``broker_factory`` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, wait_for
+from _hosts import flight_url
+
+pa = pytest.importorskip("pyarrow")
+fl = pytest.importorskip("pyarrow.flight")
+
+MiB = 1 << 20
+TOKEN = "peers-test-token-0123456789abcdef"
+ENV = {"TENSORDEPOT_TOKEN": TOKEN}
+
+
+def stream_schema(meta: dict[str, Any]) -> Any:
+    return pa.schema([("bytes", pa.uint8())],
+                     metadata={b"tensordepot": json.dumps(meta).encode()})
+
+
+def meta_of(name: str, shape: list[int], dtype: str, nbytes: int, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "version": 1, "shape": shape, "dtype": dtype, "nbytes": nbytes,
+            "origin": "grpc://fake:1", "origin_instance": "fake", "origin_version": 1, **kw}
+
+
+class FakePeer(fl.FlightServerBase):  # type: ignore[misc]
+    """A Flight server that announces ``meta`` and streams ``data`` in chunks
+    of ``chunk`` bytes, ``pace`` seconds apart (a slow network), under the
+    schema of ``sent`` (default: ``meta``).  With ``hold`` set, a stream
+    starts only once the test calls ``release()``; ``started`` is set when
+    a stream was asked for."""
+
+    def __init__(self, meta: dict[str, Any], data: bytes, *, sent: dict[str, Any] | None = None,
+                 chunk: int = 4 * MiB, pace: float = 0.0, hold: bool = False) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.meta, self.data, self.sent = meta, data, sent or meta
+        self.chunk, self.pace = chunk, pace
+        self.started, self._go, self._quit = threading.Event(), threading.Event(), threading.Event()
+        if not hold:
+            self._go.set()
+        self.url = f"grpc://127.0.0.1:{self.port}"
+
+    def release(self) -> None:
+        self._go.set()
+
+    def close(self) -> None:
+        self._quit.set()
+        self._go.set()
+        self.shutdown()
+
+    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        ticket = fl.Ticket(f"{self.meta['name']}@1".encode())
+        return fl.FlightInfo(stream_schema(self.meta), descriptor, [fl.FlightEndpoint(ticket, [])],
+                             -1, -1)
+
+    def do_get(self, context: Any, ticket: Any) -> Any:
+        self.started.set()
+        self._go.wait(60)
+        sch = stream_schema(self.sent)
+        return fl.GeneratorStream(sch, self._chunks(sch))
+
+    def _chunks(self, sch: Any) -> Iterator[Any]:
+        for off in range(0, max(len(self.data), 1), self.chunk):
+            part = np.frombuffer(self.data[off:off + self.chunk], np.uint8)
+            yield pa.record_batch([pa.array(part)], schema=sch)
+            if self.pace and self._quit.wait(self.pace):  # the network's pace, not a wait for
+                return                                    # a condition
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[Callable[..., FakePeer]]:
+    made: list[FakePeer] = []
+
+    def make(*args: Any, **kw: Any) -> FakePeer:
+        made.append(FakePeer(*args, **kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def empty_here(b: BrokerProc) -> None:
+    """Nothing published, nothing allocated: the refused replica left no trace."""
+    wait_for(lambda: (st := b.stat()).versions == 0 and st.bytes_in_use == 0, 10,
+             what="the refused replica's memory to be given back")
+    with b.client() as c:
+        assert c.list() == []
+
+
+F32 = np.arange(10, dtype=np.float32).tobytes()
+
+
+def bearer(token: str) -> Any:
+    return fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())],
+                                timeout=10)
+
+
+def push(client: Any, name: str, token: str, meta: dict[str, Any], data: bytes) -> Any:
+    sch = stream_schema(meta)
+    writer, reader = client.do_put(fl.FlightDescriptor.for_path(name), sch, bearer(token))
+    try:
+        writer.write_batch(pa.record_batch([pa.array(np.frombuffer(data, np.uint8))], schema=sch))
+        writer.done_writing()
+        return reader.read()
+    finally:
+        writer.close()
+
+
+READ_TOKEN = "read-token-peers-0123456789abcdef"
+
+
+# -- 2. the broker's own Flight sessions never lapse ------------------------------------------
+
+def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
+        fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]) -> None:
+    """A pull, a DoPut and a DoGet that each take several ``--session-ttl``
+    (1 s here) complete, and lapse nothing: the sessions they run in are
+    the broker's own, ended by the broker when the work is done."""
+    x = np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8)
+    peer = fake_peer(meta_of("slow", [4 * MiB], "uint8", 4 * MiB), x.tobytes(), chunk=64 * 1024,
+                     pace=0.05)  # 64 chunks: about 3 s
+    b = broker_factory("--session-ttl", "1", "--peer", peer.url, "--peer-timeout", "5",
+                       "--flight", "grpc://127.0.0.1:0", env=ENV)
+    with b.client() as c:
+        assert np.array_equal(np.from_dlpack(c.get("slow", timeout=30)), x)  # the pull
+    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {TOKEN}".encode())],
+                                timeout=60)
+    with fl.connect(flight_url(b)) as client:
+        meta = meta_of("pushed", [4 * MiB], "uint8", 4 * MiB)
+        sch = stream_schema(meta)
+        writer, reader = client.do_put(fl.FlightDescriptor.for_path("pushed"), sch, opts)
+        paced = threading.Event()
+        for off in range(0, 4 * MiB, 128 * 1024):  # 32 chunks, about 3 s
+            writer.write_batch(pa.record_batch([pa.array(x[off:off + 128 * 1024])], schema=sch))
+            paced.wait(0.1)  # the producer's pace
+        writer.done_writing()
+        assert json.loads(reader.read().to_pybytes())["version"] == 1
+        writer.close()
+        stream = client.do_get(fl.Ticket(b"pushed"), opts)  # the DoGet, read slowly
+        got = []
+        while True:
+            try:
+                got.append(stream.read_chunk().data.column(0).to_numpy())
+            except StopIteration:
+                break
+            paced.wait(0.1)
+    with b.client() as c:
+        assert np.array_equal(np.from_dlpack(c.get("pushed")), x)
+    assert np.array_equal(np.concatenate(got), x)
+    assert "missed its heartbeats" not in b.log(), b.log()
+    st = b.stat()
+    assert st.retired_total == 0, st
