@@ -56,7 +56,7 @@ from ._broker import Broker, Version
 from ._peers import PEER_HEADER, VIA, VIA_HEADER, PeerMetric, Traffic
 from ._scopes import Scopes
 from ._server import ListenError
-from ._sessions import LOCAL
+from ._sessions import LOCAL, Caller
 
 log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")
@@ -327,21 +327,24 @@ class FlightService:
                 for n, e in sorted(broker.entries.items())
                 if e.ready is not None and n.startswith(prefix)]
 
-    async def _alloc(self, req: AllocRequest) -> tuple[str, Version, Any]:
+    async def _alloc(self, who: Caller, req: AllocRequest) -> tuple[str, Version, Any]:
+        """Allocate a push in a session of the broker's own that belongs to
+        ``who``: its bytes are charged to the pushing token's quotas, as an
+        HTTP put's are (``_quotas``)."""
         broker = self._broker
         assert broker is not None
-        sid = broker.own_session("flight-put")
+        sid = broker.own_session("flight-put", who)
         try:
-            v, _ = await broker.alloc(sid, LOCAL, req)
+            v, _ = await broker.alloc(sid, who, req)
             return sid, v, broker.view(v, writable=True)
         except BaseException:
             broker.end_local_session(sid)
             raise
 
-    async def _publish(self, sid: str, name: str, number: int) -> int:
+    async def _publish(self, who: Caller, sid: str, name: str, number: int) -> int:
         broker = self._broker
         assert broker is not None
-        return broker.publish(sid, LOCAL, name, number).number
+        return broker.publish(sid, who, name, number).number
 
     # -- handlers (on gRPC threads) ------------------------------------------------
     def _info(self, meta: FlightMeta, descriptor: Any) -> Any:
@@ -400,7 +403,8 @@ class FlightService:
         except ValidationError as exc:
             raise InvalidRequest(f"bad tensordepot metadata for {name!r}: "
                                  f"{str(exc).splitlines()[0]}") from None
-        sid, v, view = self._on_loop(self._alloc(req))
+        who = self.scopes.caller(call.token)
+        sid, v, view = self._on_loop(self._alloc(who, req))
         try:  # ending the session gives the allocation back unless it was published
             if v.nbytes != meta.nbytes:
                 raise InvalidRequest(f"metadata says {meta.nbytes} bytes, but shape {meta.shape} "
@@ -409,7 +413,7 @@ class FlightService:
                             lambda: self._closing)
             if got != v.nbytes:
                 raise InvalidRequest(f"the stream carried {got} bytes; {name!r} needs {v.nbytes}")
-            number = self._on_loop(self._publish(sid, name, v.number))
+            number = self._on_loop(self._publish(who, sid, name, v.number))
             self.traffic.add(call.peer, "pushes", 1)
             writer.write(pa.py_buffer(json.dumps({"name": name, "version": number}).encode()))
         finally:

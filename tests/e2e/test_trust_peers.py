@@ -16,14 +16,17 @@ end (the ``broker_factory`` fixture).
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, free_port, wait_for
 from _hosts import flight_url
+from tensordepot import Client, OutOfMemory
 
 pa = pytest.importorskip("pyarrow")
 fl = pytest.importorskip("pyarrow.flight")
@@ -171,3 +174,33 @@ def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
     assert "missed its heartbeats" not in b.log(), b.log()
     st = b.stat()
     assert st.retired_total == 0, st
+
+
+# -- 5. a push is charged to the token that pushes ----------------------------------------------
+
+def test_flight_pushes_are_charged_to_the_pushing_tokens_quota(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    one, two = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{one} write name=one\n{two} write name=two\n")
+    tokens.chmod(0o600)
+    port = free_port()
+    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--listen", f"http://127.0.0.1:{port}",
+                       "--token-file", str(tokens), "--max-memory-per-token", "20MiB", env=ENV)
+    x = bytes(16 * MiB)
+    meta = meta_of("a", [16 * MiB], "uint8", 16 * MiB)
+    with fl.connect(flight_url(b)) as client:
+        assert push(client, "a", one, meta, x) is not None
+        with pytest.raises(pa.ArrowException) as err:
+            push(client, "b", one, {**meta, "name": "b"}, x)  # 32 MiB under a 20 MiB quota
+        assert "--max-memory-per-token" in str(err.value) and "token:one" in str(err.value)
+        assert getattr(err.value, "extra_info", None) == b"out_of_memory", err.value
+        st = b.stat()
+        assert (st.versions, st.bytes_in_use) == (1, 16 * MiB), st  # nothing left allocated
+        assert push(client, "c", two, {**meta, "name": "c"}, x) is not None  # not locked out
+    # One quota rule, whatever the door: the same token's HTTP put is refused too.
+    with Client(f"http://127.0.0.1:{port}", token=one) as c:
+        with pytest.raises(OutOfMemory, match="--max-memory-per-token"):
+            c.put("d", np.zeros(8 * MiB, dtype=np.uint8))
+        c.delete("a")
+        c.put("d", np.zeros(8 * MiB, dtype=np.uint8))  # its bytes came back with the delete
