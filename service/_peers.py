@@ -52,7 +52,7 @@ from pydantic import ValidationError
 from .._errors import BrokerUnavailable, DepotError, TensorNotFound
 from .._wire import AllocRequest, FlightMeta, check_name
 from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
-from ._broker import Broker, Replica
+from ._broker import Broker, Replica, Version
 from ._sessions import LOCAL
 
 log = logging.getLogger("tensordepot.peers")
@@ -204,13 +204,13 @@ class Peers:
     async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
         if self._closing or self.instance in VIA.get():
             return  # shutting down, or the request came through us: our own memory only
+        if self.local(name):
+            return  # published or being written here: peers never shadow a local tensor
         e = self.broker.entries.get(name)
         held = e.ready if e is not None else None
-        if held is not None:
-            if held.replica is None:
-                return  # published here: peers never shadow a local tensor
-            if self.broker.clock() - held.replica.checked_at < self.refresh:
-                return
+        if held is not None and held.replica is not None \
+                and self.broker.clock() - held.replica.checked_at < self.refresh:
+            return
         fut = self._inflight.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._refresh(name))
@@ -227,6 +227,17 @@ class Peers:
 
     def explain(self, name: str) -> str:
         return self._notes.get(name, "")
+
+    def local(self, name: str, but: Version | None = None) -> bool:
+        """Whether ``name`` is this broker's own: published here, or being
+        written here (by anything but a pull, and other than ``but``).  A
+        local tensor always wins over a replica, even one pulled meanwhile."""
+        e = self.broker.entries.get(name)
+        if e is None:
+            return False
+        if e.ready is not None and e.ready.replica is None:
+            return True
+        return any(w.replica is None and w is not but for w in e.writing.values())
 
     # -- one lookup (and maybe one transfer) per name at a time ------------------------
     async def _refresh(self, name: str) -> _Outcome:
@@ -254,8 +265,8 @@ class Peers:
         broker = self.broker
         e = broker.entries.get(name)
         held = e.ready if e is not None else None
-        if held is not None and held.replica is None:
-            out.found = True  # published here meanwhile
+        if self.local(name):
+            out.found = True  # published, or being written, here meanwhile
             return out
         if not found:
             if held is not None and held.replica is not None:
@@ -338,6 +349,10 @@ class Peers:
                     await asyncio.wait({job})
             self.traffic.add(f.peer, "transfers", 1)
             self.traffic.add(f.peer, "seconds", time.monotonic() - start)
+            if self.local(m.name, but=v):
+                log.info("dropping the replica of %r from %s: it was written here meanwhile",
+                         m.name, f.peer)
+                return  # ending the session gives its memory back
             v.replica.checked_at = broker.clock()
             broker.publish(sid, LOCAL, m.name, v.number)
         finally:

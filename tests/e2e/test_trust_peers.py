@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from _harness import BrokerProc, free_port, wait_for
 from _hosts import flight_url
-from tensordepot import Client, OutOfMemory
+from _workerio import metrics
+from tensordepot import BrokerUnavailable, Client, OutOfMemory
 
 pa = pytest.importorskip("pyarrow")
 fl = pytest.importorskip("pyarrow.flight")
@@ -131,6 +132,85 @@ def push(client: Any, name: str, token: str, meta: dict[str, Any], data: bytes) 
 
 
 READ_TOKEN = "read-token-peers-0123456789abcdef"
+
+
+# -- 1. what is written is what was asked for, as announced ---------------------------------
+
+@pytest.mark.parametrize(("sent", "data"), [
+    pytest.param({"shape": [5, 2]}, F32, id="other-shape"),
+    pytest.param({"dtype": "int32"}, F32, id="other-dtype"),
+    pytest.param({"name": "other"}, F32, id="other-name"),
+    pytest.param({}, F32 + F32, id="more-bytes"),
+    pytest.param({}, F32[:20], id="fewer-bytes"),
+    pytest.param({"nbytes": 48}, F32, id="nbytes-not-the-shape"),
+])
+def test_a_stream_that_is_not_what_the_peer_announced_is_refused(
+        sent: dict[str, Any], data: bytes, fake_peer: Callable[..., FakePeer],
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    announced = {**meta_of("w", [10], "float32", 40), **sent} if "nbytes" in sent \
+        else meta_of("w", [10], "float32", 40)
+    peer = fake_peer(announced, data, sent={**announced, **sent})
+    b = broker_factory("--peer", peer.url)
+    with b.client() as c, pytest.raises(BrokerUnavailable) as err:
+        c.get("w")
+    assert f"peer {peer.url}" in str(err.value), err.value
+    empty_here(b)
+
+
+@pytest.mark.parametrize("when", [
+    pytest.param("written-before-the-get", id="written-before-the-get"),
+    pytest.param("written-during-the-pull", id="written-during-the-pull"),
+    pytest.param("published-during-the-pull", id="published-during-the-pull"),
+])
+def test_a_pull_never_replaces_a_tensor_written_here(
+        when: str, fake_peer: Callable[..., FakePeer],
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """The peer holds 'w' (zeros); this broker's own producer writes 'w'
+    (sevens) before or while a get pulls it.  The local tensor wins: the get
+    returns it, and the replica's memory is given back."""
+    peer = fake_peer(meta_of("w", [10], "float32", 40), bytes(40), hold=True)
+    b = broker_factory("--peer", peer.url)
+    local = np.full(10, 7, dtype=np.float32)
+    answer: dict[str, Any] = {}
+
+    def getter() -> None:
+        with b.client() as c:
+            try:
+                answer["got"] = np.from_dlpack(c.get("w", timeout=30)).copy()
+            except Exception as exc:  # reported below, in the test's thread
+                answer["error"] = exc
+
+    with b.client() as producer:
+        out = producer.empty("w", (10,), "float32") if when == "written-before-the-get" else None
+        t = threading.Thread(target=getter)
+        t.start()
+        wait_for(lambda: peer.started.is_set() or b.stat().waiting, 30,
+                 what="the get to pull from the peer, or to wait")
+        if when == "written-during-the-pull":
+            out = producer.empty("w", (10,), "float32")
+        if when == "published-during-the-pull":
+            producer.put("w", local)
+        else:
+            assert out is not None
+            np.from_dlpack(out)[...] = local
+            if when == "written-before-the-get":
+                out.publish()
+        peer.release()
+        if when == "written-during-the-pull":
+            peer_url = peer.url
+            wait_for(lambda: metrics(b.url).get(
+                f'tensordepot_peer_bytes_pulled_total{{peer="{peer_url}"}}', 0) == 40, 30,
+                what="the pull to end")
+            out.publish()
+        t.join(60)
+        del out
+    assert "error" not in answer, answer
+    assert np.array_equal(answer["got"], local), "the peer's replica replaced the local tensor"
+    with b.client() as c:
+        [info] = c.list()
+        assert (info.name, info.origin) == ("w", None), info
+    wait_for(lambda: b.stat().versions == 1 and b.stat().bytes_in_use == 40, 10,
+             what="the dropped replica's memory to be given back")
 
 
 # -- 2. the broker's own Flight sessions never lapse ------------------------------------------
