@@ -53,10 +53,11 @@ from ..shm._arrow import (
 )
 from ._auth import AuthPolicy
 from ._broker import Broker, Version
-from ._peers import PEER_HEADER, VIA, VIA_HEADER, PeerMetric, Traffic
+from ._peers import PEER_HEADER, VIA, VIA_HEADER
 from ._scopes import Scopes
 from ._server import ListenError
 from ._sessions import LOCAL, Caller
+from ._traffic import PeerMetric, Traffic
 
 log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")

@@ -36,17 +36,12 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
 from .._errors import BrokerUnavailable, DepotError, TensorNotFound
@@ -54,6 +49,7 @@ from .._wire import AllocRequest, FlightMeta, check_name
 from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
 from ._broker import Broker, Replica, Version
 from ._sessions import LOCAL
+from ._traffic import PEER_METRICS, Traffic
 
 log = logging.getLogger("tensordepot.peers")
 
@@ -69,69 +65,6 @@ def clean(exc: BaseException) -> str:
     msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
     return msg.strip() or type(exc).__name__
 
-
-@dataclass(frozen=True)
-class PeerMetric:
-    """One metric family with a ``peer`` label, read from ``Traffic``: a
-    counter of ``key``, or, given ``count``, a summary whose sum is ``key``
-    and whose count is ``count``."""
-
-    name: str
-    help: str
-    key: str
-    count: str = ""
-
-
-class Traffic:
-    """Counts per remote broker, updated from any thread, exported by
-    ``families`` when Prometheus scrapes (the transfers never touch
-    prometheus_client).  The number of remotes counted is bounded; the rest
-    are counted as ``other``."""
-
-    LIMIT = 64
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.by_peer: dict[str, dict[str, float]] = {}
-
-    def add(self, peer: str, key: str, n: float) -> None:
-        with self._lock:
-            d = self.by_peer.get(peer)
-            if d is None:
-                if len(self.by_peer) >= self.LIMIT:
-                    peer = "other"
-                d = self.by_peer.setdefault(peer, {})
-            d[key] = d.get(key, 0) + n
-
-    def families(self, metrics: Iterable[PeerMetric]) -> Iterator[Metric]:
-        """One family per metric, one sample per peer (prometheus_client
-        writes the text, escaping the label values)."""
-        with self._lock:
-            snap = {p: dict(d) for p, d in self.by_peer.items()}
-        for m in metrics:
-            family: CounterMetricFamily | SummaryMetricFamily
-            if m.count:
-                family = SummaryMetricFamily(m.name, m.help, labels=["peer"])
-                for peer in sorted(snap):
-                    family.add_metric([peer], count_value=int(snap[peer].get(m.count, 0)),
-                                      sum_value=snap[peer].get(m.key, 0))
-            else:
-                family = CounterMetricFamily(m.name, m.help, labels=["peer"])
-                for peer in sorted(snap):
-                    family.add_metric([peer], snap[peer].get(m.key, 0))
-            yield family
-
-
-PEER_METRICS = (
-    PeerMetric("tensordepot_peer_bytes_pulled", "Bytes received from each peer (failed transfers "
-               "included).", "bytes_pulled"),
-    PeerMetric("tensordepot_peer_transfers", "Replicas pulled from each peer.", "transfers"),
-    PeerMetric("tensordepot_peer_transfer_failures", "Transfers from each peer that failed part "
-               "way.", "failures"),
-    PeerMetric("tensordepot_peer_checks", "Metadata calls (GetFlightInfo) to each peer.", "checks"),
-    PeerMetric("tensordepot_peer_transfer_seconds", "Duration of the completed transfers from "
-               "each peer.", "seconds", count="transfers"),
-)
 
 
 @dataclass(frozen=True)
