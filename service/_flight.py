@@ -39,17 +39,19 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 from pydantic import ValidationError
 
-from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import AllocRequest, FlightMeta, check_name, is_name
 from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
     batches,
+    flight_message,
     import_flight,
     meta_json,
     parse_flight_url,
     read_into,
     schema,
+    to_flight,
 )
 from ._auth import AuthPolicy
 from ._broker import Broker, Version
@@ -117,37 +119,23 @@ def meta_of(v: Version, self_url: str, instance: str) -> FlightMeta:
                       origin_version=r.version if r else v.number)
 
 
-def flight_error(exc: Exception) -> Exception:
-    """Our errors as Flight's status codes (the message stays ours)."""
-    import pyarrow as pa
-
-    fl = import_flight()
-    msg = str(exc)
-    out: Exception
-    if isinstance(exc, TensorNotFound):
-        out = pa.ArrowKeyError(msg)  # NOT_FOUND
-    elif isinstance(exc, (InvalidRequest, ValueError)):
-        out = pa.ArrowInvalid(msg)  # INVALID_ARGUMENT
-    elif isinstance(exc, AuthError):
-        cls = fl.FlightUnauthorizedError if exc.status == 403 else fl.FlightUnauthenticatedError
-        out = cls(msg, exc.code.encode())  # PERMISSION_DENIED / UNAUTHENTICATED
-    elif isinstance(exc, BrokerUnavailable):
-        out = fl.FlightUnavailableError(msg, exc.code.encode())  # UNAVAILABLE
-    else:
-        code = exc.code if isinstance(exc, DepotError) else "internal"
-        out = fl.FlightServerError(msg, code.encode())  # UNKNOWN
-    return out
-
-
 def _translated(fn: Callable[..., T]) -> Callable[..., T]:
-    """Flight handlers raise Flight's errors, never ours."""
+    """Flight handlers raise Flight's errors, never ours, and never one that
+    would carry a traceback to the caller (``shm/_arrow.py``, ``to_flight``)."""
     def wrapper(*args: Any, **kw: Any) -> T:
+        fl = import_flight()
         try:
             return fn(*args, **kw)
-        except (DepotError, ValueError) as exc:
-            if type(exc).__module__.startswith("pyarrow"):
-                raise
-            raise flight_error(exc) from None
+        except fl.FlightError:
+            raise  # pyarrow's own, or one of ours: a message and a code, no traceback
+        except DepotError as exc:
+            raise to_flight(exc) from None
+        except ValueError as exc:  # a bad ticket, descriptor or stream (pyarrow's ArrowInvalid)
+            raise to_flight(InvalidRequest(flight_message(exc))) from None
+        except Exception:
+            log.exception("Flight %s failed", fn.__name__)
+            raise fl.FlightInternalError("the broker failed to answer; its log has the details",
+                                         b"internal") from None
     wrapper.__name__ = fn.__name__
     return wrapper
 

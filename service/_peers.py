@@ -44,10 +44,19 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
-from .._errors import BrokerUnavailable, DepotError, TensorNotFound
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import AllocRequest, FlightMeta, check_name
-from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
+from ..shm._arrow import (
+    AUTH_CODES,
+    flight_code,
+    flight_message,
+    import_flight,
+    meta_json,
+    parse_flight_url,
+    read_into,
+)
 from ._broker import Broker, Replica, Version
+from ._records import check_item
 from ._sessions import LOCAL
 from ._traffic import PEER_METRICS, Traffic
 
@@ -58,13 +67,6 @@ VIA_HEADER = "x-tensordepot-via"  # ids of the brokers a request passed through
 PEER_HEADER = "x-tensordepot-peer"  # who is asking, for the other side's metrics
 # bytes/s: a whole transfer's deadline is --peer-timeout plus nbytes at this rate
 MIN_RATE = 1 << 20
-
-
-def clean(exc: BaseException) -> str:
-    """A Flight error's own message, without pyarrow's appended detail."""
-    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
-    return msg.strip() or type(exc).__name__
-
 
 
 @dataclass(frozen=True)
@@ -262,9 +264,6 @@ class Peers:
                                       AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
             # Set in the same step as the alloc: list() hides replicas in flight.
             v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
-            if v.nbytes != m.nbytes:
-                raise BrokerUnavailable(f"peer {f.peer} describes {m.name!r} as {m.nbytes} bytes, "
-                                        f"but shape {m.shape} of {m.dtype} is {v.nbytes}")
             view = broker.view(v, writable=True)
             start = time.monotonic()
             t = _Transfer(f.peer, start)
@@ -322,10 +321,15 @@ class Peers:
             check_name(meta.name, "the name in the answer")
             if meta.name != name:
                 raise ValueError(f"it answered for {meta.name!r}")
+            # And its geometry, through the one check of an allocation's.
+            nbytes = check_item(meta.dtype, meta.shape)[3]
+            if nbytes != meta.nbytes:
+                raise ValueError(f"it describes {name!r} as {meta.nbytes} bytes, but shape "
+                                 f"{meta.shape} of {meta.dtype} is {nbytes}")
             return meta
-        except pa.ArrowKeyError:
-            return None
         except (pa.ArrowException, ValueError) as exc:
+            if flight_code(exc) == TensorNotFound.code:
+                return None
             raise self._error(peer, exc, f"when asked for {name!r}") from None
 
     def _transfer(self, f: _Found, view: Any, via: tuple[str, ...], t: _Transfer) -> None:
@@ -334,12 +338,12 @@ class Peers:
         fl = import_flight()
         m = f.meta
         what = f"while sending {m.name!r} v{m.version}"
+        deadline = self.timeout + m.nbytes / MIN_RATE
         with self._lock:
             if t.stopped:
                 raise BrokerUnavailable(f"the pull of {m.name!r} was cancelled")
             self._active.add(t)
         try:
-            deadline = self.timeout + m.nbytes / MIN_RATE
             reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
                                                  self._options(via, deadline))
             t.last, t.reader = time.monotonic(), reader
@@ -360,6 +364,12 @@ class Peers:
             if t.stalled:
                 raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s "
                                         f"{what}; the partial copy was discarded") from None
+            if isinstance(exc, fl.FlightTimedOutError) and not self._closing:
+                raise BrokerUnavailable(
+                    f"peer {f.peer} did not finish sending {m.name!r} v{m.version} within "
+                    f"{deadline:g} s, the whole "
+                    f"transfer's deadline (--peer-timeout plus 1 s per MiB); the partial copy "
+                    f"was discarded") from None
             raise self._error(f.peer, exc, what, partial=True) from None
         finally:
             with self._lock:
@@ -369,18 +379,21 @@ class Peers:
         import pyarrow as pa
 
         fl = import_flight()
-        msg = clean(exc)
+        msg, code = flight_message(exc), flight_code(exc)
         tail = "; the partial copy was discarded" if partial else ""
         if self._closing:
             return BrokerUnavailable("the broker is shutting down")
-        if isinstance(exc, pa.ArrowKeyError):
+        if code == TensorNotFound.code:
             return TensorNotFound(f"peer {peer} {what}: {msg}")
-        if isinstance(exc, (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError)):
+        if code in AUTH_CODES:
             return BrokerUnavailable(f"peer {peer} refused this broker's token {what} ({msg}); "
                                      f"check --peer-token")
         if isinstance(exc, fl.FlightTimedOutError):
             return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
                                      f"{what}{tail}")
+        if isinstance(exc, InvalidRequest):
+            return BrokerUnavailable(f"peer {peer} announced what this broker cannot hold {what}: "
+                                     f"{msg}")
         if (isinstance(exc, (ValidationError, ValueError))
                 and not isinstance(exc, pa.ArrowException)):
             return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "

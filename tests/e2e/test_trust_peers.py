@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, free_port, wait_for
+from _harness import ROOT, BrokerProc, free_port, wait_for
 from _hosts import flight_url
 from _workerio import metrics
 from tensordepot import BrokerUnavailable, Client, OutOfMemory
@@ -254,6 +254,94 @@ def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
     assert "missed its heartbeats" not in b.log(), b.log()
     st = b.stat()
     assert st.retired_total == 0, st
+
+
+# -- 3. Flight errors carry one line, never a traceback ----------------------------------------
+
+def test_flight_errors_carry_the_message_and_code_but_no_traceback(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{READ_TOKEN} read\n")
+    tokens.chmod(0o600)
+    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--token-file", str(tokens),
+                       "--segment-size", "4MiB", env=ENV, max_memory="8MiB")
+    with b.client() as c:
+        c.put("w", np.arange(10, dtype=np.float32))
+    good = meta_of("x", [10], "float32", 40)
+    calls: list[tuple[str, bytes, Callable[[Any], Any]]] = [
+        ("tensor 'nope' not found", b"not_found",
+         lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_path("nope"), bearer(TOKEN))),
+        ("bad descriptor", b"invalid_request",
+         lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_command(b"w"), bearer(TOKEN))),
+        ("bad ticket", b"invalid_request",
+         lambda cl: cl.do_get(fl.Ticket(b"has space"), bearer(TOKEN)).read_all()),
+        ("version 7 of 'w' is not the newest", b"not_found",
+         lambda cl: cl.do_get(fl.Ticket(b"w@7"), bearer(TOKEN)).read_all()),
+        ("unknown dtype 'float99'", b"invalid_request",
+         lambda cl: push(cl, "x", TOKEN, {**good, "dtype": "float99"}, bytes(40))),
+        ("carried 20 bytes", b"invalid_request", lambda cl: push(cl, "x", TOKEN, good, bytes(20))),
+        ("more than the 40 bytes", b"invalid_request",
+         lambda cl: push(cl, "x", TOKEN, good, bytes(80))),
+        ("needs 'write'", b"forbidden", lambda cl: push(cl, "x", READ_TOKEN, good, bytes(40))),
+        ("cannot place 'x'", b"out_of_memory",
+         lambda cl: push(cl, "x", TOKEN, meta_of("x", [16 * MiB], "uint8", 16 * MiB),
+                         bytes(16 * MiB))),
+    ]
+    with fl.connect(flight_url(b)) as client:
+        for message, code, call in calls:
+            with pytest.raises(pa.ArrowException) as err:
+                call(client)
+            text = str(err.value)
+            assert message in text, text
+            for leak in ("Traceback", 'File "', ".py", str(ROOT), "site-packages"):
+                assert leak not in text, f"{message!r}: {text!r}"
+            assert getattr(err.value, "extra_info", None) == code, (message, text)
+    wait_for(lambda: b.stat().versions == 1, 10, what="refused pushes to be given back")
+
+
+# -- 4. a peer's fault is the peer's, and says what it was ------------------------------------
+
+@pytest.mark.parametrize(("meta", "cause"), [
+    pytest.param(meta_of("w", [10], "float99", 40), "unknown dtype 'float99'", id="dtype"),
+    pytest.param(meta_of("w", [1 << 40, 1 << 40], "float32", 0), "overflows", id="shape"),
+])
+def test_a_peers_bad_announcement_is_the_peers_fault(
+        meta: dict[str, Any], cause: str, fake_peer: Callable[..., FakePeer],
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    peer = fake_peer(meta, bytes(40))
+    b = broker_factory("--peer", peer.url)
+    with b.client() as c, pytest.raises(BrokerUnavailable) as err:
+        c.get("w")
+    assert f"peer {peer.url}" in str(err.value) and cause in str(err.value), err.value
+    empty_here(b)
+
+
+def test_a_transfer_past_its_whole_deadline_says_so(
+        fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]) -> None:
+    """--peer-timeout 1 bounds each quiet spell, and the whole transfer of
+    1 MiB gets 1 s plus 1 s per MiB: a peer that keeps sending, too slowly,
+    is cut off at 2 s, and the message says it was the whole transfer."""
+    peer = fake_peer(meta_of("w", [MiB], "uint8", MiB), bytes(MiB), chunk=32 * 1024, pace=0.2)
+    b = broker_factory("--peer", peer.url, "--peer-timeout", "1")
+    with b.client() as c, pytest.raises(BrokerUnavailable) as err:
+        c.get("w")
+    msg = str(err.value)
+    assert f"peer {peer.url}" in msg and "within 2 s" in msg, msg
+    assert "did not answer" not in msg and "whole transfer" in msg, msg
+    empty_here(b)
+
+
+def test_out_of_memory_on_a_push_is_out_of_memory(broker_factory: Callable[..., BrokerProc],
+                                                   ) -> None:
+    a = broker_factory(env=ENV)
+    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--segment-size", "4MiB", env=ENV,
+                       max_memory="8MiB")
+    with a.client() as c:
+        c.put("big", np.zeros(16 * MiB, dtype=np.uint8))
+        with pytest.raises(OutOfMemory) as err:
+            c.push("big", flight_url(b), token=TOKEN)
+    assert flight_url(b) in str(err.value) and "cannot place 'big'" in str(err.value), err.value
+    empty_here(b)
 
 
 # -- 5. a push is charged to the token that pushes ----------------------------------------------
