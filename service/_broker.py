@@ -242,6 +242,8 @@ class Broker:
             self._count("expired")
         if self.limits.alloc_ttl:
             for s in self.sessions.values():
+                if s.own:
+                    continue  # the broker's own writes (a pull, a DoPut) end with their work
                 for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
                     # The writer is alive and may still be copying into it.
                     self.memory.distrust(v.block)

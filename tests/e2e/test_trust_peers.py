@@ -218,12 +218,14 @@ def test_a_pull_never_replaces_a_tensor_written_here(
 def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
         fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]) -> None:
     """A pull, a DoPut and a DoGet that each take several ``--session-ttl``
-    (1 s here) complete, and lapse nothing: the sessions they run in are
-    the broker's own, ended by the broker when the work is done."""
+    and ``--alloc-ttl`` (1 s here) complete, and lapse nothing: the sessions
+    they run in are the broker's own, ended by the broker when the work is
+    done, and what they allocate is being written by the broker itself."""
     x = np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8)
     peer = fake_peer(meta_of("slow", [4 * MiB], "uint8", 4 * MiB), x.tobytes(), chunk=64 * 1024,
                      pace=0.05)  # 64 chunks: about 3 s
-    b = broker_factory("--session-ttl", "1", "--peer", peer.url, "--peer-timeout", "5",
+    b = broker_factory("--session-ttl", "1", "--alloc-ttl", "1", "--peer", peer.url,
+                       "--peer-timeout", "5",
                        "--flight", "grpc://127.0.0.1:0", env=ENV)
     with b.client() as c:
         assert np.array_equal(np.from_dlpack(c.get("slow", timeout=30)), x)  # the pull
