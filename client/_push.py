@@ -13,9 +13,25 @@ from __future__ import annotations
 import json
 import os
 
-from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from .._errors import (
+    AuthError,
+    BrokerUnavailable,
+    DepotError,
+    Forbidden,
+    InvalidRequest,
+    OutOfMemory,
+    TensorNotFound,
+)
 from .._wire import FlightMeta
-from ..shm._arrow import batches, import_flight, parse_flight_url, schema
+from ..shm._arrow import (
+    AUTH_CODES,
+    batches,
+    flight_code,
+    flight_message,
+    import_flight,
+    parse_flight_url,
+    schema,
+)
 from ..shm._posix import array_at
 from . import _ops
 from ._core import Core
@@ -25,19 +41,19 @@ ENV_PEER_TOKEN = "TENSORDEPOT_PEER_TOKEN"
 
 
 def _error(to: str, name: str, exc: Exception) -> DepotError:
-    import pyarrow as pa
-
-    fl = import_flight()
-    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
-    if isinstance(exc, (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError)):
+    """What the broker at ``to`` answered, as our error (``shm/_arrow.py`` reads its code)."""
+    code, msg = flight_code(exc), flight_message(exc)
+    if code in AUTH_CODES:
         err = AuthError(f"the broker at {to} refused the push of {name!r}: {msg}; "
                         f"pass token= (or --to-token, $TENSORDEPOT_PEER_TOKEN) with write scope")
-        err.status = 403 if isinstance(exc, fl.FlightUnauthorizedError) else 401
+        err.status = 403 if code == Forbidden.code else 401
         return err
-    if isinstance(exc, pa.ArrowInvalid):
+    if code == InvalidRequest.code:
         return InvalidRequest(f"the broker at {to} refused {name!r}: {msg}")
-    if isinstance(exc, pa.ArrowKeyError):
+    if code == TensorNotFound.code:
         return TensorNotFound(f"the broker at {to}: {msg}")
+    if code == OutOfMemory.code:
+        return OutOfMemory(f"the broker at {to} has no room for {name!r}: {msg}")
     return BrokerUnavailable(f"push of {name!r} to {to} failed: {msg}")
 
 

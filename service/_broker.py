@@ -150,6 +150,17 @@ class Broker:
         self._count("sessions_opened")
         return self._session_info(s)
 
+    def own_session(self, label: str, caller: Caller = LOCAL) -> str:
+        """A session for work the broker itself drives (a Flight stream, a
+        pull): it never lapses, however long the work takes, and ends only
+        with ``end_local_session``.  ``caller``: whom its allocations are
+        charged to (a pushing token; the broker itself by default)."""
+        if self.closing:
+            raise BrokerUnavailable("the broker is shutting down")
+        s = self.sessions.open(caller, label=label, own=True)
+        self._count("sessions_opened")
+        return s.id
+
     def _session_info(self, s: Session) -> SessionInfo:
         interval = None if s.tracked else s.ttl / 3
         return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval)
@@ -231,6 +242,8 @@ class Broker:
             self._count("expired")
         if self.limits.alloc_ttl:
             for s in self.sessions.values():
+                if s.own:
+                    continue  # the broker's own writes (a pull, a DoPut) end with their work
                 for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
                     # The writer is alive and may still be copying into it.
                     self.memory.distrust(v.block)

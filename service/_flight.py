@@ -39,24 +39,27 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 from pydantic import ValidationError
 
-from .._errors import AuthError, BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import AllocRequest, FlightMeta, check_name, is_name
 from ..shm import array_at
 from ..shm._arrow import (
     FlightURL,
     batches,
+    flight_message,
     import_flight,
     meta_json,
     parse_flight_url,
     read_into,
     schema,
+    to_flight,
 )
 from ._auth import AuthPolicy
 from ._broker import Broker, Version
-from ._peers import PEER_HEADER, VIA, VIA_HEADER, PeerMetric, Traffic
+from ._peers import PEER_HEADER, VIA, VIA_HEADER
 from ._scopes import Scopes
 from ._server import ListenError
-from ._sessions import LOCAL
+from ._sessions import LOCAL, Caller
+from ._traffic import PeerMetric, Traffic
 
 log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")
@@ -116,37 +119,23 @@ def meta_of(v: Version, self_url: str, instance: str) -> FlightMeta:
                       origin_version=r.version if r else v.number)
 
 
-def flight_error(exc: Exception) -> Exception:
-    """Our errors as Flight's status codes (the message stays ours)."""
-    import pyarrow as pa
-
-    fl = import_flight()
-    msg = str(exc)
-    out: Exception
-    if isinstance(exc, TensorNotFound):
-        out = pa.ArrowKeyError(msg)  # NOT_FOUND
-    elif isinstance(exc, (InvalidRequest, ValueError)):
-        out = pa.ArrowInvalid(msg)  # INVALID_ARGUMENT
-    elif isinstance(exc, AuthError):
-        cls = fl.FlightUnauthorizedError if exc.status == 403 else fl.FlightUnauthenticatedError
-        out = cls(msg, exc.code.encode())  # PERMISSION_DENIED / UNAUTHENTICATED
-    elif isinstance(exc, BrokerUnavailable):
-        out = fl.FlightUnavailableError(msg, exc.code.encode())  # UNAVAILABLE
-    else:
-        code = exc.code if isinstance(exc, DepotError) else "internal"
-        out = fl.FlightServerError(msg, code.encode())  # UNKNOWN
-    return out
-
-
 def _translated(fn: Callable[..., T]) -> Callable[..., T]:
-    """Flight handlers raise Flight's errors, never ours."""
+    """Flight handlers raise Flight's errors, never ours, and never one that
+    would carry a traceback to the caller (``shm/_arrow.py``, ``to_flight``)."""
     def wrapper(*args: Any, **kw: Any) -> T:
+        fl = import_flight()
         try:
             return fn(*args, **kw)
-        except (DepotError, ValueError) as exc:
-            if type(exc).__module__.startswith("pyarrow"):
-                raise
-            raise flight_error(exc) from None
+        except fl.FlightError:
+            raise  # pyarrow's own, or one of ours: a message and a code, no traceback
+        except DepotError as exc:
+            raise to_flight(exc) from None
+        except ValueError as exc:  # a bad ticket, descriptor or stream (pyarrow's ArrowInvalid)
+            raise to_flight(InvalidRequest(flight_message(exc))) from None
+        except Exception:
+            log.exception("Flight %s failed", fn.__name__)
+            raise fl.FlightInternalError("the broker failed to answer; its log has the details",
+                                         b"internal") from None
     wrapper.__name__ = fn.__name__
     return wrapper
 
@@ -302,7 +291,7 @@ class FlightService:
         names only names starting with the caller's ``prefix``."""
         broker = self._broker
         assert broker is not None
-        sid = broker.open_session(LOCAL, "flight").session
+        sid = broker.own_session("flight")
         reset = VIA.set(via)
         try:
             v, _ = await broker.get(sid, replace(LOCAL, prefix=prefix), name, 0)
@@ -327,21 +316,24 @@ class FlightService:
                 for n, e in sorted(broker.entries.items())
                 if e.ready is not None and n.startswith(prefix)]
 
-    async def _alloc(self, req: AllocRequest) -> tuple[str, Version, Any]:
+    async def _alloc(self, who: Caller, req: AllocRequest) -> tuple[str, Version, Any]:
+        """Allocate a push in a session of the broker's own that belongs to
+        ``who``: its bytes are charged to the pushing token's quotas, as an
+        HTTP put's are (``_quotas``)."""
         broker = self._broker
         assert broker is not None
-        sid = broker.open_session(LOCAL, "flight-put").session
+        sid = broker.own_session("flight-put", who)
         try:
-            v, _ = await broker.alloc(sid, LOCAL, req)
+            v, _ = await broker.alloc(sid, who, req)
             return sid, v, broker.view(v, writable=True)
         except BaseException:
             broker.end_local_session(sid)
             raise
 
-    async def _publish(self, sid: str, name: str, number: int) -> int:
+    async def _publish(self, who: Caller, sid: str, name: str, number: int) -> int:
         broker = self._broker
         assert broker is not None
-        return broker.publish(sid, LOCAL, name, number).number
+        return broker.publish(sid, who, name, number).number
 
     # -- handlers (on gRPC threads) ------------------------------------------------
     def _info(self, meta: FlightMeta, descriptor: Any) -> Any:
@@ -400,7 +392,8 @@ class FlightService:
         except ValidationError as exc:
             raise InvalidRequest(f"bad tensordepot metadata for {name!r}: "
                                  f"{str(exc).splitlines()[0]}") from None
-        sid, v, view = self._on_loop(self._alloc(req))
+        who = self.scopes.caller(call.token)
+        sid, v, view = self._on_loop(self._alloc(who, req))
         try:  # ending the session gives the allocation back unless it was published
             if v.nbytes != meta.nbytes:
                 raise InvalidRequest(f"metadata says {meta.nbytes} bytes, but shape {meta.shape} "
@@ -409,7 +402,7 @@ class FlightService:
                             lambda: self._closing)
             if got != v.nbytes:
                 raise InvalidRequest(f"the stream carried {got} bytes; {name!r} needs {v.nbytes}")
-            number = self._on_loop(self._publish(sid, name, v.number))
+            number = self._on_loop(self._publish(who, sid, name, v.number))
             self.traffic.add(call.peer, "pushes", 1)
             writer.write(pa.py_buffer(json.dumps({"name": name, "version": number}).encode()))
         finally:

@@ -36,24 +36,29 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-    SummaryMetricFamily,
-)
+from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
-from .._errors import BrokerUnavailable, DepotError, TensorNotFound
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._wire import AllocRequest, FlightMeta, check_name
-from ..shm._arrow import import_flight, meta_json, parse_flight_url, read_into
-from ._broker import Broker, Replica
+from ..shm._arrow import (
+    AUTH_CODES,
+    flight_code,
+    flight_message,
+    import_flight,
+    meta_json,
+    parse_flight_url,
+    read_into,
+)
+from ._broker import Broker, Replica, Version
+from ._records import check_item
 from ._sessions import LOCAL
+from ._traffic import PEER_METRICS, Traffic
 
 log = logging.getLogger("tensordepot.peers")
 
@@ -62,76 +67,6 @@ VIA_HEADER = "x-tensordepot-via"  # ids of the brokers a request passed through
 PEER_HEADER = "x-tensordepot-peer"  # who is asking, for the other side's metrics
 # bytes/s: a whole transfer's deadline is --peer-timeout plus nbytes at this rate
 MIN_RATE = 1 << 20
-
-
-def clean(exc: BaseException) -> str:
-    """A Flight error's own message, without pyarrow's appended detail."""
-    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
-    return msg.strip() or type(exc).__name__
-
-
-@dataclass(frozen=True)
-class PeerMetric:
-    """One metric family with a ``peer`` label, read from ``Traffic``: a
-    counter of ``key``, or, given ``count``, a summary whose sum is ``key``
-    and whose count is ``count``."""
-
-    name: str
-    help: str
-    key: str
-    count: str = ""
-
-
-class Traffic:
-    """Counts per remote broker, updated from any thread, exported by
-    ``families`` when Prometheus scrapes (the transfers never touch
-    prometheus_client).  The number of remotes counted is bounded; the rest
-    are counted as ``other``."""
-
-    LIMIT = 64
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.by_peer: dict[str, dict[str, float]] = {}
-
-    def add(self, peer: str, key: str, n: float) -> None:
-        with self._lock:
-            d = self.by_peer.get(peer)
-            if d is None:
-                if len(self.by_peer) >= self.LIMIT:
-                    peer = "other"
-                d = self.by_peer.setdefault(peer, {})
-            d[key] = d.get(key, 0) + n
-
-    def families(self, metrics: Iterable[PeerMetric]) -> Iterator[Metric]:
-        """One family per metric, one sample per peer (prometheus_client
-        writes the text, escaping the label values)."""
-        with self._lock:
-            snap = {p: dict(d) for p, d in self.by_peer.items()}
-        for m in metrics:
-            family: CounterMetricFamily | SummaryMetricFamily
-            if m.count:
-                family = SummaryMetricFamily(m.name, m.help, labels=["peer"])
-                for peer in sorted(snap):
-                    family.add_metric([peer], count_value=int(snap[peer].get(m.count, 0)),
-                                      sum_value=snap[peer].get(m.key, 0))
-            else:
-                family = CounterMetricFamily(m.name, m.help, labels=["peer"])
-                for peer in sorted(snap):
-                    family.add_metric([peer], snap[peer].get(m.key, 0))
-            yield family
-
-
-PEER_METRICS = (
-    PeerMetric("tensordepot_peer_bytes_pulled", "Bytes received from each peer (failed transfers "
-               "included).", "bytes_pulled"),
-    PeerMetric("tensordepot_peer_transfers", "Replicas pulled from each peer.", "transfers"),
-    PeerMetric("tensordepot_peer_transfer_failures", "Transfers from each peer that failed part "
-               "way.", "failures"),
-    PeerMetric("tensordepot_peer_checks", "Metadata calls (GetFlightInfo) to each peer.", "checks"),
-    PeerMetric("tensordepot_peer_transfer_seconds", "Duration of the completed transfers from "
-               "each peer.", "seconds", count="transfers"),
-)
 
 
 @dataclass(frozen=True)
@@ -204,13 +139,13 @@ class Peers:
     async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
         if self._closing or self.instance in VIA.get():
             return  # shutting down, or the request came through us: our own memory only
+        if self.local(name):
+            return  # published or being written here: peers never shadow a local tensor
         e = self.broker.entries.get(name)
         held = e.ready if e is not None else None
-        if held is not None:
-            if held.replica is None:
-                return  # published here: peers never shadow a local tensor
-            if self.broker.clock() - held.replica.checked_at < self.refresh:
-                return
+        if held is not None and held.replica is not None \
+                and self.broker.clock() - held.replica.checked_at < self.refresh:
+            return
         fut = self._inflight.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._refresh(name))
@@ -227,6 +162,17 @@ class Peers:
 
     def explain(self, name: str) -> str:
         return self._notes.get(name, "")
+
+    def local(self, name: str, but: Version | None = None) -> bool:
+        """Whether ``name`` is this broker's own: published here, or being
+        written here (by anything but a pull, and other than ``but``).  A
+        local tensor always wins over a replica, even one pulled meanwhile."""
+        e = self.broker.entries.get(name)
+        if e is None:
+            return False
+        if e.ready is not None and e.ready.replica is None:
+            return True
+        return any(w.replica is None and w is not but for w in e.writing.values())
 
     # -- one lookup (and maybe one transfer) per name at a time ------------------------
     async def _refresh(self, name: str) -> _Outcome:
@@ -254,8 +200,8 @@ class Peers:
         broker = self.broker
         e = broker.entries.get(name)
         held = e.ready if e is not None else None
-        if held is not None and held.replica is None:
-            out.found = True  # published here meanwhile
+        if self.local(name):
+            out.found = True  # published, or being written, here meanwhile
             return out
         if not found:
             if held is not None and held.replica is not None:
@@ -312,15 +258,12 @@ class Peers:
         Until it is published nobody sees it; on any failure, ending the
         session gives the allocation back."""
         broker, m = self.broker, f.meta
-        sid = broker.open_session(LOCAL, "peer-pull").session
+        sid = broker.own_session("peer-pull")
         try:
             v, _ = await broker.alloc(sid, LOCAL,
                                       AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
             # Set in the same step as the alloc: list() hides replicas in flight.
             v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
-            if v.nbytes != m.nbytes:
-                raise BrokerUnavailable(f"peer {f.peer} describes {m.name!r} as {m.nbytes} bytes, "
-                                        f"but shape {m.shape} of {m.dtype} is {v.nbytes}")
             view = broker.view(v, writable=True)
             start = time.monotonic()
             t = _Transfer(f.peer, start)
@@ -338,6 +281,10 @@ class Peers:
                     await asyncio.wait({job})
             self.traffic.add(f.peer, "transfers", 1)
             self.traffic.add(f.peer, "seconds", time.monotonic() - start)
+            if self.local(m.name, but=v):
+                log.info("dropping the replica of %r from %s: it was written here meanwhile",
+                         m.name, f.peer)
+                return  # ending the session gives its memory back
             v.replica.checked_at = broker.clock()
             broker.publish(sid, LOCAL, m.name, v.number)
         finally:
@@ -374,10 +321,15 @@ class Peers:
             check_name(meta.name, "the name in the answer")
             if meta.name != name:
                 raise ValueError(f"it answered for {meta.name!r}")
+            # And its geometry, through the one check of an allocation's.
+            nbytes = check_item(meta.dtype, meta.shape)[3]
+            if nbytes != meta.nbytes:
+                raise ValueError(f"it describes {name!r} as {meta.nbytes} bytes, but shape "
+                                 f"{meta.shape} of {meta.dtype} is {nbytes}")
             return meta
-        except pa.ArrowKeyError:
-            return None
         except (pa.ArrowException, ValueError) as exc:
+            if flight_code(exc) == TensorNotFound.code:
+                return None
             raise self._error(peer, exc, f"when asked for {name!r}") from None
 
     def _transfer(self, f: _Found, view: Any, via: tuple[str, ...], t: _Transfer) -> None:
@@ -386,12 +338,12 @@ class Peers:
         fl = import_flight()
         m = f.meta
         what = f"while sending {m.name!r} v{m.version}"
+        deadline = self.timeout + m.nbytes / MIN_RATE
         with self._lock:
             if t.stopped:
                 raise BrokerUnavailable(f"the pull of {m.name!r} was cancelled")
             self._active.add(t)
         try:
-            deadline = self.timeout + m.nbytes / MIN_RATE
             reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
                                                  self._options(via, deadline))
             t.last, t.reader = time.monotonic(), reader
@@ -412,6 +364,12 @@ class Peers:
             if t.stalled:
                 raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s "
                                         f"{what}; the partial copy was discarded") from None
+            if isinstance(exc, fl.FlightTimedOutError) and not self._closing:
+                raise BrokerUnavailable(
+                    f"peer {f.peer} did not finish sending {m.name!r} v{m.version} within "
+                    f"{deadline:g} s, the whole "
+                    f"transfer's deadline (--peer-timeout plus 1 s per MiB); the partial copy "
+                    f"was discarded") from None
             raise self._error(f.peer, exc, what, partial=True) from None
         finally:
             with self._lock:
@@ -421,18 +379,21 @@ class Peers:
         import pyarrow as pa
 
         fl = import_flight()
-        msg = clean(exc)
+        msg, code = flight_message(exc), flight_code(exc)
         tail = "; the partial copy was discarded" if partial else ""
         if self._closing:
             return BrokerUnavailable("the broker is shutting down")
-        if isinstance(exc, pa.ArrowKeyError):
+        if code == TensorNotFound.code:
             return TensorNotFound(f"peer {peer} {what}: {msg}")
-        if isinstance(exc, (fl.FlightUnauthenticatedError, fl.FlightUnauthorizedError)):
+        if code in AUTH_CODES:
             return BrokerUnavailable(f"peer {peer} refused this broker's token {what} ({msg}); "
                                      f"check --peer-token")
         if isinstance(exc, fl.FlightTimedOutError):
             return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
                                      f"{what}{tail}")
+        if isinstance(exc, InvalidRequest):
+            return BrokerUnavailable(f"peer {peer} announced what this broker cannot hold {what}: "
+                                     f"{msg}")
         if (isinstance(exc, (ValidationError, ValueError))
                 and not isinstance(exc, pa.ArrowException)):
             return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import AuthError, Forbidden
+from ._sessions import Caller
 
 if TYPE_CHECKING:
     from ._auth import AuthPolicy
@@ -27,6 +28,7 @@ class Grant:
     token: bytes
     scope: str
     prefix: str = ""
+    identity: str = "anonymous"  # what HTTP calls the same token (``Token.id``)
 
 
 class Scopes:
@@ -39,7 +41,7 @@ class Scopes:
 
     @classmethod
     def of(cls, policy: AuthPolicy) -> Scopes:
-        return cls([Grant(t.secret, t.scope, t.prefix or "") for t in policy.tokens])
+        return cls([Grant(t.secret, t.scope, t.prefix or "", t.id) for t in policy.tokens])
 
     @property
     def enabled(self) -> bool:
@@ -80,6 +82,15 @@ class Scopes:
         messages that must name nothing else."""
         g = self._grant(token) if self.enabled else None
         return (g.prefix or None) if g is not None else None
+
+    def caller(self, token: str | None) -> Caller:
+        """Who ``token`` is to the broker: the identity and prefix an HTTP
+        request with the same token has, so that sessions, quotas and
+        messages treat it the same through either door."""
+        g = self._grant(token) if self.enabled else None
+        if g is None:
+            return Caller("anonymous")  # --insecure-no-auth, as over HTTP
+        return Caller(g.identity, prefix=g.prefix or None)
 
     def allows(self, token: str | None, scope: str, name: str) -> bool:
         try:

@@ -10,7 +10,9 @@ fork, claim or close it.  Liveness is checked in one of two ways:
 * **heartbeat**: the session ends when the client has not been heard from for
   ``session_ttl`` seconds.  Such a session is *unverifiable*: the process may
   be paused, not dead, and may still map what it was given.  Its memory is
-  therefore retired, never reused (README, Lifetime: M1).
+  therefore retired, never reused (README, Lifetime: M1);
+* **the broker's own** (``own``): work the broker itself drives, a Flight
+  stream or a pull.  It never lapses: the broker ends it when that work ends.
 
 Everything here runs on the event loop thread.
 """
@@ -64,6 +66,7 @@ class Session:
     last_seen: float
     ttl: float  # heartbeat sessions end after this long unheard
     claimed: bool = True  # False for a forked child's session until the child claims it
+    own: bool = False  # the broker's own work: ended by the broker, never lapses
     leases: set[int] = field(default_factory=set)
     writing: set[Version] = field(default_factory=set)
     bytes: int = 0  # bytes of versions it allocated that are still alive (quota)
@@ -113,7 +116,8 @@ class Sessions:
     def get(self, sid: str) -> Session | None:
         return self.table.get(sid)
 
-    def open(self, caller: Caller, *, label: str | None, claimed: bool = True) -> Session:
+    def open(self, caller: Caller, *, label: str | None, claimed: bool = True,
+             own: bool = False) -> Session:
         if len(self.table) >= self.max_sessions:
             raise LimitExceeded(
                 f"the broker holds {len(self.table)} sessions, its limit (--max-sessions); "
@@ -135,7 +139,7 @@ class Sessions:
                 pid, start, tracked = caller.peer_pid, ident[0], True
         ttl = self.session_ttl if claimed else self.claim_window
         s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
-                    self.clock(), ttl, claimed=claimed)
+                    self.clock(), ttl, claimed=claimed, own=own)
         self.table[s.id] = s
         self._per_peer[caller.peer] = self._per_peer.get(caller.peer, 0) + 1
         return s
@@ -203,6 +207,6 @@ class Sessions:
                 ident = alive[s.pid]
                 if ident is None or ident[0] != s.start_time or ident[1] in ("Z", "X"):
                     out.append((s, True))
-            elif now - s.last_seen > s.ttl:
+            elif not s.own and now - s.last_seen > s.ttl:
                 out.append((s, False))
         return out

@@ -7,6 +7,13 @@ view keeps the mapping alive), so Flight serialises straight from the
 broker's or the producer's shared memory.  Chunks of a few MiB let a 1 GiB
 tensor pipeline: the receiver copies one chunk while the next is in flight.
 
+Errors cross Flight in one shape, both ways (``to_flight``, ``flight_code``,
+``flight_message``): a Flight error whose message is ours, one line, and
+whose ``extra_info`` is our error code.  pyarrow sends the Python traceback,
+file paths included, with any other exception a server handler raises, and
+gRPC has no status of ours (Arrow Flight cannot send RESOURCE_EXHAUSTED, for
+one): the code says what the status cannot.
+
 pyarrow is imported here only: ``import tensordepot`` does not need it.
 """
 
@@ -18,11 +25,22 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._errors import (
+    ERRORS_BY_CODE,
+    AuthError,
+    BrokerUnavailable,
+    DepotError,
+    Forbidden,
+    InvalidRequest,
+    TensorNotFound,
+)
+
 CHUNK = 4 << 20  # bytes per record batch
 META_KEY = b"tensordepot"
 COLUMN = "bytes"
 INSTALL_HINT = "pip install 'tensordepot[flight]'"
 SCHEMES = {"grpc": False, "grpc+tcp": False, "grpc+tls": True}  # scheme -> TLS
+AUTH_CODES = (AuthError.code, Forbidden.code)  # the codes of a refused token
 
 
 @dataclass(frozen=True)
@@ -117,3 +135,47 @@ def read_into(reader: Any, dst: Any, progress: Callable[[int], None] | None = No
         off += n
         if progress is not None:
             progress(n)
+
+
+def to_flight(exc: DepotError) -> Exception:
+    """``exc`` as the Flight error a server handler raises: its message and
+    its code (``extra_info``), no traceback.  Auth and availability keep
+    their gRPC status (UNAUTHENTICATED, PERMISSION_DENIED, UNAVAILABLE);
+    everything else is UNKNOWN, told apart by the code."""
+    fl = import_flight()
+    cls: Any = fl.FlightServerError
+    if isinstance(exc, Forbidden) or (isinstance(exc, AuthError) and exc.status == 403):
+        cls = fl.FlightUnauthorizedError
+    elif isinstance(exc, AuthError):
+        cls = fl.FlightUnauthenticatedError
+    elif isinstance(exc, BrokerUnavailable):
+        cls = fl.FlightUnavailableError
+    return cls(str(exc), exc.code.encode())  # type: ignore[no-any-return]
+
+
+def flight_code(exc: BaseException) -> str:
+    """The tensordepot error code a Flight error carries, or the one its
+    status implies (a broker that sent no code: NOT_FOUND is ``not_found``,
+    INVALID_ARGUMENT ``invalid_request``); "" when neither says."""
+    import pyarrow as pa
+
+    fl = import_flight()
+    info = getattr(exc, "extra_info", None)
+    code = info.decode("ascii", "replace") if isinstance(info, bytes) else ""
+    if code in ERRORS_BY_CODE:
+        return code
+    if isinstance(exc, fl.FlightUnauthenticatedError):
+        return AuthError.code
+    if isinstance(exc, fl.FlightUnauthorizedError):
+        return Forbidden.code
+    if isinstance(exc, pa.ArrowKeyError):
+        return TensorNotFound.code
+    if isinstance(exc, pa.ArrowInvalid):
+        return InvalidRequest.code
+    return ""
+
+
+def flight_message(exc: BaseException) -> str:
+    """A Flight error's own message, without what pyarrow and gRPC append."""
+    msg = str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
+    return msg.strip() or type(exc).__name__
