@@ -130,6 +130,11 @@ class Answer:
         self.got = True
         try:
             self._parser.feed_data(chunk)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__  # what our callback raised
+            if cause is not None and not isinstance(cause, Exception):
+                raise cause from None  # Ctrl-C while the parser called us: not a bad answer
+            raise _NotABroker(f"it sent a malformed HTTP response ({cause or exc})") from None
         except httptools.HttpParserError as exc:
             raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
 

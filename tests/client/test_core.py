@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from tensordepot import AsyncClient, BrokerUnavailable, TensorNotFound
 from tensordepot._wire import BatchGet, ManyAlloc, ManyPublish, PublishRequest
-from tensordepot.client import _batch, _ops
+from tensordepot.client import _batch, _http, _ops
 from tensordepot.client._core import Core
 from tensordepot.client._http import Failure, Offload, Op, Request
 
@@ -327,3 +328,23 @@ def test_a_put_cancelled_while_it_allocates_gives_the_allocation_back() -> None:
 
     routes = asyncio.run(main())
     assert routes == ["POST /v1/sessions", "POST /v1/alloc", "POST /v1/abort"]
+
+
+def test_ctrl_c_while_an_answer_is_parsed_is_ctrl_c_not_a_bad_answer() -> None:
+    """A SIGINT that lands while httptools calls back into the client (the
+    parser wraps what a callback raises) reaches the caller as
+    KeyboardInterrupt, never as 'not a tensordepot broker'."""
+    chunks = b"".join(b"1\r\nx\r\n" for _ in range(2_000_000))  # the body in 1-byte chunks
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02)  # lands while feed_data parses
+        with pytest.raises(KeyboardInterrupt):
+            _http.Answer().feed(raw)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
