@@ -341,7 +341,7 @@ class Broker:
             v = self.records.ready(name, newer_than)
             if v is None and peers is not None:
                 await peers.before_get(name, newer_than, True)
-                self.sessions.admit(s.id, Caller(s.owner))
+                self.sessions.admit(s.id, Caller(s.owner, s.bound))
                 v = self.records.ready(name, newer_than)
             return v
 
@@ -350,7 +350,7 @@ class Broker:
                                       poll=None if peers is None else peers.poll_interval,
                                       request=request, gone=gone)
         except ClientGone:
-            self.sessions.admit(s.id, Caller(s.owner))  # shutting down, or it ended: says which
+            self.sessions.admit(s.id, Caller(s.owner, s.bound))  # says why: closing, or it ended
             raise
         if v is None:
             raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
@@ -363,10 +363,9 @@ class Broker:
         s = self.sessions.get(sid or "")
         if s is None:
             return 0  # leases of an ended session are gone already
-        if s.owner != caller.identity:
-            # Only the session that took a lease may release it.
-            raise Forbidden(f"session {s.id[:8]}... belongs to another client; release under "
-                            f"the session your own POST /v1/sessions returned")
+        why = self.sessions.foreign(s, caller)
+        if why is not None:  # only the session that took a lease may release it
+            raise Forbidden(why)
         n = self.lending.release_ids(s, lease_ids)
         for rid in requests or ():
             fut = s.waits.get(rid)
