@@ -29,7 +29,11 @@ The invariants, and the functions that keep them:
    refers to it *and* no lease holds it.  Memory that a process the broker
    cannot vouch for may still map (a lapsed heartbeat session, an
    unpublished write that expired) is retired instead of reused:
-   ``Memory.lapse`` and ``Memory.distrust``.
+   ``Memory.lapse`` and ``Memory.doubt``; it comes back (``Memory.trust``)
+   once the broker can prove no mapping is left (the writer's hold ended,
+   its session ended verified, the resumed client said so), or after a
+   bounded grace (``--lapse-grace``; ``--alloc-ttl`` for a fork never
+   claimed).
 2. **Published bytes never change.**  The broker writes only into versions
    being written (``Broker._fill_inline``; peers and Flight fill what they
    allocated), ``Broker._publish`` ends the writing state for good, and
@@ -196,8 +200,10 @@ class Broker:
         every block the session could reach is retired instead of reused."""
         if self.sessions.get(s.id) is not s:
             return
-        if not verified:
-            self.memory.lapse(s, self.lending.of(s))
+        if verified:
+            self.memory.settle(s)
+        else:
+            self.memory.lapse(s, self.lending.of(s), self._lapse_deadline(s))
         self.sessions.remove(s)
         for lid in list(s.leases):
             self.lending.release_one(lid)
@@ -210,6 +216,15 @@ class Broker:
         self._count("sessions_ended")
         if not verified:
             self._count("sessions_lapsed")
+
+    def _lapse_deadline(self, s: Session) -> float | None:
+        """When a lapsed session's process counts as gone (README, Limits): an
+        unclaimed fork ``--alloc-ttl`` after the fork, like an unpublished
+        allocation; any other ``--lapse-grace`` from now (None: never)."""
+        lim = self.limits
+        if not s.claimed:
+            return s.born + lim.alloc_ttl if lim.alloc_ttl else None
+        return self.clock() + lim.lapse_grace if lim.lapse_grace else None
 
     def reap(self) -> list[str]:
         """End sessions whose process died or that missed heartbeats."""
@@ -233,9 +248,10 @@ class Broker:
             for s in self.sessions.values():
                 for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
                     # The writer is alive and may still be copying into it.
-                    self.memory.distrust(v.block)
+                    self.memory.doubt(s, v, self.lending.of(s))
                     self.abandon(v)
                     self._count("allocs_expired")
+        self.memory.expire_lapsed(now)
         return gone
 
     def view(self, v: Version, *, writable: bool = False) -> Any:

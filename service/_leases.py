@@ -78,6 +78,8 @@ class Leases:
                     if not ids:
                         del s.by_request[lease.request]
         v = lease.version
+        if lease.doubt:  # its views are gone: nothing maps the expired write any more
+            self.memory.trust(v.block)
         v.readers -= 1
         if v.entry is not None and not lease.hold:
             v.entry.readers -= 1

@@ -62,9 +62,10 @@ COUNTERS = {
                         "aborted, or their batch failed.",
     "quota_refusals": "Allocations refused with 507: --max-memory, /dev/shm, or a per-session "
                       "or per-token quota was full.",
-    "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired, "
-                       "never reused.",
-    "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired.",
+    "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired "
+                       "until the process says its views are gone, or --lapse-grace.",
+    "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired "
+                      "until the writer's views are gone.",
     "forks": "Sessions made for forked children, holding copies of their parent's leases.",
 }
 # Counters of bytes, labelled with the device that holds them.

@@ -27,6 +27,7 @@ class Limits:
     session_ttl: float = 15.0  # heartbeat sessions end after this long unheard
     claim_window: float = 10.0  # a forked child's session must be claimed within this
     alloc_ttl: float = 600.0  # unpublished allocations expire after this (0: never)
+    lapse_grace: float = 60.0  # a lapsed session's memory comes back after this (0: never)
     max_sessions: int = 16384
     max_sessions_per_peer: int = 256
     max_memory_per_session: int = 0  # 0: no limit beyond --max-memory

@@ -103,6 +103,7 @@ class Lease:
     version: Version
     request: str | None = None  # the request id that took it, so the client can cancel it
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
+    doubt: bool = False  # its block was distrusted while it lived: trusted again when it ends
 
 
 def c_strides(shape: tuple[int, ...]) -> list[int]:

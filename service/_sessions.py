@@ -68,6 +68,7 @@ class Session:
     label: str | None
     last_seen: float
     ttl: float  # heartbeat sessions end after this long unheard
+    born: float = 0.0  # when it was opened (broker clock)
     claimed: bool = True  # False for a forked child's session until the child claims it
     bound: int | None = None  # the only pid that may use it (SO_PEERCRED; None: any, e.g. TCP)
     forker: int | None = None  # an unclaimed fork's: the pid whose child alone may claim it
@@ -156,6 +157,7 @@ class Sessions:
         ttl = self.session_ttl if claimed else self.claim_window
         s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
                     self.clock(), ttl, claimed=claimed)
+        s.born = s.last_seen
         if claimed:
             s.bound = caller.peer_pid or None
         else:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from _harness import WORKERS, BrokerProc, wait_for
+from _harness import WORKERS, BrokerProc, free_port, wait_for
 from _workerio import Worker
 from tensordepot import Client, Stat
 
@@ -83,4 +86,101 @@ def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
             owner.delete(f"c{i}")
         del t, view
         drained(owner)
+
+
+# -- 2. retired memory comes back --------------------------------------------------------------
+
+GRACE = 3.0  # --lapse-grace in these tests (60 s by default)
+
+
+def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """A TCP reader SIGSTOPped past --session-ttl lapses: what it leased is
+    retired.  SIGKILLed then, nothing tells the broker; its memory comes back
+    --lapse-grace after the lapse, not before."""
+    tcp = f"http://127.0.0.1:{free_port()}"
+    token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
+    # Through the environment, so an older broker that lacks the setting starts too.
+    broker_factory("--listen", tcp, "--session-ttl", "1",
+                   env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
+    w = workers("mishap", tcp, env=token)
+    w.expect("ready")
+    with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))  # keeps the segment from being unlinked
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        os.kill(w.pid, signal.SIGSTOP)
+        stat_when(c, lambda s: s.sessions == 1, "the paused session to lapse")
+        lapsed = time.monotonic()
+        w.kill()
+        w.wait()
+        c.delete("a")
+        st = c.stat()
+        assert st.bytes_retired == MiB, st  # retired, not reused, while the grace runs
+        stat_when(c, lambda s: s.bytes_retired == 0, "the lapsed session's memory to come back",
+                  GRACE + 10)
+        assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
+        c.delete("keep")
+        drained(c)
+
+
+def test_a_fork_never_claimed_gives_its_memory_back_after_alloc_ttl(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """POST /fork copies the leases into a session for a child; a child that
+    never claims it ends with the claim window, and what the copies held comes
+    back --alloc-ttl after the fork, like any unpublished allocation."""
+    from _rawhttp import encode, exchange
+
+    b = broker_factory(env={"TENSORDEPOT_ALLOC_TTL": "3"})
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        t = c.get("a")
+        forked = time.monotonic()
+        got = exchange(b.sock, encode("POST", f"/v1/sessions/{c._sid}/fork",
+                                      [("x-tensordepot-session", c._sid)], b""))
+        assert got.status == 200, got
+        assert len(got.json()["leases"]) == 1, got.json()
+        del t
+        c.delete("a")
+        assert c.stat().bytes_in_use == 2 * MiB  # the unclaimed copy holds 'a'
+        # The claim window (10 s) ends after --alloc-ttl here: the copy's memory is
+        # retired when the fork lapses, and given back at once.
+        st = stat_when(c, lambda s: s.sessions == 1 and s.bytes_in_use == MiB
+                       and s.bytes_retired == 0, "the unclaimed fork's memory to come back", 20)
+        assert st.retired_total >= MiB, st  # it was retired, then came back
+        assert time.monotonic() - forked >= 3 - 0.5
+        c.delete("keep")
+        drained(c)
+
+
+# -- 3. an empty() past --alloc-ttl ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["released", "killed"])
+def test_an_expired_empty_comes_back_once_its_hold_ends(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker],
+        how: str) -> None:
+    """An empty() left unpublished past --alloc-ttl is reclaimed, its memory
+    distrusted while the writer's views live.  Once the hold is released (the
+    views died) or the writer is gone, the memory is reused."""
+    b = broker_factory(env={"TENSORDEPOT_ALLOC_TTL": "1"})
+    w = workers("mishap", b.url)
+    w.expect("ready")
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        w.ask(f"hold a {N} 1.0", "ok")
+        wait_for(lambda: "a" not in {i.name for i in c.list()}, 10, what="'a' to expire")
+        if how == "released":
+            w.ask("drop a", "ok")
+        else:
+            w.kill()
+            w.wait()
+        stat_when(c, lambda s: s.leases == 0 and s.bytes_in_use == MiB, "the hold to end")
+        stat_when(c, lambda s: s.bytes_retired == 0, "the expired write's memory to come back", 5)
+        if how == "released":
+            w.send("exit")
+            assert w.wait() == 0, w.stderr()
+        c.delete("keep")
+        drained(c)
 
