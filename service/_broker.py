@@ -161,10 +161,15 @@ class Broker:
     def heartbeat(self, sid: str, caller: Caller) -> None:
         self.sessions.admit(sid, caller)
 
-    def close_session(self, sid: str, caller: Caller) -> None:
+    def close_session(self, sid: str, caller: Caller, *, exiting: bool = False) -> None:
         """The client ends its own session: it holds no view any more, so its
-        memory is safe to reuse."""
+        memory is safe to reuse.  ``exiting``: its process is on its way out,
+        perhaps with views alive; they die with it, so the session ends when
+        the process is gone (or its heartbeats stop), counted as an exit."""
         s = self.sessions.use(sid, caller)
+        if exiting and (s.leases or s.writing):
+            s.exiting = True
+            return
         self.end_session(s, verified=True)
 
     def end_local_session(self, sid: str) -> None:
@@ -230,9 +235,12 @@ class Broker:
         """End sessions whose process died or that missed heartbeats."""
         dead = self.sessions.dead()
         for s, known in dead:
-            log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
-                     "is gone" if known else "missed its heartbeats")
-            self._count("sessions_reaped")
+            if s.exiting:  # a clean exit, not a crash: nothing to alert on
+                self._count("sessions_exited")
+            else:
+                log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
+                         "is gone" if known else "missed its heartbeats")
+                self._count("sessions_reaped")
             self.end_session(s, verified=known)
         return [s.id for s, _ in dead]
 

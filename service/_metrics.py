@@ -57,7 +57,10 @@ COUNTERS = {
     "expired": "Names deleted because their ttl ran out.",
     "sessions_opened": "Client sessions opened.",
     "sessions_ended": "Client sessions ended: closed, reaped, or at shutdown.",
-    "sessions_reaped": "Sessions reclaimed because their process died or their heartbeats stopped.",
+    "sessions_reaped": "Sessions reclaimed because their process died without ending them (a "
+                       "crash, kill -9) or their heartbeats stopped.",
+    "sessions_exited": "Sessions whose process exited normally with views still alive (its "
+                       "client said so on the way out), ended once it was gone: not crashes.",
     "writes_reclaimed": "Unpublished versions reclaimed: their writer's session ended, they were "
                         "aborted, or their batch failed.",
     "quota_refusals": "Allocations refused with 507: --max-memory, /dev/shm, or a per-session "

@@ -70,6 +70,7 @@ class Session:
     ttl: float  # heartbeat sessions end after this long unheard
     born: float = 0.0  # when it was opened (broker clock)
     claimed: bool = True  # False for a forked child's session until the child claims it
+    exiting: bool = False  # its process said it is exiting, views alive: ends once it is gone
     bound: int | None = None  # the only pid that may use it (SO_PEERCRED; None: any, e.g. TCP)
     forker: int | None = None  # an unclaimed fork's: the pid whose child alone may claim it
     leases: set[int] = field(default_factory=set)

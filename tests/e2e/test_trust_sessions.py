@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from _harness import WORKERS, BrokerProc, free_port, wait_for
-from _workerio import Worker
+from _workerio import Worker, metrics
 from tensordepot import Client, Stat
 
 MiB = 1 << 20
@@ -184,3 +184,39 @@ def test_an_expired_empty_comes_back_once_its_hold_ends(
         c.delete("keep")
         drained(c)
 
+
+# -- 4. a clean exit is not a crash --------------------------------------------------------------
+
+
+REAPED, EXITED = "tensordepot_sessions_reaped_total", "tensordepot_sessions_exited_total"
+
+
+@pytest.mark.parametrize("how", ["exits", "killed"])
+def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
+        broker: BrokerProc, workers: Callable[..., Worker], how: str) -> None:
+    """A process that exits normally, a view still alive, ends its session on
+    its way out (the client's exit hook): counted as exited, not reaped, and
+    no "is gone; reclaiming" line.  A SIGKILLed one is a crash: reaped, logged."""
+    with broker.client() as c:
+        c.put("x", np.full(N, 2.0, dtype=np.float32))
+        before = metrics(broker.url)
+        h = workers("lifetime_holder", broker.url)
+        pid = int(h.expect("ready").split()[1])
+        h.ask("get x 2 numpy", "got x")
+        if how == "exits":
+            h.ask("exit", "bye")
+        else:
+            h.kill()
+        h.wait()
+        stat_when(c, lambda s: s.sessions == 1 and s.leases == 0, "the worker's session to end")
+        after = metrics(broker.url)
+        reaped = after.get(REAPED, 0) - before.get(REAPED, 0)
+        exited = after.get(EXITED, 0) - before.get(EXITED, 0)
+        crash_lines = [ln for ln in broker.log().splitlines()
+                       if f"(pid {pid}) is gone; reclaiming" in ln]
+        if how == "exits":
+            assert (reaped, exited, crash_lines) == (0, 1, []), (reaped, exited, crash_lines)
+        else:
+            assert (reaped, exited, len(crash_lines)) == (1, 0, 1), (reaped, exited, crash_lines)
+        c.delete("x")
+        drained(c)
