@@ -92,6 +92,7 @@ class Memory:
         self._fresh_lock = threading.Lock()
         self._growing: asyncio.Future[None] | None = None  # a pool segment being made
         self._closed = False
+        self.reader_of: Callable[[Version], Session | None] | None = None  # set by the broker
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -178,9 +179,14 @@ class Memory:
                 self.bytes_in_use -= block.nbytes
 
     def retire(self, v: Version) -> None:
-        """Its name no longer refers to ``v``: freed once its last lease ends."""
+        """Its name no longer refers to ``v``: freed once its last lease ends.
+        Until then what a reader pins is charged to the reader (``Quotas.repin``)."""
         v.current = False
         self.free_if_unreachable(v)
+        if v.block is not None and v.readers and self.reader_of is not None:
+            holder = self.reader_of(v)
+            if holder is not None:
+                self.quotas.repin(v, holder)
 
     @staticmethod
     def distrust(block: Block) -> None:

@@ -68,6 +68,14 @@ class Quotas:
         s.bytes += v.charged
         self._identity_bytes[s.owner] = self._identity_bytes.get(s.owner, 0) + v.charged
 
+    def repin(self, v: Version, holder: Session) -> None:
+        """``v`` is no longer its name's, and a reader's lease (``holder``'s)
+        keeps it alive: its bytes now count against the reader, so that a
+        reader cannot lock a producer out of its quota."""
+        if v.charged and v.creator != holder.id:
+            self.uncharge(v)
+            self.record(holder, v)
+
     def uncharge(self, v: Version) -> None:
         """``v``'s memory was freed: its bytes no longer count."""
         if not v.charged:

@@ -79,6 +79,8 @@ class Version:
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
     request: str | None = None  # the request id that allocated it, so the client can cancel it
     replica: Replica | None = None  # pulled from a peer
+    reader: int = 0  # the id of the last get's lease of it (writers' holds excluded)
+    got: int = 0  # live leases of gets (writers' holds excluded)
     wire: tuple[bytes, bytes] | None = None  # its published handle's JSON around the lease (lane)
 
     @property

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,31 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
             assert (reaped, exited, len(crash_lines)) == (1, 0, 1), (reaped, exited, crash_lines)
         c.delete("x")
         drained(c)
+
+
+# -- 5. what a reader pins is the reader's ------------------------------------------------
+
+
+def test_versions_a_reader_pins_do_not_count_against_the_producer(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A reader that keeps every version it got pins what the producer has
+    replaced; those bytes count against the reader, so the producer's
+    --max-memory-per-token holds only what its names still refer to."""
+    producer, reader = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    fd = os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{producer} write name=producer\n{reader} read name=reader\n")
+    tcp = f"http://127.0.0.1:{free_port()}"
+    broker_factory("--listen", tcp, "--token-file", str(tokens),
+                   "--max-memory-per-token", "3MiB")
+    with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
+        kept = []
+        for i in range(6):  # the producer's fourth put was refused when pins were its own
+            p.put("w", np.full(N, float(i), dtype=np.float32))
+            kept.append(np.from_dlpack(r.get("w")))
+        assert [float(k[0]) for k in kept] == [float(i) for i in range(6)]
+        assert p.stat().bytes_in_use == 6 * MiB
+        p.delete("w")
+        del kept
+        wait_for(lambda: p.stat().bytes_in_use == 0, 10, what="the pinned versions to go")
