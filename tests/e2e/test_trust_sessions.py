@@ -125,6 +125,36 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
         drained(c)
 
 
+def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at_once(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """On the unix socket the broker knows the reader's pid: SIGSTOPped past
+    --session-ttl it is paused, not gone, and keeps its session and its bytes;
+    SIGKILLed, it is gone, and its memory is reused within --reap-interval,
+    never retired."""
+    b = broker_factory("--session-ttl", "1")
+    w = workers("mishap", b.url)
+    w.expect("ready")
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        os.kill(w.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: time.monotonic() - stopped > 2 and c.stat().sessions == 2, 10,
+                 what="the stopped reader's session to outlive --session-ttl")
+        c.delete("a")
+        assert c.stat().bytes_in_use == 2 * MiB  # the stopped reader still holds 'a'
+        w.kill()
+        w.wait()
+        killed = time.monotonic()
+        st = stat_when(c, lambda s: s.sessions == 1 and s.bytes_in_use == MiB,
+                       "the killed reader's memory to come back", 5)
+        assert (st.bytes_retired, st.retired_total) == (0, 0), st
+        assert time.monotonic() - killed < 2, "slower than --reap-interval allows"
+        c.delete("keep")
+        drained(c)
+
+
 def test_a_fork_never_claimed_gives_its_memory_back_after_alloc_ttl(
         broker_factory: Callable[..., BrokerProc]) -> None:
     """POST /fork copies the leases into a session for a child; a child that
