@@ -447,6 +447,29 @@ class Core:
         gc.collect()  # views caught in reference cycles would otherwise hold leases
         self._maybe_finish_close()
 
+    def _at_exit(self) -> None:
+        """The process exits normally: end the session on the way out, so the
+        broker counts an exit, not a crash.  With views alive (they die with
+        the process) the broker is told so, and ends the session once the
+        process is gone."""
+        if self.closed or os.getpid() != self.pid or self._fork_claim is not None:
+            return
+        if self.bg is None or not self.bg.live:
+            self.close()
+            return
+        self._end_session("?exit=1")
+
+    def _end_session(self, query: str = "") -> None:
+        """Ask the broker to end the session (``?exit=1``: once the process is
+        gone); best effort: if the broker is gone, so is the session."""
+        if not self.sid:
+            return
+        try:
+            self.run(self.exchange("DELETE", f"/v1/sessions/{self.sid}{query}",
+                                   headers={SESSION_HEADER: self.sid}))
+        except DepotError:
+            pass
+
     def _maybe_finish_close(self) -> None:
         if not self.closing:
             return
@@ -467,12 +490,7 @@ class Core:
                 if self.bg is not None and self.bg.live:
                     return  # the background thread retries as views die
                 self.closed = True
-            if self.sid:
-                try:
-                    self.run(self.exchange("DELETE", f"/v1/sessions/{self.sid}",
-                                           headers={SESSION_HEADER: self.sid}))
-                except DepotError:
-                    pass
+            self._end_session()
             if self.bg is not None:
                 self.bg.stop()
             self.transport.close()

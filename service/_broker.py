@@ -29,7 +29,11 @@ The invariants, and the functions that keep them:
    refers to it *and* no lease holds it.  Memory that a process the broker
    cannot vouch for may still map (a lapsed heartbeat session, an
    unpublished write that expired) is retired instead of reused:
-   ``Memory.lapse`` and ``Memory.distrust``.
+   ``Memory.lapse`` and ``Memory.doubt``; it comes back (``Memory.trust``)
+   once the broker can prove no mapping is left (the writer's hold ended,
+   its session ended verified, the resumed client said so), or after a
+   bounded grace (``--lapse-grace``; ``--alloc-ttl`` for a fork never
+   claimed).
 2. **Published bytes never change.**  The broker writes only into versions
    being written (``Broker._fill_inline``; peers and Flight fill what they
    allocated), ``Broker._publish`` ends the writing state for good, and
@@ -92,6 +96,7 @@ class Broker:
         self.quotas = Quotas(lim, self.sessions, self._count)
         self.memory = Memory(pool, self.cuda, self.quotas, self._count)
         self.lending = Leases(self.sessions, self.memory, self.cuda, self._count)
+        self.memory.reader_of = self.lending.reader_of
         self.waits = Waits()
         self.writes = w = Writes(sessions=self.sessions, records=self.records, memory=self.memory,
                                  quotas=self.quotas, lending=self.lending, waits=self.waits,
@@ -168,10 +173,15 @@ class Broker:
     def heartbeat(self, sid: str, caller: Caller) -> None:
         self.sessions.admit(sid, caller)
 
-    def close_session(self, sid: str, caller: Caller) -> None:
+    def close_session(self, sid: str, caller: Caller, *, exiting: bool = False) -> None:
         """The client ends its own session: it holds no view any more, so its
-        memory is safe to reuse."""
+        memory is safe to reuse.  ``exiting``: its process is on its way out,
+        perhaps with views alive; they die with it, so the session ends when
+        the process is gone (or its heartbeats stop), counted as an exit."""
         s = self.sessions.use(sid, caller)
+        if exiting and (s.leases or s.writing):
+            s.exiting = True
+            return
         self.end_session(s, verified=True)
 
     def end_local_session(self, sid: str) -> None:
@@ -207,8 +217,10 @@ class Broker:
         every block the session could reach is retired instead of reused."""
         if self.sessions.get(s.id) is not s:
             return
-        if not verified:
-            self.memory.lapse(s, self.lending.of(s))
+        if verified:
+            self.memory.settle(s)
+        else:
+            self.memory.lapse(s, self.lending.of(s), self._lapse_deadline(s))
         self.sessions.remove(s)
         for lid in list(s.leases):
             self.lending.release_one(lid)
@@ -222,13 +234,25 @@ class Broker:
         if not verified:
             self._count("sessions_lapsed")
 
+    def _lapse_deadline(self, s: Session) -> float | None:
+        """When a lapsed session's process counts as gone (README, Limits): an
+        unclaimed fork ``--alloc-ttl`` after the fork, like an unpublished
+        allocation; any other ``--lapse-grace`` from now (None: never)."""
+        lim = self.limits
+        if not s.claimed:
+            return s.born + lim.alloc_ttl if lim.alloc_ttl else None
+        return self.clock() + lim.lapse_grace if lim.lapse_grace else None
+
     def reap(self) -> list[str]:
         """End sessions whose process died or that missed heartbeats."""
         dead = self.sessions.dead()
         for s, known in dead:
-            log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
-                     "is gone" if known else "missed its heartbeats")
-            self._count("sessions_reaped")
+            if s.exiting:  # a clean exit, not a crash: nothing to alert on
+                self._count("sessions_exited")
+            else:
+                log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
+                         "is gone" if known else "missed its heartbeats")
+                self._count("sessions_reaped")
             self.end_session(s, verified=known)
         return [s.id for s, _ in dead]
 
@@ -246,9 +270,10 @@ class Broker:
                     continue  # the broker's own writes (a pull, a DoPut) end with their work
                 for v in [v for v in s.writing if v.deadline is not None and v.deadline <= now]:
                     # The writer is alive and may still be copying into it.
-                    self.memory.distrust(v.block)
+                    self.memory.doubt(s, v, self.lending.of(s))
                     self.abandon(v)
                     self._count("allocs_expired")
+        self.memory.expire_lapsed(now)
         return gone
 
     def view(self, v: Version, *, writable: bool = False) -> Any:
@@ -354,7 +379,7 @@ class Broker:
             v = self.records.ready(name, newer_than)
             if v is None and peers is not None:
                 await peers.before_get(name, newer_than, True)
-                self.sessions.admit(s.id, Caller(s.owner))
+                self.sessions.admit(s.id, Caller(s.owner, s.bound))
                 v = self.records.ready(name, newer_than)
             return v
 
@@ -363,7 +388,7 @@ class Broker:
                                       poll=None if peers is None else peers.poll_interval,
                                       request=request, gone=gone)
         except ClientGone:
-            self.sessions.admit(s.id, Caller(s.owner))  # shutting down, or it ended: says which
+            self.sessions.admit(s.id, Caller(s.owner, s.bound))  # says why: closing, or it ended
             raise
         if v is None:
             raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
@@ -376,10 +401,9 @@ class Broker:
         s = self.sessions.get(sid or "")
         if s is None:
             return 0  # leases of an ended session are gone already
-        if s.owner != caller.identity:
-            # Only the session that took a lease may release it.
-            raise Forbidden(f"session {s.id[:8]}... belongs to another client; release under "
-                            f"the session your own POST /v1/sessions returned")
+        why = self.sessions.foreign(s, caller)
+        if why is not None:  # only the session that took a lease may release it
+            raise Forbidden(why)
         n = self.lending.release_ids(s, lease_ids)
         for rid in requests or ():
             fut = s.waits.get(rid)

@@ -149,13 +149,14 @@ def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None
 
 
 def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str | None,
-             identity: str) -> tuple[Session, str] | None:
+             who: Caller) -> tuple[Session, str] | None:
     """(session, key) under which a request's answer is kept, or None when
     the request carries no usable id (no session of this caller's, no id, or
     an id longer than 64 characters).  An id replays only for the same
     method and path: reused on another route, it runs anew."""
     s = broker.sessions.get(sid or "") if rid else None
-    if s is None or rid is None or len(rid) > 64 or s.owner != identity:
+    if (s is None or rid is None or len(rid) > 64
+            or broker.sessions.foreign(s, who) is not None):
         return None
     return s, f"{method} {path} {rid}"
 
@@ -267,7 +268,7 @@ class Gate:
                 return reply
             pending = reply
             return run_once(None, lambda: pending)
-        slot = once_key(broker, method, path, call.session, call.request_id, who.identity)
+        slot = once_key(broker, method, path, call.session, call.request_id, who)
         if slot is not None:
             hit = slot[0].answers.get(slot[1])
             if hit is not None:

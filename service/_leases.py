@@ -5,7 +5,8 @@ version being written for the writer's own views; a forked child gets copies
 of its parent's leases.  A lease belongs to one session and ends when that
 session releases it, cancels the request that took it, or ends.  When the
 last lease of a version that is no longer current ends, its memory is freed
-(``Memory.free_if_unreachable``).
+(``Memory.free_if_unreachable``); until then, a version that only a reader's
+lease keeps is charged to that reader (``reader_of``, ``Quotas.repin``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,29 @@ class Leases:
         if request is not None:
             s.by_request.setdefault(request, set()).add(lid)
         v.readers += 1
-        if v.entry is not None and not hold:
-            v.entry.readers += 1
+        if not hold:
+            v.reader = lid
+            v.got += 1
+            if v.entry is not None:
+                v.entry.readers += 1
         self.cuda.on_lease(lid, v, s)
         if count:
             self._count("gets")
             self._count("bytes_got", v.nbytes)
         return lid
+
+    def reader_of(self, v: Version) -> Session | None:
+        """A session holding a get's lease of ``v`` (None: only writers' holds
+        do): the last one to get it, if it still holds it, else any."""
+        if not v.got:
+            return None
+        last = self.table.get(v.reader)
+        if last is not None:
+            return self.sessions.get(last.session)
+        for lease in self.table.values():  # rare: the last reader let go, others still hold
+            if lease.version is v and not lease.hold:
+                return self.sessions.get(lease.session)
+        return None
 
     def of(self, s: Session) -> list[Lease]:
         return [self.table[lid] for lid in s.leases]
@@ -78,9 +95,13 @@ class Leases:
                     if not ids:
                         del s.by_request[lease.request]
         v = lease.version
+        if lease.doubt:  # its views are gone: nothing maps the expired write any more
+            self.memory.trust(v.block)
         v.readers -= 1
-        if v.entry is not None and not lease.hold:
-            v.entry.readers -= 1
+        if not lease.hold:
+            v.got -= 1
+            if v.entry is not None:
+                v.entry.readers -= 1
         self.cuda.on_release(lease)
         self.memory.free_if_unreachable(v)
         self._count("releases")

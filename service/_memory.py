@@ -15,11 +15,21 @@ to another tensor.**  Two functions enforce it:
   its pool: only when its name no longer refers to it (``current`` false)
   and no lease holds it.  A block that other versions share (``link``) is
   freed with the last of them.
-* ``lapse`` and ``distrust`` mark memory that a process the broker cannot
+* ``lapse`` and ``doubt`` mark memory that a process the broker cannot
   vouch for may still map (a session that missed its heartbeats, an
   unpublished write that expired): the pool then *retires* such a block
-  instead of reusing it.  ``release_stale`` undoes that for the leases a
-  resumed client says it no longer views.
+  instead of reusing it.
+
+Retired memory comes back (``trust``) once the broker can prove that no
+mapping of it is left, or after a bounded grace:
+
+* an expired write's doubt ends with the writer's hold lease (its views are
+  gone when the client releases it), or with the writer's session if that
+  ends verified (the process is gone, or it closed);
+* a lapsed session's leases come back when the resumed client says their
+  views are gone (``release_stale``), and at the latest at the lapse's
+  deadline (``expire_lapsed``): ``--lapse-grace`` after it lapsed, or, for
+  a fork never claimed, ``--alloc-ttl`` after the fork.
 """
 
 from __future__ import annotations
@@ -49,6 +59,16 @@ log = logging.getLogger("tensordepot.broker")
 MAX_LAPSED = 4096  # lapsed sessions whose retired leases can still be given back
 
 
+class _Lapsed:
+    """What a lapsed session could still map, until ``until`` (None: its segment drains)."""
+
+    __slots__ = ("held", "owner", "unleased", "until")
+
+    def __init__(self, owner: str, held: dict[int, Block], unleased: list[Block],
+                 until: float | None) -> None:
+        self.owner, self.held, self.unleased, self.until = owner, held, unleased, until
+
+
 class Memory:
     """The broker's host pool and GPUs, and the books on them."""
 
@@ -60,8 +80,10 @@ class Memory:
         self._count = count
         self.bytes_in_use = 0
         self.versions_live = 0
-        # Lapsed sessions: session id -> (owner identity, lease id -> block it held).
-        self._lapsed: OrderedDict[str, tuple[str, dict[int, Block]]] = OrderedDict()
+        # Lapsed sessions, oldest first: session id -> what it could still map.
+        self._lapsed: OrderedDict[str, _Lapsed] = OrderedDict()
+        # Expired writes with no hold lease: session id -> blocks its process may still fill.
+        self._doubts: dict[str, list[Block]] = {}
         self._maps: dict[str, PosixMapping] = {}
         # Slow memory work happens in threads: creating (fallocate) and unlinking.
         self._creator = ThreadPoolExecutor(2, thread_name_prefix="tensordepot-create")
@@ -70,6 +92,7 @@ class Memory:
         self._fresh_lock = threading.Lock()
         self._growing: asyncio.Future[None] | None = None  # a pool segment being made
         self._closed = False
+        self.reader_of: Callable[[Version], Session | None] | None = None  # set by the broker
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -156,9 +179,14 @@ class Memory:
                 self.bytes_in_use -= block.nbytes
 
     def retire(self, v: Version) -> None:
-        """Its name no longer refers to ``v``: freed once its last lease ends."""
+        """Its name no longer refers to ``v``: freed once its last lease ends.
+        Until then what a reader pins is charged to the reader (``Quotas.repin``)."""
         v.current = False
         self.free_if_unreachable(v)
+        if v.block is not None and v.readers and self.reader_of is not None:
+            holder = self.reader_of(v)
+            if holder is not None:
+                self.quotas.repin(v, holder)
 
     @staticmethod
     def distrust(block: Block) -> None:
@@ -166,25 +194,63 @@ class Memory:
         when freed, the block is retired instead of reused."""
         block.stale += 1
 
-    def lapse(self, s: Session, leases: list[Lease]) -> None:
+    def trust(self, block: Block) -> None:
+        """One reason to distrust ``block`` is gone: with none left, a retired
+        block goes back to its pool."""
+        block.stale -= 1
+        if block.stale == 0 and block.retired and block.device == "cpu":
+            self.pool.unretire(block)
+
+    def doubt(self, s: Session, v: Version, leases: list[Lease]) -> None:
+        """``v``, which ``s`` is still writing, expired (--alloc-ttl): its
+        writer may still copy into it.  Distrusted until the writer's hold
+        ends (its views are gone), or ``s`` ends verified."""
+        self.distrust(v.block)
+        for lease in leases:
+            if lease.hold and lease.version is v and not lease.doubt:
+                lease.doubt = True
+                return
+        self._doubts.setdefault(s.id, []).append(v.block)
+
+    def settle(self, s: Session) -> None:
+        """``s`` ended verified: nothing of its process maps what it doubted."""
+        for block in self._doubts.pop(s.id, ()):
+            self.trust(block)
+
+    def lapse(self, s: Session, leases: list[Lease], until: float | None) -> None:
         """``s`` ended unheard (its process may be paused, not dead): everything
-        it could map is distrusted.  Its leases are remembered so that the
-        process, when it resumes and its views die, can give them back
-        (``release_stale``)."""
+        it could map is distrusted until ``until`` (None: until its segment
+        drains).  Its leases are remembered so that the process, when it
+        resumes and its views die, can give them back (``release_stale``)."""
         held = {}
         for lease in leases:
             if lease.version.block is not None:
                 self.distrust(lease.version.block)
                 held[lease.id] = lease.version.block
         holds = {lease.version for lease in leases if lease.hold}
+        unleased = self._doubts.pop(s.id, [])  # distrusted already
         for v in s.writing:
-            if v not in holds:  # a put's fill in flight: no lease ever says it is done
+            if v not in holds and v.block not in unleased:
+                # a put's fill in flight: no lease ever says it is done
                 self.distrust(v.block)
-        if held:
-            self._lapsed[s.id] = (s.owner, held)
+                unleased.append(v.block)
+        if held or unleased:
+            self._lapsed[s.id] = _Lapsed(s.owner, held, unleased, until)
             # Beyond the bound, the oldest are forgotten: retired until their segment drains.
             while len(self._lapsed) > MAX_LAPSED:
                 self._lapsed.popitem(last=False)
+
+    def expire_lapsed(self, now: float) -> int:
+        """Give back what lapsed sessions past their deadline held: their
+        processes count as gone (README, Limits).  The number of blocks."""
+        n = 0
+        for sid in [sid for sid, rec in self._lapsed.items()
+                    if rec.until is not None and rec.until <= now]:
+            rec = self._lapsed.pop(sid)
+            for block in [*rec.held.values(), *rec.unleased]:
+                self.trust(block)
+                n += 1
+        return n
 
     def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:
         """A client whose session lapsed says the views of these leases of
@@ -193,18 +259,16 @@ class Memory:
         n = 0
         for sid, lease_ids in stale.items():
             rec = self._lapsed.get(sid)
-            if rec is None or rec[0] != caller.identity:
+            if rec is None or rec.owner != caller.identity:
                 continue  # not a lapsed session of this caller: nothing to give back
-            held = rec[1]
+            held = rec.held
             for lid in lease_ids:
                 blk = held.pop(lid, None)
                 if blk is None:
                     continue
-                blk.stale -= 1
+                self.trust(blk)
                 n += 1
-                if blk.stale == 0 and blk.retired and blk.device == "cpu":
-                    self.pool.unretire(blk)
-            if not held:
+            if not held and not rec.unleased:
                 del self._lapsed[sid]
         return n
 

@@ -57,14 +57,18 @@ COUNTERS = {
     "expired": "Names deleted because their ttl ran out.",
     "sessions_opened": "Client sessions opened.",
     "sessions_ended": "Client sessions ended: closed, reaped, or at shutdown.",
-    "sessions_reaped": "Sessions reclaimed because their process died or their heartbeats stopped.",
+    "sessions_reaped": "Sessions reclaimed because their process died without ending them (a "
+                       "crash, kill -9) or their heartbeats stopped.",
+    "sessions_exited": "Sessions whose process exited normally with views still alive (its "
+                       "client said so on the way out), ended once it was gone: not crashes.",
     "writes_reclaimed": "Unpublished versions reclaimed: their writer's session ended, they were "
                         "aborted, or their batch failed.",
     "quota_refusals": "Allocations refused with 507: --max-memory, /dev/shm, or a per-session "
                       "or per-token quota was full.",
-    "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired, "
-                       "never reused.",
-    "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired.",
+    "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired "
+                       "until the process says its views are gone, or --lapse-grace.",
+    "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired "
+                      "until the writer's views are gone.",
     "forks": "Sessions made for forked children, holding copies of their parent's leases.",
 }
 # Counters of bytes, labelled with the device that holds them.

@@ -41,6 +41,7 @@ class Limits:
     session_ttl: float = 15.0  # heartbeat sessions end after this long unheard
     claim_window: float = 10.0  # a forked child's session must be claimed within this
     alloc_ttl: float = 600.0  # unpublished allocations expire after this (0: never)
+    lapse_grace: float = 60.0  # a lapsed session's memory comes back after this (0: never)
     max_sessions: int = 16384
     max_sessions_per_peer: int = 256
     max_memory_per_session: int = 0  # 0: no limit beyond --max-memory
@@ -92,6 +93,17 @@ class Quotas:
             self._identity_bytes[identity] = left
         else:
             self._identity_bytes.pop(identity, None)
+
+    def repin(self, v: Version, holder: Session) -> None:
+        """``v`` is no longer its name's, and a reader's lease (``holder``'s)
+        keeps it alive: its bytes now count against the reader, so that a
+        reader cannot lock a producer out of its quota."""
+        if v.charged and v.creator != holder.id:
+            n = v.charged  # already held: moved, never refused
+            self.uncharge(v)
+            holder.bytes += n
+            self._identity_bytes[holder.owner] = self._identity_bytes.get(holder.owner, 0) + n
+            v.charged, v.creator, v.identity = n, holder.id, holder.owner
 
     def uncharge(self, v: Version) -> None:
         """``v``'s memory was freed: the bytes it carries no longer count."""

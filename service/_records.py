@@ -79,6 +79,8 @@ class Version:
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
     request: str | None = None  # the request id that allocated it, so the client can cancel it
     replica: Replica | None = None  # pulled from a peer
+    reader: int = 0  # the id of the last get's lease of it (writers' holds excluded)
+    got: int = 0  # live leases of gets (writers' holds excluded)
     wire: tuple[bytes, bytes] | None = None  # its published handle's JSON around the lease (lane)
 
     @property
@@ -103,6 +105,7 @@ class Lease:
     version: Version
     request: str | None = None  # the request id that took it, so the client can cancel it
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
+    doubt: bool = False  # its block was distrusted while it lived: trusted again when it ends
 
 
 def c_strides(shape: tuple[int, ...]) -> list[int]:

@@ -2,7 +2,12 @@
 
 A session belongs to the identity that opened it (the SO_PEERCRED uid on a
 unix socket, the token on TCP): only that identity may use, heartbeat,
-fork, claim or close it.  Liveness is checked in one of two ways:
+fork, claim or close it.  On a unix socket it is also bound to the process
+that opened it (the pid SO_PEERCRED reports), or to the forked child that
+claimed it: a request under it from any other process is refused (403),
+whatever its uid, since another process's release or close would free
+memory that the owner's live views still map (``foreign`` says why).
+Liveness is checked in one of two ways:
 
 * **tracked**: the broker itself knows the pid (SO_PEERCRED) and its start
   time, and the session ends when that process is gone.  Nothing the client
@@ -65,8 +70,12 @@ class Session:
     label: str | None
     last_seen: float
     ttl: float  # heartbeat sessions end after this long unheard
+    born: float = 0.0  # when it was opened (broker clock)
     claimed: bool = True  # False for a forked child's session until the child claims it
     own: bool = False  # the broker's own work: ended by the broker, never lapses
+    exiting: bool = False  # its process said it is exiting, views alive: ends once it is gone
+    bound: int | None = None  # the only pid that may use it (SO_PEERCRED; None: any, e.g. TCP)
+    forker: int | None = None  # an unclaimed fork's: the pid whose child alone may claim it
     leases: set[int] = field(default_factory=set)
     writing: set[Version] = field(default_factory=set)
     bytes: int = 0  # bytes of versions it allocated that are still alive (quota)
@@ -81,6 +90,19 @@ class Session:
         self.answers[rid] = (status, body)
         while len(self.answers) > REQUEST_CACHE:
             self.answers.popitem(last=False)
+
+
+def _parent_of(pid: int, proc: str) -> int | None:
+    """The parent pid of ``pid`` (field 4 of ``/proc/<pid>/stat``), or None if gone."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        return int(data[data.rfind(b")") + 2:].split()[1])
+    except (IndexError, ValueError):
+        return None
 
 
 class Sessions:
@@ -140,6 +162,11 @@ class Sessions:
         ttl = self.session_ttl if claimed else self.claim_window
         s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
                     self.clock(), ttl, claimed=claimed, own=own)
+        s.born = s.last_seen
+        if claimed:
+            s.bound = caller.peer_pid or None
+        else:
+            s.forker = caller.peer_pid or None
         self.table[s.id] = s
         self._per_peer[caller.peer] = self._per_peer.get(caller.peer, 0) + 1
         return s
@@ -148,9 +175,17 @@ class Sessions:
         """A forked child takes over the session its parent made for it."""
         if s.claimed:
             raise Conflict(f"session {s.id[:8]}... was claimed already")
+        if s.forker and (not caller.peer_pid
+                         or _parent_of(caller.peer_pid, self.proc) != s.forker):
+            raise Forbidden(
+                f"session {s.id[:8]}... was made for a child of pid {s.forker}, and pid "
+                f"{caller.peer_pid or '(unknown)'} is not one; a process opens its own session "
+                f"(POST /v1/sessions)"
+            )
         self._per_peer[s.peer] -= 1
         s.claimed, s.peer, s.ttl = True, caller.peer, self.session_ttl
         self._per_peer[s.peer] = self._per_peer.get(s.peer, 0) + 1
+        s.bound, s.forker = caller.peer_pid or None, None
         if caller.peer_pid:
             ident = proc_stat(caller.peer_pid, self.proc)
             if ident is not None:
@@ -171,13 +206,25 @@ class Sessions:
             )
             exc.code = UNKNOWN_SESSION
             raise exc
-        if s.owner != caller.identity:
-            raise Forbidden(
-                f"session {sid[:8]}... belongs to another client; use the session your own "
-                f"POST /v1/sessions returned"
-            )
+        why = self.foreign(s, caller)
+        if why is not None:
+            raise Forbidden(why)
         s.last_seen = self.clock()
         return s
+
+    @staticmethod
+    def foreign(s: Session, caller: Caller) -> str | None:
+        """Why ``caller`` may not act under ``s`` (None: it may): the one
+        ownership rule, for every route, rider and replayed answer."""
+        if s.owner != caller.identity:
+            return (f"session {s.id[:8]}... belongs to another client; use the session your "
+                    f"own POST /v1/sessions returned")
+        if s.bound and caller.peer_pid != s.bound:
+            return (f"session {s.id[:8]}... belongs to pid {s.bound}, not to "
+                    f"{f'pid {caller.peer_pid}' if caller.peer_pid else 'this connection'}: "
+                    f"each process opens its own session (the Python Client does; a forked "
+                    f"child claims the one its parent made for it)")
+        return None
 
     def admit(self, sid: str | None, caller: Caller) -> Session:
         """``use``, for new work: refused while the broker shuts down."""

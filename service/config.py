@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     reap_interval: float = Field(0.5, gt=0, description="seconds between liveness checks")
     session_ttl: float = Field(15.0, gt=0, description="heartbeat timeout, in seconds, for "
                                "sessions whose pid cannot be checked")
+    lapse_grace: float = Field(60.0, ge=0, description="seconds after a heartbeat session "
+                               "lapses (--session-ttl unheard) before the memory it may still "
+                               "map is reused; its process counts as gone then (0: never, the "
+                               "memory stays retired until its segment drains)")
     alloc_ttl: float = Field(600.0, ge=0, description="seconds an allocation may stay unpublished "
                              "before it is reclaimed (0: never)")
     max_sessions: int = Field(16384, gt=0, description="sessions the broker holds at most")
@@ -152,6 +156,7 @@ class Settings(BaseSettings):
         from ._broker import Limits
 
         return Limits(session_ttl=self.session_ttl, alloc_ttl=self.alloc_ttl,
+                      lapse_grace=self.lapse_grace,
                       max_sessions=self.max_sessions,
                       max_sessions_per_peer=self.max_sessions_per_peer,
                       max_memory_per_session=parse_size(self.max_memory_per_session),

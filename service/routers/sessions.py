@@ -46,11 +46,17 @@ def claim(call: Call[Any]) -> Reply:
         .model_dump_json().encode()
 
 
+_EXIT = {"name": "exit", "in": "query", "required": False, "schema": {"type": "boolean"},
+         "description": "the process is exiting, perhaps with views alive: the session ends "
+                        "once the process is gone, counted as an exit, not a crash"}
+
+
 @route("DELETE", "/v1/sessions/{session}", READ, "close_session", tag=TAG, status=204,
-       docs=_SESSION, note="the session's owner, or admin",
+       docs={"parameters": [*_SESSION["parameters"], _EXIT]}, note="the session's owner, or admin",
        summary="Close a session, releasing its leases")
 def close_session(call: Call[Any]) -> Reply:
-    call.broker.close_session(call.params["session"], call.who)
+    exiting = call.query.get("exit", "").lower() in ("1", "true")
+    call.broker.close_session(call.params["session"], call.who, exiting=exiting)
     return 204, b""
 
 

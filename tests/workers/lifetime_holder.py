@@ -20,6 +20,8 @@ import sys
 import numpy as np
 from tensordepot import Client
 
+KEPT: list[object] = []
+
 
 def main() -> None:
     c = Client(sys.argv[1], label="lifetime-holder")
@@ -59,6 +61,7 @@ def main() -> None:
             c.close()
             print("closed", flush=True)
         elif cmd == "exit":
+            KEPT.append(views)  # alive until the interpreter is torn down, after atexit
             print("bye", flush=True)
             return
         else:

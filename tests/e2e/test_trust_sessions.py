@@ -1,0 +1,281 @@
+"""Sessions bound to their process, and retired memory that comes back, tried
+against a real broker with real worker processes.
+
+A session id used by another process of the same user is refused (403), and
+the owner's views keep their bytes; memory retired because the broker could
+not vouch for a holder comes back once the holder is proven gone, or after a
+bounded grace (a lapsed heartbeat session, an unclaimed fork, an empty()
+past --alloc-ttl); a process that exits normally is not counted as a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _harness import WORKERS, BrokerProc, free_port, wait_for
+from _workerio import Worker, metrics
+from tensordepot import Client, Stat
+
+MiB = 1 << 20
+N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., Worker]]:
+    """Driven workers (``_workerio``), killed, even when stopped, at the end."""
+    started: list[Worker] = []
+    yield lambda script, *args, **kw: started.append(Worker(script, *args, **kw)) or started[-1]
+    for w in started:
+        w.close()
+
+
+def stat_when(c: Client, pred: Callable[[Stat], bool], what: str, timeout: float = 10) -> Stat:
+    def check() -> Stat | None:
+        st = c.stat()
+        return st if pred(st) else None
+
+    return wait_for(check, timeout, what=what)  # type: ignore[no-any-return]
+
+
+def drained(c: Client) -> Stat:
+    """Nothing left but the probe's own session: no lease, no byte, nothing retired."""
+    return stat_when(c, lambda s: (s.sessions, s.leases, s.bytes_in_use, s.bytes_retired)
+                     == (1, 0, 0, 0), "the broker to drain")
+
+
+# -- 1. a session id works only from the process that opened it ------------------------------
+
+
+STOLEN = ("heartbeat", "release", "piggyback", "put", "fork", "get", "close")
+
+
+def steal(b: BrokerProc, sid: str, lease: int | None) -> dict[str, list[object]]:
+    """What another process of this user got, using session ``sid``."""
+    argv = [sys.executable, str(WORKERS / "session_thief.py"), b.sock, sid, str(lease)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
+        broker: BrokerProc) -> None:
+    with broker.client() as owner:
+        owner.put("w", np.arange(N, dtype=np.float32))
+        t = owner.get("w")
+        view, want = np.from_dlpack(t), np.arange(N, dtype=np.float32).tobytes()
+        tried = steal(broker, owner._sid, t._lease_id())
+        refused = [what for what in STOLEN if tried[what][:2] == [403, "forbidden"]]
+        assert refused == list(STOLEN), tried
+        why = tried["heartbeat"][2]
+        assert f"belongs to pid {os.getpid()}" in why and "opens its own session" in why, why
+        st = owner.stat()
+        assert st.leases == 1, st
+        owner.delete("w")  # only the owner's lease keeps the bytes now
+        for i in range(4):  # churn: a range freed too early would be overwritten here
+            owner.put(f"c{i}", np.full(N, -1.0, dtype=np.float32))
+        assert view.tobytes() == want, "the owner's view changed"
+        for i in range(4):
+            owner.delete(f"c{i}")
+        del t, view
+        drained(owner)
+
+
+# -- 2. retired memory comes back --------------------------------------------------------------
+
+GRACE = 3.0  # --lapse-grace in these tests (60 s by default)
+
+
+def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """A TCP reader SIGSTOPped past --session-ttl lapses: what it leased is
+    retired.  SIGKILLed then, nothing tells the broker; its memory comes back
+    --lapse-grace after the lapse, not before."""
+    tcp = f"http://127.0.0.1:{free_port()}"
+    token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
+    # Through the environment, so an older broker that lacks the setting starts too.
+    broker_factory("--listen", tcp, "--session-ttl", "1",
+                   env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
+    w = workers("mishap", tcp, env=token)
+    w.expect("ready")
+    with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))  # keeps the segment from being unlinked
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        os.kill(w.pid, signal.SIGSTOP)
+        stat_when(c, lambda s: s.sessions == 1, "the paused session to lapse")
+        lapsed = time.monotonic()
+        w.kill()
+        w.wait()
+        c.delete("a")
+        st = c.stat()
+        assert st.bytes_retired == MiB, st  # retired, not reused, while the grace runs
+        stat_when(c, lambda s: s.bytes_retired == 0, "the lapsed session's memory to come back",
+                  GRACE + 10)
+        assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
+        c.delete("keep")
+        drained(c)
+
+
+def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at_once(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """On the unix socket the broker knows the reader's pid: SIGSTOPped past
+    --session-ttl it is paused, not gone, and keeps its session and its bytes;
+    SIGKILLed, it is gone, and its memory is reused within --reap-interval,
+    never retired."""
+    b = broker_factory("--session-ttl", "1")
+    w = workers("mishap", b.url)
+    w.expect("ready")
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        os.kill(w.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: time.monotonic() - stopped > 2 and c.stat().sessions == 2, 10,
+                 what="the stopped reader's session to outlive --session-ttl")
+        c.delete("a")
+        assert c.stat().bytes_in_use == 2 * MiB  # the stopped reader still holds 'a'
+        w.kill()
+        w.wait()
+        killed = time.monotonic()
+        st = stat_when(c, lambda s: s.sessions == 1 and s.bytes_in_use == MiB,
+                       "the killed reader's memory to come back", 5)
+        assert (st.bytes_retired, st.retired_total) == (0, 0), st
+        assert time.monotonic() - killed < 2, "slower than --reap-interval allows"
+        c.delete("keep")
+        drained(c)
+
+
+def test_a_fork_never_claimed_gives_its_memory_back_after_alloc_ttl(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """POST /fork copies the leases into a session for a child; a child that
+    never claims it ends with the claim window, and what the copies held comes
+    back --alloc-ttl after the fork, like any unpublished allocation."""
+    from _rawhttp import encode, exchange
+
+    b = broker_factory(env={"TENSORDEPOT_ALLOC_TTL": "3"})
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        t = c.get("a")
+        forked = time.monotonic()
+        got = exchange(b.sock, encode("POST", f"/v1/sessions/{c._sid}/fork",
+                                      [("x-tensordepot-session", c._sid)], b""))
+        assert got.status == 200, got
+        assert len(got.json()["leases"]) == 1, got.json()
+        del t
+        c.delete("a")
+        assert c.stat().bytes_in_use == 2 * MiB  # the unclaimed copy holds 'a'
+        # The claim window (10 s) ends after --alloc-ttl here: the copy's memory is
+        # retired when the fork lapses, and given back at once.
+        st = stat_when(c, lambda s: s.sessions == 1 and s.bytes_in_use == MiB
+                       and s.bytes_retired == 0, "the unclaimed fork's memory to come back", 20)
+        assert st.retired_total >= MiB, st  # it was retired, then came back
+        assert time.monotonic() - forked >= 3 - 0.5
+        c.delete("keep")
+        drained(c)
+
+
+# -- 3. an empty() past --alloc-ttl ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["released", "killed"])
+def test_an_expired_empty_comes_back_once_its_hold_ends(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker],
+        how: str) -> None:
+    """An empty() left unpublished past --alloc-ttl is reclaimed, its memory
+    distrusted while the writer's views live.  Once the hold is released (the
+    views died) or the writer is gone, the memory is reused."""
+    b = broker_factory(env={"TENSORDEPOT_ALLOC_TTL": "1"})
+    w = workers("mishap", b.url)
+    w.expect("ready")
+    with b.client() as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        w.ask(f"hold a {N} 1.0", "ok")
+        wait_for(lambda: "a" not in {i.name for i in c.list()}, 10, what="'a' to expire")
+        if how == "released":
+            w.ask("drop a", "ok")
+        else:
+            w.kill()
+            w.wait()
+        stat_when(c, lambda s: s.leases == 0 and s.bytes_in_use == MiB, "the hold to end")
+        stat_when(c, lambda s: s.bytes_retired == 0, "the expired write's memory to come back", 5)
+        if how == "released":
+            w.send("exit")
+            assert w.wait() == 0, w.stderr()
+        c.delete("keep")
+        drained(c)
+
+
+# -- 4. a clean exit is not a crash --------------------------------------------------------------
+
+
+REAPED, EXITED = "tensordepot_sessions_reaped_total", "tensordepot_sessions_exited_total"
+
+
+@pytest.mark.parametrize("how", ["exits", "killed"])
+def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
+        broker: BrokerProc, workers: Callable[..., Worker], how: str) -> None:
+    """A process that exits normally, a view still alive, ends its session on
+    its way out (the client's exit hook): counted as exited, not reaped, and
+    no "is gone; reclaiming" line.  A SIGKILLed one is a crash: reaped, logged."""
+    with broker.client() as c:
+        c.put("x", np.full(N, 2.0, dtype=np.float32))
+        before = metrics(broker.url)
+        h = workers("lifetime_holder", broker.url)
+        pid = int(h.expect("ready").split()[1])
+        h.ask("get x 2 numpy", "got x")
+        if how == "exits":
+            h.ask("exit", "bye")
+        else:
+            h.kill()
+        h.wait()
+        stat_when(c, lambda s: s.sessions == 1 and s.leases == 0, "the worker's session to end")
+        after = metrics(broker.url)
+        reaped = after.get(REAPED, 0) - before.get(REAPED, 0)
+        exited = after.get(EXITED, 0) - before.get(EXITED, 0)
+        crash_lines = [ln for ln in broker.log().splitlines()
+                       if f"(pid {pid}) is gone; reclaiming" in ln]
+        if how == "exits":
+            assert (reaped, exited, crash_lines) == (0, 1, []), (reaped, exited, crash_lines)
+        else:
+            assert (reaped, exited, len(crash_lines)) == (1, 0, 1), (reaped, exited, crash_lines)
+        c.delete("x")
+        drained(c)
+
+
+# -- 5. what a reader pins is the reader's ------------------------------------------------
+
+
+def test_versions_a_reader_pins_do_not_count_against_the_producer(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A reader that keeps every version it got pins what the producer has
+    replaced; those bytes count against the reader, so the producer's
+    --max-memory-per-token holds only what its names still refer to."""
+    producer, reader = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    fd = os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{producer} write name=producer\n{reader} read name=reader\n")
+    tcp = f"http://127.0.0.1:{free_port()}"
+    broker_factory("--listen", tcp, "--token-file", str(tokens),
+                   "--max-memory-per-token", "3MiB")
+    with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
+        kept = []
+        for i in range(6):  # the producer's fourth put was refused when pins were its own
+            p.put("w", np.full(N, float(i), dtype=np.float32))
+            kept.append(np.from_dlpack(r.get("w")))
+        assert [float(k[0]) for k in kept] == [float(i) for i in range(6)]
+        assert p.stat().bytes_in_use == 6 * MiB
+        p.delete("w")
+        del kept
+        wait_for(lambda: p.stat().bytes_in_use == 0, 10, what="the pinned versions to go")
