@@ -200,9 +200,15 @@ class Background:
             now = time.monotonic()
             if self.heartbeat is not None and now - last_beat >= self.heartbeat:
                 last_beat = now
+                # Earlier sessions that lapsed while this process was paused,
+                # whose leases views still hold: their memory must stay retired.
+                sid = client.sid
+                held = sorted({owner for owner, _ in list(self.live) if owner != sid})[:64]
+                path = f"/v1/sessions/{sid}/heartbeat"
+                if held:
+                    path += "?holding=" + ",".join(held)
                 try:
-                    client.call_now("POST", f"/v1/sessions/{client.sid}/heartbeat",
-                                    background=True)
+                    client.call_now("POST", path, background=True)
                 except DepotError:
                     pass
             if now - last_prune >= 2.0:

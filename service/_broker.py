@@ -54,7 +54,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .._errors import BrokerUnavailable, DepotError, Forbidden, InvalidRequest, TensorNotFound
@@ -170,8 +170,13 @@ class Broker:
         interval = None if s.tracked else s.ttl / 3
         return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval)
 
-    def heartbeat(self, sid: str, caller: Caller) -> None:
-        self.sessions.admit(sid, caller)
+    def heartbeat(self, sid: str, caller: Caller, holding: Sequence[str] = ()) -> None:
+        """``holding``: lapsed sessions of this process whose leases live views
+        still hold.  The process is alive: their memory stays retired, the
+        grace (``_lapse_deadline``) counting again from this heartbeat."""
+        s = self.sessions.admit(sid, caller)
+        if holding:
+            self.memory.still_held(s.owner, list(holding[:64]), self._lapse_deadline(s))
 
     def close_session(self, sid: str, caller: Caller, *, exiting: bool = False) -> None:
         """The client ends its own session: it holds no view any more, so its

@@ -252,6 +252,15 @@ class Memory:
                 n += 1
         return n
 
+    def still_held(self, owner: str, sids: list[str], until: float | None) -> None:
+        """Views of ``owner``'s process still map what these lapsed sessions
+        held: they stay retired until ``until`` at the earliest (None: until
+        their segments drain)."""
+        for sid in sids:
+            rec = self._lapsed.get(sid)
+            if rec is not None and rec.owner == owner and rec.until is not None:
+                rec.until = None if until is None else max(rec.until, until)
+
     def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:
         """A client whose session lapsed says the views of these leases of
         that old session are gone: their memory, retired when the session

@@ -23,10 +23,18 @@ def open_session(call: Call[SessionOpen]) -> Reply:
     return 200, call.broker.open_session(call.who, call.body.label).model_dump_json().encode()
 
 
+_HOLDING = {"name": "holding", "in": "query", "required": False, "schema": {"type": "string"},
+            "description": "comma-separated ids of earlier sessions of this process that lapsed "
+                           "(it was paused) and whose leases its views still hold: their memory "
+                           "stays retired while this session lives (README, Lifetime)"}
+
+
 @route("POST", "/v1/sessions/{session}/heartbeat", READ, "heartbeat", tag=TAG, status=204,
-       docs=_SESSION, note="the session's owner", summary="Keep a heartbeat session alive")
+       docs={"parameters": [*_SESSION["parameters"], _HOLDING]}, note="the session's owner",
+       summary="Keep a heartbeat session alive")
 def heartbeat(call: Call[Any]) -> Reply:
-    call.broker.heartbeat(call.params["session"], call.who)
+    holding = [sid for sid in call.query.get("holding", "").split(",") if sid]
+    call.broker.heartbeat(call.params["session"], call.who, holding)
     return 204, b""
 
 

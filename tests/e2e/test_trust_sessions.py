@@ -125,6 +125,44 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
         drained(c)
 
 
+def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """A TCP reader SIGSTOPped past --session-ttl lapses, then resumes with its
+    view alive.  Its heartbeats say which lapsed session its views still hold,
+    so the grace never runs out under a live view: puts long past the grace
+    never reuse those bytes.  Once the view is dropped, the memory comes back."""
+    tcp = f"http://127.0.0.1:{free_port()}"
+    token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
+    broker_factory("--listen", tcp, "--session-ttl", "1",
+                   env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
+    w = workers("mishap", tcp, env=token)
+    w.expect("ready")
+    with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
+        c.put("keep", np.full(N, 1.0, dtype=np.float32))
+        c.put("a", np.full(N, 2.0, dtype=np.float32))
+        w.ask("get a", "ok")
+        os.kill(w.pid, signal.SIGSTOP)
+        stat_when(c, lambda s: s.sessions == 1, "the paused session to lapse")
+        lapsed = time.monotonic()
+        os.kill(w.pid, signal.SIGCONT)
+        w.ask("put mine 1 3.0", "ok")  # the reader carries on, in a new session
+        c.delete("a")
+        i = 0
+        while time.monotonic() - lapsed < GRACE + 3:  # puts that would take the freed bytes
+            c.put(f"churn{i % 4}", np.full(N, 9.0, dtype=np.float32))
+            i += 1
+        got = w.ask("check a", "")
+        assert got == "same", f"a resumed reader's view saw another tensor's bytes: {got}"
+        assert c.stat().bytes_retired == MiB
+        w.ask("drop a", "ok")  # the view is gone: the client says so, the memory comes back
+        stat_when(c, lambda s: s.bytes_retired == 0, "the dropped view's memory to come back", 10)
+        w.ask("drop mine", "ok")
+        w.close()
+        for name in ["keep", "mine", *{f"churn{j % 4}" for j in range(i)}]:
+            c.delete(name)
+        drained(c)
+
+
 def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at_once(
         broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
     """On the unix socket the broker knows the reader's pid: SIGSTOPped past
