@@ -1,6 +1,8 @@
-"""Soak workers: random put/get/delete/empty on a few shared names until a deadline,
-with the mishaps users cause: Ctrl-C (SIGINT) anywhere, including in the middle
-of a copy, non-contiguous sources, and fork() with views alive.
+"""Soak workers: random put/put_many/get/delete/empty on a few shared names until a
+deadline, with the mishaps users cause: Ctrl-C (SIGINT) anywhere, including in the
+middle of a copy, non-contiguous sources, and fork() with views alive (half of
+the children never use the Client they inherited, so their sessions are never
+claimed).
 
 This process is a zygote: it imports everything once, then forks one worker
 per "spawn SEED" line on stdin, so a SIGKILLed worker is replaced in
@@ -88,16 +90,18 @@ def noncontiguous(arr: np.ndarray) -> np.ndarray:
 def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: random.Random) -> str:
     """fork(): the child re-verifies the views it inherited, puts and gets
     through the Client it inherited, and exits 0 (3 on a bad read)."""
+    claims = rng.random() < 0.5  # or the child never touches the Client it inherited
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             for view, s, what in held:
                 verify(view, "forked child: " + what, s)
-            name = f"fork{os.getpid()}"
-            c.put(name, make(rng.getrandbits(63), 1000))
-            verify(np.from_dlpack(c.get(name)), name)
-            c.delete(name)
+            if claims:
+                name = f"fork{os.getpid()}"
+                c.put(name, make(rng.getrandbits(63), 1000))
+                verify(np.from_dlpack(c.get(name)), name)
+                c.delete(name)
         except Corrupt as exc:
             emit(f"CORRUPT {exc}")
             code = 3
@@ -121,7 +125,7 @@ def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: rand
         time.sleep(0.005)
     if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
         raise Corrupt(f"a forked child ended with status {status}")
-    return "forks"
+    return "forks" if claims else "unclaimed_forks"
 
 
 def work(url: str, seed: int, deadline: float) -> int:
@@ -151,7 +155,13 @@ def work(url: str, seed: int, deadline: float) -> int:
         op = rng.random()
         armed[0] = True
         try:
-            if op < 0.25:
+            if op < 0.06:
+                # A batch, while other workers delete its names: a refused
+                # publish must give back every allocation of the batch.
+                batch = {nm: make(rng.getrandbits(63), size(rng)) for nm in rng.sample(NAMES, 3)}
+                c.put_many(batch)
+                count["batches"] += 1
+            elif op < 0.25:
                 n = size(rng)
                 ttl = rng.uniform(0.2, 2.0) if rng.random() < 0.1 else None
                 src = make(rng.getrandbits(63), n)
