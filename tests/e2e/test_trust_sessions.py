@@ -94,11 +94,10 @@ def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
 GRACE = 3.0  # --lapse-grace in these tests (60 s by default)
 
 
-def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
-    """A TCP reader SIGSTOPped past --session-ttl lapses: what it leased is
-    retired.  SIGKILLed then, nothing tells the broker; its memory comes back
-    --lapse-grace after the lapse, not before."""
+def tcp_reader(broker_factory: Callable[..., BrokerProc],
+               workers: Callable[..., Worker]) -> tuple[Worker, Client]:
+    """A broker on TCP (--session-ttl 1, --lapse-grace GRACE), a reader
+    worker on it, and a client of the test's own."""
     tcp = f"http://127.0.0.1:{free_port()}"
     token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
     # Through the environment, so an older broker that lacks the setting starts too.
@@ -106,7 +105,16 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
                    env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
     w = workers("mishap", tcp, env=token)
     w.expect("ready")
-    with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
+    return w, Client(tcp, token=token["TENSORDEPOT_TOKEN"])
+
+
+def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    """A TCP reader SIGSTOPped past --session-ttl lapses: what it leased is
+    retired.  SIGKILLed then, nothing tells the broker; its memory comes back
+    --lapse-grace after the lapse, not before."""
+    w, c = tcp_reader(broker_factory, workers)
+    with c:
         c.put("keep", np.full(N, 1.0, dtype=np.float32))  # keeps the segment from being unlinked
         c.put("a", np.full(N, 2.0, dtype=np.float32))
         w.ask("get a", "ok")
@@ -131,13 +139,8 @@ def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
     view alive.  Its heartbeats say which lapsed session its views still hold,
     so the grace never runs out under a live view: puts long past the grace
     never reuse those bytes.  Once the view is dropped, the memory comes back."""
-    tcp = f"http://127.0.0.1:{free_port()}"
-    token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
-    broker_factory("--listen", tcp, "--session-ttl", "1",
-                   env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
-    w = workers("mishap", tcp, env=token)
-    w.expect("ready")
-    with Client(tcp, token=token["TENSORDEPOT_TOKEN"]) as c:
+    w, c = tcp_reader(broker_factory, workers)
+    with c:
         c.put("keep", np.full(N, 1.0, dtype=np.float32))
         c.put("a", np.full(N, 2.0, dtype=np.float32))
         w.ask("get a", "ok")
