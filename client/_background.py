@@ -21,6 +21,7 @@ import time
 from typing import Any, Protocol
 
 from .._errors import DepotError
+from .._proto import UNKNOWN_SESSION
 from .._wire import ReleaseRequest
 
 log = logging.getLogger("tensordepot.client")
@@ -41,6 +42,7 @@ class Owner(Protocol):
     def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any: ...
     def rid(self) -> str: ...
     def claim_if_forked(self) -> None: ...
+    def reopen(self, stale: str) -> None: ...
     def prune(self) -> None: ...
     def _maybe_finish_close(self) -> None: ...
 
@@ -84,6 +86,11 @@ class Background:
     # -- what finalizers and calls queue -----------------------------------
     def track(self, sid: str, lease_id: int) -> None:
         self.live.add((sid, lease_id))
+
+    def holding(self, sid: str) -> list[str]:
+        """Sessions other than ``sid`` (those that lapsed under us) whose leases
+        live views still hold: their memory must stay retired (README, Lifetime)."""
+        return sorted({owner for owner, _ in list(self.live) if owner and owner != sid})[:64]
 
     def release_later(self, sid: str, lease_id: int) -> None:
         key = self.renamed.get((sid, lease_id), (sid, lease_id))
@@ -203,14 +210,20 @@ class Background:
                 # Earlier sessions that lapsed while this process was paused,
                 # whose leases views still hold: their memory must stay retired.
                 sid = client.sid
-                held = sorted({owner for owner, _ in list(self.live) if owner != sid})[:64]
+                held = self.holding(sid)
                 path = f"/v1/sessions/{sid}/heartbeat"
                 if held:
                     path += "?holding=" + ",".join(held)
                 try:
                     client.call_now("POST", path, background=True)
-                except DepotError:
-                    pass
+                except DepotError as exc:
+                    if getattr(exc, "code", "") == UNKNOWN_SESSION:
+                        # It lapsed while this process was paused: open the next
+                        # one now, naming it while views still hold its leases.
+                        try:
+                            client.reopen(sid)
+                        except DepotError:
+                            pass
             if now - last_prune >= 2.0:
                 last_prune = now
                 client.prune()

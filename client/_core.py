@@ -150,10 +150,17 @@ class Core:
         """Open a session, unless one other than ``stale`` is open already."""
         if self.sid != stale:
             return
-        body = SessionOpen(pid=os.getpid(), label=self.label)
+        body = SessionOpen(pid=os.getpid(), label=self.label,
+                           holding=[] if self.bg is None else self.bg.holding(stale))
         answer = yield from self.exchange("POST", "/v1/sessions", body, keep=True, opens=True)
         if self.sid == stale:  # concurrent callers share one answer
             self.set_session(SessionInfo.model_validate(decode(*answer)))
+
+    def reopen(self, stale: str) -> None:
+        """The background thread found ``stale`` ended (this process was paused
+        past its TTL, or the broker restarted): open the next session now."""
+        if not (self.closed or self.closing):
+            self.run(self.open_session(stale))
 
     def set_session(self, info: SessionInfo) -> None:
         self.session = info

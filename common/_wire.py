@@ -90,6 +90,10 @@ class SessionOpen(_Frozen):
     pid: int = Field(ge=1, description="the client's pid, as it sees itself")
     start_time: int | None = Field(None, ge=0, description="field 22 of /proc/<pid>/stat")
     label: str | None = Field(None, max_length=200)
+    holding: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=64,
+        description="earlier sessions of this process that lapsed (it was paused) and whose "
+                    "leases its views still hold: their memory stays retired while it lives")
 
 
 class SessionInfo(_Answer):

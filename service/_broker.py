@@ -148,11 +148,16 @@ class Broker:
             cuda=None)
 
     # -- sessions ----------------------------------------------------------
-    def open_session(self, caller: Caller, label: str | None = None) -> SessionInfo:
+    def open_session(self, caller: Caller, label: str | None = None,
+                     holding: Sequence[str] = ()) -> SessionInfo:
+        """``holding``: as for ``heartbeat``, said at once by a process that
+        resumes and finds its session lapsed."""
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down")
         s = self.sessions.open(caller, label=label)
         self._count("sessions_opened")
+        if holding:
+            self.memory.still_held(s.owner, list(holding[:64]), self._lapse_deadline(s))
         return self._session_info(s)
 
     def own_session(self, label: str, caller: Caller = LOCAL) -> str:

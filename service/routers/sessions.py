@@ -20,7 +20,8 @@ _SESSION = {"parameters": [{"name": "session", "in": "path", "required": True,
 def open_session(call: Call[SessionOpen]) -> Reply:
     assert call.body is not None
     # The pid in the body is informational: only SO_PEERCRED makes a session tracked.
-    return 200, call.broker.open_session(call.who, call.body.label).model_dump_json().encode()
+    return 200, call.broker.open_session(call.who, call.body.label, call.body.holding) \
+        .model_dump_json().encode()
 
 
 _HOLDING = {"name": "holding", "in": "query", "required": False, "schema": {"type": "string"},

@@ -38,7 +38,7 @@ PAUSE_S = 1.6
 HANG_S = 3.0
 # Memory a lapsed session could still map is retired, and comes back this
 # long after the lapse (--lapse-grace): the bound on what the soak ends with.
-LAPSE_GRACE = 2.0
+LAPSE_GRACE = 4.0
 
 
 def _counters(words: list[str]) -> Counter[str]:
