@@ -147,6 +147,19 @@ class Lane:
                 req.error = too_large()
         return req
 
+    def refuse_now(self, proto: PeerCredProtocol, req: LaneRequest) -> bool:
+        """A request refused at its head (401, 403, 404, 413...) with a body
+        still to come is answered now and its connection closed: its body is
+        never read, so a peer without a token cannot make the broker wait
+        for, or hold, anything.  False: answer it as usual, at its end."""
+        h = req.headers
+        if req.error is None or (h.get(b"content-length", b"0") == b"0"
+                                 and b"transfer-encoding" not in h):
+            return False
+        req.keep_alive = False
+        self.run(proto, req)
+        return True
+
     def body(self, req: LaneRequest, chunk: bytes) -> None:
         if req.error is not None:
             return

@@ -358,6 +358,8 @@ class PeerCredProtocol(HttpToolsProtocol):
         req = None if lane is None else lane.take(self)
         if req is None:
             super().on_headers_complete()
+        elif lane is not None and lane.refuse_now(self, req):
+            self._refused = True  # answered and closing: the body is never read
         else:
             self._lane_req = req
 

@@ -237,3 +237,39 @@ def test_a_token_starting_with_a_hash_is_refused_not_dropped_as_a_comment(
     with Client(f"http://127.0.0.1:{port}", token=hashed[1:]) as c:
         assert c.list() == []
     assert b.alive
+
+
+# -- 5. an unauthenticated request is refused at its head, its body never read -----------------
+
+def test_an_unauthenticated_request_is_refused_before_its_body_is_sent(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """48 TCP connections without a token each announce a 16 MiB body and send
+    none of it: each gets 401 at once, so the broker buffers nothing for them
+    (its RSS stays where it was), and keeps serving."""
+    port = free_port()
+    token = secrets.token_urlsafe(24)
+    b = broker_factory("--listen", f"http://127.0.0.1:{port}", env={"TENSORDEPOT_TOKEN": token})
+    pid = b.proc.pid
+
+    def rss() -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) << 10
+
+    before = rss()
+    head = (f"POST /v1/put/w?dtype=uint8&shape={16 << 20} HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {16 << 20}\r\n\r\n").encode()
+    socks = []
+    try:
+        for _ in range(48):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            socks.append(s)
+            s.sendall(head + b"\0" * 65536)  # a little of the body, never all of it
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert rss() - before < 64 << 20, f"the broker grew by {(rss() - before) >> 20} MiB"
+    finally:
+        for s in socks:
+            s.close()
+    with Client(f"http://127.0.0.1:{port}", token=token) as c:
+        assert c.list() == []
+    assert b.alive
