@@ -214,9 +214,16 @@ def test_publish_many_is_all_or_nothing(broker: BrokerProc) -> None:
         items = [{"name": n, "shape": [2], "dtype": "float32"} for n in ("p", "q")]
         hs = c._call("POST", "/v1/batch/alloc", {"items": items}, rid=c._rid())["items"]
         bad = [{"name": "p", "version": hs[0]["version"]}, {"name": "q", "version": 99}]
-        with pytest.raises(TensorNotFound):
+        with pytest.raises(TensorNotFound, match="given back: put the batch again"):
             c._call("POST", "/v1/batch/publish", {"items": bad}, rid=c._rid())
-        assert all(i.state == "writing" for i in c.list()), "part of a failed batch was published"
+        # Nothing of it is published, and what it named is given back (q's own
+        # allocation, which it did not name, is still being written).
+        assert {i.name: i.state for i in c.list()} == {"q": "writing"}
+        good = [{"name": h["name"], "version": h["version"]} for h in hs]
+        with pytest.raises(TensorNotFound):  # p is gone: the whole batch is refused
+            c._call("POST", "/v1/batch/publish", {"items": good}, rid=c._rid())
+        assert c.list() == [] and c.stat().bytes_in_use == 0
+        hs = c._call("POST", "/v1/batch/alloc", {"items": items}, rid=c._rid())["items"]
         good = [{"name": h["name"], "version": h["version"]} for h in hs]
         c._call("POST", "/v1/batch/publish", {"items": good}, rid=c._rid())
         assert sorted(i.name for i in c.list() if i.state == "ready") == ["p", "q"]
