@@ -20,9 +20,7 @@ leaves this one to the background thread and worker threads.
 from __future__ import annotations
 
 import functools
-import itertools
 import os
-import secrets
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,7 +35,18 @@ from ._background import Background
 from ._checks import check_timeout, shown
 from ._extent import broken, check_extent, describe
 from ._fork import register
-from ._http import COMMIT, Endpoint, Offload, Op, Request, decode, drive, exchange, io_timeout
+from ._http import (
+    COMMIT,
+    Endpoint,
+    Offload,
+    Op,
+    Request,
+    decode,
+    drive,
+    exchange,
+    io_timeout,
+    request_id,
+)
 from ._segments import Segments
 from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
@@ -51,24 +60,6 @@ class _SessionEnded(Exception):
 
 
 _REMAP_IN_THREAD = 1 << 20  # bytes: a publish remaps a larger empty() tensor off the event loop
-
-
-def _new_id_prefix() -> None:
-    global _ID_PREFIX, _ids
-    _ID_PREFIX, _ids = secrets.token_hex(8), itertools.count(1)
-
-
-_ID_PREFIX = ""
-_ids = itertools.count(1)
-_new_id_prefix()
-os.register_at_fork(after_in_child=_new_id_prefix)
-
-
-def request_id() -> str:
-    """A request id unique to this process (a random prefix and a counter): the
-    broker keeps answers per session and id, so ids need only never repeat, and
-    a counter costs no system call per request, as random bytes would."""
-    return f"{_ID_PREFIX}{next(_ids):x}"
 
 
 class Blocking(Protocol):

@@ -33,7 +33,10 @@ it means the request may or may not have reached the broker.
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import secrets
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -394,3 +397,21 @@ def decode(status: int, payload: bytes, raw: bool = False) -> Any:
     if status == 204 or not payload:
         return None
     return json.loads(payload)
+
+
+def _new_id_prefix() -> None:
+    global _ID_PREFIX, _ids
+    _ID_PREFIX, _ids = secrets.token_hex(8), itertools.count(1)
+
+
+_ID_PREFIX = ""
+_ids = itertools.count(1)
+_new_id_prefix()
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
+def request_id() -> str:
+    """A request id unique to this process (a random prefix and a counter): the
+    broker keeps answers per session and id, so ids need only never repeat, and
+    a counter costs no system call per request, as random bytes would."""
+    return f"{_ID_PREFIX}{next(_ids):x}"

@@ -127,10 +127,14 @@ class Rig:
 
     def __init__(self, broker: Broker, gpus: FakeGpus) -> None:
         self.broker, self.gpus = broker, gpus
+        self.callers: dict[str, Caller] = {}
         self.sid = self.session()
 
     def session(self, pid: int | None = None) -> str:
-        return self.broker.open_session(Caller(self.caller.identity, pid or os.getpid())).session
+        caller = Caller(self.caller.identity, pid or os.getpid())
+        sid = self.broker.open_session(caller).session
+        self.callers[sid] = caller  # a unix session is its process's alone
+        return sid
 
     def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
               sid: str | None = None) -> Any:
@@ -144,7 +148,8 @@ class Rig:
         return self.broker.publish(sid or self.sid, self.caller, name, v.number)
 
     async def get(self, name: str, sid: str | None = None) -> Handle:
-        v, lease = await self.broker.get(sid or self.sid, self.caller, name, 0)
+        sid = sid or self.sid
+        v, lease = await self.broker.get(sid, self.callers.get(sid, self.caller), name, 0)
         return self.broker.handle(v, lease)
 
     def release(self, lease: int | None) -> None:
