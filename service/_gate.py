@@ -112,13 +112,26 @@ def caller_of(scope: Any) -> Caller:
     return who
 
 
+_QUERIES: dict[bytes, dict[str, str]] = {}  # short query strings seen lately, parsed
+
+
 def query_of(raw: bytes) -> dict[str, str]:
     """A query string as Starlette's ``request.query_params`` reads it (blank
-    values kept; the last of repeated keys wins)."""
+    values kept; the last of repeated keys wins).  Read-only: a short one is
+    parsed once and shared (a client's gets send the same few, over and over)."""
+    known = _QUERIES.get(raw)
+    if known is not None:
+        return known
     q = raw.decode("latin-1")
     if "%" in q or "+" in q:
-        return dict(urllib.parse.parse_qsl(q, keep_blank_values=True))
-    return {k: v for k, _, v in (p.partition("=") for p in q.split("&") if p)}
+        parsed = dict(urllib.parse.parse_qsl(q, keep_blank_values=True))
+    else:
+        parsed = {k: v for k, _, v in (p.partition("=") for p in q.split("&") if p)}
+    if len(raw) <= 128:
+        if len(_QUERIES) >= 1024:
+            _QUERIES.clear()
+        _QUERIES[raw] = parsed
+    return parsed
 
 
 def _names(body: Any) -> Iterator[str]:
@@ -143,8 +156,8 @@ def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None
                    cancels: bytes | None) -> None:
     """Release the lease ids and cancel the request ids that ride on a
     request's headers (``x-tensordepot-release``, ``x-tensordepot-cancel``)."""
-    lease_ids = [int(x) for x in _ids(releases or b"", RELEASE_HEADER) if x.isdigit()]
-    requests = [x.decode("latin-1") for x in _ids(cancels or b"", CANCEL_HEADER)]
+    lease_ids = [int(x) for x in _ids(releases, RELEASE_HEADER) if x.isdigit()] if releases else []
+    requests = [x.decode("latin-1") for x in _ids(cancels, CANCEL_HEADER)] if cancels else []
     broker.release(sid, who, lease_ids, requests)
 
 
@@ -237,7 +250,8 @@ class Gate:
         principal = self.auth.authorize(scope, method, r.template, r.scope)
         name = params.get("name")
         if name is not None:  # outside the prefix is 403, whatever the name
-            require_name(principal, name)
+            if principal.prefix is not None:
+                require_name(principal, name)
             check_name(name, "tensor name")
         return Admitted(r, params, principal)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 from pydantic import BaseModel, ValidationError
 
 from .._errors import InvalidRequest
-from .._proto import MAX_BODY_BYTES, MAX_WAIT
+from .._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER
 from .._wire import INLINE_MAX, MAX_NDIM, AllocRequest
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ Reply = Union[Answer, Awaitable[Answer]]  # noqa: UP007  (a runtime alias: Pytho
 M = TypeVar("M", bound=BaseModel)
 
 JSON = "application/json"
+_SESSION, _REQUEST = SESSION_HEADER.encode(), REQUEST_HEADER.encode()
 
 
 class Call(Generic[M]):
@@ -52,7 +53,7 @@ class Call(Generic[M]):
     that resolves when the client hangs up (for waits)."""
 
     __slots__ = ("body", "broker", "data", "gone", "headers", "method", "params", "path",
-                 "principal", "query", "state", "who")
+                 "principal", "query", "request_id", "session", "state", "who")
 
     def __init__(self, broker: Broker, method: str, path: str, params: dict[str, str],
                  query: Mapping[str, str], headers: dict[bytes, bytes], data: bytes,
@@ -61,18 +62,13 @@ class Call(Generic[M]):
         self.broker, self.method, self.path, self.params = broker, method, path, params
         self.query, self.headers, self.data, self.body = query, headers, data, body
         self.principal, self.who, self.state, self.gone = principal, who, state, gone
+        # The session the request runs under, and its request id (None: not sent).
+        self.session: str | None = self.header(_SESSION)
+        self.request_id: str | None = self.header(_REQUEST)
 
     def header(self, name: bytes) -> str | None:
         value = self.headers.get(name)
         return None if value is None else value.decode("latin-1")
-
-    @property
-    def session(self) -> str | None:
-        return self.header(b"x-tensordepot-session")
-
-    @property
-    def request_id(self) -> str | None:
-        return self.header(b"x-tensordepot-request")
 
 
 Handler = Callable[[Call[Any]], Reply]
@@ -97,11 +93,12 @@ class Route:
     head: bool = True  # a GET route HEAD may ask too (False: the GET takes a lease)
     docs: dict[str, Any] = field(default_factory=dict)  # OpenAPI: parameters, requestBody
     note: str = ""  # SECURITY.md's scope table: who may use it beyond the scope
+    # The path as OpenAPI and the metric labels name it: ``/v1/tensors/{name}``
+    # (made once: every request's scope check and metric name it).
+    template: str = field(init=False)
 
-    @property
-    def template(self) -> str:
-        """The path as OpenAPI and the metric labels name it: ``/v1/tensors/{name}``."""
-        return self.path.replace(":path}", "}")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "template", self.path.replace(":path}", "}"))
 
 
 def route(method: str, path: str, scope: str | None, op: str, **kw: Any

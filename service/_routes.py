@@ -55,17 +55,19 @@ class _Pattern:
 _EXACT: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in ROUTES if "{" not in r.path}
 _PATTERNS = [_Pattern(r) for r in ROUTES if "{" in r.path]
 _PATHS = frozenset(r.path for r in ROUTES if "{" not in r.path)
+_BY_METHOD: dict[str, list[_Pattern]] = {}  # in the table's order: a GET tries one pattern
+for _p in _PATTERNS:
+    _BY_METHOD.setdefault(_p.route.method, []).append(_p)
 
 
 def _find(method: str, path: str) -> tuple[Route | None, dict[str, str]]:
     r = _EXACT.get((method, path))
     if r is not None:
         return r, {}
-    for p in _PATTERNS:
-        if p.route.method == method:
-            params = p.match(path)
-            if params is not None:
-                return p.route, params
+    for p in _BY_METHOD.get(method, ()):
+        params = p.match(path)
+        if params is not None:
+            return p.route, params
     return None, {}
 
 
@@ -74,6 +76,14 @@ def match(method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
     method) for a request; (None, {}, False) for a path no route serves.
     HEAD is GET without the body, on the GET routes that change nothing."""
     head = method == "HEAD"
+    if not head:  # the usual case, in place
+        r = _EXACT.get((method, path))
+        if r is not None:
+            return r, {}, False
+        for p in _BY_METHOD.get(method, ()):
+            params = p.match(path)
+            if params is not None:
+                return p.route, params, False
     r, params = _find("GET" if head else method, path)
     if r is not None and (r.head or not head):
         return r, params, False

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -328,20 +329,6 @@ class PeerCredProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
-        self._head_size = 0
-
-    # The head's size, counted as the parser hands it over: a head that
-    # arrives whole in one read is parsed (and would be dispatched) within
-    # data_received, before the byte count there could refuse it.
-    _head_size = 0
-
-    def on_url(self, url: bytes) -> None:
-        self._head_size += len(url)
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_size += len(name) + len(value) + 4
-        super().on_header(name, value)
 
     # The fast lane (service/_lane.py) takes the hottest routes here; every
     # other request goes through ASGI as uvicorn runs it.
@@ -350,7 +337,13 @@ class PeerCredProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head = False, 0
-        if self._head_size > MAX_HEADER_BYTES:
+        # The head's size as the parser handed it over (its URL and headers,
+        # each header with its ": " and CRLF): a head that arrives whole in
+        # one read is parsed, and would be dispatched, within data_received,
+        # before the byte count there could refuse it.
+        heads = self.headers
+        if len(self.url) + 4 * len(heads) + sum(map(len, chain.from_iterable(heads))) \
+                > MAX_HEADER_BYTES:
             self._refuse_head()
         if self._refused:
             return
