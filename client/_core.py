@@ -33,7 +33,7 @@ from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEAD
 from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
 from ._background import Background
 from ._checks import check_timeout, shown
-from ._extent import broken, check_extent, describe
+from ._extent import broken, check_extent
 from ._fork import register
 from ._http import (
     COMMIT,
@@ -327,7 +327,7 @@ class Core:
         the broker handed out if this raises)."""
         try:
             f = self.segments.file(h.segment, writable)
-            check_extent(describe(h), f.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype)
+            check_extent(h, f.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype)
             # A reader's window is private (a stray write never reaches the
             # segment); a writer's is shared until publish.
             w = f.window(h.offset, h.nbytes, writable=writable)

@@ -16,8 +16,8 @@ what the broker handed out (the lease, or the allocation).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from typing import Any
 
 from .._errors import TensorBroken
 from .._wire import MAX_NDIM, Handle, HandleColumns
@@ -27,20 +27,25 @@ _FIX = ("A tensordepot broker never sends that: check who serves the broker's so
         "that the client and the broker are of the same version")
 
 
-Where = tuple[str, int, str] | str  # (name, version, segment) of a handle, or what else it is
+Where = tuple[str, int, str] | str | Handle  # a handle, its (name, version, segment), or words
 
 
-def describe(h: Handle) -> Where:
+def describe(h: Handle) -> tuple[str, int, str]:
     return (h.name, h.version, h.segment)
 
 
 def broken(where: Where, problem: str) -> TensorBroken:
+    if isinstance(where, Handle):
+        where = describe(where)
     what = where if isinstance(where, str) else f"{where[0]!r} v{where[1]} in segment {where[2]}"
     return TensorBroken(f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
                         f"written through it, and what the broker handed out is given back. {_FIX}")
 
 
 _DTYPES: dict[str, DType] = {}  # dtype names seen so far
+# Extents that passed (size, offset, nbytes, shape, strides, dtype): the check
+# depends on nothing else, so the same numbers pass again.
+_GOOD: dict[tuple[Any, ...], DType] = {}
 
 
 def dtype_of(where: Where, name: str) -> DType:
@@ -63,34 +68,47 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
     bytes, and those within the segment; ``asked``: the (shape, dtype) a put
     asked for, which an allocation must be.  Raises ``TensorBroken``.
 
-    The numbers are ints: the wire models validated the answer.  A batch
-    checks a thousand tensors this way, so the usual case costs a few
-    comparisons."""
+    The numbers are ints: the wire models validated the answer.  Every get
+    and every tensor of a batch passes here, so the usual case is one loop
+    over the dimensions and a few comparisons."""
     if asked is not None and (tuple(shape) != asked[0] or dtype != asked[1]):
         raise broken(where, f"it is {list(shape)} of {dtype!r}, not the {list(asked[0])} of "
                             f"{asked[1]!r} asked for")
+    key = (size, offset, nbytes, tuple(shape), None if strides is None else tuple(strides), dtype)
+    dt = _GOOD.get(key)
+    if dt is not None:  # the same numbers passed before: a loop of gets of one tensor
+        return dt
     dt = _DTYPES.get(dtype) or dtype_of(where, dtype)
-    if len(shape) > MAX_NDIM or (shape and min(shape) < 0):
-        raise broken(where, f"its shape {list(shape)} is not up to {MAX_NDIM} dimensions >= 0")
+    item = dt.itemsize
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise broken(where, f"its bytes [{offset}, {offset}+{nbytes}) are not within its "
                             f"segment of {size} bytes")
-    count = math.prod(shape)
-    if count * dt.itemsize != nbytes:
-        raise broken(where, f"its shape {list(shape)} of {dt.name} is {count * dt.itemsize} "
+    if len(shape) > MAX_NDIM:
+        raise broken(where, f"its shape {list(shape)} is not up to {MAX_NDIM} dimensions >= 0")
+    if strides is not None and len(strides) != len(shape):
+        raise broken(where, f"its strides {list(strides)} do not match its shape {list(shape)}")
+    # The element count, and the lowest and the highest element the strides
+    # reach from the first (they matter only when no dimension is 0).
+    count, low, high = 1, 0, 0
+    for i, d in enumerate(shape):
+        if d < 0:
+            raise broken(where, f"its shape {list(shape)} is not up to {MAX_NDIM} dimensions >= 0")
+        count *= d
+        if strides is not None:
+            step = (d - 1) * strides[i]
+            if step > 0:
+                high += step
+            else:
+                low += step
+    if count * item != nbytes:
+        raise broken(where, f"its shape {list(shape)} of {dt.name} is {count * item} "
                             f"bytes, not its {nbytes}")
-    if strides is not None:
-        if len(strides) != len(shape):
-            raise broken(where, f"its strides {list(strides)} do not match its shape "
-                                f"{list(shape)}")
-        if count:
-            # The lowest and the highest element its strides reach, from its first.
-            low = sum(min(0, (d - 1) * s) for d, s in zip(shape, strides, strict=True))
-            high = sum(max(0, (d - 1) * s) for d, s in zip(shape, strides, strict=True))
-            if low < 0 or (high + 1) * dt.itemsize > nbytes:
-                raise broken(where, f"its strides {list(strides)} reach bytes "
-                                    f"[{low * dt.itemsize}, {(high + 1) * dt.itemsize}) of its "
-                                    f"{nbytes}")
+    if count and (low < 0 or (high + 1) * item > nbytes):
+        raise broken(where, f"its strides {list(strides or ())} reach bytes "
+                            f"[{low * item}, {(high + 1) * item}) of its {nbytes}")
+    if len(_GOOD) >= 4096:
+        _GOOD.clear()
+    _GOOD[key] = dt
     return dt
 
 

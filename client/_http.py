@@ -89,13 +89,14 @@ FAILURES = (OSError, ValueError, _NotABroker)
 class _Response:
     """httptools parser callbacks: collect one response."""
 
+    head = 0  # bytes of headers so far
+    done = False
+    keep_alive = False
+    parser: httptools.HttpResponseParser | None = None
+
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
-        self.head = 0
         self.body: list[bytes] = []
-        self.done = False
-        self.keep_alive = False
-        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head += len(name) + len(value)
@@ -127,7 +128,8 @@ class Answer:
     def done(self) -> bool:
         return self._resp.done
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bool:
+        """Parse the next bytes of the answer: whether it is whole now."""
         if not chunk:
             raise _Disconnected("the broker closed the connection", self.got)
         self.got = True
@@ -140,6 +142,7 @@ class Answer:
             raise _NotABroker(f"it sent a malformed HTTP response ({cause or exc})") from None
         except httptools.HttpParserError as exc:
             raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
+        return self._resp.done
 
     def finish(self, verified: bool) -> tuple[int, bytes, bool]:
         """(status, body, keep the connection alive).  ``verified``: this
@@ -196,7 +199,7 @@ def encode(endpoint: Endpoint, method: str, path: str, body: Any,
             data = body.__pydantic_serializer__.to_json(body)
         else:  # plain JSON-able values: the tests' raw requests
             data = json.dumps(body, allow_nan=False).encode()
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()) if headers else ""
+    extra = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) if headers else ""
     head = (f"{method} {path} HTTP/1.1\r\n{endpoint.fixed}{extra}"
             f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
     return head, data

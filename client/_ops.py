@@ -29,7 +29,7 @@ from ..shm._posix import array_at
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_name, check_shape, check_timeout, check_ttl, check_version
 from ._core import Core
-from ._extent import check_extent, describe
+from ._extent import check_extent
 from ._http import Offload, Op
 from ._source import Source, dtype_name
 from ._tensor import SharedTensor
@@ -108,7 +108,7 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
 
 def _fill(core: Core, h: Handle, arr: Any, dtype: str) -> None:
     m = core.segments.fill_map(h.segment)
-    check_extent(describe(h), m.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype,
+    check_extent(h, m.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype,
                  (arr.shape, dtype))
     if h.nbytes:
         dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,

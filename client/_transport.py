@@ -63,8 +63,8 @@ class _Conn:
         if len(body) >= 65536:
             sock.sendall(body)
         answer = Answer()
-        while not answer.done:
-            answer.feed(sock.recv(262144))
+        while not answer.feed(sock.recv(262144)):
+            pass
         status, payload, keep_alive = answer.finish(self.verified)
         self.verified = True
         self.used = time.monotonic()

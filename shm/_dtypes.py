@@ -8,7 +8,7 @@ family codes 7-14, so neither side needs numpy to know them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # DLDataTypeCode values (dlpack.h).
@@ -30,10 +30,10 @@ class DType:
     lanes: int = 1
     numpy_name: str | None = None  # the numpy dtype, when numpy has one built in
     ml_dtypes_name: str | None = None  # the ml_dtypes type, for the ones numpy lacks
+    itemsize: int = field(init=False)  # bytes per element (made once: every get reads it)
 
-    @property
-    def itemsize(self) -> int:
-        return self.bits * self.lanes // 8
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "itemsize", self.bits * self.lanes // 8)
 
     @property
     def storage(self) -> str:
