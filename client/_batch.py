@@ -37,7 +37,7 @@ from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
 from ._core import Core
-from ._extent import Where, broken, check_columns, check_extent, dtype_of
+from ._extent import broken, check_columns, check_extent, dtype_of
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
@@ -125,15 +125,11 @@ def _fill(core: Core, cols: HandleColumns, arrays: list[Any], dtypes: list[str])
     pairs = []
     for i, (a, seg, off, n) in enumerate(zip(arrays, cols.segment, cols.offsets, cols.nbytes,
                                              strict=True)):
-        check_extent(_described(cols, i), flats[seg].size, off, n, cols.shapes[i], None,
+        check_extent((cols, i), flats[seg].size, off, n, cols.shapes[i], None,
                      cols.dtypes[i], (a.shape, dtypes[i]))
         if n:
             pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
     copy_many(pairs)
-
-
-def _described(cols: HandleColumns, i: int) -> Where:
-    return (cols.names[i], cols.versions[i], cols.segments[cols.segment[i]])
 
 
 def _abort(core: Core, cols: HandleColumns) -> Op[None]:
@@ -206,7 +202,7 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
         try:
             f = client.segments.file(cols.segments[j], False)
             for i in members:
-                check_extent(_described(cols, i), f.size, cols.offsets[i], cols.nbytes[i],
+                check_extent((cols, i), f.size, cols.offsets[i], cols.nbytes[i],
                              cols.shapes[i], None, cols.dtypes[i])
             ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
             shared, alone = [], []

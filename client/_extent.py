@@ -27,7 +27,10 @@ _FIX = ("A tensordepot broker never sends that: check who serves the broker's so
         "that the client and the broker are of the same version")
 
 
-Where = tuple[str, int, str] | str | Handle  # a handle, its (name, version, segment), or words
+# What a handle is, for a message: the handle, its (name, version, segment),
+# a batch's columns and a position in them, or words.  Made into words only
+# when a check fails.
+Where = tuple[str, int, str] | tuple[HandleColumns, int] | str | Handle
 
 
 def describe(h: Handle) -> tuple[str, int, str]:
@@ -37,6 +40,9 @@ def describe(h: Handle) -> tuple[str, int, str]:
 def broken(where: Where, problem: str) -> TensorBroken:
     if isinstance(where, Handle):
         where = describe(where)
+    elif isinstance(where, tuple) and isinstance(where[0], HandleColumns):
+        cols, i = where
+        where = (cols.names[i], cols.versions[i], cols.segments[cols.segment[i]])
     what = where if isinstance(where, str) else f"{where[0]!r} v{where[1]} in segment {where[2]}"
     return TensorBroken(f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
                         f"written through it, and what the broker handed out is given back. {_FIX}")
@@ -122,6 +128,9 @@ def check_columns(cols: HandleColumns) -> None:
     what = f"a batch of {n} tensor(s)"
     if any(k != n for k in lengths):
         raise broken(what, f"its columns have {sorted(set(lengths))} entries, not {n} each")
+    if not cols.others and (not n or (min(cols.segment) >= 0
+                                      and max(cols.segment) < len(cols.segments))):
+        return  # the usual batch: every handle in the columns, each naming a segment of it
     for i, j in enumerate(cols.segment):
         if not (-1 <= j < len(cols.segments)) or (j == -1) != (i in cols.others):
             raise broken(what, f"tensor {cols.names[i]!r} names segment {j} of "
