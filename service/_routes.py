@@ -76,14 +76,6 @@ def match(method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
     method) for a request; (None, {}, False) for a path no route serves.
     HEAD is GET without the body, on the GET routes that change nothing."""
     head = method == "HEAD"
-    if not head:  # the usual case, in place
-        r = _EXACT.get((method, path))
-        if r is not None:
-            return r, {}, False
-        for p in _BY_METHOD.get(method, ()):
-            params = p.match(path)
-            if params is not None:
-                return p.route, params, False
     r, params = _find("GET" if head else method, path)
     if r is not None and (r.head or not head):
         return r, params, False
