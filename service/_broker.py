@@ -156,8 +156,7 @@ class Broker:
             raise BrokerUnavailable("the broker is shutting down")
         s = self.sessions.open(caller, label=label)
         self._count("sessions_opened")
-        if holding:
-            self.memory.still_held(s.owner, list(holding[:64]), self._lapse_deadline(s))
+        self._still_held(s, holding)
         return self._session_info(s)
 
     def own_session(self, label: str, caller: Caller = LOCAL) -> str:
@@ -179,7 +178,10 @@ class Broker:
         """``holding``: lapsed sessions of this process whose leases live views
         still hold.  The process is alive: their memory stays retired, the
         grace (``_lapse_deadline``) counting again from this heartbeat."""
-        s = self.sessions.admit(sid, caller)
+        self._still_held(self.sessions.admit(sid, caller), holding)
+
+    def _still_held(self, s: Session, holding: Sequence[str]) -> None:
+        """What ``s``'s process says its views still hold (at most 64 lapsed sessions)."""
         if holding:
             self.memory.still_held(s.owner, list(holding[:64]), self._lapse_deadline(s))
 
