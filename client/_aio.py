@@ -18,7 +18,7 @@ import socket
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from ._http import Answer, Attempt, Endpoint, Request
+from ._http import Answer, Endpoint, Request, failed
 from ._trust import check_broker_socket
 
 T = TypeVar("T")
@@ -189,10 +189,14 @@ class AsyncTransport:
 
     async def roundtrip(self, req: Request) -> tuple[int, bytes]:
         """Send ``req`` and read its answer: ``(status, body)``; a failed
-        connection raises ``Failure``, and a cancelled call closes it (``Attempt``)."""
+        connection raises ``Failure``, and a cancelled call closes it (``failed``)."""
         conn = _Conn() if req.fresh else self._borrow()
-        with Attempt(conn):
+        reused = conn.sock is not None
+        try:
             answer = await self._roundtrip(conn, req.head, req.body, req.timeout)
+        except BaseException as exc:
+            failed(conn, reused, exc)
+            raise
         self._give_back(conn)
         return answer
 

@@ -45,6 +45,10 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
     """Seconds to wait, or None for forever."""
     if timeout is None:
         return None
+    if type(timeout) is float or type(timeout) is int:  # the common case, without the ABCs
+        t = float(timeout)
+        if 0 <= t <= MAX_WAIT:  # NaN is neither
+            return t
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidType(f"{what} must be a number of seconds or None (wait forever), not "
                           f"{type(timeout).__name__} {shown(timeout)}")
@@ -67,6 +71,8 @@ def check_ttl(ttl: Any) -> float | None:
 
 
 def check_version(v: Any, what: str = "newer_than") -> int:
+    if type(v) is int and v >= 0:  # the common case, without the ABCs
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} "
                           f"{shown(v)}")

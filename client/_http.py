@@ -86,18 +86,23 @@ class _NotABroker(Exception):
 FAILURES = (OSError, ValueError, _NotABroker)
 
 
-class _Response:
-    """httptools parser callbacks: collect one response."""
+class Answer:
+    """One response, fed as it arrives (the httptools parser calls back into
+    it).  Raises ``_NotABroker`` for bytes that are not HTTP, or (``finish``)
+    for a first answer on a connection that lacks the broker's header."""
 
-    head = 0  # bytes of headers so far
-    done = False
-    keep_alive = False
-    parser: httptools.HttpResponseParser | None = None
+    __slots__ = ("_parser", "body", "done", "got", "head", "headers", "keep_alive")
 
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
         self.body: list[bytes] = []
+        self.head = 0  # bytes of headers so far
+        self.done = False
+        self.keep_alive = False
+        self.got = False  # any bytes at all: a resend may apply the request twice
+        self._parser = httptools.HttpResponseParser(self)
 
+    # -- the parser's callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head += len(name) + len(value)
         if self.head > _MAX_HEAD:
@@ -110,23 +115,8 @@ class _Response:
     def on_message_complete(self) -> None:
         # Asked here: once the message is complete the parser resets for the
         # next one, and should_keep_alive() then reads as False.
-        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
+        self.keep_alive = self._parser.should_keep_alive()
         self.done = True
-
-
-class Answer:
-    """One response, fed as it arrives.  Raises ``_NotABroker`` for bytes that
-    are not HTTP, or (``finish``) for a first answer on a connection that lacks
-    the broker's header."""
-
-    def __init__(self) -> None:
-        self._resp = _Response()
-        self._parser = self._resp.parser = httptools.HttpResponseParser(self._resp)
-        self.got = False  # any bytes at all: a resend may apply the request twice
-
-    @property
-    def done(self) -> bool:
-        return self._resp.done
 
     def feed(self, chunk: bytes) -> bool:
         """Parse the next bytes of the answer: whether it is whole now."""
@@ -142,15 +132,16 @@ class Answer:
             raise _NotABroker(f"it sent a malformed HTTP response ({cause or exc})") from None
         except httptools.HttpParserError as exc:
             raise _NotABroker(f"it sent a malformed HTTP response ({exc})") from None
-        return self._resp.done
+        return self.done
 
     def finish(self, verified: bool) -> tuple[int, bytes, bool]:
         """(status, body, keep the connection alive).  ``verified``: this
         connection's peer has already said it is a tensordepot broker."""
         status = self._parser.get_status_code()
-        if not verified and _SERVER not in self._resp.headers:
+        self._parser = None  # type: ignore[assignment]  # no cycle for the collector to find
+        if not verified and _SERVER not in self.headers:
             raise _NotABroker(f"it answered {status} without the {SERVER_HEADER} header")
-        return status, b"".join(self._resp.body), self._resp.keep_alive
+        return status, b"".join(self.body), self.keep_alive
 
 
 @dataclass(frozen=True)
@@ -300,25 +291,14 @@ class Offload:
         self.cheap = cheap
 
 
-class Attempt:
-    """``with Attempt(conn):`` around one round trip on ``conn``: a failure
-    closes the connection (a cancel or Ctrl-C too: the broker sees the
+def failed(conn: Any, reused: bool, exc: BaseException) -> None:
+    """Call in the ``except BaseException`` block around one round trip on
+    ``conn`` (``reused``: it was a kept-alive connection), then re-raise: the
+    connection closes (after a cancel or Ctrl-C too: the broker sees the
     hang-up and stops waiting), and a failed connection raises ``Failure``."""
-
-    __slots__ = ("conn", "reused")
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.reused = conn.sock is not None  # a kept-alive connection
-
-    def __enter__(self) -> Attempt:
-        return self
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None:
-            self.conn.close()
-            if isinstance(exc, FAILURES):
-                raise Failure(exc, self.reused) from exc
+    conn.close()
+    if isinstance(exc, FAILURES):
+        raise Failure(exc, reused) from exc
 
 
 def _nothing() -> None:

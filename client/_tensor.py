@@ -9,7 +9,6 @@ releases, so dropping a tensor never blocks on the broker.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,8 +45,10 @@ class _Lease:
         self.on_free = on_free
 
     def __del__(self) -> None:
-        with contextlib.suppress(BaseException):  # nobody could handle it here
+        try:
             self.on_free(self.id)
+        except BaseException:  # nobody could handle it here
+            pass
 
 
 class _Owner:

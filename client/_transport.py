@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from ._http import Answer, Attempt, Endpoint, Request, decode, drive, exchange, io_timeout
+from ._http import Answer, Endpoint, Request, decode, drive, exchange, failed, io_timeout
 from ._trust import check_broker_socket
 
 # A connection idle this long is checked before use (one poll(2)); the broker
@@ -138,10 +138,14 @@ class Transport:
 
     def roundtrip(self, req: Request) -> tuple[int, bytes]:
         """Send ``req`` and read its answer: ``(status, body)``; a failed
-        connection raises ``Failure`` (``Attempt``)."""
+        connection raises ``Failure`` (``failed``)."""
         conn = _Conn(self._connect) if req.fresh else self._borrow()
-        with Attempt(conn):
+        reused = conn.sock is not None
+        try:
             answer = conn.roundtrip(req.head, req.body, req.timeout)
+        except BaseException as exc:
+            failed(conn, reused, exc)
+            raise
         self._give_back(conn)
         return answer
 

@@ -14,7 +14,6 @@ calls mmap(2) directly through libc instead of using ``mmap.mmap`` or
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -186,11 +185,11 @@ def _populate(address: int, size: int) -> None:
 
 
 def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int,
-          what: str) -> int:
+          name: str) -> int:
     addr = _libc.mmap(address, size, prot, flags, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {what} failed: {os.strerror(err)}")
+        raise OSError(err, f"mmap of {name!r} failed: {os.strerror(err)}")
     return int(addr)
 
 
@@ -260,8 +259,8 @@ class Window:
         self._len = max(-(-(offset + nbytes) // PAGE) * PAGE - start, PAGE)
         self._start = start
         flags = _MAP_SHARED if writable else _MAP_PRIVATE
-        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file.fd, start,
-                           repr(file.name))
+        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file._fd, start,
+                           file.name)
         if populate and writable:
             _populate(self._base, self._len)
         self.address = self._base + offset - start
@@ -271,8 +270,10 @@ class Window:
         # Not weakref.finalize: a reader maps a window per get, and registering
         # a finalizer costs as much as the mmap.  Runs once every view is gone.
         if self._base:
-            with contextlib.suppress(Exception):  # at interpreter exit, libc may be gone
+            try:
                 _munmap(self._base, self._len)
+            except Exception:  # at interpreter exit, libc may be gone
+                pass
 
     @property
     def shared(self) -> bool:
@@ -283,7 +284,7 @@ class Window:
         if not self.writable:
             return
         _mmap(self._base, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED,
-              self.file.fd, self._start, repr(self.name))
+              self.file.fd, self._start, self.name)
         self.writable = False
 
     def __repr__(self) -> str:
@@ -316,7 +317,7 @@ class PosixMapping:
             if size == 0:
                 raise ValueError(f"segment {name!r} is empty")
             prot = _PROT_READ | (_PROT_WRITE if writable else 0)
-            addr = _mmap(None, size, prot, _MAP_SHARED, fd, 0, repr(name))
+            addr = _mmap(None, size, prot, _MAP_SHARED, fd, 0, name)
             if populate and writable:
                 _populate(addr, size)
         finally:
