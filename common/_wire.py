@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -19,16 +18,25 @@ from ._errors import InvalidRequest, InvalidType
 # Dots and slashes are fine ("model.layers.0.weight", "run/1/w").
 NAME_PATTERN = r"^[\x21-\x7e]{1,512}$"
 NAME_RULE = "1 to 512 printable ASCII characters, no spaces"
-# fullmatch, never re.match(...$): Python's `$` also matches before a trailing
-# newline, so "w\n" would pass and then name another tensor at a door that
-# cuts the path at the newline.  (pydantic's pattern is a Rust regex, where
-# `$` is the end of the text.)
-_NAME_RE = re.compile(r"[\x21-\x7e]{1,512}")
 
 
 def is_name(name: str) -> bool:
-    """Whether ``name`` is a valid tensor name (``NAME_RULE``)."""
-    return _NAME_RE.fullmatch(name) is not None
+    """Whether ``name`` is a valid tensor name (``NAME_RULE``, ``NAME_PATTERN``):
+    ASCII, printable (no control character: ``\\n``, ``\\t``, NUL, DEL, ...),
+    no space, 1 to 512 characters.  String methods, not a regex: they cost a
+    third as much, and a batch checks every name at each step.  (Never
+    ``re.match(...$)``: Python's ``$`` also matches before a trailing newline,
+    so "w\\n" would pass and then name another tensor at a door that cuts the
+    path at the newline.)"""
+    if name in _NAMES_SEEN:
+        return True
+    good = 0 < len(name) <= 512 and name.isascii() and name.isprintable() and " " not in name
+    if good and len(_NAMES_SEEN) < 16384:  # names repeat (a state dict's, step after step)
+        _NAMES_SEEN.add(name)
+    return good
+
+
+_NAMES_SEEN: set[str] = set()  # names is_name passed: at most 16384, 8 MiB at worst
 
 
 def check_name(name: Any, what: str = "name") -> str:
@@ -39,7 +47,7 @@ def check_name(name: Any, what: str = "name") -> str:
     if not isinstance(name, str):
         raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} "
                           f"{_shown(name)}")
-    if _NAME_RE.fullmatch(name) is None:
+    if not is_name(name):
         raise InvalidRequest(f"{what} {_shown(name)} is not a valid tensor name: use {NAME_RULE}")
     return name
 
@@ -50,6 +58,9 @@ def _shown(value: Any, limit: int = 60) -> str:
 
 
 def _valid_name(name: str) -> str:
+    # Called per name of a batch's columns: a good name passes without a second call.
+    if name in _NAMES_SEEN:  # is_name's own memory, without a call
+        return name
     return check_name(name, "tensor name")
 
 
