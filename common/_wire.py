@@ -58,10 +58,18 @@ def _shown(value: Any, limit: int = 60) -> str:
 
 
 def _valid_name(name: str) -> str:
-    # Called per name of a batch's columns: a good name passes without a second call.
     if name in _NAMES_SEEN:  # is_name's own memory, without a call
         return name
     return check_name(name, "tensor name")
+
+
+def _valid_names(names: list[str]) -> list[str]:
+    """A batch's names, checked in one call for the list (a call per name
+    costs more than the check): names seen before pass in one set operation."""
+    if not _NAMES_SEEN.issuperset(names):
+        for i, name in enumerate(names):
+            check_name(name, f"item {i}:")
+    return names
 
 
 # A name in a model checks itself with ``check_name``: the broker answers a
@@ -72,6 +80,9 @@ Name = Annotated[str, AfterValidator(_valid_name),
                        examples=["model.layers.0.weight"])]
 MAX_NDIM = 32
 MAX_BATCH = 10_000
+# A batch's column of names: the same check (``check_name``, named by its index).
+Names = Annotated[list[Annotated[str, Field(json_schema_extra={"pattern": NAME_PATTERN})]],
+                  AfterValidator(_valid_names), Field(max_length=MAX_BATCH)]
 INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
 
 
@@ -352,7 +363,7 @@ class BatchPublish(_Frozen):
 
 
 class BatchGet(_Frozen):
-    names: list[Name] = Field(max_length=MAX_BATCH)
+    names: Names
     timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
                                   description="one deadline for the whole batch, in seconds; null: "
                                               "forever")
@@ -368,7 +379,7 @@ class HandleList(_Answer):
 class ManyAlloc(_Frozen):
     """A state dict's allocations, as columns (one entry per tensor)."""
 
-    names: list[Name] = Field(max_length=MAX_BATCH)
+    names: Names
     shapes: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_NDIM)]] = Field(
         max_length=MAX_BATCH)
     dtypes: list[Annotated[str, Field(max_length=40)]] = Field(max_length=MAX_BATCH,
@@ -378,7 +389,7 @@ class ManyAlloc(_Frozen):
 
 
 class ManyPublish(_Frozen):
-    names: list[Name] = Field(max_length=MAX_BATCH)
+    names: Names
     versions: list[Annotated[int, Field(ge=1)]] = Field(max_length=MAX_BATCH)
 
 
