@@ -82,7 +82,8 @@ class Writes:
                                charge, request=request)
 
     def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
-                  checked: Checked | None = None) -> tuple[Version, int | None] | None:
+                  checked: Checked | None = None,
+                  request: str | None = None) -> tuple[Version, int | None] | None:
         """``alloc`` when it needs no new segment (a CPU tensor that fits in
         existing memory), without awaiting; None when it does.  ``checked``:
         what ``_check_item`` returned for ``req``, if the caller called it already."""
@@ -96,7 +97,7 @@ class Writes:
             if block is None:
                 return None
             return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
-                               charge)
+                               charge, request=request)
 
     def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
                dtype: str, itemsize: int, block: Block, charge: Charge, count: bool = True,

@@ -122,6 +122,9 @@ def put_tensor(call: Call[Any]) -> Reply:
 def alloc(call: Call[AllocRequest]) -> Reply:
     assert call.body is not None
     broker, req = call.broker, call.body
+    got = broker.try_alloc(call.session, call.who, req, request=call.request_id)
+    if got is not None:  # it fits in memory the pool has: no task, no await
+        return 200, handle_json(broker, *got)
 
     async def later() -> Answer:
         v, hold = await broker.alloc(call.session, call.who, req, request=call.request_id)
