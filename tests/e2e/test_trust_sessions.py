@@ -297,11 +297,10 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
 # -- 5. what a reader pins is the reader's ------------------------------------------------
 
 
-def test_versions_a_reader_pins_do_not_count_against_the_producer(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
-    """A reader that keeps every version it got pins what the producer has
-    replaced; those bytes count against the reader, so the producer's
-    --max-memory-per-token holds only what its names still refer to."""
+def _producer_and_reader(broker_factory: Callable[..., BrokerProc], tmp_path: Path,
+                         **kw: object) -> tuple[str, str, str]:
+    """A TCP broker with a write token and a read token, and a 3 MiB quota per
+    token: (its URL, the producer's token, the reader's)."""
     producer, reader = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     fd = os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -309,7 +308,16 @@ def test_versions_a_reader_pins_do_not_count_against_the_producer(
         f.write(f"{producer} write name=producer\n{reader} read name=reader\n")
     tcp = f"http://127.0.0.1:{free_port()}"
     broker_factory("--listen", tcp, "--token-file", str(tokens),
-                   "--max-memory-per-token", "3MiB")
+                   "--max-memory-per-token", "3MiB", **kw)
+    return tcp, producer, reader
+
+
+def test_versions_a_reader_pins_do_not_count_against_the_producer(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A reader that keeps every version it got pins what the producer has
+    replaced; those bytes count against the reader, so the producer's
+    --max-memory-per-token holds only what its names still refer to."""
+    tcp, producer, reader = _producer_and_reader(broker_factory, tmp_path)
     with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
         kept = []
         for i in range(6):  # the producer's fourth put was refused when pins were its own
@@ -320,3 +328,28 @@ def test_versions_a_reader_pins_do_not_count_against_the_producer(
         p.delete("w")
         del kept
         wait_for(lambda: p.stat().bytes_in_use == 0, 10, what="the pinned versions to go")
+
+
+def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A read token may fork its session (a read-only consumer's DataLoader
+    forks its workers).  The copies of its leases that a child never claims
+    pin the versions the producer replaces: those bytes count against the
+    forker's quota, so the producer keeps publishing under its own, and they
+    come back --alloc-ttl after the fork."""
+    tcp, producer, reader = _producer_and_reader(broker_factory, tmp_path,
+                                                 env={"TENSORDEPOT_ALLOC_TTL": "2"})
+    with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
+        for i in range(6):  # 6 MiB pinned by forks under a 3 MiB quota of the producer's
+            p.put("w", np.full(N, float(i), dtype=np.float32))
+            t = r.get("w")
+            fork = r._call("POST", f"/v1/sessions/{r._sid}/fork")
+            assert str(t._lease_id()) in fork["leases"], fork  # the child's copy of t's lease
+            del t  # the reader lets go; only the unclaimed child's copy holds version i
+        st = p.stat()
+        assert (st.tensors, st.bytes_in_use) == (1, 6 * MiB), st
+        p.delete("w")
+        # The forks' claim window ends, then their copies' memory comes back.
+        wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().bytes_retired == 0
+                 and p.stat().leases == 0, 30, what="the unclaimed forks' pins to go")
+        assert r.stat().sessions == 2  # the producer's and the reader's: the forks ended
