@@ -140,12 +140,13 @@ class Broker:
     def handle(self, v: Version, lease: int | None = None) -> Handle:
         if v.block.device != "cpu":
             return self.cuda.handle(v, lease, c_strides(v.shape))
-        # Built from the broker's own state, valid by construction: not validated again.
-        return Handle.model_construct(
-            name=v.name, version=v.number, kind="posix", segment=v.block.segment,
-            offset=v.block.offset, nbytes=v.block.nbytes, shape=list(v.shape),
-            strides=c_strides(v.shape), dtype=v.dtype, device="cpu", state=v.state, lease=lease,
-            cuda=None)
+        # model_validate, though valid by construction: pydantic validates a
+        # dict in Rust in half the time model_construct takes in Python.
+        return Handle.model_validate({
+            "name": v.name, "version": v.number, "kind": "posix", "segment": v.block.segment,
+            "offset": v.block.offset, "nbytes": v.block.nbytes, "shape": list(v.shape),
+            "strides": c_strides(v.shape), "dtype": v.dtype, "device": "cpu", "state": v.state,
+            "lease": lease, "cuda": None})
 
     # -- sessions ----------------------------------------------------------
     def open_session(self, caller: Caller, label: str | None = None,

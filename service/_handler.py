@@ -196,10 +196,8 @@ def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
         dims = [int(d) for d in shape.split(",")] if shape else []
     except ValueError as exc:
         raise InvalidRequest(f"invalid put of {name!r}: {exc}") from None
-    if len(dims) > MAX_NDIM or min(dims, default=0) < 0 or len(dtype) > 40:
-        try:  # AllocRequest's own checks say what is wrong, as on every other route
-            AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
-        except ValidationError as exc:
-            raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
-    # The name, dims, dtype and ttl are checked above: AllocRequest's constraints all hold.
-    return AllocRequest.model_construct(name=name, shape=dims, dtype=dtype, ttl=ttl)
+    try:  # AllocRequest's own checks say what is wrong, as on every other route
+        # (and validating takes half the time of model_construct)
+        return AllocRequest(name=name, shape=dims, dtype=dtype, ttl=ttl)
+    except ValidationError as exc:
+        raise InvalidRequest(f"invalid put of {name!r}: {exc}".splitlines()[0]) from None
