@@ -37,7 +37,7 @@ from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
 from ._core import Core
-from ._extent import broken, check_columns, check_extent, dtype_of
+from ._extent import broken, check_allocations, check_columns, check_extent, dtype_of
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
@@ -95,12 +95,12 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
             a, d = _array_and_dtype(tensors[name], name, opened)
             arrays.append(a)
             dtypes.append(d)
-        body = ManyAlloc.model_construct(names=names, shapes=[list(a.shape) for a in arrays],
-                                         dtypes=dtypes, ttl=ttl)
+        shapes = [list(a.shape) for a in arrays]
+        body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl)
         cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
         try:
             # When it raises, no copy thread still writes.
-            yield Offload(_fill, core, cols, arrays, dtypes)
+            yield Offload(_fill, core, cols, arrays, shapes, dtypes)
         except BaseException:
             yield from _abort(core, cols)
             raise
@@ -117,16 +117,15 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
     return dict(zip(cols.names, cols.versions, strict=True))
 
 
-def _fill(core: Core, cols: HandleColumns, arrays: list[Any], dtypes: list[str]) -> None:
+def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[int]],
+          dtypes: list[str]) -> None:
     check_columns(cols)
     if cols.others or len(cols.names) != len(arrays):
         raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
     flats = [core.segments.fill_flat(seg) for seg in cols.segments]
+    check_allocations(cols, [f.size for f in flats], shapes, dtypes, [a.nbytes for a in arrays])
     pairs = []
-    for i, (a, seg, off, n) in enumerate(zip(arrays, cols.segment, cols.offsets, cols.nbytes,
-                                             strict=True)):
-        check_extent((cols, i), flats[seg].size, off, n, cols.shapes[i], None,
-                     cols.dtypes[i], (a.shape, dtypes[i]))
+    for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True):
         if n:
             pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
     copy_many(pairs)

@@ -118,6 +118,26 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
     return dt
 
 
+def check_allocations(cols: HandleColumns, sizes: Sequence[int], shapes: list[list[int]],
+                      dtypes: list[str], nbytes: list[int]) -> None:
+    """``check_extent`` for every allocation of a put_many whose columns
+    passed ``check_columns`` and hold every handle: ``sizes`` of its
+    segments; ``shapes``, ``dtypes`` and ``nbytes``, what each tensor asked
+    for.  Allocations are C-ordered, so when each is the shape and dtype
+    asked for, its byte count the asked tensor's, and its bytes within its
+    segment, ``check_extent`` passes them all: that is found in a few bulk
+    comparisons.  Otherwise each goes through ``check_extent``, which names
+    the first that fails."""
+    if (cols.shapes == shapes and cols.dtypes == dtypes and cols.nbytes == nbytes
+            and max(map(len, shapes), default=0) <= MAX_NDIM
+            and all(off >= 0 and off + n <= sizes[seg]
+                    for seg, off, n in zip(cols.segment, cols.offsets, nbytes, strict=True))):
+        return
+    for i, (seg, off, n) in enumerate(zip(cols.segment, cols.offsets, cols.nbytes, strict=True)):
+        check_extent((cols, i), sizes[seg], off, n, cols.shapes[i], None, cols.dtypes[i],
+                     (tuple(shapes[i]), dtypes[i]))
+
+
 def check_columns(cols: HandleColumns) -> None:
     """The columns of a batch's handles hold one entry per tensor, and each
     names a segment of the batch (or -1: its handle is in ``others``)."""

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from tensordepot import TensorBroken
 from tensordepot._wire import HandleColumns
-from tensordepot.client._extent import check_columns, check_extent
+from tensordepot.client._extent import check_allocations, check_columns, check_extent
 
 
 @pytest.mark.parametrize("size,offset,nbytes,shape,strides,dtype,problem", [
@@ -76,3 +76,32 @@ def test_batch_columns_name_segments_of_the_batch(segment: list[int], others: An
     else:
         with pytest.raises(TensorBroken):
             check_columns(cols)
+
+
+def _allocated(**change: Any) -> HandleColumns:
+    """The answer to a put_many of a [4, 4] and a [16] float32 tensor, in two
+    segments of 4096 bytes, with ``change`` made to its columns."""
+    cols = dict(names=["a", "b"], versions=[1, 1], segment=[0, 1], segments=["td-a", "td-b"],
+                offsets=[0, 4032], nbytes=[64, 64], shapes=[[4, 4], [16]],
+                dtypes=["float32", "float32"], leases=None, others={})
+    return HandleColumns.model_construct(**{**cols, **change})
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({}, None),
+    ({"shapes": [[4, 4], [4, 4]]}, "asked for"),  # the right bytes, not the shape asked for
+    ({"dtypes": ["float32", "int32"]}, "asked for"),
+    ({"nbytes": [64, 32]}, "bytes, not its 32"),
+    ({"offsets": [0, 4040]}, "not within its segment of 4096 bytes"),  # ends past the end
+    ({"offsets": [-64, 4032]}, "not within its segment"),
+    ({"segment": [1, 1], "offsets": [4032, 4032]}, None),  # two in one segment, both within
+])
+def test_a_batch_of_allocations_passes_in_bulk_only_when_each_would_pass_alone(
+        change: dict[str, Any], problem: str | None) -> None:
+    cols = _allocated(**change)
+    asked = ([[4, 4], [16]], ["float32", "float32"], [64, 64])
+    if problem is None:
+        check_allocations(cols, [4096, 4096], *asked)
+    else:
+        with pytest.raises(TensorBroken, match=problem):
+            check_allocations(cols, [4096, 4096], *asked)
