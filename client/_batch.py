@@ -37,7 +37,7 @@ from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
 from ._core import Core
-from ._extent import broken, check_allocations, check_columns, check_extent, dtype_of
+from ._extent import broken, check_allocations, check_columns, check_segment, dtype_of
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
@@ -200,9 +200,7 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
     for j, members in by_segment.items():
         try:
             f = client.segments.file(cols.segments[j], False)
-            for i in members:
-                check_extent((cols, i), f.size, cols.offsets[i], cols.nbytes[i],
-                             cols.shapes[i], None, cols.dtypes[i])
+            check_segment(cols, members, f.size)
             ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
             shared, alone = [], []
             end = -1

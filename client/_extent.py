@@ -10,8 +10,10 @@ fault: SIGBUS past the end of the file, SIGSEGV past the mapping.  A real
 broker never sends one; a broken or impostor one may.  So before a window
 is mapped, every handle passes ``check_extent``: the one check, which get,
 get_many, empty, put and put_many (``Client`` and ``AsyncClient`` alike)
-reach.  What fails raises ``TensorBroken``, and the operation gives back
-what the broker handed out (the lease, or the allocation).
+reach (a batch's handles through ``check_segment`` and
+``check_allocations``, which pass in bulk only what it would pass).  What
+fails raises ``TensorBroken``, and the operation gives back what the broker
+handed out (the lease, or the allocation).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def broken(where: Where, problem: str) -> TensorBroken:
 
 
 _DTYPES: dict[str, DType] = {}  # dtype names seen so far
-# Extents that passed (size, offset, nbytes, shape, strides, dtype): the check
-# depends on nothing else, so the same numbers pass again.
+# Layouts that passed (nbytes, shape, strides, dtype): whether the elements
+# reach only the tensor's own bytes depends on nothing else, so the same
+# layout passes again (where those bytes lie is checked every time).
 _GOOD: dict[tuple[Any, ...], DType] = {}
 
 
@@ -80,15 +83,15 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
     if asked is not None and (tuple(shape) != asked[0] or dtype != asked[1]):
         raise broken(where, f"it is {list(shape)} of {dtype!r}, not the {list(asked[0])} of "
                             f"{asked[1]!r} asked for")
-    key = (size, offset, nbytes, tuple(shape), None if strides is None else tuple(strides), dtype)
-    dt = _GOOD.get(key)
-    if dt is not None:  # the same numbers passed before: a loop of gets of one tensor
-        return dt
-    dt = _DTYPES.get(dtype) or dtype_of(where, dtype)
-    item = dt.itemsize
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
         raise broken(where, f"its bytes [{offset}, {offset}+{nbytes}) are not within its "
                             f"segment of {size} bytes")
+    key = (nbytes, tuple(shape), None if strides is None else tuple(strides), dtype)
+    dt = _GOOD.get(key)
+    if dt is not None:  # the same layout passed before: a loop of gets, a state dict's shapes
+        return dt
+    dt = _DTYPES.get(dtype) or dtype_of(where, dtype)
+    item = dt.itemsize
     if len(shape) > MAX_NDIM:
         raise broken(where, f"its shape {list(shape)} is not up to {MAX_NDIM} dimensions >= 0")
     if strides is not None and len(strides) != len(shape):
@@ -116,6 +119,21 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
         _GOOD.clear()
     _GOOD[key] = dt
     return dt
+
+
+def check_segment(cols: HandleColumns, members: list[int], size: int) -> None:
+    """``check_extent`` for the handles at ``members`` of a batch's columns,
+    which all name one segment of ``size`` bytes.  The columns carry no
+    strides (C order), and a batch repeats a few layouts: when every one has
+    passed before and every tensor's bytes lie within the segment, they pass
+    in bulk; otherwise each goes through ``check_extent``."""
+    offsets, nbytes, shapes, dtypes = cols.offsets, cols.nbytes, cols.shapes, cols.dtypes
+    if (all(offsets[i] >= 0 and nbytes[i] >= 0 and offsets[i] + nbytes[i] <= size
+            for i in members)
+            and {(nbytes[i], tuple(shapes[i]), None, dtypes[i]) for i in members} <= _GOOD.keys()):
+        return
+    for i in members:
+        check_extent((cols, i), size, offsets[i], nbytes[i], shapes[i], None, dtypes[i])
 
 
 def check_allocations(cols: HandleColumns, sizes: Sequence[int], shapes: list[list[int]],

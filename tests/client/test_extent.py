@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 from tensordepot import TensorBroken
 from tensordepot._wire import HandleColumns
-from tensordepot.client._extent import check_allocations, check_columns, check_extent
+from tensordepot.client._extent import (
+    check_allocations,
+    check_columns,
+    check_extent,
+    check_segment,
+)
 
 
 @pytest.mark.parametrize("size,offset,nbytes,shape,strides,dtype,problem", [
@@ -105,3 +110,22 @@ def test_a_batch_of_allocations_passes_in_bulk_only_when_each_would_pass_alone(
     else:
         with pytest.raises(TensorBroken, match=problem):
             check_allocations(cols, [4096, 4096], *asked)
+
+
+@pytest.mark.parametrize("change,problem", [
+    ({}, None),
+    ({"offsets": [0, 4040]}, "not within its segment of 4096 bytes"),  # a layout that passed
+    ({"offsets": [-64, 4032]}, "not within its segment"),
+    ({"nbytes": [64, 32]}, "bytes, not its 32"),  # a layout never seen
+    ({"shapes": [[4, 4], [-16]]}, "dimensions >= 0"),
+    ({"dtypes": ["float32", "float99"]}, "unknown"),
+])
+def test_a_segment_of_a_batch_passes_in_bulk_only_when_each_handle_would_pass_alone(
+        change: dict[str, Any], problem: str | None) -> None:
+    check_segment(_allocated(segment=[0, 0]), [0, 1], 4096)  # both layouts pass and are kept
+    cols = _allocated(segment=[0, 0], **change)
+    if problem is None:
+        check_segment(cols, [0, 1], 4096)
+    else:
+        with pytest.raises(TensorBroken, match=problem):
+            check_segment(cols, [0, 1], 4096)
