@@ -16,10 +16,11 @@ CUDA invariants this module relies on:
   from a pool allocator's sub-allocation (``cudaMallocAsync``) or from the
   virtual memory API cannot be exported this way, which is why the broker
   allocates its blocks with plain ``cudaMalloc``.
-* A process may open a given memory handle only once (per device context):
-  a second ``cudaIpcOpenMemHandle`` of the same handle fails.  So each
-  process keeps one ``CudaMapping`` per block (``open_mapping``), shared by
-  every tensor and every Client in the process.
+* Opening a memory handle the process has open already does not map it
+  again: ``cudaIpcOpenMemHandle`` returns the same pointer and counts one
+  more opening, and each opening needs its own ``cudaIpcCloseMemHandle``.
+  So each process keeps one ``CudaMapping`` per block (``open_mapping``),
+  shared by every tensor and every Client in the process, and closes it once.
 * The importer's mapping stays valid only while the exporter's allocation
   lives; CUDA promises nothing to importers once the exporter frees it or
   dies.  The broker is therefore the exporter for ``put`` and ``empty``, and
@@ -97,9 +98,27 @@ def unavailable() -> str | None:
 @contextlib.contextmanager
 def on_device(ordinal: int) -> Iterator[None]:
     """Make ``ordinal`` this thread's current device (its primary context)
-    for the runtime calls inside, then restore the previous one."""
-    with _cupy().cuda.Device(ordinal):
+    for the runtime calls inside, and then give the thread back exactly the
+    context it had: none, if it had none.
+
+    Not ``cupy.cuda.Device``: its exit makes current the device the runtime
+    reported on entry, which is device 0 for a thread that never chose one,
+    and since CUDA 12 making a device current creates its context.  The
+    broker, its pollers, a client's background thread and a user's threads
+    would each put a context on GPU 0 (hundreds of MiB there, per process).
+    Here a thread already on ``ordinal`` switches nothing, and the context
+    put back is one the thread had already (``cuCtxSetCurrent``, which
+    creates nothing)."""
+    cuda = _cupy().cuda
+    before = int(cuda.driver.ctxGetCurrent())  # 0: the thread has no context
+    if before and int(cuda.runtime.getDevice()) == ordinal:
         yield
+        return
+    cuda.runtime.setDevice(ordinal)
+    try:
+        yield
+    finally:
+        cuda.driver.ctxSetCurrent(before)
 
 
 def _status(exc: BaseException) -> int | None:
@@ -303,7 +322,8 @@ class CudaMapping:
 _lock = threading.Lock()
 _mappings: dict[str, CudaMapping] = {}  # held open until the broker reports the block gone
 # Every mapping still open, held or not: a block the cache let go of may still
-# have views, and opening its handle again while they live would fail.
+# have views, and a get of it meanwhile shares their mapping (one opening, one
+# close) rather than opening the handle a second time.
 _open: weakref.WeakValueDictionary[str, CudaMapping] = weakref.WeakValueDictionary()
 _events: dict[tuple[int, bytes], int] = {}
 _streams: dict[int, Any] = {}
