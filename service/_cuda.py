@@ -129,6 +129,9 @@ class _Event:
     handle: str  # base64, as it goes on the wire
     dev: _Device
     refs: int = 0  # blocks that use it as their write event, plus one per lease that holds it
+    # A writer may still record it: a block of its was freed unpublished (an
+    # abort, an --alloc-ttl expiry) while its writer lived.  Never reused.
+    live_writer: bool = False
 
 
 @dataclass(eq=False)
@@ -284,7 +287,7 @@ class CudaMemory:
         e.refs -= 1
         if e.refs > 0:
             return
-        if reusable and not self._closed:
+        if reusable and not e.live_writer and not self._closed:
             e.dev.free_events.append(e)
         else:
             e.dev.events.discard(e)
@@ -326,10 +329,14 @@ class CudaMemory:
         self._write[block] = self._write_event(session.id, dev)
         return block
 
-    def free(self, block: Block) -> None:
-        """A block no version uses any more: reuse it once readers' kernels are done."""
+    def free(self, block: Block, *, written: bool = True) -> None:
+        """A block no version uses any more: reuse it once readers' kernels are done.
+        ``written``: its version was published, so its writer has recorded
+        the write event for the last time; otherwise a live writer may still
+        record it, and the event is destroyed, never handed out again."""
         e = self._write.pop(block, None)
         if e is not None:
+            e.live_writer = e.live_writer or not written
             self._unref(e)
         if self._pending_blocks.get(block):
             self._freeing.add(block)

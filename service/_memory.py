@@ -175,7 +175,10 @@ class Memory:
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
                 # A block with stale holders is retired instead of freed.
-                (self.pool if block.device == "cpu" else self.cuda).free(block)
+                if block.device == "cpu":
+                    self.pool.free(block)
+                else:  # an unpublished version's writer may still record its event
+                    self.cuda.free(block, written=v.state == "ready")
                 self.bytes_in_use -= block.nbytes
 
     def retire(self, v: Version) -> None:

@@ -32,6 +32,7 @@ from tensordepot._wire import (
 )
 from tensordepot.service import Broker
 from tensordepot.service._cuda import CudaMemory
+from tensordepot.service._quotas import Limits
 from tensordepot.service._sessions import Caller
 from tensordepot.shm._device import DeviceMap
 from tensordepot.shm._pool import Pool
@@ -172,12 +173,12 @@ def rig() -> Iterator[Callable[..., Rig]]:
     made: list[tuple[Broker, str]] = []
 
     def make(uuids: list[str] | None = None, reason: str | None = None,
-             cuda_memory: int | None = 16 * MiB) -> Rig:
+             cuda_memory: int | None = 16 * MiB, **broker_options: Any) -> Rig:
         prefix = f"{TEST_PREFIX}cudamem-{secrets.token_hex(4)}-"
         gpus = FakeGpus(uuids or [U0, U1], reason)
         pool = Pool(prefix, max_memory=8 * MiB, segment_size=1 * MiB, prefault=False)
         cuda = CudaMemory(prefix + "cuda-", max_memory=cuda_memory, segment_size=4 * MiB, gpus=gpus)
-        broker = Broker(pool, cuda=cuda)
+        broker = Broker(pool, cuda=cuda, **broker_options)
         made.append((broker, prefix))
         return Rig(broker, gpus)
 
@@ -289,6 +290,57 @@ def test_a_batch_shares_one_write_event(rig: Callable[..., Rig]) -> None:
         assert ev[0] == ev[1], "one event per batch"
         assert len({ev[0], ev[2], ev[3]}) == 3, "not across sessions or loop passes"
         r.end(other)
+
+    run(main)
+
+
+@pytest.mark.parametrize("how", ["alloc-ttl", "abort"])
+def test_the_event_of_a_write_never_published_is_never_handed_out_again(
+        rig: Callable[..., Rig], how: str) -> None:
+    """Its writer may still be alive and record it (stopped past --alloc-ttl,
+    or a copy still queued when it gave up): as another lease's release event,
+    that record could end the wait for a reader's kernels before they finish."""
+    now = [0.0]
+    r = rig(limits=Limits(alloc_ttl=5.0), clock=lambda: now[0])
+
+    async def main() -> None:
+        v = r.alloc("w", 4096)
+        written = r.broker.handle(v).cuda
+        assert written is not None and written.event_handle is not None
+        await asyncio.sleep(0)  # the batch, whose own hold kept the event, ends
+        if how == "abort":
+            r.broker.abort(r.sid, r.caller, "w", v.number)
+        else:
+            now[0] = 6.0
+            r.broker.expire()
+        assert r.broker.stat().versions == 0
+        assert r.event(written.event_handle).destroyed
+        r.put("x", 4096)
+        h = await r.get("x")
+        assert h.cuda is not None
+        handed = {h.cuda.event_handle, h.cuda.release_event_handle}
+        assert written.event_handle not in handed
+        r.release(h.lease)
+
+    run(main)
+
+
+def test_the_event_of_a_published_write_is_used_again(rig: Callable[..., Rig]) -> None:
+    """Its writer recorded it for the last time before it published."""
+    r = rig()
+
+    async def main() -> None:
+        v = r.put("w", 4096)
+        written = r.broker.handle(v).cuda
+        assert written is not None and written.event_handle is not None
+        await asyncio.sleep(0)
+        r.broker.delete("w")
+        assert not r.event(written.event_handle).destroyed
+        r.put("x", 4096)
+        h = await r.get("x")
+        assert h.cuda is not None
+        assert written.event_handle in {h.cuda.event_handle, h.cuda.release_event_handle}
+        r.release(h.lease)
 
     run(main)
 
