@@ -4,7 +4,9 @@ broker unlinked.
 
 Finalizers (a view dying) only append to a deque and write one byte to a
 pipe: they may run in any thread at any time, even inside this thread's own
-code, so they must not take locks.  A release rides on the client's next
+code, so they must not take locks.  Nor may they call CUDA: a GPU lease's
+release event is recorded here, by this thread, before its release is queued
+(``release_after``).  A release rides on the client's next
 request; only one that has waited ``_COALESCE`` seconds without one goes out
 in a request of its own (with whatever else is queued by then), so a client
 that keeps calling never pays a round trip for its releases.
@@ -18,6 +20,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._errors import DepotError
@@ -52,6 +55,8 @@ class Background:
 
     def __init__(self, client: Owner) -> None:
         self.pending: collections.deque[Key] = collections.deque()
+        # GPU leases whose views are gone: (what records the release event, session, lease).
+        self.records: collections.deque[tuple[Callable[[], None], str, int]] = collections.deque()
         self.cancels: collections.deque[tuple[str, str]] = collections.deque()
         self.live: set[Key] = set()  # leases some view still holds
         # After fork: the parent's (session, lease) -> the child's copy of it.
@@ -78,6 +83,7 @@ class Background:
             os.close(fd)
         self.pending.clear()
         self.cancels.clear()
+        self.records.clear()  # the parent's GPU work: a forked child cannot use CUDA
         self.stale = {}
         self.renamed = renamed
         self.live = {renamed[k] for k in self.live if k in renamed}
@@ -99,6 +105,26 @@ class Background:
             self._since = time.monotonic()
         self.pending.append(key)
         self._wake()
+
+    def release_after(self, record: Callable[[], None], sid: str, lease_id: int) -> None:
+        """A GPU lease's views are gone: this thread calls ``record`` (which
+        records the release event on the streams that used them, and never
+        raises), then queues the release.  From a finalizer: queue, wake."""
+        self.records.append((record, sid, lease_id))
+        try:
+            os.write(self._w, b"x")  # always: the thread may be asleep for a second
+        except OSError:
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def _recorded(self) -> None:
+        """Record the release events queued by finalizers, and queue their releases."""
+        while self.records:
+            try:
+                record, sid, lease_id = self.records.popleft()
+            except IndexError:
+                break
+            record()
+            self.release_later(sid, lease_id)
 
     def cancel_later(self, sid: str, request_id: str) -> None:
         """A request whose answer was never read (Ctrl-C, a client-side timeout):
@@ -155,6 +181,7 @@ class Background:
         self._wake()
 
     def flush(self) -> None:
+        self._recorded()
         ids, rids = self.take(1 << 20)
         self.carried -= 1  # not carried by a request: sent here
         stale, self.stale = self.stale, {}
@@ -192,6 +219,7 @@ class Background:
             except OSError:
                 break
             client.claim_if_forked()
+            self._recorded()
             now = time.monotonic()
             if self.carried != carried:  # the client is making requests: they carry releases
                 carried = self.carried

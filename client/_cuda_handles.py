@@ -24,7 +24,7 @@ from .._wire import Handle, LiveReply, LiveRequest, decode_ipc
 from ..shm._device import Device, DeviceError, parse_device
 from ..shm._dlpack import kDLCUDA, kDLCUDAManaged
 from ._core import Core
-from ._cuda_tensor import CudaSharedTensor, Streams, release_after_record
+from ._cuda_tensor import CudaSharedTensor, Streams
 from ._tensor import _Lease
 
 log = logging.getLogger("tensordepot.client")
@@ -124,24 +124,18 @@ def open_block(client: Core, h: Handle, ordinal: int) -> Any:
     st = state(client)
     try:
         m = cuda.open_mapping(h.segment, raw, ordinal=ordinal, size=h.cuda.block_size)
-    except (RuntimeError, ValueError):  # cupy raises CUDARuntimeError
-        # A handle we still hold open for a block the broker has replaced can
-        # make the driver refuse a new one: drop what is gone, and try again.
-        prune(client, foreground=True)
-        try:
-            m = cuda.open_mapping(h.segment, raw, ordinal=ordinal, size=h.cuda.block_size)
-        except (RuntimeError, ValueError) as exc:
-            if h.cuda.owner_pid is not None:
-                raise TensorBroken(
-                    f"cannot open the memory {h.name!r} was shared from (cudaIpcOpenMemHandle: "
-                    f"{exc}); its producer may have exited"
-                ) from exc
-            raise BrokerUnavailable(
-                f"cannot open CUDA block {h.segment} of {h.name!r} on GPU {h.cuda.uuid} "
-                f"(cuda:{ordinal} here): cudaIpcOpenMemHandle failed: {exc}. CUDA IPC needs the "
-                f"broker's pid and IPC namespaces (docker: pid: service:broker and ipc: "
-                f"service:broker) and that GPU visible to both"
+    except (RuntimeError, ValueError) as exc:  # cupy raises CUDARuntimeError
+        if h.cuda.owner_pid is not None:
+            raise TensorBroken(
+                f"cannot open the memory {h.name!r} was shared from (cudaIpcOpenMemHandle: "
+                f"{exc}); its producer may have exited"
             ) from exc
+        raise BrokerUnavailable(
+            f"cannot open CUDA block {h.segment} of {h.name!r} on GPU {h.cuda.uuid} "
+            f"(cuda:{ordinal} here): cudaIpcOpenMemHandle failed: {exc}. CUDA IPC needs the "
+            f"broker's pid and IPC namespaces (docker: pid: service:broker and ipc: "
+            f"service:broker) and that GPU visible to both"
+        ) from exc
     st.opened.add(h.segment)
     return m
 
@@ -202,14 +196,23 @@ def tensor(client: Core, h: Handle, *, writable: bool) -> CudaSharedTensor:
     rev = (cuda.opened_event(decode_ipc(h.cuda.release_event_handle), ordinal)
            if h.cuda.release_event_handle is not None else None)
     streams = Streams(ordinal, wev, rev)
-    lease = None
-    if h.lease is not None and client.bg is not None:
-        on_free = functools.partial(release_after_record, streams, client.bg.release_later,
-                                    client.sid)
-        lease = _Lease(h.lease, on_free)
-        client.bg.track(client.sid, h.lease)
+    lease = None if h.lease is None else gpu_lease(client, h.lease, streams)
     return CudaSharedTensor(client, h, m, lease, writable=writable, ordinal=ordinal,
                             streams=streams, producer_gone=gone)
+
+
+def gpu_lease(client: Core, lease_id: int, streams: Streams) -> _Lease | None:
+    """What keeps a GPU tensor's lease while a view lives.  Its finalizer only
+    queues: the background thread records the release event on ``streams``,
+    then queues the release (a finalizer may run inside this module's or
+    shm._cuda's own code, holding its lock, or in the middle of a CUDA call's
+    Python wrapper)."""
+    bg = client.bg
+    if bg is None:
+        return None
+    bg.track(client.sid, lease_id)
+    return _Lease(lease_id, functools.partial(bg.release_after, streams.record_release,
+                                              client.sid))
 
 
 # -- housekeeping ----------------------------------------------------------------------------

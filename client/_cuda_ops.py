@@ -294,6 +294,12 @@ def share(client: Core, name: str, x: Any, *, ttl: float | None, stream: Any,
     if not on_gpu(x):
         raise InvalidRequest(f"share({name!r}) publishes GPU memory without a copy; this tensor is "
                              f"not on a GPU: use put()")
+    lazy = [bit for bit in ("conj", "neg") if getattr(x, f"is_{bit}", lambda: False)()]
+    if lazy:  # torch would export a resolved copy, freed when this returns
+        raise InvalidRequest(
+            f"share({name!r}): this tensor carries a lazy {' and '.join(lazy)} bit, so its memory "
+            f"does not hold its values: share x.resolve_conj().resolve_neg() (and keep it), or "
+            f"put() it")
     cuda = _cuda()
     with _Inputs() as inputs:
         b, _, _, _ = inputs.take(x)

@@ -8,14 +8,21 @@ stream, ``2`` the per-thread default stream, ``-1`` means the consumer
 orders its own work.
 
 Reuse.  Every stream a tensor was exported to is remembered.  When its
-lease ends (the tensor and every view of it are gone), the lease's release
-event is recorded on those streams before the release is queued, and the
-broker reuses the memory only once that event has completed: kernels still
-queued on a consumer's stream keep reading the bytes they were given.  A
-consumer that uses the tensor on another stream than the one it named must
-order that stream itself, as with ``torch.Tensor.record_stream``.  Streams
-must outlive the tensors exported to them.  With ``-1`` the legacy default
-stream stands in for the unknown consumer stream.
+lease ends (the tensor and every view of it are gone), the client's
+background thread records the lease's release event on those streams, then
+queues the release (the finalizer itself only queues: it may run inside any
+code, even this module's, holding its lock).  The broker reuses the memory
+only once that event has completed: kernels still queued on a consumer's
+stream keep reading the bytes they were given.  A consumer that uses the
+tensor on another stream than the one it named must order that stream
+itself, as with ``torch.Tensor.record_stream``.  Streams must outlive the
+tensors exported to them by a moment (the background thread records on
+them just after the last view goes); torch never destroys its streams.
+With ``-1`` the legacy default stream stands in for the unknown consumer
+stream.  So it does for ``2``, the per-thread default stream: that names the
+calling thread's stream, and the event is recorded from another thread, but
+the legacy default stream waits for the work queued before on every
+thread's per-thread default stream.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from .._wire import Handle
 from ..shm._dlpack import (
     FLAG_IS_COPIED,
     STREAM_LEGACY,
+    STREAM_PER_THREAD,
     export_capsule,
     kDLCPU,
     kDLCUDA,
@@ -41,6 +49,12 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger("tensordepot.client")
+
+
+def _for_release(stream: int | None) -> int:
+    """The stream to record a release event on for a consumer's ``stream``,
+    from another thread (module docstring)."""
+    return STREAM_LEGACY if stream is None or stream == STREAM_PER_THREAD else stream
 
 
 class Streams:
@@ -61,11 +75,12 @@ class Streams:
             from ..shm import _cuda
 
             _cuda.wait(stream, self.write_event, self.ordinal)
-        self.streams.add(STREAM_LEGACY if stream is None else stream)
+        self.streams.add(_for_release(stream))
 
     def record_release(self) -> None:
         """Record the release event after every use queued on the consumers'
-        streams.  Runs in the lease's finalizer: it never raises."""
+        streams.  The client's background thread calls it once the lease's
+        views are gone (``Background.release_after``): it never raises."""
         if self.release_event is None or not self.streams:
             return
         try:
@@ -75,13 +90,6 @@ class Streams:
         except Exception as exc:  # in a finalizer: report, never raise
             log.warning("could not record the release event on cuda:%d: %s; the broker may reuse "
                         "the memory before queued kernels finish reading it", self.ordinal, exc)
-
-
-def release_after_record(streams: Streams, release_later: Callable[[str, int], None], sid: str,
-                         lease_id: int) -> None:
-    """A CUDA lease's finalizer: record its release event, then queue the release."""
-    streams.record_release()
-    release_later(sid, lease_id)
 
 
 class CudaSharedTensor(SharedTensor):
@@ -132,9 +140,13 @@ class CudaSharedTensor(SharedTensor):
                     f"tensor {self.name!r} is on {self.device}; exporting it to the CPU needs a "
                     f"copy: pass copy=True (np.from_dlpack(t, device='cpu', copy=True))"
                 )
-            if stream is not None and stream != -1:
-                raise BufferError(f"stream={stream!r}: a host consumer takes stream=None")
-            return self._host_capsule(max_version)
+            # torch.from_dlpack(t, device="cpu") names its current CUDA stream:
+            # the copy runs there, after the work queued on it, as cupy does.
+            try:
+                s = None if stream is None or stream == -1 else parse_stream(stream)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequest(str(exc)) from None
+            return self._host_capsule(max_version, s)
         if target != here:
             raise BufferError(
                 f"tensor {self.name!r} is on {self.device} ({self.device_uuid}) and cannot be "
@@ -147,22 +159,23 @@ class CudaSharedTensor(SharedTensor):
         if copy:
             return self._device_copy(s, max_version)
         if self.writable:
-            self._streams.streams.add(STREAM_LEGACY if s is None else s)  # nothing written yet
+            self._streams.streams.add(_for_release(s))  # nothing written yet
         else:
             self._streams.consumed_on(s)
         return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
                               read_only=not self.writable, max_version=max_version, device=here)
 
-    def _host_capsule(self, max_version: tuple[int, int] | None) -> Any:
+    def _host_capsule(self, max_version: tuple[int, int] | None, stream: int | None) -> Any:
+        """A host copy, made on ``stream`` (None: this process's own stream)."""
         import numpy as np
 
         from ..shm import _cuda
 
         host = np.empty(self.nbytes, dtype=np.uint8)
-        s = _cuda.stream(self._ordinal)
-        self._streams.consumed_on(s.ptr)
-        _cuda.memcpy(host.ctypes.data, self._address, self.nbytes, s.ptr, self._ordinal)
-        s.synchronize()  # this one stream: the host must see the bytes
+        ptr = _cuda.stream(self._ordinal).ptr if stream is None else stream
+        self._streams.consumed_on(ptr)
+        _cuda.memcpy(host.ctypes.data, self._address, self.nbytes, ptr, self._ordinal)
+        _cuda.synchronize_stream(ptr, self._ordinal)  # this one stream: the host must see the bytes
         cap = export_capsule(host.ctypes.data, self.shape, self.strides, self._dt, host,
                              read_only=False, max_version=max_version)
         patch_capsule(cap, self._dt, (kDLCPU, 0), FLAG_IS_COPIED)

@@ -20,7 +20,7 @@ import pytest
 from _capsules import managed
 from tensordepot import InvalidRequest, SharedTensor, TensorBroken, TensorReleased
 from tensordepot._wire import CudaHandle, Handle, encode_ipc
-from tensordepot.client._cuda_tensor import CudaSharedTensor, Streams, release_after_record
+from tensordepot.client._cuda_tensor import CudaSharedTensor, Streams
 from tensordepot.client._tensor import _Lease
 from tensordepot.shm import FLAG_READ_ONLY
 from tensordepot.shm._dlpack import kDLCPU, kDLCUDA
@@ -69,7 +69,8 @@ def test_it_is_a_shared_tensor_on_this_processs_ordinal() -> None:
 
 @pytest.mark.parametrize("stream,noted", [
     pytest.param(None, 1, id="None-legacy"), pytest.param(1, 1, id="legacy"),
-    pytest.param(2, 2, id="per-thread"), pytest.param(POINTER, POINTER, id="pointer"),
+    pytest.param(2, 1, id="per-thread-is-released-on-legacy"),
+    pytest.param(POINTER, POINTER, id="pointer"),
     pytest.param(-1, 1, id="no-sync-falls-back-to-legacy"),
 ])
 @pytest.mark.parametrize("max_version",
@@ -102,8 +103,10 @@ def test_other_devices_and_copies_are_refused_or_explained() -> None:
         t.__dlpack__(dl_device=(kDLCUDA, ORDINAL + 1))
     with pytest.raises(BufferError, match="pass copy=True"):
         t.__dlpack__(dl_device=(kDLCPU, 0), copy=False)
-    with pytest.raises(BufferError, match="host consumer takes stream=None"):
-        t.__dlpack__(dl_device=(kDLCPU, 0), copy=True, stream=POINTER)
+    # torch.from_dlpack(t, device="cpu") names its CUDA stream: taken (the
+    # copy runs there), but it must still be a stream.
+    with pytest.raises(InvalidRequest, match="stream"):
+        t.__dlpack__(dl_device=(kDLCPU, 0), copy=True, stream="1")
     same = t.__dlpack__(dl_device=(kDLCUDA, ORDINAL))  # torch.from_dlpack passes its own device
     del same
 
@@ -146,21 +149,18 @@ def test_the_release_comes_after_the_record_and_after_every_view(
     released: list[tuple[str, int]] = []
     streams_seen: list[set[int]] = []
 
-    def release_later(sid: str, lease_id: int) -> None:
-        released.append((sid, lease_id))
-
-    # No release event: nothing to record, the release is queued at once.
+    # No release event: nothing to record (the background thread then queues
+    # the release: tests/client/test_cuda_release.py).
     plain = Streams(ORDINAL, None, None)
-    release_after_record(plain, release_later, "s", 1)
-    assert released == [("s", 1)]
+    plain.consumed_on(None)
+    plain.record_release()
 
-    # A release event, but no GPU here: the record fails, is reported, and
-    # the release still goes out (a finalizer never raises).
+    # A release event, but no GPU here: the record fails and is reported, and
+    # never raises, so the background thread still sends the release.
     recorded = Streams(1000, None, 12345)  # an ordinal no machine has: CUDA refuses at once
     recorded.streams.add(POINTER)
     with caplog.at_level(logging.WARNING, logger="tensordepot.client"):
-        release_after_record(recorded, release_later, "s", 2)
-    assert released[-1] == ("s", 2)
+        recorded.record_release()
     assert "could not record the release event" in caplog.text
 
     # Through a real lease: the release waits for the tensor and its capsule.
@@ -176,8 +176,8 @@ def test_the_release_comes_after_the_record_and_after_every_view(
     cap = t.__dlpack__(stream=POINTER, max_version=(1, 0))
     del t
     gc.collect()
-    assert released[-1] != ("s", 3), "the capsule still holds the lease"
+    assert released == [], "the capsule still holds the lease"
     del cap
     gc.collect()
-    assert released[-1] == ("s", 3)
+    assert released == [("s", 3)]
     assert streams_seen == [{POINTER}], "the streams it was used on were known at release"
