@@ -224,6 +224,31 @@ def test_gpu_variant_reserves_nvidia_gpus_and_installs_cuda12() -> None:
     assert 'ARG EXTRAS=""' in (DOCKER / "Dockerfile").read_text()
 
 
+@pytest.mark.parametrize("extras", ["cuda12", "cuda13", "flight,cuda13", ""])
+def test_the_image_installs_the_extras_cupy_with_its_cuda_toolkit(extras: str) -> None:
+    """The Dockerfile's install step, run by bash with pip replaced by echo:
+    a GPU extra brings its cupy with the [ctk] extra (NVRTC), of the version
+    the extra requires (14 or later: DLPack max_version, bfloat16)."""
+    import tomllib
+
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (step,) = [rest for word, rest in dockerfile() if word == "RUN" and "pip install" in rest]
+    script = step.replace("pip install", "echo").replace("rm -rf /src", "true")
+    out = subprocess.run(["bash", "-c", script], env={"EXTRAS": extras, "PATH": os.defpath},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == ("/src" + (f"[{extras}]" if extras else ""))
+    wanted = [r for extra in extras.split(",") if extra.startswith("cuda")
+              for r in optional[extra]]
+    assert len(wanted) == (1 if extras else 0), optional
+    for req in wanted:
+        m = re.fullmatch(r"(cupy-cuda1[23]x)>=(\d+)", req)
+        assert m is not None and int(m[2]) >= 14, f"{req}: cupy 13 has no DLPack max_version"
+        assert f"{m[1]}[ctk]" in out[1:], f"the image installs {out}: no NVRTC for {m[1]}"
+    if not wanted:
+        assert out == out[:1], "a CPU image installs no cupy"
+
+
 def test_gpu_workers_share_the_brokers_pid_and_ipc_in_the_gpu_file_itself() -> None:
     """CUDA IPC needs them: the GPU file says so itself, not only through compose.yaml."""
     gpu = load(DOCKER / "compose.gpu.yaml", {})["services"]
