@@ -19,16 +19,21 @@ REQUIRE_CUDA = "TENSORDEPOT_REQUIRE_CUDA"  # =1 on a GPU machine: a missing GPU 
 
 
 def _cuda_missing() -> str | None:
-    """Why ``@pytest.mark.cuda`` tests cannot run here, or None."""
+    """Why ``@pytest.mark.cuda`` tests cannot run here, or None.  cupy (which
+    the broker and the client use for CUDA) is asked first: torch is
+    imported only where cupy sees a GPU."""
+    from tensordepot.shm._cuda import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        return reason
     try:
         import torch
     except ImportError:
         return "needs torch"
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (torch.cuda.is_available() is False)"
-    from tensordepot.shm._cuda import unavailable
-
-    return unavailable()  # cupy, which the broker and the client use for CUDA
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,6 +47,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=reason)
     for item in marked:
         item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """With ``TENSORDEPOT_REQUIRE_CUDA=1`` (the GPU machine), a CUDA test
+    that skips itself (a missing module, too few GPUs) fails: there, every
+    one must run."""
+    report = yield
+    if (report.skipped and os.environ.get(REQUIRE_CUDA) == "1"
+            and item.get_closest_marker("cuda") is not None):
+        report.outcome = "failed"
+        why = call.excinfo.value if call.excinfo is not None else "skipped"
+        report.longrepr = f"{REQUIRE_CUDA}=1 but this CUDA test skipped: {why}"
+    return report
 
 
 @pytest.fixture
