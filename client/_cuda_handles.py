@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -152,18 +153,20 @@ def _alive(pid: int, start: int | None) -> bool:
 
 
 def _producer_check(client: Core, h: Handle) -> Any:
-    """For a shared tensor: a function that says whether its producer is gone.
+    """For a shared tensor: a function that says whether its producer is gone
+    or withdrew it (closed its Client, or its session ended) while it may
+    still run and reuse the memory.
 
-    The producer's pid as the broker saw it is checked here first (no round
-    trip); when this process cannot vouch for it (gone, reused, or another
-    pid namespace), the broker decides."""
+    A dead producer's pid (as the broker saw it) says so here, with no round
+    trip; a live one may have withdrawn the share, which only the broker
+    knows (one round trip, before each export and at the get)."""
     assert h.cuda is not None
     pid, start, segment = h.cuda.owner_pid, h.cuda.owner_start, h.segment
     ref = weakref.ref(client)
 
     def gone() -> bool:
-        if pid is not None and _alive(pid, start):
-            return False
+        if pid is not None and not _alive(pid, start):
+            return True
         c = ref()
         if c is None:
             return True
@@ -189,30 +192,45 @@ def tensor(client: Core, h: Handle, *, writable: bool) -> CudaSharedTensor:
         gone = _producer_check(client, h)
         if gone():
             raise TensorBroken(f"tensor {h.name!r} v{h.version} was shared by a producer that "
-                               f"has exited; CUDA keeps no promise about its memory now")
+                               f"has exited or withdrawn it; CUDA keeps no promise about its "
+                               f"memory now")
     m = open_block(client, h, ordinal)
     wev = (cuda.opened_event(decode_ipc(h.cuda.event_handle), ordinal)
            if h.cuda.event_handle is not None else None)
     rev = (cuda.opened_event(decode_ipc(h.cuda.release_event_handle), ordinal)
            if h.cuda.release_event_handle is not None else None)
     streams = Streams(ordinal, wev, rev)
-    lease = None if h.lease is None else gpu_lease(client, h.lease, streams)
+    lease = None if h.lease is None else gpu_lease(client, h.lease, streams,
+                                                   getattr(m, "uses", None))
     return CudaSharedTensor(client, h, m, lease, writable=writable, ordinal=ordinal,
                             streams=streams, producer_gone=gone)
 
 
-def gpu_lease(client: Core, lease_id: int, streams: Streams) -> _Lease | None:
+def gpu_lease(client: Core, lease_id: int, streams: Streams, uses: Any = None) -> _Lease | None:
     """What keeps a GPU tensor's lease while a view lives.  Its finalizer only
     queues: the background thread records the release event on ``streams``,
-    then queues the release (a finalizer may run inside this module's or
-    shm._cuda's own code, holding its lock, or in the middle of a CUDA call's
-    Python wrapper)."""
+    notes it in the mapping's ``uses`` (which closes only once it completed),
+    then queues the release.  A finalizer may run inside this module's or
+    shm._cuda's own code, holding its lock."""
     bg = client.bg
     if bg is None:
         return None
     bg.track(client.sid, lease_id)
-    return _Lease(lease_id, functools.partial(bg.release_after, streams.record_release,
+    if uses is not None:
+        uses.unrecorded.add(lease_id)
+    return _Lease(lease_id, functools.partial(bg.release_after,
+                                              functools.partial(_record, streams, uses, lease_id),
                                               client.sid))
+
+
+def _record(streams: Streams, uses: Any, lease_id: int) -> None:
+    """In the background thread: record the release event, and let the
+    mapping know what to wait for before it closes.  Never raises."""
+    streams.record_release()
+    if uses is not None:
+        if streams.release_event is not None and streams.streams:
+            uses.events.append(streams.release_event)
+        uses.unrecorded.discard(lease_id)
 
 
 # -- housekeeping ----------------------------------------------------------------------------
@@ -222,6 +240,9 @@ def prune(client: Core, *, foreground: bool = False) -> None:
     """Close what the broker no longer has: opened blocks (once no view uses
     them) and the tensors kept alive for shares.  One round trip, only when
     this client has opened or shared something on a GPU."""
+    cuda = sys.modules.get("tensordepot.shm._cuda")  # imported only where a GPU was used
+    if cuda is not None and not foreground:
+        cuda.close_finished()  # mappings whose readers' kernels are now done
     st = client.gpu
     if not isinstance(st, State) or not (st.opened or st.shared):
         return

@@ -115,9 +115,10 @@ class CudaSharedTensor(SharedTensor):
     def _check_producer(self) -> None:
         if self._producer_gone is not None and self._producer_gone():
             raise TensorBroken(
-                f"tensor {self.name!r} v{self.version} was shared by a producer that has exited; "
-                f"CUDA keeps no promise about its memory now: get the name again once it is "
-                f"re-published, and prefer put() when the producer may exit first"
+                f"tensor {self.name!r} v{self.version} was shared by a producer that has exited "
+                f"or withdrawn it (closed its Client); its memory may hold other tensors now: get "
+                f"the name again once it is re-published, and prefer put() when the producer may "
+                f"exit or close first"
             )
 
     # -- DLPack ------------------------------------------------------------

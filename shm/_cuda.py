@@ -37,6 +37,7 @@ CUDA invariants this module relies on:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -281,12 +282,57 @@ class Gpus:
 # -- a client's side: opened handles, streams, copies -----------------------------
 
 
+class Uses:
+    """What must be done before a mapping may close: the leases of its
+    tensors whose release event is not recorded yet, and the release events
+    recorded (each completes once the kernels queued before it are done).
+    Sets and lists: finalizers and threads add and remove without a lock."""
+
+    __slots__ = ("events", "unrecorded")
+
+    def __init__(self) -> None:
+        self.unrecorded: set[int] = set()  # lease ids
+        self.events: list[int] = []
+
+
+# Mappings no view uses any more, each closed once its kernels are done
+# (``close_finished``): (ordinal, address, uses).  Only finalizers append.
+_closing: collections.deque[tuple[int, int, Uses]] = collections.deque()
+
+
 def _close_mapping(ordinal: int, address: int) -> None:
     try:
         with on_device(ordinal):
             _rt().ipcCloseMemHandle(address)
-    except Exception as exc:  # in a finalizer: report, never raise
+    except Exception as exc:  # report, never raise: the driver unmaps it at exit anyway
         log.warning("cudaIpcCloseMemHandle(0x%x) on cuda:%d failed: %s", address, ordinal, exc)
+
+
+def _completed(event: int, ordinal: int) -> bool:
+    try:
+        with on_device(ordinal):
+            return int(_rt().eventQuery(event)) != _ERROR_NOT_READY
+    except Exception:  # an event CUDA cannot query can never complete: do not wait on it
+        return True
+
+
+def close_finished() -> None:
+    """Close each mapping no view uses any more, once every lease of its
+    tensors has recorded its release event and those events completed: a
+    kernel still queued on a reader's stream keeps its memory mapped, even
+    after the reader's ``del`` and ``Client.close()``.  The client's
+    background threads call it (and ``open_mapping``): it calls CUDA, so
+    never from a finalizer."""
+    for _ in range(len(_closing)):
+        try:
+            item = _closing.popleft()
+        except IndexError:
+            return
+        ordinal, address, uses = item
+        if uses.unrecorded or not all(_completed(e, ordinal) for e in uses.events):
+            _closing.append(item)  # not yet: looked at again on the next call
+            continue
+        _close_mapping(ordinal, address)
 
 
 class CudaMapping:
@@ -294,8 +340,10 @@ class CudaMapping:
 
     Views keep it alive; ``open_mapping``'s cache keeps it too, until the
     broker reports the block gone (``forget``).  When both let go, its
-    finalizer calls ``cudaIpcCloseMemHandle``.  CUDA IPC has no read-only
-    mappings: ``writable`` only records what the tensor was handed out as."""
+    finalizer queues it, and ``close_finished`` calls
+    ``cudaIpcCloseMemHandle`` once the kernels that read it are done
+    (``uses``).  CUDA IPC has no read-only mappings: ``writable`` only
+    records what the tensor was handed out as."""
 
     kind = KIND
     address: int = 0
@@ -311,7 +359,8 @@ class CudaMapping:
             # Map on the device that holds the memory; the lazy flag only
             # matters for peer access, which we never need.
             self.address = int(rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess))
-        fin = weakref.finalize(self, _close_mapping, ordinal, self.address)
+        self.uses = Uses()
+        fin = weakref.finalize(self, _closing.append, (ordinal, self.address, self.uses))
         fin.atexit = False  # at exit the driver unmaps everything; cupy may be half gone
 
     def __repr__(self) -> str:
@@ -326,14 +375,40 @@ _mappings: dict[str, CudaMapping] = {}  # held open until the broker reports the
 # close) rather than opening the handle a second time.
 _open: weakref.WeakValueDictionary[str, CudaMapping] = weakref.WeakValueDictionary()
 _events: dict[tuple[int, bytes], int] = {}
+# IPC handle -> base address, of the allocations this process exported
+# (share): a handle is stable for its allocation, and one entry stays per
+# allocation ever shared (a new allocation has a new handle).
+_exported: dict[bytes, int] = {}
 _streams: dict[int, Any] = {}
 
 
-def open_mapping(name: str, handle: bytes, *, ordinal: int, size: int) -> CudaMapping:
-    """The process's one mapping of block ``name`` (opened on first use)."""
+class OwnMemory:
+    """Memory this process shared (``export_handle``), got back by a get in
+    the same process: CUDA refuses to open an IPC handle in the process that
+    exported it, and needs not, since the pointer is ours.  Nothing to close;
+    the sharing client keeps the memory alive while the share lives."""
+
+    kind = KIND
+
+    def __init__(self, name: str, address: int, *, ordinal: int, size: int) -> None:
+        self.name, self.address, self.ordinal, self.size = name, address, ordinal, size
+        self.writable = True
+
+    def __repr__(self) -> str:
+        return f"OwnMemory({self.name!r}, cuda:{self.ordinal}, size={self.size})"
+
+
+def open_mapping(name: str, handle: bytes, *, ordinal: int,
+                 size: int) -> CudaMapping | OwnMemory:
+    """The process's one mapping of block ``name`` (opened on first use), or
+    its own memory when this process shared it."""
     m = _mappings.get(name)
     if m is None:
+        close_finished()
         with _lock:
+            own = _exported.get(handle)
+            if own is not None:
+                return OwnMemory(name, own, ordinal=ordinal, size=size)
             m = _mappings.get(name) or _open.get(name)
             if m is None:
                 m = _open[name] = CudaMapping(name, handle, ordinal=ordinal, size=size)
@@ -354,7 +429,10 @@ def export_handle(address: int, ordinal: int) -> tuple[int, int, bytes]:
     for sharing memory this process owns."""
     base, size = allocation_range(address, ordinal)
     with on_device(ordinal):
-        return base, size, bytes(_rt().ipcGetMemHandle(base))
+        raw = bytes(_rt().ipcGetMemHandle(base))
+    with _lock:
+        _exported[raw] = base
+    return base, size, raw
 
 
 def opened_event(handle: bytes, ordinal: int) -> int:

@@ -24,6 +24,8 @@ class FakeCuda:
         self.recorded: list[tuple[int, int, str]] = []
         self.waited: list[tuple[int, int, str]] = []
         self._handles = itertools.count(0x1000)
+        self.completed: set[int] = set()  # events whose work is done (others: not ready)
+        self.closed: list[int] = []  # addresses passed to cudaIpcCloseMemHandle
         self._current = threading.local()
         fake = self
 
@@ -46,7 +48,8 @@ class FakeCuda:
             getDevice=self.get_device, setDevice=self.set_device,
             eventCreateWithFlags=lambda flags: self.handle(),
             eventRecord=self.event_record, streamWaitEvent=self.stream_wait,
-            eventDestroy=lambda event: None)
+            eventDestroy=lambda event: None, eventQuery=self.event_query,
+            ipcCloseMemHandle=self.closed.append)
         self.driver = SimpleNamespace(ctxGetCurrent=self.ctx_get, ctxSetCurrent=self.ctx_set)
         self.module = SimpleNamespace(cuda=SimpleNamespace(runtime=self.runtime,
                                                            driver=self.driver, Device=Device,
@@ -77,3 +80,6 @@ class FakeCuda:
 
     def stream_wait(self, stream: int, event: int, flags: int) -> None:
         self.waited.append((stream, event, threading.current_thread().name))
+
+    def event_query(self, event: int) -> int:
+        return 0 if event in self.completed else 600  # cudaSuccess, cudaErrorNotReady

@@ -7,6 +7,7 @@ records the release event, then sends the release."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -25,6 +26,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
     monkeypatch.setattr(_cuda, "_cupy", lambda: fake.module)
     monkeypatch.setattr(_cuda, "_streams", {})  # our own stream comes from the fake
+    monkeypatch.setattr(_cuda, "_closing", collections.deque())
     return fake
 
 
@@ -63,3 +65,29 @@ def test_the_per_thread_default_stream_is_released_on_the_legacy_one() -> None:
     streams = Streams(0, None, release_event=77)
     streams.consumed_on(STREAM_PER_THREAD)  # no write event: nothing to wait on
     assert streams.streams == {STREAM_LEGACY}
+
+
+def test_a_mapping_closes_only_once_its_readers_kernels_are_done(
+        broker: BrokerProc, cuda: FakeCuda) -> None:
+    """A reader's ``del`` (after ``Client.close()``, or after the broker let
+    the block go) drops the last view while a kernel may still read it: the
+    mapping is queued, and closed only once the lease's release event is
+    recorded and complete."""
+    with Client(broker.url) as c:
+        c.list()
+        core: Any = c._core
+        uses = _cuda.Uses()
+        streams = Streams(0, None, release_event=91)
+        streams.consumed_on(0x66)  # the reader's stream, where its kernel is queued
+        held = [gpu_lease(core, 10**9, streams, uses)]
+        assert uses.unrecorded == {10**9}
+        _cuda._closing.append((0, 0xB10C, uses))  # what the mapping's finalizer queues
+        _cuda.close_finished()
+        assert cuda.closed == [], "closed before the release event was even recorded"
+        held.clear()  # the last view goes
+        wait_for(lambda: uses.events == [91] and not uses.unrecorded, what="the record")
+        _cuda.close_finished()
+        assert cuda.closed == [], "closed while the reader's kernel still runs"
+        cuda.completed.add(91)  # the kernel is done
+        _cuda.close_finished()
+        assert cuda.closed == [0xB10C] and not _cuda._closing

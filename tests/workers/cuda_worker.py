@@ -2,7 +2,8 @@
 
     put NAME DTYPE N SEED [DEVICE]    torch tensor on cuda:0 -> put (to DEVICE) -> "put V"
     puthost NAME DTYPE N SEED DEVICE  CPU tensor -> put(device=DEVICE)          -> "put V"
-    share NAME DTYPE N SEED           share() a tensor this process keeps        -> "shared V"
+    share NAME DTYPE N SEED [WAIT]    share() a tensor this process keeps (close()
+                                      waits WAIT s for readers, default 60)      -> "shared V"
     check NAME DTYPE N SEED LIB       get, import with LIB (torch, cupy, both,
                                       jax, host), compare the bits   -> "ok ..." | "bad ..."
     hold NAME                         get and keep the SharedTensor              -> "held V"
@@ -10,6 +11,8 @@
     longread NAME CYCLES              on a side stream: sleep CYCLES, then sum the
                                       tensor; drop it (the release goes out now) -> "queued V"
     result                            wait for the long read                     -> "sum S"
+    reuse N                           let go of what it shared, fill 8 new tensors
+                                      of N float32 (its allocator reuses memory) -> "reused"
     drop                              drop everything held                       -> "dropped"
     close                             Client.close()                 -> "closed S" (seconds)
     devices                           this process's GPUs                        -> "devices JSON"
@@ -82,9 +85,10 @@ def main() -> None:
                 print("put", c.put(name, x, device=device), flush=True)
             elif cmd == "share":
                 name, dtype, n, seed = args[0], args[1], int(args[2]), int(args[3])
+                wait = float(args[4]) if len(args) > 4 else 60.0
                 x = expected(dtype, n, seed).cuda()
                 kept.append(x)
-                print("shared", c.share(name, x, wait_on_close=60), flush=True)
+                print("shared", c.share(name, x, wait_on_close=wait), flush=True)
             elif cmd == "check":
                 name, dtype, n, seed, lib = args[0], args[1], int(args[2]), int(args[3]), args[4]
                 t = c.get(name, timeout=30)
@@ -121,6 +125,12 @@ def main() -> None:
                 s, total = pending
                 s.synchronize()
                 print("sum", float(total.item()), flush=True)
+            elif cmd == "reuse":  # what a live producer does with memory it let go of
+                kept.clear()
+                gc.collect()
+                kept.extend(torch.full((int(args[0]),), 7.0, device="cuda") for _ in range(8))
+                torch.cuda.synchronize()
+                print("reused", flush=True)
             elif cmd == "drop":
                 held = None
                 kept.clear()
