@@ -238,13 +238,19 @@ def _record(streams: Streams, uses: Any, lease_id: int) -> None:
 
 def prune(client: Core, *, foreground: bool = False) -> None:
     """Close what the broker no longer has: opened blocks (once no view uses
-    them) and the tensors kept alive for shares.  One round trip, only when
-    this client has opened or shared something on a GPU."""
+    them) and the tensors kept alive for shares; and tell the broker which
+    blocks this process still maps, so it frees none of those.  One round
+    trip, only when this client has opened or shared something on a GPU."""
     cuda = sys.modules.get("tensordepot.shm._cuda")  # imported only where a GPU was used
-    if cuda is not None and not foreground:
+    if cuda is None:
+        return
+    if not foreground:
         cuda.close_finished()  # mappings whose readers' kernels are now done
     st = client.gpu
-    if not isinstance(st, State) or not (st.opened or st.shared):
+    if not isinstance(st, State):
+        return
+    mapped = cuda.open_names()  # the broker frees a block it let go of once none names it
+    if not (st.opened or st.shared or mapped):
         return
     if not foreground:
         # In the background, ask only once the client has been idle since the
@@ -256,9 +262,7 @@ def prune(client: Core, *, foreground: bool = False) -> None:
         if busy and now - st.last_prune < _PRUNE_AT_LEAST:
             return
         st.last_prune = now
-    from ..shm import _cuda
-
-    names = sorted(st.opened | set(st.shared))
+    names = sorted(st.opened | set(st.shared) | mapped)
     try:
         reply = _live(client, names, background=not foreground)
     except DepotError as exc:
@@ -267,7 +271,7 @@ def prune(client: Core, *, foreground: bool = False) -> None:
     if not foreground:
         st.seen_requests = client.round_trips  # our own request is no sign of work
     gone = set(names) - set(reply.live)
-    _cuda.forget(gone & st.opened)
+    cuda.forget(gone & st.opened)
     st.opened -= gone
     for seg in gone & set(st.shared):
         del st.shared[seg]

@@ -172,6 +172,12 @@ class _Device:
     ipc: dict[str, tuple[str, int]]  # block name -> (IPC handle, size)
     free_events: list[_Event] = field(default_factory=list)
     events: set[_Event] = field(default_factory=set)  # every event not destroyed yet
+    limit: int = 0  # --cuda-memory for this GPU
+    # segment -> sessions that were handed a handle into it, and may have it mapped
+    mapped_by: dict[str, set[str]] = field(default_factory=dict)
+    # Segments the pool let go of while a live session may still map them: not
+    # freed until each says it no longer does (or ends), and counted meanwhile.
+    held: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -262,10 +268,13 @@ class CudaMemory:
         ipc: dict[str, tuple[str, int]] = {}
         factory = functools.partial(_new_block, gpu, ipc)
         factory.kind = "cuda"  # type: ignore[attr-defined]  # how the pool names the segments
+        made: list[_Device] = []
         pool = Pool(self.prefix, max_memory=limit, segment_size=self.segment_size,
-                    segment_factory=factory, device=f"cuda:{uuid}")
+                    segment_factory=factory, device=f"cuda:{uuid}",
+                    unlinker=lambda seg: self._unlink(made[0], seg))
         pool.on_drop = ipc.__delitem__
-        dev = self._devices[key] = _Device(uuid, ordinal, gpu, pool, ipc)
+        dev = self._devices[key] = _Device(uuid, ordinal, gpu, pool, ipc, limit=limit)
+        made.append(dev)
         log.info("GPU %s (cuda:%d in the broker) in use: limit %d MiB, context %s", uuid, ordinal,
                  limit // MiB, "unknown" if gpu.context_bytes is None
                  else f"{gpu.context_bytes // MiB} MiB")
@@ -273,6 +282,40 @@ class CudaMemory:
 
     def _dev_of(self, block: Block) -> _Device:
         return self._devices[uuid_key(block.device.split(":", 1)[1])]
+
+    # -- blocks clients may still map ----------------------------------------------
+    def _mapped(self, dev: _Device, segment: str, session: str) -> None:
+        holders = dev.mapped_by.get(segment)
+        if holders is None:
+            holders = dev.mapped_by[segment] = set()
+        holders.add(session)
+
+    def _unlink(self, dev: _Device, seg: Any) -> None:
+        """The pool lets a segment go.  Freed now unless a live session may
+        still map it: cudaFree under an importer's mapping is undefined, and
+        its memory stays pinned, so it is held (and counted against
+        --cuda-memory) until each such session says it no longer maps it."""
+        if dev.mapped_by.get(seg.name) and not self._closed:
+            dev.held[seg.name] = seg
+            self._limit_pool(dev)
+            self.count("cuda_blocks_held_open")
+            return
+        dev.mapped_by.pop(seg.name, None)
+        seg.unlink()
+
+    def _limit_pool(self, dev: _Device) -> None:
+        dev.pool.max_memory = dev.limit - sum(seg.size for seg in dev.held.values())
+
+    def _unmapped(self, dev: _Device, segment: str, session: str) -> None:
+        """``session`` no longer maps ``segment``: free it if it was held for it."""
+        holders = dev.mapped_by.get(segment)
+        if holders is None:
+            return
+        holders.discard(session)
+        if not holders and segment in dev.held:
+            del dev.mapped_by[segment]
+            dev.held.pop(segment).unlink()
+            self._limit_pool(dev)
 
     # -- events --------------------------------------------------------------------
     def _acquire(self, dev: _Device) -> _Event:
@@ -322,11 +365,16 @@ class CudaMemory:
         try:
             block = dev.pool.alloc(nbytes)
         except PoolExhausted as exc:
+            held = sum(seg.size for seg in dev.held.values())
+            why = (f" ({held} bytes of it are blocks a client process may still map: they "
+                   f"come back once its client reports them unmapped, within seconds when "
+                   f"idle, or its session ends)" if held else "")
             raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}; free "
-                f"tensors with delete(), or start the broker with a larger --cuda-memory"
+                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}{why}; "
+                f"free tensors with delete(), or start the broker with a larger --cuda-memory"
             ) from None
         self._write[block] = self._write_event(session.id, dev)
+        self._mapped(dev, block.segment, session.id)
         return block
 
     def free(self, block: Block, *, written: bool = True) -> None:
@@ -361,7 +409,9 @@ class CudaMemory:
         block = v.block
         if block.device == "cpu":
             return
-        e = self._acquire(self._dev_of(block))
+        dev = self._dev_of(block)
+        self._mapped(dev, block.segment, session.id)
+        e = self._acquire(dev)
         e.refs += 1
         # The reader's pid, to tell later whether a pending record can still complete.
         pid, start = (session.pid, session.start_time) if session.tracked else (None, None)
@@ -406,7 +456,11 @@ class CudaMemory:
                       dtype=v.dtype, device=block.device, state=v.state, lease=lease, cuda=cuda)
 
     def end_session(self, broker: Registry, session: Session) -> None:
-        """Withdraw the names whose current version is memory this session shared."""
+        """Withdraw the names whose current version is memory this session
+        shared, and free the blocks held for it alone."""
+        for dev in self._devices.values():
+            for segment in [n for n, who in dev.mapped_by.items() if session.id in who]:
+                self._unmapped(dev, segment, session.id)
         mine = {b for b, s in self._shares.items() if s.session == session.id}
         if not mine or broker.closing:
             return
@@ -447,11 +501,18 @@ class CudaMemory:
         self.count("shares")
         return broker.publish(sid, caller, req.name, v.number)
 
-    def live(self, broker: Registry, req: LiveRequest) -> LiveReply:
+    def live(self, broker: Registry, req: LiveRequest, sid: str | None = None) -> LiveReply:
         """Which of these blocks (or shared allocations) the broker still has,
         which a lease or a reader's queued kernel still uses, and which shared
         allocations lost their producer (its session ended, or its process is
-        gone right now: checked here, not at the next reap)."""
+        gone right now: checked here, not at the next reap).  A client names
+        every block its process still maps: a held block it does not name,
+        it no longer maps (session ``sid``)."""
+        if sid is not None:
+            asked = set(req.segments)
+            for dev in self._devices.values():
+                for segment in [n for n in dev.held if n not in asked]:
+                    self._unmapped(dev, segment, sid)
         names: set[str] = set()
         for dev in self._devices.values():
             names.update(dev.ipc)
@@ -477,9 +538,10 @@ class CudaMemory:
         for dev in self._devices.values():
             pending = sum(b.size for b in self._freeing if b.device == dev.name)
             shared = sum(b.nbytes for b in self._shares if b.device == dev.name)
+            held = sum(seg.size for seg in dev.held.values())  # still mapped by a client
             out.append(DeviceStat(device=dev.name, bytes_in_use=dev.pool.used - pending,
-                                  bytes_reserved=dev.pool.reserved, bytes_pending=pending,
-                                  bytes_shared=shared, max_memory=dev.pool.max_memory,
+                                  bytes_reserved=dev.pool.reserved + held, bytes_pending=pending,
+                                  bytes_shared=shared, max_memory=dev.limit,
                                   segments=dev.pool.segments, events=len(dev.events),
                                   context_bytes=dev.gpu.context_bytes))
         return out
@@ -544,6 +606,9 @@ class CudaMemory:
             dev.events.clear()
             dev.free_events.clear()
             dev.pool.close()
+            for seg in dev.held.values():  # shutdown: their importers lose them now
+                seg.unlink()
+            dev.held.clear()
         self._devices.clear()
 
 

@@ -296,8 +296,8 @@ class Uses:
 
 
 # Mappings no view uses any more, each closed once its kernels are done
-# (``close_finished``): (ordinal, address, uses).  Only finalizers append.
-_closing: collections.deque[tuple[int, int, Uses]] = collections.deque()
+# (``close_finished``): (name, ordinal, address, uses).  Only finalizers append.
+_closing: collections.deque[tuple[str, int, int, Uses]] = collections.deque()
 
 
 def _close_mapping(ordinal: int, address: int) -> None:
@@ -328,7 +328,7 @@ def close_finished() -> None:
             item = _closing.popleft()
         except IndexError:
             return
-        ordinal, address, uses = item
+        _name, ordinal, address, uses = item
         if uses.unrecorded or not all(_completed(e, ordinal) for e in uses.events):
             _closing.append(item)  # not yet: looked at again on the next call
             continue
@@ -360,7 +360,7 @@ class CudaMapping:
             # matters for peer access, which we never need.
             self.address = int(rt.ipcOpenMemHandle(handle, rt.cudaIpcMemLazyEnablePeerAccess))
         self.uses = Uses()
-        fin = weakref.finalize(self, _closing.append, (ordinal, self.address, self.uses))
+        fin = weakref.finalize(self, _closing.append, (name, ordinal, self.address, self.uses))
         fin.atexit = False  # at exit the driver unmaps everything; cupy may be half gone
 
     def __repr__(self) -> str:
@@ -414,6 +414,13 @@ def open_mapping(name: str, handle: bytes, *, ordinal: int,
                 m = _open[name] = CudaMapping(name, handle, ordinal=ordinal, size=size)
             _mappings[name] = m
     return m
+
+
+def open_names() -> set[str]:
+    """Every block this process still maps: a view or the cache holds it, or
+    it waits to close.  The broker frees a block it let go of only once no
+    process that was handed it says so (``/v1/cuda/live``)."""
+    return set(_open.keys()) | {item[0] for item in list(_closing)}
 
 
 def forget(names: list[str] | set[str]) -> None:

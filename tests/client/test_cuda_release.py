@@ -81,13 +81,15 @@ def test_a_mapping_closes_only_once_its_readers_kernels_are_done(
         streams.consumed_on(0x66)  # the reader's stream, where its kernel is queued
         held = [gpu_lease(core, 10**9, streams, uses)]
         assert uses.unrecorded == {10**9}
-        _cuda._closing.append((0, 0xB10C, uses))  # what the mapping's finalizer queues
+        _cuda._closing.append(("blk", 0, 0xB10C, uses))  # what the mapping's finalizer queues
         _cuda.close_finished()
         assert cuda.closed == [], "closed before the release event was even recorded"
         held.clear()  # the last view goes
         wait_for(lambda: uses.events == [91] and not uses.unrecorded, what="the record")
         _cuda.close_finished()
         assert cuda.closed == [], "closed while the reader's kernel still runs"
+        assert "blk" in _cuda.open_names(), "the broker must not free what is still mapped"
         cuda.completed.add(91)  # the kernel is done
         _cuda.close_finished()
         assert cuda.closed == [0xB10C] and not _cuda._closing
+        assert "blk" not in _cuda.open_names()

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -425,32 +426,47 @@ def test_bfloat16_through_cupy_and_jax(gpu_broker: BrokerProc) -> None:
         c.delete("b")
 
 
-def _gpu_bytes_of(pid: int) -> int:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         check=True).stdout
-    return sum(int(used) for p, used in (line.split(",") for line in out.splitlines() if line)
-               if int(p) == pid) * MiB
+def _gpu_used() -> int:
+    """Bytes in use on GPU 0, every process together (per-process figures
+    are missing where nvidia-smi cannot see other processes, in containers)."""
+    free, total = torch.cuda.mem_get_info(0)
+    return int(total - free)
 
 
-@pytest.mark.xfail(strict=True, reason="the broker still frees blocks that a client holds "
-                                       "open (issue 18): the GPU holds more than --cuda-memory")
-def test_dropping_warm_blocks_a_client_still_caches_stays_within_cuda_memory(
+def test_dropping_warm_blocks_a_client_still_maps_stays_within_cuda_memory(
         broker_factory: Callable[..., BrokerProc]) -> None:
+    """The pool drops warm blocks for new sizes while the reader's process
+    still maps them: each is held (counted against --cuda-memory) until the
+    reader's client says it no longer maps it, so a put may wait, but the GPU
+    never holds more than the limit (and the broker's context)."""
     b = broker_factory("--cuda-memory", "512MiB", "--cuda-segment-size", "64MiB")
+    limit = 512 * MiB
+    torch.ones(1, device="cuda")  # this process's own context, before the baseline
+    baseline = _gpu_used()
     with b.client() as c, b.client() as r:
+        def put(name: str, x: Any) -> bool:
+            try:
+                c.put(name, x)
+                return True
+            except OutOfMemory:  # blocks the reader still maps are held: wait for its check
+                return False
+
+        # The broker's context (NVML's figure, else a generous guess), this
+        # process's allocator cache of the tensors it puts, and the driver's rounding.
+        slack = 2 * 60 * MiB + 64 * MiB
         for size in (60, 30, 15, 60, 45):  # each round needs blocks of another size
             names = [f"w{size}-{i}" for i in range(512 // 64)]
             for n in names:
-                c.put(n, torch.ones(size * MiB // 4, device="cuda"))
+                x = torch.ones(size * MiB // 4, device="cuda")
+                wait_for(lambda n=n, x=x: put(n, x), 90, what=f"room for {n}")
                 y = torch.from_dlpack(r.get(n))  # the reader maps the block, and caches it
                 del y
+                (dev,) = c.stat().devices
+                assert dev.bytes_reserved <= limit, dev
+                context = dev.context_bytes or 1024 * MiB
+                assert _gpu_used() - baseline <= limit + context + slack, dev
             for n in names:
                 c.delete(n)
-        (dev,) = c.stat().devices
-        assert dev.bytes_in_use == 0
-        used = _gpu_bytes_of(b.proc.pid)
-        assert used <= 512 * MiB + (dev.context_bytes or 0) + 64 * MiB, (used, dev)
 
 
 def test_the_gpu_benchmarks_run(tmp_path: Path) -> None:

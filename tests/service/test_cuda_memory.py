@@ -345,6 +345,46 @@ def test_the_event_of_a_published_write_is_used_again(rig: Callable[..., Rig]) -
     run(main)
 
 
+@pytest.mark.parametrize("freed_when", ["it says so", "its session ends"])
+def test_a_block_a_reader_may_still_map_is_not_freed_and_counts_against_the_limit(
+        rig: Callable[..., Rig], freed_when: str) -> None:
+    """cudaFree under an importer's mapping is undefined, and its memory stays
+    pinned: a block the pool lets go of while a reader's process may map it
+    is held, counted against --cuda-memory, and freed once every session it
+    was handed to (the writer's too) says (``/v1/cuda/live`` without it) it
+    no longer maps it, or has ended."""
+    r = rig(cuda_memory=8 * MiB)
+
+    async def main() -> None:
+        r.put("a", 3 * MiB)
+        reader = r.session()
+        h = await r.get("a", sid=reader)
+        block = r.gpus.opened[U0].blocks[h.segment]
+        r.broker.release(reader, r.callers[reader], [h.lease or 0])
+        r.broker.delete("a")
+        await until_settled()
+        with pytest.raises(OutOfMemory, match="a client process may still map"):
+            r.alloc("b", 7 * MiB)  # the pool drops a's block, which the reader may map
+        assert not block.freed, "freed under the reader's mapping"
+        (dev,) = r.broker.stat().devices
+        assert dev.bytes_reserved >= 3 * MiB and dev.max_memory == 8 * MiB
+        r.broker.cuda.live(r.broker, LiveRequest(segments=[h.segment]), reader)
+        assert not block.freed, "the reader still maps it"
+        if freed_when == "it says so":
+            r.broker.cuda.live(r.broker, LiveRequest(segments=[]), reader)
+        else:
+            r.end(reader)
+        assert not block.freed, "its writer was handed it too, and may still map it"
+        r.broker.cuda.live(r.broker, LiveRequest(segments=[]), r.sid)
+        assert block.freed
+        r.put("b", 7 * MiB)  # its bytes are back under the limit
+
+    async def until_settled() -> None:
+        await until(lambda: not r.broker.cuda.pending())  # the release event checked off
+
+    run(main)
+
+
 def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> None:
     r = rig()
 
