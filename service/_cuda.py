@@ -26,9 +26,16 @@ event loop, except event queries, which a task runs in a worker thread.
   handle and offset.  The broker never frees it; it withdraws the names of
   a producer's shares when the producer's session ends.
 
-Why one module of over 500 lines: its four parts share two tables, the
-live leases' release events and the blocks waiting for them, and each part
-changes both; split, each file would import the other's private state.
+* **Blocks a client may still map.**  A block the pool lets go of while a
+  live session that was handed it may still map it is held, not freed
+  (``cudaFree`` under an importer's mapping is undefined, and pins the
+  memory), and counted against --cuda-memory until each such session says
+  (``live``) that its process no longer maps it, or ends.
+
+Why one module of over 500 lines: its parts share three tables, the live
+leases' release events, the blocks waiting for them, and the sessions each
+block was handed to, and each part changes them; split, each file would
+import the others' private state.
 """
 
 from __future__ import annotations
