@@ -24,15 +24,23 @@ CUDA invariants this module relies on:
 * The importer's mapping stays valid only while the exporter's allocation
   lives; CUDA promises nothing to importers once the exporter frees it or
   dies.  The broker is therefore the exporter for ``put`` and ``empty``, and
-  frees a block only when no lease and no queued kernel can still reach it.
+  frees a block only when no lease, no queued kernel and no client process's
+  mapping can still reach it.
 * ``cudaIpcCloseMemHandle`` unmaps the importer's view; it must not run while
   a view (or a kernel) still uses it, so a mapping closes only when the
-  broker has reported its block gone and the last view is gone.
+  broker has reported its block gone, the last view is gone, and the release
+  events of its tensors have completed (``close_finished``).
 * Interprocess events (``cudaEventInterprocess | cudaEventDisableTiming``)
   may be recorded, waited on and queried from any process that opened their
   handle; a wait captures the event's most recent record at the time of the
   call, so an event can be re-recorded once nobody will wait on the old
   record.  The broker owns every event it hands out.
+
+Why one module of over 500 lines: it is the one place that imports cupy
+and talks to CUDA, for the broker and the client alike, and both halves
+share its device switching, its lazy imports and its one lock; split, the
+client's mappings and the broker's blocks would each import the other's
+private state.
 """
 
 from __future__ import annotations
