@@ -190,6 +190,11 @@ class _Device:
     def name(self) -> str:
         return f"cuda:{self.uuid}"
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the held segments: counted against the limit, not the pool's."""
+        return sum(seg.size for seg in self.held.values())
+
 
 def _never(_what: str, _n: int = 1) -> None:
     pass
@@ -292,10 +297,7 @@ class CudaMemory:
 
     # -- blocks clients may still map ----------------------------------------------
     def _mapped(self, dev: _Device, segment: str, session: str) -> None:
-        holders = dev.mapped_by.get(segment)
-        if holders is None:
-            holders = dev.mapped_by[segment] = set()
-        holders.add(session)
+        dev.mapped_by.setdefault(segment, set()).add(session)
 
     def _unlink(self, dev: _Device, seg: Any) -> None:
         """The pool lets a segment go.  Freed now unless a live session may
@@ -311,7 +313,7 @@ class CudaMemory:
         seg.unlink()
 
     def _limit_pool(self, dev: _Device) -> None:
-        dev.pool.max_memory = dev.limit - sum(seg.size for seg in dev.held.values())
+        dev.pool.max_memory = dev.limit - dev.held_bytes
 
     def _unmapped(self, dev: _Device, segment: str, session: str) -> None:
         """``session`` no longer maps ``segment``: free it if it was held for it."""
@@ -372,7 +374,7 @@ class CudaMemory:
         try:
             block = dev.pool.alloc(nbytes)
         except PoolExhausted as exc:
-            held = sum(seg.size for seg in dev.held.values())
+            held = dev.held_bytes
             why = (f" ({held} bytes of it are blocks a client process may still map: they "
                    f"come back once its client reports them unmapped, within seconds when "
                    f"idle, or its session ends)" if held else "")
@@ -545,10 +547,9 @@ class CudaMemory:
         for dev in self._devices.values():
             pending = sum(b.size for b in self._freeing if b.device == dev.name)
             shared = sum(b.nbytes for b in self._shares if b.device == dev.name)
-            held = sum(seg.size for seg in dev.held.values())  # still mapped by a client
             out.append(DeviceStat(device=dev.name, bytes_in_use=dev.pool.used - pending,
-                                  bytes_reserved=dev.pool.reserved + held, bytes_pending=pending,
-                                  bytes_shared=shared, max_memory=dev.limit,
+                                  bytes_reserved=dev.pool.reserved + dev.held_bytes,
+                                  bytes_pending=pending, bytes_shared=shared, max_memory=dev.limit,
                                   segments=dev.pool.segments, events=len(dev.events),
                                   context_bytes=dev.gpu.context_bytes))
         return out

@@ -167,9 +167,8 @@ def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str |
     the request carries no usable id (no session of this caller's, no id, or
     an id longer than 64 characters).  An id replays only for the same
     method and path: reused on another route, it runs anew."""
-    s = broker.sessions.get(sid or "") if rid else None
-    if (s is None or rid is None or len(rid) > 64
-            or broker.sessions.foreign(s, who) is not None):
+    s = broker.sessions.owned_by(sid, who) if rid else None
+    if s is None or rid is None or len(rid) > 64:
         return None
     return s, f"{method} {path} {rid}"
 

@@ -212,6 +212,11 @@ class Sessions:
         s.last_seen = self.clock()
         return s
 
+    def owned_by(self, sid: str | None, caller: Caller) -> Session | None:
+        """Session ``sid`` if it exists and ``caller`` may act under it; else None."""
+        s = self.table.get(sid) if sid else None
+        return s if s is not None and self.foreign(s, caller) is None else None
+
     @staticmethod
     def foreign(s: Session, caller: Caller) -> str | None:
         """Why ``caller`` may not act under ``s`` (None: it may): the one

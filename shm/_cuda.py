@@ -219,6 +219,19 @@ class CudaBlock:
         return f"CudaBlock({self.name!r}, size={self.size}, cuda:{self.ordinal})"
 
 
+def query_event(event: int, ordinal: int) -> bool | None:
+    """True once the work before ``event``'s latest record is done (or it was
+    never recorded), False while pending, None if CUDA reports an error."""
+    with on_device(ordinal):
+        status = int(_rt().eventQuery(event))
+    if status == 0:
+        return True
+    if status == _ERROR_NOT_READY:
+        return False
+    log.warning("cudaEventQuery on cuda:%d returned error %d", ordinal, status)
+    return None
+
+
 class IpcEvent:
     """An interprocess event the broker owns; clients open it by ``handle``."""
 
@@ -238,16 +251,7 @@ class IpcEvent:
                 raise
 
     def query(self) -> bool | None:
-        """True once the work before its latest record is done (or it was never
-        recorded), False while pending, None if CUDA reports an error."""
-        with on_device(self.ordinal):
-            status = int(_rt().eventQuery(self.ptr))
-        if status == 0:
-            return True
-        if status == _ERROR_NOT_READY:
-            return False
-        log.warning("cudaEventQuery on cuda:%d returned error %d", self.ordinal, status)
-        return None
+        return query_event(self.ptr, self.ordinal)
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -318,8 +322,7 @@ def _close_mapping(ordinal: int, address: int) -> None:
 
 def _completed(event: int, ordinal: int) -> bool:
     try:
-        with on_device(ordinal):
-            return int(_rt().eventQuery(event)) != _ERROR_NOT_READY
+        return query_event(event, ordinal) is not False
     except Exception:  # an event CUDA cannot query can never complete: do not wait on it
         return True
 

@@ -28,12 +28,11 @@ def share(call: Call[ShareRequest]) -> Reply:
        summary="Which CUDA blocks and shared allocations still exist, and which are in use")
 def live(call: Call[LiveRequest]) -> Reply:
     assert call.body is not None
-    broker, sid = call.broker, call.session
-    s = broker.sessions.get(sid) if sid else None
+    broker = call.broker
     # What a client says it no longer maps counts only for its own session.
-    mine = s is not None and broker.sessions.foreign(s, call.who) is None
+    s = broker.sessions.owned_by(call.session, call.who)
     return 200, broker.cuda.live(broker, call.body,
-                                 sid if mine else None).model_dump_json().encode()
+                                 None if s is None else s.id).model_dump_json().encode()
 
 
 ROUTES = routes_of(share, live)
