@@ -7,16 +7,19 @@ list entries, not a thousand validated models.  Per tensor the client then
 does only what it must: a slice of the cached fill mapping to copy into, or
 a ``SharedTensor`` with its lease.
 
-Reader mappings.  A ``get`` maps a window per tensor, copy-on-write, so that
-a stray write through a view that ignores the read-only flag (torch, jax)
-stays in that view's own private pages (README, Lifetime: M2).  A
-``get_many`` maps one window per segment, over the span of the batch's
+Reader mappings.  A ``get`` reads through a copy-on-write range lent from
+the segment's kept mapping (``shm._kept``; a fresh window where it cannot be
+lent), so that a stray write through a view that ignores the read-only flag
+(torch, jax) stays in that view's own private pages (README, Lifetime: M2).
+A ``get_many`` takes one range per segment, over the span of the batch's
 tensors in it: the tensors of one batch share it, and stay apart because
 their bytes do not overlap (a write within one tensor's bytes changes no
 other tensor's bytes, as a copy-on-write page holds the neighbour's bytes
 unchanged).  Tensors whose bytes do overlap (a name given twice, or two
 names sharing bytes through ``put`` of a got tensor) each get a window of
-their own.  A later get or get_many maps anew and never sees such a write.
+their own.  A later get or get_many never sees such a write: the kept
+mapping drops a returned range's private pages, and lends no range whose
+bytes are lent now.
 The window lives while any tensor of the batch in it does; memory the
 broker reuses meanwhile is never read through it, since no live view
 covers it.
@@ -215,12 +218,12 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
             if shared:
                 lo = min(cols.offsets[i] for i in shared)
                 hi = max(cols.offsets[i] + cols.nbytes[i] for i in shared)
-                w = f.window(lo, hi - lo, writable=False)
+                w = client.segments.reader(cols.segments[j], lo, hi - lo)
                 flat = byte_view(w, 0, hi - lo, writable=True)  # private pages: see module doc
                 for i in shared:
                     out[i] = (w, flat, lo)
             for i in alone:
-                w = f.window(cols.offsets[i], cols.nbytes[i], writable=False)
+                w = client.segments.reader(cols.segments[j], cols.offsets[i], cols.nbytes[i])
                 out[i] = (w, byte_view(w, 0, cols.nbytes[i], writable=True), cols.offsets[i])
         except (DepotError, OSError) as exc:
             if isinstance(exc, DepotError):

@@ -328,9 +328,10 @@ class Core:
         try:
             f = self.segments.file(h.segment, writable)
             check_extent(h, f.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype)
-            # A reader's window is private (a stray write never reaches the
-            # segment); a writer's is shared until publish.
-            w = f.window(h.offset, h.nbytes, writable=writable)
+            # A reader's view is private (a stray write never reaches the
+            # segment), lent from a kept mapping; a writer's is shared until publish.
+            w = (f.window(h.offset, h.nbytes, writable=True) if writable
+                 else self.segments.reader(h.segment, h.offset, h.nbytes))
         except OSError as exc:  # the operation gives back what the broker handed out
             raise BrokerUnavailable(f"cannot map segment {h.segment}: {exc}") from exc
         lease = None

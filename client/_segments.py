@@ -2,8 +2,9 @@
 segment (checked once: owner and mode, ``_trust.py``), and for writers one
 whole-segment mapping, pre-faulted, that puts copy into.
 
-Windows (one mmap per tensor) are made from the files; the fill mappings
-live as long as the segment does.  ``prune`` forgets segments the broker
+Readers' views are lent from one kept private mapping per segment
+(``shm._kept``), or map a window of their own where a range cannot be lent;
+the fill and kept mappings live as long as the segment does.  ``prune`` forgets segments the broker
 unlinked, so their memory returns to the kernel once no view uses them.
 """
 
@@ -13,6 +14,7 @@ import threading
 from typing import Any
 
 from .._errors import BrokerUnavailable
+from ..shm import _kept
 from ..shm._posix import SegmentFile, Window, byte_view
 from ._extent import broken
 
@@ -25,6 +27,8 @@ class Segments:
         self._files: dict[tuple[str, bool], SegmentFile] = {}
         self._fill_maps: dict[str, Window] = {}  # whole-segment writer mappings for put
         self._fill_flats: dict[str, Any] = {}  # the same, as flat uint8 arrays (put_many)
+        self._kept: dict[str, _kept.KeptMap] = {}  # whole-segment reader mappings, lent per get
+        self.keep = _kept.supported()
         self.lock = threading.Lock()
 
     def file(self, segment: str, writable: bool) -> SegmentFile:
@@ -50,6 +54,18 @@ class Segments:
                             f"start it with --shm-group"
                         ) from None
         return f
+
+    def reader(self, segment: str, offset: int, nbytes: int) -> Any:
+        """What a reader's views of ``[offset, offset + nbytes)`` map: a range
+        lent from the segment's kept mapping (``shm._kept``), or a fresh
+        private window where it cannot be lent."""
+        f = self.file(segment, False)
+        k = self._kept.get(segment)
+        if k is None and self.keep:
+            k = _kept.KeptMap(f)
+            with self.lock:
+                k = self._kept.setdefault(segment, k)
+        return _kept.lend_or_map(k, f, offset, nbytes)
 
     def fill_map(self, segment: str) -> Window:
         """The whole segment, mapped shared and writable once, for put's copies.
@@ -81,12 +97,17 @@ class Segments:
                     del self._files[key]
                     self._fill_maps.pop(key[0], None)
                     self._fill_flats.pop(key[0], None)
+                    self._kept.pop(key[0], None)
 
     def clear(self) -> None:
         with self.lock:
             self._files.clear()
             self._fill_maps.clear()
             self._fill_flats.clear()
+            self._kept.clear()
 
     def after_fork(self) -> None:
+        # The child maps its own: a kept map's lock may have been held by a
+        # parent thread at fork.  Inherited views keep the parent's maps alive.
         self.lock = threading.Lock()
+        self._kept = {}

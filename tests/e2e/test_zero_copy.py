@@ -3,7 +3,10 @@ what others read."""
 
 from __future__ import annotations
 
+import gc
+import os
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,6 +50,54 @@ def test_torch_write_to_published_tensor_stays_in_the_writer(broker: BrokerProc)
         got = np.from_dlpack(c.get("ro"))
         assert got.tobytes() == want.tobytes(), "a stray write reached the published bytes"
         del got, held
+
+
+def _present(ptr: int, nbytes: int) -> int:
+    """How many pages of ``[ptr, ptr + nbytes)`` this process has page
+    tables for, read from /proc/self/pagemap without touching them."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(ptr // page * 8)
+        e = np.frombuffer(f.read(-(-nbytes // page) * 8), dtype="<u8")
+    return int(((e >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["get", "get_many"])
+def test_a_torch_write_never_reaches_a_later_get_in_the_same_process(
+        broker: BrokerProc, batch: bool) -> None:
+    """Reads go through a mapping kept across gets, so a second get of 64 MiB
+    finds its page tables made.  A torch write into the first view stays in
+    that view while it is held, and is gone once it is released: the same
+    tensor got again shows the published bytes."""
+    torch = pytest.importorskip("torch")
+    n = 16 << 20  # 64 MiB of float32
+    want = np.arange(n, dtype=np.float32)
+
+    def get() -> tuple[Any, Any]:
+        st = c.get_many(["w"])["w"] if batch else c.get("w")
+        return st, torch.from_dlpack(st)
+
+    with broker.client() as c:
+        c.put("w", want)
+        st, t = get()
+        assert torch.equal(t, torch.from_numpy(want))  # reads every page
+        t.mul_(-1.0)  # torch ignores the read-only flag
+        held_st, held = get()  # the first view is held: this one maps apart
+        assert torch.equal(held, torch.from_numpy(want)), "a held view's write reached a new get"
+        assert float(t[1]) == -1.0, "the writer's own view lost its write"
+        ptr = t.data_ptr()
+        del st, t, held_st, held
+        gc.collect()
+        st, t = get()
+        assert torch.equal(t, torch.from_numpy(want)), "a released view's write reached a later get"
+        del st, t
+        gc.collect()
+        st = c.get("w")
+        t = torch.from_dlpack(st)
+        assert t.data_ptr() == ptr
+        assert _present(ptr, n * 4) == n * 4 // os.sysconf("SC_PAGE_SIZE"), (
+            "a later get mapped afresh: its page tables were not kept")
+        del st, t
 
 
 def test_numpy_write_to_published_tensor_raises(broker: BrokerProc) -> None:

@@ -1,0 +1,291 @@
+"""Reader mappings kept across gets: one private mapping per segment, lent out
+range by range, so a read through a later get finds its page tables made.
+
+A fresh window per get (``_posix.Window``) sets up page tables again for
+every read: reading 1 GiB through a new mapping costs about twice what it
+costs through a mapping kept from an earlier get.  A ``KeptMap`` maps the
+whole segment once, ``MAP_PRIVATE`` like a reader window, and lends
+``[offset, offset + nbytes)`` of it as a ``Lent``.
+
+What a reader window promises still holds: a stray write through a view
+(torch and jax ignore read-only flags) lands on a private copy of the page,
+in this process only, and never reaches a later get.  The private copies are
+found and dropped:
+
+* **Invariant:** every page that holds a private copy (is *dirty*) lies under
+  a range that is lent now.  A page under no lent range maps the segment's
+  own page, so it shows what the segment holds.
+* **Return:** when a ``Lent``'s last view is gone, its range is returned and
+  its pages are scanned (``PAGEMAP_SCAN``, Linux 6.7, or ``/proc/self/pagemap``);
+  dirty pages that no other lent range shares are dropped (``MADV_DONTNEED``),
+  so they map the segment's page again.
+* **Lend:** lent ranges never share bytes: a range that overlaps one lent now
+  is refused, and the caller maps a fresh window.  Only a range's first and
+  last page can be shared with another lent range (small tensors in one
+  page); if such a page is dirty, the range is refused too.
+
+Whether this kernel reports private copies truthfully is checked once per
+process on a scratch memfd (``supported``); where it does not, callers map a
+fresh window per get, as before.
+
+A ``Lent``'s finalizer may run in any thread, including one inside ``lend``
+on the same map (garbage collection), so it never waits for the lock: a
+return that finds the lock held is queued and handled by whoever holds it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import os
+import threading
+from typing import Any
+
+from ._posix import _MAP_PRIVATE, _PROT_READ, _PROT_WRITE, KIND, PAGE, SegmentFile, _libc, _mmap
+
+_MADV_DONTNEED = 4
+
+
+class _ScanArg(ctypes.Structure):  # struct pm_scan_arg, linux/fs.h
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
+        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+
+
+class _Region(ctypes.Structure):  # struct page_region
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64),
+                ("categories", ctypes.c_uint64)]
+
+
+# _IOWR('f', 16, struct pm_scan_arg)
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16
+_PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
+_VEC = 64
+_ioctl = _libc.ioctl
+_ioctl.restype = ctypes.c_int
+_ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
+
+
+class _Pagemap:
+    """This process's /proc/self/pagemap: which pages of a range hold private
+    (anonymous) copies.  Reopened after fork, since /proc/self is resolved at open."""
+
+    def __init__(self, use_scan: bool = True) -> None:
+        self.use_scan = use_scan
+        self._pid = -1
+        self._fd = -1
+        self._lock = threading.Lock()
+
+    def _file(self) -> int:
+        if self._pid != os.getpid():
+            self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            self._pid = os.getpid()
+        return self._fd
+
+    def dirty(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The address ranges in ``[start, end)`` (page aligned) whose pages
+        are private copies, present or swapped out."""
+        with self._lock:
+            fd = self._file()
+            return self._scan(fd, start, end) if self.use_scan else self._read(fd, start, end)
+
+    @staticmethod
+    def _scan(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+        vec = (_Region * _VEC)()
+        out: list[tuple[int, int]] = []
+        while start < end:
+            arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
+                           vec=ctypes.addressof(vec), vec_len=_VEC,
+                           category_inverted=_PAGE_IS_FILE, category_mask=_PAGE_IS_FILE,
+                           category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED,
+                           return_mask=_PAGE_IS_FILE)
+            n = _ioctl(fd, _PAGEMAP_SCAN, ctypes.addressof(arg))
+            if n < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"PAGEMAP_SCAN failed: {os.strerror(err)}")
+            out.extend((vec[i].start, vec[i].end) for i in range(n))
+            if arg.walk_end <= start:
+                break
+            start = arg.walk_end
+        return out
+
+    @staticmethod
+    def _read(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+        import numpy as np  # only where PAGEMAP_SCAN is missing
+
+        n = (end - start) // PAGE
+        raw = os.pread(fd, n * 8, (start // PAGE) * 8)
+        e = np.frombuffer(raw, dtype="<u8")
+        # bit 63 present, 62 swapped, 61 file page or shared anonymous
+        one = np.uint64(1)
+        flag = ((e >> np.uint64(63)) | (e >> np.uint64(62))) & ~(e >> np.uint64(61)) & one
+        pages = np.flatnonzero(flag)
+        out: list[tuple[int, int]] = []
+        for p in pages.tolist():
+            a = start + p * PAGE
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], a + PAGE)
+            else:
+                out.append((a, a + PAGE))
+        return out
+
+
+_pagemap = _Pagemap()
+_supported: bool | None = None
+
+
+def _probe(pm: _Pagemap) -> bool:
+    """Whether ``pm`` reports a written page of a private shmem mapping as
+    dirty, and an untouched or read page as clean, and whether dropping the
+    dirty page shows the file's bytes again."""
+    fd = os.memfd_create("tensordepot-probe", os.MFD_CLOEXEC)
+    base = 0
+    try:
+        os.ftruncate(fd, 3 * PAGE)
+        os.pwrite(fd, b"\x01" * (3 * PAGE), 0)
+        base = _mmap(None, 3 * PAGE, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, fd, 0, "probe")
+        ctypes.string_at(base, 16)  # page 0 read: mapped, clean
+        ctypes.memset(base + PAGE, 7, 16)  # page 1 written: a private copy
+        if pm.dirty(base, base + 3 * PAGE) != [(base + PAGE, base + 2 * PAGE)]:
+            return False
+        if _libc.madvise(base + PAGE, PAGE, _MADV_DONTNEED):
+            return False
+        restored = ctypes.string_at(base + PAGE, 16) == b"\x01" * 16
+        return restored and not pm.dirty(base, base + 3 * PAGE)
+    except OSError:
+        return False
+    finally:
+        if base:
+            _libc.munmap(base, 3 * PAGE)
+        os.close(fd)
+
+
+def supported() -> bool:
+    """Whether kept mappings can be used here (checked once per process)."""
+    global _supported
+    if _supported is None:
+        if not _probe(_pagemap):  # no PAGEMAP_SCAN (before Linux 6.7): read pagemap
+            _pagemap.use_scan = False
+        _supported = _pagemap.use_scan or _probe(_pagemap)
+    return _supported
+
+
+class KeptMap:
+    """The whole of one segment, mapped private once, lent range by range."""
+
+    def __init__(self, file: SegmentFile, pagemap: _Pagemap | None = None) -> None:
+        self.file, self.name = file, file.name
+        self._len = max(-(-file.size // PAGE) * PAGE, PAGE)
+        self._pm = pagemap or _pagemap
+        self._base = 0
+        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
+                           file.name)
+        self._los: list[int] = []  # lent ranges, sorted; they never share bytes
+        self._his: list[int] = []
+        self._lock = threading.Lock()
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
+
+    def __del__(self) -> None:  # after every Lent (they hold the map)
+        if self._base:
+            try:
+                _libc.munmap(self._base, self._len)
+            except Exception:  # at interpreter exit, libc may be gone
+                pass
+
+    def lend(self, offset: int, nbytes: int) -> Lent | None:
+        """``[offset, offset + nbytes)`` as a ``Lent``, or None where it
+        shares bytes, or a dirty page, with a range lent now (the caller
+        maps a fresh window)."""
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.file.size:
+            return None
+        hi = offset + nbytes
+        first, last = offset // PAGE, (hi - 1) // PAGE
+        with self._lock:
+            self._drain()
+            los, his = self._los, self._his
+            i = bisect.bisect_right(los, offset)
+            if (i and his[i - 1] > offset) or (i < len(los) and los[i] < hi):
+                return None
+            if i and (his[i - 1] - 1) // PAGE == first and self._dirty(first, first + 1):
+                return None
+            if i < len(los) and los[i] // PAGE == last and self._dirty(last, last + 1):
+                return None
+            los.insert(i, offset)
+            his.insert(i, hi)
+        if self._returned:
+            self._give_back()
+        return Lent(self, offset, nbytes)
+
+    def lent(self) -> list[tuple[int, int]]:
+        """The ranges lent now."""
+        with self._lock:
+            self._drain()
+            return list(zip(self._los, self._his, strict=True))
+
+    def _dirty(self, p0: int, p1: int) -> list[tuple[int, int]]:
+        return self._pm.dirty(self._base + p0 * PAGE, self._base + p1 * PAGE)
+
+    def _give_back(self, span: tuple[int, int] | None = None) -> None:
+        if span is not None:
+            self._returned.append(span)
+        while self._returned and self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """Handle queued returns (the lock is held)."""
+        los, his = self._los, self._his
+        while self._returned:
+            lo, hi = self._returned.popleft()
+            i = bisect.bisect_left(los, lo)
+            del los[i], his[i]
+            p0, p1 = lo // PAGE, -(-hi // PAGE)
+            # Edge pages another lent range shares stay as they are: that
+            # range's own return scans them.
+            if i and (his[i - 1] - 1) // PAGE == p0:
+                p0 += 1
+            if i < len(los) and los[i] // PAGE == p1 - 1:
+                p1 -= 1
+            if p0 < p1:
+                for a, b in self._dirty(p0, p1):
+                    _libc.madvise(a, b - a, _MADV_DONTNEED)
+
+    def __repr__(self) -> str:
+        return f"KeptMap({self.name!r}, {self._len} bytes, {len(self._los)} lent)"
+
+
+class Lent:
+    """``[offset, offset + nbytes)`` of a ``KeptMap``, read like a reader
+    window; returned to the map once no view references it."""
+
+    kind = KIND
+    writable = False
+    __slots__ = ("_kept", "_lo", "address", "name", "size")
+
+    def __init__(self, kept: KeptMap, offset: int, nbytes: int) -> None:
+        self._kept, self._lo = kept, offset
+        self.address = kept._base + offset
+        self.name, self.size = kept.name, nbytes
+
+    @property
+    def shared(self) -> bool:
+        return False
+
+    def __del__(self) -> None:
+        try:
+            self._kept._give_back((self._lo, self._lo + self.size))
+        except Exception:  # at interpreter exit
+            pass
+
+    def __repr__(self) -> str:
+        return f"Lent({self.name!r}, size={self.size}, at=0x{self.address:x})"
+
+
+def lend_or_map(kept: Any, file: SegmentFile, offset: int, nbytes: int) -> Any:
+    """A reader view source for ``[offset, offset + nbytes)``: lent from
+    ``kept`` when it can be, else a fresh private window."""
+    lent = kept.lend(offset, nbytes) if kept is not None else None
+    return lent if lent is not None else file.window(offset, nbytes, writable=False)
