@@ -90,7 +90,9 @@ class Segments:
         return a
 
     def prune(self) -> None:
-        """Forget segments the broker unlinked."""
+        """Forget segments the broker unlinked, and settle kept mappings' returns."""
+        for k in list(self._kept.values()):
+            k.settle()
         with self.lock:
             for key, f in list(self._files.items()):
                 if not f.exists():

@@ -79,16 +79,24 @@ class _Pagemap:
 
     def _file(self) -> int:
         if self._pid != os.getpid():
-            self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-            self._pid = os.getpid()
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+                    self._pid = os.getpid()
         return self._fd
+
+    def after_fork(self) -> None:
+        """In a child: the inherited fd reads the parent's pages, and another
+        thread of the parent may have held the lock."""
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._pid, self._lock = -1, -1, threading.Lock()
 
     def dirty(self, start: int, end: int) -> list[tuple[int, int]]:
         """The address ranges in ``[start, end)`` (page aligned) whose pages
         are private copies, present or swapped out."""
-        with self._lock:
-            fd = self._file()
-            return self._scan(fd, start, end) if self.use_scan else self._read(fd, start, end)
+        fd = self._file()
+        return self._scan(fd, start, end) if self.use_scan else self._read(fd, start, end)
 
     @staticmethod
     def _scan(fd: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -132,6 +140,7 @@ class _Pagemap:
 
 
 _pagemap = _Pagemap()
+os.register_at_fork(after_in_child=_pagemap.after_fork)
 _supported: bool | None = None
 
 
@@ -217,6 +226,11 @@ class KeptMap:
             self._give_back()
         return Lent(self, offset, nbytes)
 
+    def settle(self) -> None:
+        """Handle returns still queued (the client's background thread calls
+        this every few seconds, in case a return found the map busy)."""
+        self._give_back()
+
     def lent(self) -> list[tuple[int, int]]:
         """The ranges lent now."""
         with self._lock:
@@ -263,10 +277,10 @@ class Lent:
 
     kind = KIND
     writable = False
-    __slots__ = ("_kept", "_lo", "address", "name", "size")
+    __slots__ = ("_kept", "address", "name", "offset", "size")
 
     def __init__(self, kept: KeptMap, offset: int, nbytes: int) -> None:
-        self._kept, self._lo = kept, offset
+        self._kept, self.offset = kept, offset
         self.address = kept._base + offset
         self.name, self.size = kept.name, nbytes
 
@@ -276,7 +290,7 @@ class Lent:
 
     def __del__(self) -> None:
         try:
-            self._kept._give_back((self._lo, self._lo + self.size))
+            self._kept._give_back((self.offset, self.offset + self.size))
         except Exception:  # at interpreter exit
             pass
 
