@@ -141,10 +141,19 @@ def markdown(r: dict[str, Any], json_path: str, plot_rel: str | None) -> str:
             + " |"
         )
     lines.append("")
+    if "B10" in r["benchmarks"]:
+        import peers
+
+        b10 = r["benchmarks"]["B10"]
+        lines += [f"B10, against the systems users would pick instead (medians of {b10['reps']} "
+                  "interleaved repetitions, min to max; every consumer reads every byte; "
+                  "`tests/bench/peers.py`):", "", peers.table(b10), ""]
     if plot_rel:
         lines += [f"![benchmark plot]({plot_rel})", ""]
     medians = []
     for name, data in r["benchmarks"].items():
+        if name == "B10":  # its table above has every median
+            continue
         parts = [f"{s['label']} {_value(s)}" for _, s in series_in(data)]
         medians.append(f"**{name}** " + "; ".join(parts))
     lines.append(f"Medians in `{json_path}` ({r['seconds']} s run): " + ". ".join(medians) + ".")

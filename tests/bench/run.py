@@ -1,4 +1,4 @@
-"""The benchmark suite: B1..B9, each against its peers, in one run.
+"""The benchmark suite: B1..B10, each against its peers, in one run.
 
     python tests/bench/run.py [--quick] [--out bench-results/bench.json]
     python tests/bench/report.py bench-results/bench.json     # README table + docs/bench.png
@@ -24,6 +24,7 @@ import datetime
 import gc
 import importlib.util
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -67,6 +68,7 @@ class Config:
     big: int  # bytes of the large tensor (B1, B2, B6)
     reps: int  # repetitions of B1 (each peer)
     get_reps: int  # B2 gets per size
+    read_reps: int  # B2 full reads, each way
     handoff_iters: int  # B3 timed handoffs per peer
     handoff_warm: int
     handoff_gap: float  # s between handoffs, so the consumer is waiting when the producer sends
@@ -94,6 +96,7 @@ FULL = Config(
     big=GiB,
     reps=5,
     get_reps=50,
+    read_reps=11,
     handoff_iters=200,
     handoff_warm=20,
     handoff_gap=0.005,
@@ -117,6 +120,7 @@ QUICK = replace(
     big=8 * MiB,
     reps=3,
     get_reps=20,
+    read_reps=3,
     handoff_iters=30,
     handoff_warm=5,
     handoff_gap=0.003,
@@ -397,6 +401,15 @@ def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
         del a, t
         return dt
 
+    def get_read_all() -> float:
+        t0 = time.perf_counter()
+        t = c.get("b2.big")
+        total = int(np.from_dlpack(t).view(np.uint64).sum(dtype=np.uint64))
+        dt = time.perf_counter() - t0
+        assert total == want
+        del t
+        return dt
+
     for _ in range(5):  # warm: each segment mapped once
         get_read("b2.big")
         get_read("b2.small")
@@ -404,12 +417,47 @@ def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
     for _ in range(cfg.get_reps):
         big.append(get_read("b2.big"))
         small.append(get_read("b2.small"))
+    # Full reads: a get each time, against the same bytes read through one
+    # mapping of the segment made before (what torch.mp or Ray readers keep).
+    t = c.get("b2.big")
+    segment, offset = t._window.name, getattr(t._window, "offset", 0)
+    want = int(np.from_dlpack(t).view(np.uint64).sum(dtype=np.uint64))
+    del t
+    fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
+    kept = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    os.close(fd)
+    view = np.frombuffer(kept, np.uint64, cfg.big // 8, offset)
+    full, through = [], []
+    for i in range(2 + cfg.read_reps):
+        d_get = get_read_all()
+        t0 = time.perf_counter()
+        assert int(view.sum(dtype=np.uint64)) == want
+        d_kept = time.perf_counter() - t0
+        if i >= 2:
+            full.append(d_get)
+            through.append(d_kept)
+    del view
+    kept.close()
     c.delete("b2.big")
     c.delete("b2.small")
     s_big = series(f"get + read 1 element, {human(cfg.big)}", big, "ms", 1e3)
     s_small = series("get + read 1 element, 1 KiB", small, "ms", 1e3)
-    data = {"big_nbytes": cfg.big, "small_nbytes": 1024, "get_big": s_big, "get_small": s_small}
+    s_full = series(f"get + read every byte, {human(cfg.big)}", full, "ms", 1e3)
+    s_kept = series(f"the same bytes read through a mapping made once, {human(cfg.big)}",
+                    through, "ms", 1e3)
+    data = {"big_nbytes": cfg.big, "small_nbytes": 1024, "get_big": s_big, "get_small": s_small,
+            "get_read_all": s_full, "kept_read_all": s_kept}
     return data, [
+        check(
+            "B2.read",
+            "B2",
+            f"get + read every byte of {human(cfg.big)} / the same read through a kept mapping",
+            s_full,
+            s_kept,
+            median(full) / median(through),
+            "<=",
+            1.2,
+        ),
         check(
             "B2",
             "B2",
@@ -1134,6 +1182,36 @@ def bench_b6(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any]
     ]
 
 
+# -- B10 -------------------------------------------------------------------------
+
+# Handoffs this small are mostly fixed costs (two processes woken, a request
+# each way), where a Pipe of the pickle has the least to do.
+_SMALL_HANDOFFS = ("4KiB", "1MiB")
+
+
+def bench_b10(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """tensordepot against Ray, shared_memory + Pipe, torch.multiprocessing
+    and the Pipe of the pickle, interleaved (tests/bench/peers.py)."""
+    import peers
+
+    data = peers.run(url, cfg.mode == "quick", log=lambda line: print(f"\n{line}", end=""))
+    print()
+    rows = []
+    for cid, case in data["cases"].items():
+        ours = case["systems"]["tensordepot"]
+        r = peers.ratios(case)
+        if r["vs_ray"] is not None:
+            rows.append(check(f"B10.{cid}.ray", "B10", f"{case['what']}: tensordepot / Ray", ours,
+                              case["systems"]["ray"], r["vs_ray"], "<=", 1.0))
+        own = peers.best_own(case)
+        if own is not None:
+            rows.append(check(f"B10.{cid}.own", "B10",
+                              f"{case['what']}: tensordepot / best peer with memory of its own",
+                              ours, case["systems"][own], r["vs_best_own"], "<=",
+                              1.5 if cid in _SMALL_HANDOFFS else 1.0))
+    return data, rows
+
+
 # -- the run -----------------------------------------------------------------------
 
 
@@ -1289,6 +1367,7 @@ def main(argv: list[str] | None = None) -> int:
             step("B8", lambda: bench_b8(c, cfg, broker.url))
         step("B6", lambda: bench_b6(cfg, broker.url))
         step("B9", lambda: bench_b9(cfg, prefix))
+        step("B10", lambda: bench_b10(cfg, broker.url))
         result["teardown"] = teardown(broker)
         print(f"[{time.monotonic() - started:5.1f} s] broker stopped", flush=True)
     except BaseException:

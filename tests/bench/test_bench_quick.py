@@ -26,7 +26,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # Every series each benchmark must have measured.
 SERIES = {
     "B1": ["put", "copy_2_threads"] + (["torch_fresh_share"] if HAVE_TORCH else []),
-    "B2": ["get_big", "get_small"],
+    "B2": ["get_big", "get_small", "get_read_all", "kept_read_all"],
     "B3": ["tensordepot", "pipe"] + (["torch_fresh", "torch_same_buffer"] if HAVE_TORCH else []),
     "B4": ["batch", "singles", "batch_round_trips", "single_round_trips"],
     "B5": ["tensordepot_get.1", "tensordepot_get.2", "bare_fastapi.1", "bare_fastapi.2"],
@@ -34,9 +34,13 @@ SERIES = {
     "B7": ["exchange", "copy_2_threads", "round_trips"],
     "B8": ["tensordepot", "pipe"],
     "B9": ["cold_put", "fresh_copy", "next_two_puts"],
+    "B10": [f"cases.{case}.systems.{system}" for case in ("4KiB", "8MiB", "200x1KiB")
+            for system in ("tensordepot", "shm_pipe", "pipe_pickle")
+            + (("torch_mp",) if HAVE_TORCH else ())],
 }
-GOALS = ["B1.copy", "B2", "B3'.pipe", "B4.rt", "B4", "B5.1", "B5.2", "B6.producer",
-         "B6.consumer", "B7", "B7.rt", "B8", "B9"] + (
+GOALS = ["B1.copy", "B2", "B2.read", "B3'.pipe", "B4.rt", "B4", "B5.1", "B5.2", "B6.producer",
+         "B6.consumer", "B7", "B7.rt", "B8", "B9", "B10.4KiB.own", "B10.8MiB.own",
+         "B10.200x1KiB.own"] + (
     ["B1.torch", "B3", "B3'.torch"] if HAVE_TORCH else []
 )
 

@@ -1,0 +1,431 @@
+"""tensordepot against what users would pick instead, interleaved in one run.
+
+    python tests/bench/peers.py [--quick] [--out bench-results/peers.json]
+    python tests/bench/peers.py --report bench-results/peers.json   # the README table
+
+``tests/bench/run.py`` runs it as its step B10.  Every case hands data from
+a producer to a consumer in another process, and the consumer reads every
+byte before it answers; a handoff is timed from the producer's first step
+(its copy into the system) to that answer.
+
+Systems (each handoff gets memory of its own, as a tensordepot version does):
+
+* ``tensordepot``: ``put`` / ``put_many``; the consumer waits in ``get`` /
+  ``get_many(newer_than=...)``;
+* ``ray``: ``ray.put``, and an actor's ``ray.get`` of the reference (when
+  ``ray`` is installed: ``pip install -e '.[bench]'``);
+* ``shm_pipe``: a new ``multiprocessing.shared_memory`` segment per handoff,
+  its name sent through a Pipe;
+* ``torch_mp``: a new shared torch tensor per handoff, through a
+  ``torch.multiprocessing`` Queue (when torch is installed);
+* ``pipe_pickle``: the array pickled through a Pipe.
+
+Each repetition runs every system once, in an order that rotates from one
+repetition to the next, so drift on this shared machine hits all alike.  A
+repetition's figure is the median of its handoffs; the report gives the
+median over repetitions with min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE), str(HERE.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SYSTEMS = ("tensordepot", "ray", "shm_pipe", "torch_mp", "pipe_pickle")
+OWN_MEMORY = ("shm_pipe", "torch_mp", "pipe_pickle")  # the peers that give each handoff its own
+
+
+def cases(quick: bool) -> list[dict[str, Any]]:
+    """(id, what, arrays of this many bytes, handoffs per repetition)."""
+    if quick:
+        return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 10},
+                {"id": "8MiB", "what": "8 MiB handoff", "sizes": [8 * MiB], "per": 3},
+                {"id": "200x1KiB", "what": "200 tensors of 1 KiB", "sizes": [KiB] * 200,
+                 "per": 3}]
+    return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 50},
+            {"id": "1MiB", "what": "1 MiB handoff", "sizes": [MiB], "per": 20},
+            {"id": "64MiB", "what": "64 MiB handoff", "sizes": [64 * MiB], "per": 5},
+            {"id": "1GiB", "what": "1 GiB handoff", "sizes": [GiB], "per": 1},
+            # B4's state dict: 100 weights of 640 x 1024 and 200 vectors of 7,680 float32
+            {"id": "state_dict", "what": "state dict, 300 tensors, 262 MiB",
+             "sizes": [640 * 1024 * 4, 7680 * 4, 7680 * 4] * 100, "per": 3},
+            {"id": "1000x1KiB", "what": "1,000 tensors of 1 KiB", "sizes": [KiB] * 1000,
+             "per": 10}]
+
+
+def read_all(arrays: list[Any]) -> tuple[int, int]:
+    """Every byte read: (the first word of the first array, the sum of all words)."""
+    total = 0
+    for a in arrays:
+        total += int(np.asarray(a).view(np.uint64).sum(dtype=np.uint64))
+    return int(np.asarray(arrays[0]).view(np.uint64)[0]), total % (1 << 64)
+
+
+def _names(n: int) -> list[str]:
+    return ["t"] if n == 1 else [f"layer.{i}" for i in range(n)]
+
+
+# -- consumers (each in its own process) ---------------------------------------------------
+
+
+def _consume_tensordepot(url: str, n: int, ack: Any) -> None:
+    from tensordepot import Client
+
+    names = _names(n)
+    with Client(url) as c:
+        ack.send("ready")
+        last: dict[str, int] = dict.fromkeys(names, 0)
+        while True:
+            if n == 1:
+                got = {"t": c.get("t", timeout=120, newer_than=last["t"])}
+            else:
+                got = c.get_many(names, timeout=120, newer_than=last)
+            last = {k: t.version for k, t in got.items()}
+            if got[names[0]].shape == (1,):
+                ack.send("done")
+                return
+            ack.send(read_all([np.from_dlpack(got[k]) for k in names]))
+            del got
+
+
+def _consume_pipe(data: Any, shm: bool, ack: Any) -> None:
+    from multiprocessing import shared_memory
+
+    ack.send("ready")
+    while True:
+        msg = data.recv()
+        if msg is None:
+            return
+        if not shm:
+            ack.send(read_all(msg if isinstance(msg, list) else [msg]))
+            del msg
+            continue
+        name, layout = msg
+        s = shared_memory.SharedMemory(name)
+        views = [np.ndarray((nb // 8,), np.uint64, s.buf, off) for off, nb in layout]
+        out = read_all(views)
+        del views
+        s.close()
+        ack.send(out)
+
+
+def _consume_torch(q: Any, ack: Any) -> None:
+    ack.send("ready")
+    while True:
+        msg = q.get()
+        if msg is None:
+            return
+        ack.send(read_all([t.numpy() for t in msg]))
+        del msg
+
+
+# -- producers: one handoff each, timed from the first copy to the answer ------------------
+
+
+class _Peer:
+    """One system's consumer and its handoff (``send``)."""
+
+    def __init__(self, ctx: Any, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self.ack, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+        self.proc.start()
+        theirs.close()
+        if not self.ack.poll(120) or self.ack.recv() != "ready":
+            raise RuntimeError(f"{target.__name__} did not start")
+
+    def answer(self) -> Any:
+        if not self.ack.poll(300):
+            raise RuntimeError("the consumer did not answer within 300 s")
+        return self.ack.recv()
+
+    def close(self) -> None:
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class Depot(_Peer):
+    def __init__(self, ctx: Any, url: str, n: int) -> None:
+        from tensordepot import Client
+
+        self.c = Client(url)
+        self.names = _names(n)
+        super().__init__(ctx, _consume_tensordepot, (url, n))
+
+    def send(self, arrays: list[np.ndarray]) -> Any:
+        if len(arrays) == 1:
+            self.c.put("t", arrays[0])
+        else:
+            self.c.put_many(dict(zip(self.names, arrays, strict=True)))
+        return self.answer()
+
+    def close(self) -> None:
+        end = np.zeros(1, np.uint8)
+        if len(self.names) == 1:
+            self.c.put("t", end)
+        else:
+            self.c.put_many(dict.fromkeys(self.names, end))
+        self.answer()
+        super().close()
+        for k in self.names:
+            self.c.delete(k)
+        self.c.close()
+
+
+class PipePeer(_Peer):
+    def __init__(self, ctx: Any, shm: bool) -> None:
+        self.data, theirs = ctx.Pipe()
+        self.shm = shm
+        super().__init__(ctx, _consume_pipe, (theirs, shm))
+
+    def send(self, arrays: list[np.ndarray]) -> Any:
+        if not self.shm:
+            self.data.send(arrays[0] if len(arrays) == 1 else arrays)
+            return self.answer()
+        from multiprocessing import shared_memory
+
+        total = sum(a.nbytes for a in arrays)
+        s = shared_memory.SharedMemory(create=True, size=total)
+        try:
+            layout, off = [], 0
+            for a in arrays:
+                np.ndarray((a.nbytes,), np.uint8, s.buf, off)[:] = a.view(np.uint8)
+                layout.append((off, a.nbytes))
+                off += a.nbytes
+            self.data.send((s.name, layout))
+            return self.answer()
+        finally:
+            s.close()
+            s.unlink()
+
+    def close(self) -> None:
+        self.data.send(None)
+        super().close()
+
+
+class TorchPeer(_Peer):
+    def __init__(self, ctx: Any) -> None:
+        import torch.multiprocessing as tmp
+
+        self.torch = __import__("torch")
+        tctx = tmp.get_context("spawn")
+        self.q = tctx.Queue()
+        super().__init__(tctx, _consume_torch, (self.q,))
+
+    def send(self, arrays: list[np.ndarray]) -> Any:
+        torch = self.torch
+        out = []
+        for a in arrays:
+            t = torch.empty(a.shape, dtype=torch.float32).share_memory_()
+            t.copy_(torch.from_numpy(a))
+            out.append(t)
+        self.q.put(out)
+        return self.answer()
+
+    def close(self) -> None:
+        self.q.put(None)
+        super().close()
+
+
+class RayPeer:
+    """``ray.put``, then an actor's ``ray.get`` of the reference: the actor
+    is the consumer process."""
+
+    def __init__(self, ray: Any) -> None:
+        self.ray = ray
+
+        class Reader:  # defined here, so that Ray ships it by value
+            def read(self, refs: list[Any]) -> Any:
+                import numpy as np
+                import ray as r
+
+                got = r.get(refs[0])
+                arrays = got if isinstance(got, list) else [got]
+                total = 0
+                for a in arrays:
+                    total += int(a.view(np.uint64).sum(dtype=np.uint64))
+                first = int(arrays[0].view(np.uint64)[0])
+                del got, arrays
+                return first, total % (1 << 64)
+
+        self.actor = ray.remote(Reader).remote()
+        ray.get(self.actor.read.remote([ray.put(np.zeros(8, np.uint8))]))
+
+    def send(self, arrays: list[np.ndarray]) -> Any:
+        ref = self.ray.put(arrays[0] if len(arrays) == 1 else arrays)
+        out = self.ray.get(self.actor.read.remote([ref]))
+        del ref
+        return out
+
+    def close(self) -> None:
+        self.ray.kill(self.actor)
+
+
+def start_ray(quick: bool) -> Any:
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=(512 * MiB if quick else 4 * GiB), configure_logging=False)
+    return ray
+
+
+def _source(sizes: list[int]) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    out = []
+    for nb in sizes:
+        a = rng.integers(0, 1 << 30, nb // 4, dtype=np.int64).astype(np.float32)
+        out.append(a)
+    return out
+
+
+def _expected(arrays: list[np.ndarray]) -> tuple[int, int]:
+    return read_all(arrays)
+
+
+def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every case, every system, interleaved; the result as JSON-able data."""
+    ctx = mp.get_context("spawn")
+    reps = reps or (3 if quick else 11)
+    ray = start_ray(quick) if "ray" in systems else None
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    skipped = {}
+    if ray is None and "ray" in systems:
+        skipped["ray"] = "ray is not installed (pip install -e '.[bench]')"
+    if not have_torch and "torch_mp" in systems:
+        skipped["torch_mp"] = "torch is not installed"
+    active = [s for s in systems if s not in skipped]
+    out: dict[str, Any] = {"reps": reps, "systems": active, "skipped": skipped, "cases": {}}
+    try:
+        for case in cases(quick):
+            arrays = _source(case["sizes"])
+            peers: dict[str, Any] = {}
+            try:
+                for s in active:
+                    peers[s] = (Depot(ctx, url, len(arrays)) if s == "tensordepot"
+                                else RayPeer(ray) if s == "ray"
+                                else PipePeer(ctx, shm=True) if s == "shm_pipe"
+                                else TorchPeer(ctx) if s == "torch_mp"
+                                else PipePeer(ctx, shm=False))
+                samples: dict[str, list[float]] = {s: [] for s in active}
+                for _ in range(2):  # warm every path
+                    for s in active:
+                        peers[s].send(arrays)
+                for r in range(reps):
+                    order = active[r % len(active):] + active[: r % len(active)]
+                    for s in order:
+                        times = []
+                        for i in range(case["per"]):
+                            arrays[0].view(np.uint64)[0] = i + 1  # each handoff is new data
+                            want = _expected(arrays) if i == 0 else None
+                            t0 = time.perf_counter()
+                            got = peers[s].send(arrays)
+                            times.append(time.perf_counter() - t0)
+                            if want is not None and tuple(got) != want:
+                                raise AssertionError(f"{s}, {case['id']}: the consumer read "
+                                                     f"{got}, not {want}")
+                        samples[s].append(statistics.median(times))
+                row = {}
+                for s, xs in samples.items():
+                    ms = [x * 1e3 for x in xs]
+                    row[s] = {"label": f"{s}, {case['what']}", "unit": "ms",
+                              "median": statistics.median(ms), "min": min(ms), "max": max(ms),
+                              "samples": ms, "n": len(ms)}
+                out["cases"][case["id"]] = {"what": case["what"], "per": case["per"],
+                                            "nbytes": sum(case["sizes"]), "systems": row}
+                log(f"  {case['id']}: " + ", ".join(
+                    f"{s} {v['median']:.3g} ms" for s, v in row.items()))
+            finally:
+                for p in peers.values():
+                    p.close()
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    return out
+
+
+def ratios(case: dict[str, Any]) -> dict[str, float | None]:
+    """tensordepot's median over Ray's and over the best peer that gives
+    each handoff memory of its own."""
+    row = case["systems"]
+    ours = row["tensordepot"]["median"]
+    ray = row.get("ray", {}).get("median")
+    own = best_own(case)
+    return {"vs_ray": ours / ray if ray else None,
+            "vs_best_own": ours / row[own]["median"] if own else None}
+
+
+def best_own(case: dict[str, Any]) -> str | None:
+    """The fastest peer that gives each handoff memory of its own."""
+    own = [s for s in OWN_MEMORY if s in case["systems"]]
+    return min(own, key=lambda s: case["systems"][s]["median"]) if own else None
+
+
+def table(result: dict[str, Any]) -> str:
+    """The README table: medians (min to max) per case and system."""
+    systems = result["systems"]
+    head = "| case | " + " | ".join(systems) + " | vs Ray | vs best own-memory peer |"
+    lines = [head, "|" + "---|" * (len(systems) + 3)]
+    for case in result["cases"].values():
+        cells = []
+        for s in systems:
+            v = case["systems"][s]
+            cells.append(f"{v['median']:.3g} ms ({v['min']:.3g} to {v['max']:.3g})")
+        r = ratios(case)
+        shown = [f"{x:.2f}×" if x is not None else "—" for x in (r["vs_ray"], r["vs_best_own"])]
+        lines.append(f"| {case['what']} | " + " | ".join(cells) + f" | {shown[0]} | {shown[1]} |")
+    if result["skipped"]:
+        lines.append("")
+        skipped = result["skipped"].items()
+        lines.append("Not measured: " + "; ".join(f"{k}: {v}" for k, v in skipped))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, 3 repetitions")
+    ap.add_argument("--out", default="bench-results/peers.json")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--report", metavar="JSON", help="print the table of a result and stop")
+    args = ap.parse_args(argv)
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        print(table(data.get("benchmarks", {}).get("B10", data)))
+        return 0
+    from _harness import BrokerProc
+
+    broker = BrokerProc("--max-memory", "8GiB", "--warm-memory", "6GiB", max_memory="8GiB")
+    try:
+        result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps)
+    finally:
+        broker.cleanup()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
