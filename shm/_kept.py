@@ -190,8 +190,10 @@ class KeptMap:
         self._base = 0
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
                            file.name)
-        self._los: list[int] = []  # lent ranges, sorted; they never share bytes
-        self._his: list[int] = []
+        # The lent ranges, (start, end), sorted; they never share bytes.  One
+        # list, so that each change is one step a signal cannot split (Ctrl-C
+        # raises between steps, never inside ``list.insert``).
+        self._spans: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._returned: collections.deque[tuple[int, int]] = collections.deque()
 
@@ -212,19 +214,23 @@ class KeptMap:
         first, last = offset // PAGE, (hi - 1) // PAGE
         with self._lock:
             self._drain()
-            los, his = self._los, self._his
-            i = bisect.bisect_right(los, offset)
-            if (i and his[i - 1] > offset) or (i < len(los) and los[i] < hi):
+            spans = self._spans
+            i = bisect.bisect_left(spans, (offset, hi))
+            before = spans[i - 1] if i else None
+            after = spans[i] if i < len(spans) else None
+            if (before and before[1] > offset) or (after and after[0] < hi):
                 return None
-            if i and (his[i - 1] - 1) // PAGE == first and self._dirty(first, first + 1):
+            if before and (before[1] - 1) // PAGE == first and self._dirty(first, first + 1):
                 return None
-            if i < len(los) and los[i] // PAGE == last and self._dirty(last, last + 1):
+            if after and after[0] // PAGE == last and self._dirty(last, last + 1):
                 return None
-            los.insert(i, offset)
-            his.insert(i, hi)
+            # Interrupted from here until the Lent exists, the range stays
+            # listed as lent: never lent again, never unsafe.
+            spans.insert(i, (offset, hi))
+            lent = Lent(self, offset, nbytes)
         if self._returned:
             self._give_back()
-        return Lent(self, offset, nbytes)
+        return lent
 
     def settle(self) -> None:
         """Handle returns still queued (the client's background thread calls
@@ -235,7 +241,7 @@ class KeptMap:
         """The ranges lent now."""
         with self._lock:
             self._drain()
-            return list(zip(self._los, self._his, strict=True))
+            return list(self._spans)
 
     def _dirty(self, p0: int, p1: int) -> list[tuple[int, int]]:
         return self._pm.dirty(self._base + p0 * PAGE, self._base + p1 * PAGE)
@@ -250,25 +256,28 @@ class KeptMap:
                 self._lock.release()
 
     def _drain(self) -> None:
-        """Handle queued returns (the lock is held)."""
-        los, his = self._los, self._his
+        """Handle queued returns (the lock is held).  A range's private pages
+        are dropped before it leaves the list, so that an interruption in
+        between leaves it listed (covered), never a dirty page uncovered."""
+        spans = self._spans
         while self._returned:
-            lo, hi = self._returned.popleft()
-            i = bisect.bisect_left(los, lo)
-            del los[i], his[i]
+            span = self._returned.popleft()
+            i = bisect.bisect_left(spans, span)
+            lo, hi = span
             p0, p1 = lo // PAGE, -(-hi // PAGE)
             # Edge pages another lent range shares stay as they are: that
             # range's own return scans them.
-            if i and (his[i - 1] - 1) // PAGE == p0:
+            if i and (spans[i - 1][1] - 1) // PAGE == p0:
                 p0 += 1
-            if i < len(los) and los[i] // PAGE == p1 - 1:
+            if i + 1 < len(spans) and spans[i + 1][0] // PAGE == p1 - 1:
                 p1 -= 1
             if p0 < p1:
                 for a, b in self._dirty(p0, p1):
                     _libc.madvise(a, b - a, _MADV_DONTNEED)
+            del spans[i]
 
     def __repr__(self) -> str:
-        return f"KeptMap({self.name!r}, {self._len} bytes, {len(self._los)} lent)"
+        return f"KeptMap({self.name!r}, {self._len} bytes, {len(self._spans)} lent)"
 
 
 class Lent:
