@@ -328,8 +328,7 @@ class Core:
         try:
             f = self.segments.file(h.segment, writable)
             check_extent(h, f.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype)
-            # A reader's view is private (a stray write never reaches the
-            # segment), lent from a kept mapping; a writer's is shared until publish.
+            # A reader's view is private, lent from a kept mapping; a writer's is shared.
             w = (f.window(h.offset, h.nbytes, writable=True) if writable
                  else self.segments.reader(h.segment, h.offset, h.nbytes))
         except OSError as exc:  # the operation gives back what the broker handed out
