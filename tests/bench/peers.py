@@ -376,6 +376,10 @@ def ratios(case: dict[str, Any]) -> dict[str, float | None]:
             "vs_best_own": ours / row[own]["median"] if own else None}
 
 
+def _ms(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def best_own(case: dict[str, Any]) -> str | None:
     """The fastest peer that gives each handoff memory of its own."""
     own = [s for s in OWN_MEMORY if s in case["systems"]]
@@ -391,7 +395,7 @@ def table(result: dict[str, Any]) -> str:
         cells = []
         for s in systems:
             v = case["systems"][s]
-            cells.append(f"{v['median']:.3g} ms ({v['min']:.3g} to {v['max']:.3g})")
+            cells.append(f"{_ms(v['median'])} ms ({_ms(v['min'])} to {_ms(v['max'])})")
         r = ratios(case)
         shown = [f"{x:.2f}×" if x is not None else "—" for x in (r["vs_ray"], r["vs_best_own"])]
         lines.append(f"| {case['what']} | " + " | ".join(cells) + f" | {shown[0]} | {shown[1]} |")
