@@ -4,8 +4,9 @@ whole-segment mapping, pre-faulted, that puts copy into.
 
 Readers' views are lent from one kept private mapping per segment
 (``shm._kept``), or map a window of their own where a range cannot be lent;
-the fill and kept mappings live as long as the segment does.  ``prune`` forgets segments the broker
-unlinked, so their memory returns to the kernel once no view uses them.
+the fill and kept mappings live as long as the segment does.  ``prune``
+forgets segments the broker unlinked, so their memory returns to the kernel
+once no view uses them.
 """
 
 from __future__ import annotations

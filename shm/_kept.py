@@ -183,11 +183,12 @@ def supported() -> bool:
 class KeptMap:
     """The whole of one segment, mapped private once, lent range by range."""
 
+    _base = 0  # 0 until mapped: nothing to unmap
+
     def __init__(self, file: SegmentFile, pagemap: _Pagemap | None = None) -> None:
         self.file, self.name = file, file.name
         self._len = max(-(-file.size // PAGE) * PAGE, PAGE)
         self._pm = pagemap or _pagemap
-        self._base = 0
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
                            file.name)
         # The lent ranges, (start, end), sorted; they never share bytes.  One

@@ -295,10 +295,6 @@ def _source(sizes: list[int]) -> list[np.ndarray]:
     return out
 
 
-def _expected(arrays: list[np.ndarray]) -> tuple[int, int]:
-    return read_all(arrays)
-
-
 def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every case, every system, interleaved; the result as JSON-able data."""
@@ -338,7 +334,7 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
                         times = []
                         for i in range(case["per"]):
                             arrays[0].view(np.uint64)[0] = i + 1  # each handoff is new data
-                            want = _expected(arrays) if i == 0 else None
+                            want = read_all(arrays) if i == 0 else None
                             t0 = time.perf_counter()
                             got = peers[s].send(arrays)
                             times.append(time.perf_counter() - t0)

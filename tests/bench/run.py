@@ -420,7 +420,10 @@ def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
     # Full reads: a get each time, against the same bytes read through one
     # mapping of the segment made before (what torch.mp or Ray readers keep).
     t = c.get("b2.big")
-    segment, offset = t._window.name, getattr(t._window, "offset", 0)
+    w = t._window  # a range of a kept mapping (offset), or a window of its own
+    segment = w.name
+    offset = w.offset if hasattr(w, "offset") else w._start + (w.address - w._base)
+    del w
     want = int(np.from_dlpack(t).view(np.uint64).sum(dtype=np.uint64))
     del t
     fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
