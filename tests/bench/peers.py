@@ -20,6 +20,11 @@ Systems (each handoff gets memory of its own, as a tensordepot version does):
   ``torch.multiprocessing`` Queue (when torch is installed);
 * ``pipe_pickle``: the array pickled through a Pipe.
 
+Cases: handoffs of 4 KiB, 1 MiB, 64 MiB and 1 GiB; a state dict (B4's, 300
+tensors), to one consumer and to two; 1,000 tensors of 1 KiB; and 256 MiB
+read by 1, 2, 4 and 8 consumers at once, where a handoff ends with the last
+consumer's answer.
+
 Each repetition runs every system once, in an order that rotates from one
 repetition to the next, so drift on this shared machine hits all alike.  A
 repetition's figure is the median of its handoffs; the report gives the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import pickle
 import statistics
 import sys
 import time
@@ -51,21 +57,31 @@ OWN_MEMORY = ("shm_pipe", "torch_mp", "pipe_pickle")  # the peers that give each
 
 
 def cases(quick: bool) -> list[dict[str, Any]]:
-    """(id, what, arrays of this many bytes, handoffs per repetition)."""
+    """Each case: id, what, ``sizes`` (its arrays' bytes), ``per`` (handoffs per
+    repetition), ``consumers`` (1 unless given) and ``reps`` (the run's unless given)."""
     if quick:
         return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 10},
                 {"id": "8MiB", "what": "8 MiB handoff", "sizes": [8 * MiB], "per": 3},
                 {"id": "200x1KiB", "what": "200 tensors of 1 KiB", "sizes": [KiB] * 200,
-                 "per": 3}]
+                 "per": 3},
+                {"id": "fanout2", "what": "8 MiB read by 2 consumers at once",
+                 "sizes": [8 * MiB], "per": 2, "consumers": 2}]
+    # B4's state dict: 100 weights of 640 x 1024 and 200 vectors of 7,680 float32
+    state_dict = [640 * 1024 * 4, 7680 * 4, 7680 * 4] * 100
     return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 50},
             {"id": "1MiB", "what": "1 MiB handoff", "sizes": [MiB], "per": 20},
             {"id": "64MiB", "what": "64 MiB handoff", "sizes": [64 * MiB], "per": 5},
             {"id": "1GiB", "what": "1 GiB handoff", "sizes": [GiB], "per": 1},
-            # B4's state dict: 100 weights of 640 x 1024 and 200 vectors of 7,680 float32
             {"id": "state_dict", "what": "state dict, 300 tensors, 262 MiB",
-             "sizes": [640 * 1024 * 4, 7680 * 4, 7680 * 4] * 100, "per": 3},
+             "sizes": state_dict, "per": 3},
+            {"id": "state_dict_x2", "what": "the next state dict to 2 consumers",
+             "sizes": state_dict, "per": 3, "consumers": 2},
             {"id": "1000x1KiB", "what": "1,000 tensors of 1 KiB", "sizes": [KiB] * 1000,
-             "per": 10}]
+             "per": 10}] + [
+            # 5 repetitions: a Pipe sends 256 MiB to each consumer in turn, seconds per handoff
+            {"id": f"fanout{k}", "what": f"256 MiB read by {k} consumer{'s' * (k > 1)} at once "
+             "(5 repetitions)", "sizes": [256 * MiB], "per": 1, "consumers": k, "reps": 5}
+            for k in (1, 2, 4, 8)]
 
 
 def read_all(arrays: list[Any]) -> tuple[int, int]:
@@ -108,7 +124,7 @@ def _consume_pipe(data: Any, shm: bool, ack: Any) -> None:
 
     ack.send("ready")
     while True:
-        msg = data.recv()
+        msg = pickle.loads(data.recv_bytes())
         if msg is None:
             return
         if not shm:
@@ -134,45 +150,58 @@ def _consume_torch(q: Any, ack: Any) -> None:
         del msg
 
 
-# -- producers: one handoff each, timed from the first copy to the answer ------------------
+# -- producers: one handoff each, timed from the first copy to the last answer -------------
 
 
 class _Peer:
-    """One system's consumer and its handoff (``send``)."""
+    """One system's consumers (``k`` processes) and its handoff (``send``,
+    which returns every consumer's answer)."""
 
-    def __init__(self, ctx: Any, target: Callable[..., None], args: tuple[Any, ...]) -> None:
-        self.ack, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
-        self.proc.start()
-        theirs.close()
-        if not self.ack.poll(120) or self.ack.recv() != "ready":
-            raise RuntimeError(f"{target.__name__} did not start")
+    def __init__(self, ctx: Any, k: int, target: Callable[..., None],
+                 args: Callable[[int], tuple[Any, ...]]) -> None:
+        self.acks, self.procs = [], []
+        for i in range(k):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=target, args=(*args(i), theirs), daemon=True)
+            p.start()
+            theirs.close()
+            self.acks.append(mine)
+            self.procs.append(p)
+        for a in self.acks:
+            if not a.poll(120) or a.recv() != "ready":
+                raise RuntimeError(f"{target.__name__} did not start")
 
-    def answer(self) -> Any:
-        if not self.ack.poll(300):
-            raise RuntimeError("the consumer did not answer within 300 s")
-        return self.ack.recv()
+    def answers(self) -> list[Any]:
+        out = []
+        for a in self.acks:
+            if not a.poll(300):
+                raise RuntimeError("a consumer did not answer within 300 s")
+            out.append(a.recv())
+        return out
 
     def close(self) -> None:
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 class Depot(_Peer):
-    def __init__(self, ctx: Any, url: str, n: int) -> None:
+    """Every consumer waits for the next version of the same names."""
+
+    def __init__(self, ctx: Any, k: int, url: str, n: int) -> None:
         from tensordepot import Client
 
         self.c = Client(url)
         self.names = _names(n)
-        super().__init__(ctx, _consume_tensordepot, (url, n))
+        super().__init__(ctx, k, _consume_tensordepot, lambda i: (url, n))
 
-    def send(self, arrays: list[np.ndarray]) -> Any:
+    def send(self, arrays: list[np.ndarray]) -> list[Any]:
         if len(arrays) == 1:
             self.c.put("t", arrays[0])
         else:
             self.c.put_many(dict(zip(self.names, arrays, strict=True)))
-        return self.answer()
+        return self.answers()
 
     def close(self) -> None:
         end = np.zeros(1, np.uint8)
@@ -180,7 +209,7 @@ class Depot(_Peer):
             self.c.put("t", end)
         else:
             self.c.put_many(dict.fromkeys(self.names, end))
-        self.answer()
+        self.answers()
         super().close()
         for k in self.names:
             self.c.delete(k)
@@ -188,15 +217,26 @@ class Depot(_Peer):
 
 
 class PipePeer(_Peer):
-    def __init__(self, ctx: Any, shm: bool) -> None:
-        self.data, theirs = ctx.Pipe()
-        self.shm = shm
-        super().__init__(ctx, _consume_pipe, (theirs, shm))
+    """A Pipe to each consumer: the pickle (made once, sent to each), or the
+    name of a new shared_memory segment that all of them map."""
 
-    def send(self, arrays: list[np.ndarray]) -> Any:
+    def __init__(self, ctx: Any, k: int, shm: bool) -> None:
+        self.data: list[Any] = []
+        self.shm = shm
+
+        def args(i: int) -> tuple[Any, ...]:
+            mine, theirs = ctx.Pipe()
+            self.data.append(mine)
+            return (theirs, shm)
+
+        super().__init__(ctx, k, _consume_pipe, args)
+
+    def send(self, arrays: list[np.ndarray]) -> list[Any]:
         if not self.shm:
-            self.data.send(arrays[0] if len(arrays) == 1 else arrays)
-            return self.answer()
+            blob = pickle.dumps(arrays[0] if len(arrays) == 1 else arrays, protocol=5)
+            for d in self.data:
+                d.send_bytes(blob)
+            return self.answers()
         from multiprocessing import shared_memory
 
         total = sum(a.nbytes for a in arrays)
@@ -207,46 +247,51 @@ class PipePeer(_Peer):
                 np.ndarray((a.nbytes,), np.uint8, s.buf, off)[:] = a.view(np.uint8)
                 layout.append((off, a.nbytes))
                 off += a.nbytes
-            self.data.send((s.name, layout))
-            return self.answer()
+            for d in self.data:
+                d.send((s.name, layout))
+            return self.answers()
         finally:
             s.close()
             s.unlink()
 
     def close(self) -> None:
-        self.data.send(None)
+        for d in self.data:
+            d.send_bytes(pickle.dumps(None))
         super().close()
 
 
 class TorchPeer(_Peer):
-    def __init__(self, ctx: Any) -> None:
+    """New shared tensors, put on each consumer's Queue."""
+
+    def __init__(self, ctx: Any, k: int) -> None:
         import torch.multiprocessing as tmp
 
         self.torch = __import__("torch")
         tctx = tmp.get_context("spawn")
-        self.q = tctx.Queue()
-        super().__init__(tctx, _consume_torch, (self.q,))
+        self.qs = [tctx.Queue() for _ in range(k)]
+        super().__init__(tctx, k, _consume_torch, lambda i: (self.qs[i],))
 
-    def send(self, arrays: list[np.ndarray]) -> Any:
+    def send(self, arrays: list[np.ndarray]) -> list[Any]:
         torch = self.torch
         out = []
         for a in arrays:
             t = torch.empty(a.shape, dtype=torch.float32).share_memory_()
             t.copy_(torch.from_numpy(a))
             out.append(t)
-        self.q.put(out)
-        return self.answer()
+        for q in self.qs:
+            q.put(out)
+        return self.answers()
 
     def close(self) -> None:
-        self.q.put(None)
+        for q in self.qs:
+            q.put(None)
         super().close()
 
 
 class RayPeer:
-    """``ray.put``, then an actor's ``ray.get`` of the reference: the actor
-    is the consumer process."""
+    """``ray.put``, then each consumer actor's ``ray.get`` of the reference."""
 
-    def __init__(self, ray: Any) -> None:
+    def __init__(self, ray: Any, k: int) -> None:
         self.ray = ray
 
         class Reader:  # defined here, so that Ray ships it by value
@@ -263,17 +308,20 @@ class RayPeer:
                 del got, arrays
                 return first, total % (1 << 64)
 
-        self.actor = ray.remote(Reader).remote()
-        ray.get(self.actor.read.remote([ray.put(np.zeros(8, np.uint8))]))
+        # num_cpus=0: actors that wait on ray.get need no CPU reserved, so 8 fit on 2 cores.
+        self.actors = [ray.remote(num_cpus=0)(Reader).remote() for _ in range(k)]
+        warm = ray.put(np.zeros(8, np.uint8))
+        ray.get([a.read.remote([warm]) for a in self.actors])
 
-    def send(self, arrays: list[np.ndarray]) -> Any:
+    def send(self, arrays: list[np.ndarray]) -> list[Any]:
         ref = self.ray.put(arrays[0] if len(arrays) == 1 else arrays)
-        out = self.ray.get(self.actor.read.remote([ref]))
+        out = self.ray.get([a.read.remote([ref]) for a in self.actors])
         del ref
-        return out
+        return list(out)
 
     def close(self) -> None:
-        self.ray.kill(self.actor)
+        for a in self.actors:
+            self.ray.kill(a)
 
 
 def start_ray(quick: bool) -> Any:
@@ -318,17 +366,19 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
             arrays = _source(case["sizes"])
             peers: dict[str, Any] = {}
             try:
+                k = case.get("consumers", 1)
                 for s in active:
-                    peers[s] = (Depot(ctx, url, len(arrays)) if s == "tensordepot"
-                                else RayPeer(ray) if s == "ray"
-                                else PipePeer(ctx, shm=True) if s == "shm_pipe"
-                                else TorchPeer(ctx) if s == "torch_mp"
-                                else PipePeer(ctx, shm=False))
+                    peers[s] = (Depot(ctx, k, url, len(arrays)) if s == "tensordepot"
+                                else RayPeer(ray, k) if s == "ray"
+                                else PipePeer(ctx, k, shm=True) if s == "shm_pipe"
+                                else TorchPeer(ctx, k) if s == "torch_mp"
+                                else PipePeer(ctx, k, shm=False))
                 samples: dict[str, list[float]] = {s: [] for s in active}
                 for _ in range(2):  # warm every path
                     for s in active:
                         peers[s].send(arrays)
-                for r in range(reps):
+                n_reps = case.get("reps", reps)
+                for r in range(n_reps):
                     order = active[r % len(active):] + active[: r % len(active)]
                     for s in order:
                         times = []
@@ -338,8 +388,8 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
                             t0 = time.perf_counter()
                             got = peers[s].send(arrays)
                             times.append(time.perf_counter() - t0)
-                            if want is not None and tuple(got) != want:
-                                raise AssertionError(f"{s}, {case['id']}: the consumer read "
+                            if want is not None and any(tuple(g) != want for g in got):
+                                raise AssertionError(f"{s}, {case['id']}: the consumers read "
                                                      f"{got}, not {want}")
                         samples[s].append(statistics.median(times))
                 row = {}
@@ -349,6 +399,7 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
                               "median": statistics.median(ms), "min": min(ms), "max": max(ms),
                               "samples": ms, "n": len(ms)}
                 out["cases"][case["id"]] = {"what": case["what"], "per": case["per"],
+                                            "reps": n_reps, "consumers": k,
                                             "nbytes": sum(case["sizes"]), "systems": row}
                 log(f"  {case['id']}: " + ", ".join(
                     f"{s} {v['median']:.3g} ms" for s, v in row.items()))
