@@ -42,7 +42,7 @@ import os
 import threading
 from typing import Any
 
-from ._posix import _MAP_PRIVATE, _PROT_READ, _PROT_WRITE, KIND, PAGE, SegmentFile, _libc, _mmap
+from ._posix import _MAP_PRIVATE, _PROT_READ, _PROT_WRITE, PAGE, SegmentFile, _libc, _mmap
 
 _MADV_DONTNEED = 4
 
@@ -285,18 +285,12 @@ class Lent:
     """``[offset, offset + nbytes)`` of a ``KeptMap``, read like a reader
     window; returned to the map once no view references it."""
 
-    kind = KIND
-    writable = False
     __slots__ = ("_kept", "address", "name", "offset", "size")
 
     def __init__(self, kept: KeptMap, offset: int, nbytes: int) -> None:
         self._kept, self.offset = kept, offset
         self.address = kept._base + offset
         self.name, self.size = kept.name, nbytes
-
-    @property
-    def shared(self) -> bool:
-        return False
 
     def __del__(self) -> None:
         try:
