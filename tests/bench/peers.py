@@ -23,7 +23,11 @@ Systems (each handoff gets memory of its own, as a tensordepot version does):
 Cases: handoffs of 4 KiB, 1 MiB, 64 MiB and 1 GiB; a state dict (B4's, 300
 tensors), to one consumer and to two; 1,000 tensors of 1 KiB; and 256 MiB
 read by 1, 2, 4 and 8 consumers at once, where a handoff ends with the last
-consumer's answer.
+consumer's answer.  Rates: 1 and 4 client processes get the same published
+4 KiB tensor over and over, each get read whole (tensordepot ``get``; Ray's
+``ray.get`` in an actor; a request over a Pipe to a process that holds it,
+answered with the segment's name, the shared torch tensor, or the pickle),
+as gets per second of all clients together.
 
 Each repetition runs every system once, in an order that rotates from one
 repetition to the next, so drift on this shared machine hits all alike.  A
@@ -148,6 +152,157 @@ def _consume_torch(q: Any, ack: Any) -> None:
             return
         ack.send(read_all([t.numpy() for t in msg]))
         del msg
+
+
+def rate_cases(quick: bool) -> list[dict[str, Any]]:
+    """Each rate case: id, what, ``nbytes`` (the tensor's), ``per`` (gets per
+    client per repetition) and ``clients``."""
+    ks, per = ((1, 2), 100) if quick else ((1, 4), 1000)
+    return [{"id": f"gets{k}", "what": f"small gets/s, {k} client{'s' * (k > 1)}",
+             "nbytes": 4 * KiB, "per": per, "clients": k} for k in ks]
+
+
+def _getter(system: str, where: Any, ctrl: Any) -> None:
+    """One client: on each ``m`` from ``ctrl``, ``m`` gets, each read whole,
+    then the first get's answer back.  ``where``: the broker's URL, or a
+    Pipe to the process that holds the tensor."""
+    if system == "tensordepot":
+        from tensordepot import Client
+
+        c = Client(where)
+
+        def get() -> tuple[int, int]:
+            t = c.get(RATE_NAME)
+            return read_all([np.from_dlpack(t)])
+    else:
+        from multiprocessing import shared_memory
+
+        if system == "torch_mp":
+            import torch.multiprocessing  # noqa: F401  (its reductions: a tensor's memory is sent)
+
+        def get() -> tuple[int, int]:
+            where.send_bytes(b"")
+            msg = where.recv()
+            if system == "pipe_pickle":
+                return read_all([msg])
+            if system == "torch_mp":
+                return read_all([msg.numpy()])
+            s = shared_memory.SharedMemory(msg)
+            v = np.ndarray((s.size // 8,), np.uint64, s.buf)
+            out = read_all([v])
+            del v
+            s.close()
+            return out
+
+    ctrl.send("ready")
+    while (m := ctrl.recv()) is not None:
+        first = get()
+        for _ in range(m - 1):
+            get()
+        ctrl.send(first)
+
+
+def _holder(system: str, a: np.ndarray, conns: list[Any], ack: Any) -> None:
+    """The process that holds the tensor and answers each request on ``conns``
+    with what its ``system`` sends; it ends when every client has gone."""
+    from multiprocessing import connection, shared_memory
+
+    s = None
+    if system == "torch_mp":
+        import torch
+        import torch.multiprocessing  # its reductions: the payload is sent as shared memory
+
+        payload: Any = torch.from_numpy(a.copy()).share_memory_()
+    elif system == "shm_pipe":
+        s = shared_memory.SharedMemory(create=True, size=a.nbytes)
+        np.ndarray(a.shape, a.dtype, s.buf)[:] = a
+        payload = s.name
+    else:
+        payload = a
+    ack.send("ready")
+    live = list(conns)
+    try:
+        while live:
+            for c in connection.wait(live):
+                try:
+                    c.recv_bytes()
+                    c.send(payload)
+                except (EOFError, OSError):
+                    live.remove(c)
+    finally:
+        if s is not None:
+            s.close()
+            s.unlink()
+
+
+RATE_NAME = "bench.small"
+
+
+class Getters:
+    """``k`` client processes of one system and, for the Pipe peers, the
+    process that answers them; ``round(m)`` lets each make ``m`` gets."""
+
+    def __init__(self, ctx: Any, system: str, k: int, url: str, a: np.ndarray) -> None:
+        self.holder = None
+        if system == "torch_mp":
+            import torch.multiprocessing as tmp
+
+            ctx = tmp.get_context("spawn")
+        wheres: list[Any] = [url] * k
+        if system != "tensordepot":
+            pairs = [ctx.Pipe() for _ in range(k)]
+            wheres = [theirs for _, theirs in pairs]
+            self.holder = _Peer(ctx, 1, _holder, lambda i: (system, a, [m for m, _ in pairs]))
+            for m, _ in pairs:
+                m.close()
+        self.peer = _Peer(ctx, k, _getter, lambda i: (system, wheres[i]))
+        for w in wheres:
+            if w is not url:
+                w.close()
+
+    def round(self, m: int) -> list[Any]:
+        for a in self.peer.acks:
+            a.send(m)
+        return self.peer.answers()
+
+    def close(self) -> None:
+        for a in self.peer.acks:
+            a.send(None)
+        self.peer.close()
+        if self.holder is not None:
+            self.holder.close()
+
+
+class RayGetters:
+    """``k`` actors, each ``ray.get``-ing the same reference ``m`` times."""
+
+    def __init__(self, ray: Any, k: int, a: np.ndarray) -> None:
+        self.ray = ray
+
+        class Getter:  # defined here, so that Ray ships it by value
+            def run(self, refs: list[Any], m: int) -> Any:
+                import numpy as np
+                import ray as r
+
+                out = None
+                for _ in range(m):
+                    got = r.get(refs[0])
+                    v = got.view(np.uint64)
+                    answer = (int(v[0]), int(v.sum(dtype=np.uint64)) % (1 << 64))
+                    out = out or answer
+                    del got, v
+                return out
+
+        self.ref = ray.put(a)
+        self.actors = [ray.remote(num_cpus=0)(Getter).remote() for _ in range(k)]
+
+    def round(self, m: int) -> list[Any]:
+        return list(self.ray.get([g.run.remote([self.ref], m) for g in self.actors]))
+
+    def close(self) -> None:
+        for g in self.actors:
+            self.ray.kill(g)
+        del self.ref
 
 
 # -- producers: one handoff each, timed from the first copy to the last answer -------------
@@ -406,21 +561,65 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
             finally:
                 for p in peers.values():
                     p.close()
+        for case in rate_cases(quick):
+            out["cases"][case["id"]] = _rates(case, ctx, url, ray, active, reps, log)
     finally:
         if ray is not None:
             ray.shutdown()
     return out
 
 
+def _rates(case: dict[str, Any], ctx: Any, url: str, ray: Any, active: list[str], reps: int,
+           log: Callable[[str], None]) -> dict[str, Any]:
+    """One rate case: every system's clients, interleaved as the handoffs are."""
+    from tensordepot import Client
+
+    a = _source([case["nbytes"]])[0]
+    want = read_all([a])
+    k = case["clients"]
+    getters: dict[str, Any] = {}
+    with Client(url) as c:
+        c.put(RATE_NAME, a)
+        try:
+            for s in active:
+                getters[s] = (RayGetters(ray, k, a) if s == "ray"
+                              else Getters(ctx, s, k, url, a))
+            for s in active:  # warm every path
+                getters[s].round(20)
+            samples: dict[str, list[float]] = {s: [] for s in active}
+            for r in range(reps):
+                for s in active[r % len(active):] + active[: r % len(active)]:
+                    t0 = time.perf_counter()
+                    got = getters[s].round(case["per"])
+                    samples[s].append(k * case["per"] / (time.perf_counter() - t0))
+                    if any(tuple(g) != want for g in got):
+                        raise AssertionError(f"{s}, {case['id']}: the clients read {got}, "
+                                             f"not {want}")
+        finally:
+            for g in getters.values():
+                g.close()
+            c.delete(RATE_NAME)
+    row = {s: {"label": f"{s}, {case['what']}", "unit": "gets/s",
+               "median": statistics.median(xs), "min": min(xs), "max": max(xs),
+               "samples": xs, "n": len(xs)} for s, xs in samples.items()}
+    log(f"  {case['id']}: " + ", ".join(f"{s} {v['median']:,.0f}/s" for s, v in row.items()))
+    return {"what": case["what"], "per": case["per"], "reps": reps, "consumers": k,
+            "nbytes": case["nbytes"], "rate": True, "systems": row}
+
+
 def ratios(case: dict[str, Any]) -> dict[str, float | None]:
-    """tensordepot's median over Ray's and over the best peer that gives
-    each handoff memory of its own."""
+    """tensordepot's time over Ray's and over that of the best peer that
+    gives each handoff memory of its own (for a rate: theirs over ours)."""
     row = case["systems"]
     ours = row["tensordepot"]["median"]
     ray = row.get("ray", {}).get("median")
     own = best_own(case)
-    return {"vs_ray": ours / ray if ray else None,
-            "vs_best_own": ours / row[own]["median"] if own else None}
+
+    def over(theirs: float) -> float:
+        return theirs / ours if case.get("rate") else ours / theirs
+
+    return {"vs_ray": over(ray) if ray else None,
+            "vs_best_own": over(row[own]["median"]) if own else None}
 
 
 def _ms(x: float) -> str:
@@ -430,7 +629,8 @@ def _ms(x: float) -> str:
 def best_own(case: dict[str, Any]) -> str | None:
     """The fastest peer that gives each handoff memory of its own."""
     own = [s for s in OWN_MEMORY if s in case["systems"]]
-    return min(own, key=lambda s: case["systems"][s]["median"]) if own else None
+    pick = max if case.get("rate") else min
+    return pick(own, key=lambda s: case["systems"][s]["median"]) if own else None
 
 
 def table(result: dict[str, Any]) -> str:
@@ -442,10 +642,14 @@ def table(result: dict[str, Any]) -> str:
         cells = []
         for s in systems:
             v = case["systems"][s]
-            cells.append(f"{_ms(v['median'])} ms ({_ms(v['min'])} to {_ms(v['max'])})")
+            unit = "/s" if case.get("rate") else " ms"
+            cells.append(f"{_ms(v['median'])}{unit} ({_ms(v['min'])} to {_ms(v['max'])})")
         r = ratios(case)
         shown = [f"{x:.2f}×" if x is not None else "—" for x in (r["vs_ray"], r["vs_best_own"])]
         lines.append(f"| {case['what']} | " + " | ".join(cells) + f" | {shown[0]} | {shown[1]} |")
+    if any(c.get("rate") for c in result["cases"].values()):
+        lines += ["", "A ratio is tensordepot's time over the peer's; for a rate, the peer's "
+                  "rate over tensordepot's (its time per get over the peer's)."]
     if result["skipped"]:
         lines.append("")
         skipped = result["skipped"].items()

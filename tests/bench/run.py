@@ -808,7 +808,7 @@ def bench_b7(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
             s_cp,
             median(ex_t) / median(cp_t),
             "<=",
-            1.5,
+            1.3,
         ),
         check(
             "B7.rt",
@@ -1187,8 +1187,8 @@ def bench_b6(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any]
 
 # -- B10 -------------------------------------------------------------------------
 
-# Handoffs this small are mostly fixed costs (two processes woken, a request
-# each way), where a Pipe of the pickle has the least to do.
+# Handoffs this small, and the rates of small gets, are mostly fixed costs
+# (processes woken, a request each way), where a Pipe has the least to do.
 _SMALL_HANDOFFS = ("4KiB", "1MiB")
 
 
@@ -1203,15 +1203,17 @@ def bench_b10(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any
     for cid, case in data["cases"].items():
         ours = case["systems"]["tensordepot"]
         r = peers.ratios(case)
+        what = f"{case['what']}: {'time per get, ' * bool(case.get('rate'))}tensordepot"
         if r["vs_ray"] is not None:
-            rows.append(check(f"B10.{cid}.ray", "B10", f"{case['what']}: tensordepot / Ray", ours,
+            rows.append(check(f"B10.{cid}.ray", "B10", f"{what} / Ray", ours,
                               case["systems"]["ray"], r["vs_ray"], "<=", 1.0))
         own = peers.best_own(case)
         if own is not None:
+            small = cid in _SMALL_HANDOFFS or case.get("rate")
             rows.append(check(f"B10.{cid}.own", "B10",
-                              f"{case['what']}: tensordepot / best peer with memory of its own",
+                              f"{what} / best peer with memory of its own",
                               ours, case["systems"][own], r["vs_best_own"], "<=",
-                              1.5 if cid in _SMALL_HANDOFFS else 1.0))
+                              1.5 if small else 1.0))
     return data, rows
 
 
