@@ -118,7 +118,7 @@ class Answer:
         self.keep_alive = self._parser.should_keep_alive()
         self.done = True
 
-    def feed(self, chunk: bytes) -> bool:
+    def feed(self, chunk: bytes | memoryview) -> bool:
         """Parse the next bytes of the answer: whether it is whole now."""
         if not chunk:
             raise _Disconnected("the broker closed the connection", self.got)

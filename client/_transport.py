@@ -5,7 +5,11 @@ says what failures mean).
 Each request goes out in a single send (http.client sends headers and body
 separately, waking the broker twice).  On this class of machine the control
 plane is the whole cost of a small get, and the client shares two cores with
-the broker, so its CPU time matters.
+the broker, so its CPU time matters: a round trip is one send and one receive
+(usually one recv), nothing else.  Timeouts are the kernel's (``SO_RCVTIMEO``,
+``SO_SNDTIMEO`` on a blocking socket; Python's socket timeouts poll(2) before
+every send and receive), and answers are read into one buffer per connection
+(``recv(n)`` of a large ``n`` maps and unmaps a fresh buffer every time).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -23,6 +28,24 @@ from ._trust import check_broker_socket
 # A connection idle this long is checked before use (one poll(2)); the broker
 # closes idle ones only after its keep-alive timeout (120 s), or when it stops.
 _IDLE = 1.0
+_RECV = 262144  # bytes a connection reads at once
+
+
+def _set_timeout(sock: socket.socket, timeout: float | None) -> None:
+    """Blocking I/O on ``sock`` that gives up after ``timeout`` seconds without
+    progress (None: never), as a socket timeout would, without its poll(2)s."""
+    sock.settimeout(None)
+    if timeout is None:
+        sec, usec = 0, 0  # a zero timeval: wait forever
+    else:
+        sec, usec = int(timeout), round((timeout - int(timeout)) * 1e6)
+        if usec >= 1_000_000:
+            sec, usec = sec + 1, 0
+        if not sec and not usec:
+            usec = 1  # zero would mean forever
+    tv = struct.pack("@ll", sec, usec)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class _Conn:
@@ -34,6 +57,8 @@ class _Conn:
         self._timeout: float | None = -1.0
         self.verified = False  # the peer said it is a tensordepot broker
         self.used = 0.0  # when its last answer arrived
+        self._buf = bytearray(_RECV)
+        self._view = memoryview(self._buf)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -54,17 +79,21 @@ class _Conn:
             self.close()  # reconnect now rather than fail a request that may not be resent
         if self.sock is None:
             self.sock = self._connect(timeout)
-            self._timeout = timeout
+            self._timeout = -1.0
         sock = self.sock
         if timeout != self._timeout:
-            sock.settimeout(timeout)
+            _set_timeout(sock, timeout)
             self._timeout = timeout
-        sock.sendall(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            sock.sendall(body)
         answer = Answer()
-        while not answer.feed(sock.recv(262144)):
-            pass
+        buf, view = self._buf, self._view
+        try:
+            sock.sendall(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                sock.sendall(body)
+            while not answer.feed(view[:sock.recv_into(buf)]):
+                pass
+        except BlockingIOError as exc:  # SO_RCVTIMEO or SO_SNDTIMEO ran out
+            raise TimeoutError("timed out") from exc
         status, payload, keep_alive = answer.finish(self.verified)
         self.verified = True
         self.used = time.monotonic()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import select
+import signal
 import socket
 import threading
 import time
@@ -138,6 +139,37 @@ def test_not_a_broker_says_so(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 # -- timeouts, checked once -----------------------------------------------------------------------
+
+
+def test_a_stopped_broker_times_out_and_the_client_recovers(broker: BrokerProc) -> None:
+    """SIGSTOP past the client's I/O timeout: the call gives up after about
+    that long, says so, and once the broker runs again the same client works."""
+    assert broker.proc is not None
+    with Client(broker.url, timeout=0.5) as c:
+        c.put("x", np.arange(4, dtype=np.float32))
+        failed: list[BaseException] = []
+
+        def stat() -> None:
+            try:
+                c.stat()
+            except BaseException as exc:
+                failed.append(exc)
+
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            caller = threading.Thread(target=stat, daemon=True)
+            caller.start()
+            caller.join(10)
+            took = time.monotonic() - t0
+            assert not caller.is_alive(), "stat() waited past its 0.5 s timeout for 10 s"
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+        assert len(failed) == 1 and isinstance(failed[0], BrokerUnavailable), failed
+        assert "did not answer" in str(failed[0]) and "within 0.5 s" in str(failed[0]), failed
+        assert 0.4 < took < 5, took
+        assert np.from_dlpack(c.get("x")).tolist() == [0, 1, 2, 3]
+        c.delete("x")
 
 
 @pytest.mark.parametrize("timeout", [math.inf, 1e300, None], ids=["inf", "1e300", "None"])
