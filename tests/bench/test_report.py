@@ -22,7 +22,8 @@ README = "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\
 def repo(tmp_path: Path) -> Path:
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     (tmp_path / "docs").mkdir()
-    shutil.copy(ROOT / "tests" / "bench" / "report.py", tmp_path / "tests" / "bench")
+    for script in ("report.py", "peers.py"):  # report.py renders B10's table with peers.py
+        shutil.copy(ROOT / "tests" / "bench" / script, tmp_path / "tests" / "bench")
     shutil.copy(ROOT / "docs" / "bench.json", tmp_path / "docs")  # a full run's results
     (tmp_path / "README.md").write_text(README)
     return tmp_path
