@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from _harness import ROOT
 
-README = "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\n\n## Next\n"
+README = "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nTHE-OLD-TABLE\n<!-- bench:end -->\n\n## Next\n"
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_report_prints_and_leaves_the_readme_alone(repo: Path) -> None:
 def test_report_writes_the_readme_when_asked(repo: Path) -> None:
     res = report(repo, "--readme")
     text = (repo / "README.md").read_text()
-    assert "old" not in text and text.endswith("<!-- bench:end -->\n\n## Next\n")
+    assert "THE-OLD-TABLE" not in text and text.endswith("<!-- bench:end -->\n\n## Next\n")
     assert res.stdout.strip() in text
 
     other = repo / "other.md"
