@@ -46,7 +46,7 @@ def connect(args: argparse.Namespace) -> Any:
 def ls(args: argparse.Namespace) -> int:
     """``tensordepot ls``: a table of the tensors, or JSON."""
     with connect(args) as c:
-        items = c.list()
+        items = c.list(prefix=args.prefix)
     if args.json:
         _print_json([i.model_dump() for i in items])
         return 0
@@ -84,14 +84,36 @@ def stat(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
-    """``tensordepot rm``: delete each name; 1 if any is missing or refused."""
+    """``tensordepot rm``: delete each name, and with ``--prefix`` every name
+    that starts with it (one request); 1 if any name is missing or refused."""
     from .._errors import InvalidRequest, TensorNotFound
 
     deleted: list[str] = []
     missing: list[str] = []
     refused: dict[str, str] = {}
+    if not args.names and args.prefix is None:
+        print("tensordepot rm: name the tensors to delete, or pass --prefix", file=sys.stderr)
+        return 2
     with connect(args) as c:
-        for name in args.names:  # one bad name does not stop the others
+        if args.prefix is not None:
+            try:
+                deleted += c.delete(prefix=args.prefix)
+            except InvalidRequest as exc:
+                refused[args.prefix] = str(exc)
+                print(f"tensordepot rm: cannot remove --prefix {args.prefix!r}: {exc}",
+                      file=sys.stderr)
+            else:
+                if not deleted:
+                    print(f"tensordepot rm: no tensor name starts with {args.prefix!r}",
+                          file=sys.stderr)
+        rest = list(args.names)
+        if len(rest) > 1:
+            try:
+                deleted += c.delete_many(rest)  # one request when every name is there
+                rest = []
+            except (TensorNotFound, InvalidRequest):
+                pass  # name by name, below
+        for name in rest:  # one bad name does not stop the others
             try:
                 c.delete(name)
             except TensorNotFound:

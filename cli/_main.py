@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = (
         ("ls", _commands.ls, "list tensors"),
         ("stat", _commands.stat, "show memory and lifetime accounting"),
-        ("rm", _commands.rm, "delete tensors; goes on past missing names (exit 1 if any)"),
+        ("rm", _commands.rm, "delete tensors (names, or --prefix); goes on past missing "
+                             "names (exit 1 if any)"),
         ("wait", _commands.wait, "wait until the broker answers (exit 0), or time out (exit 1)"),
     )
     for name, fn, helptext in commands:
@@ -52,8 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true", help="print JSON")
         if name in ("ls", "stat"):
             c.add_argument("--bytes", action="store_true", help="sizes as byte counts, not 1.5 GiB")
+        if name == "ls":
+            c.add_argument("--prefix", default="", metavar="P",
+                           help="only names that start with P")
         if name == "rm":
-            c.add_argument("names", nargs="+", metavar="NAME")
+            c.add_argument("names", nargs="*", metavar="NAME")
+            c.add_argument("--prefix", default=None, metavar="P",
+                           help="also every name that starts with P, in one request")
         if name == "wait":
             c.add_argument("--timeout", type=_commands.seconds, default=30.0, metavar="S",
                            help="give up after S seconds (default 30)")

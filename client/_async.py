@@ -213,15 +213,17 @@ class AsyncClient:
         self._pid = os.getpid()
 
     # -- writing ---------------------------------------------------------------------------------
-    async def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None) -> int:
+    async def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None,
+                  dtype: Any = None) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         As ``Client.put``: numpy arrays, ``__dlpack__`` objects (torch, jax,
-        cupy), numbers; ``ttl``; ``device``.  The copy runs in the copy threads,
+        cupy), Python numbers and lists with ``dtype``; ``ttl``; ``device``.
+        The copy runs in the copy threads,
         off the event loop.  Cancelled, the put publishes nothing (unless its
         publish was sent already) and gives its allocation back once the copy
         has stopped.  A GPU put runs whole in a worker thread, and completes."""
-        return await self._drive(_ops.put(self._core, name, x, ttl, device))
+        return await self._drive(_ops.put(self._core, name, x, ttl, device, dtype))
 
     async def put_many(
         self, tensors: Mapping[str, Any], *, ttl: float | None = None, device: Any = None
@@ -280,10 +282,12 @@ class AsyncClient:
         timeout: float | None = 0.0,
         *,
         newer_than: int | Mapping[str, int] = 0,
+        wait: str = "all",
     ) -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of them,
-        or an error and none), as ``Client.get_many``; ``newer_than`` too."""
-        return await self._drive(_batch.get_many(self._core, names, timeout, newer_than))
+        or an error and none), as ``Client.get_many``; ``newer_than`` and
+        ``wait`` too."""
+        return await self._drive(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
     async def push(self, name: str, to: str, *, token: str | None = None,
                    tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
@@ -293,13 +297,19 @@ class AsyncClient:
         return await self._drive(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- names -----------------------------------------------------------------------------------
-    async def delete(self, name: str) -> None:
-        """Remove ``name`` now; readers keep their bytes until they release them."""
-        await self._drive(_ops.delete(self._core, name))
+    async def delete(self, name: str | None = None, *,
+                     prefix: str | None = None) -> builtins.list[str]:
+        """Remove ``name``, or every name that starts with ``prefix``, as
+        ``Client.delete``; returns the names deleted."""
+        return await self._drive(_ops.delete(self._core, name, prefix))
 
-    async def list(self) -> builtins.list[TensorInfo]:
-        """Every name with a version, newest first per name (``TensorInfo``)."""
-        return await self._drive(_ops.names(self._core))
+    async def delete_many(self, names: Iterable[str]) -> builtins.list[str]:
+        """Remove every one of ``names``, or none, as ``Client.delete_many``."""
+        return await self._drive(_ops.delete_many(self._core, names))
+
+    async def list(self, prefix: str = "") -> builtins.list[TensorInfo]:
+        """Every name with a version (those that start with ``prefix``), as ``Client.list``."""
+        return await self._drive(_ops.names(self._core, prefix))
 
     async def stat(self) -> Stat:
         """The broker's accounting (``Stat``)."""

@@ -38,7 +38,7 @@ from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
-from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl
+from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl, check_wait
 from ._core import Core
 from ._extent import broken, check_allocations, check_columns, check_segment, dtype_of
 from ._http import Offload, Op
@@ -141,12 +141,14 @@ def _abort(core: Core, cols: HandleColumns) -> Op[None]:
 
 
 def get_many(core: Core, names: Iterable[str], timeout: Any,
-             newer_than: Any) -> Op[dict[str, SharedTensor]]:
-    """One request, one window per segment, a tensor per name."""
+             newer_than: Any, until: Any = "all") -> Op[dict[str, SharedTensor]]:
+    """One request, one window per segment, a tensor per name; ``until``:
+    get_many's ``wait`` ("all" or "any")."""
     names = check_names(names)
     wait = check_timeout(timeout)
     body = BatchGet.model_construct(names=names, timeout=wait,
-                                    newer_than=check_floors(newer_than, names))
+                                    newer_than=check_floors(newer_than, names),
+                                    wait=check_wait(until))
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
     if core.map_cheaply("cuda" if cols.others else "posix"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .._errors import InvalidRequest, InvalidType
 from .._proto import MAX_WAIT
@@ -25,10 +25,11 @@ def shown(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def check_names(names: Any) -> list[str]:
+def check_names(names: Any, one: str = "get()") -> list[str]:
+    """A batch's names; ``one``: what takes a single name instead."""
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise InvalidType(f"names must be a list of tensor names, not {type(names).__name__} "
-                          f"{shown(names)}; for one name use get()")
+                          f"{shown(names)}; for one name use {one}")
     return [check_name(n, "each name") for n in names]
 
 
@@ -103,7 +104,23 @@ def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
             if not isinstance(key, str):
                 raise InvalidType(f"newer_than maps tensor names to versions; {shown(key)} is "
                                   "not a name")
+        asked = set(names)
+        strays = [k for k in newer_than if k not in asked]
+        if strays:
+            raise InvalidRequest(f"newer_than names {len(strays)} tensor(s) that names does not: "
+                                 f"{', '.join(map(repr, strays[:10]))}; give versions only for "
+                                 f"the names asked for")
         floors = [check_version(newer_than.get(n, 0), f"newer_than[{n!r}]") for n in names]
     else:
         floors = [check_version(newer_than)] * len(names)
     return floors if any(floors) else None
+
+
+def check_wait(wait: Any) -> Literal["all", "any"]:
+    """get_many's ``wait``: "all" (every name newer) or "any" (one name newer)."""
+    if wait == "all" and isinstance(wait, str):
+        return "all"
+    if wait == "any" and isinstance(wait, str):
+        return "any"
+    raise InvalidRequest(f"wait must be 'all' (until every name has a newer version) or "
+                         f"'any' (until one has), not {shown(wait)}")

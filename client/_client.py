@@ -91,11 +91,15 @@ class Client:
         return self._core.closing
 
     # -- writing -----------------------------------------------------------
-    def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None) -> int:
+    def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None,
+            dtype: Any = None) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
-        ``x`` may be a numpy array, any ``__dlpack__`` object (torch, jax,
-        cupy, on the CPU or a GPU), or a number or list of numbers.
+        ``x`` may be a numpy array or scalar, any ``__dlpack__`` object
+        (torch, jax, cupy, on the CPU or a GPU), or a Python number or list
+        of numbers with ``dtype`` (a name such as ``"float32"``, or a numpy or
+        torch dtype), which they are stored as; without it they are refused,
+        as their dtype would be a guess.
         Non-contiguous input is stored contiguous.  The tensor outlives this
         process; ``ttl`` deletes it that many seconds after publishing.
         ``device`` ("cpu", "cuda", "cuda:N", "cuda:GPU-<uuid>") is where the
@@ -106,7 +110,7 @@ class Client:
         name type, ``InvalidRequest`` for a bad name (1 to 512 printable
         ASCII characters, no spaces), dtype or ttl, ``OutOfMemory`` when the
         broker's memory limit cannot fit it."""
-        return self._run(_ops.put(self._core, name, x, ttl, device))
+        return self._run(_ops.put(self._core, name, x, ttl, device, dtype))
 
     def empty(self, name: str, shape: Iterable[int], dtype: Any = "float32", *, device: str = "cpu",
               ttl: float | None = None) -> SharedTensor:
@@ -159,17 +163,22 @@ class Client:
         return self._run(_ops.get(self._core, name, timeout, newer_than))
 
     def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
-                 newer_than: int | Mapping[str, int] = 0) -> dict[str, SharedTensor]:
+                 newer_than: int | Mapping[str, int] = 0,
+                 wait: str = "all") -> dict[str, SharedTensor]:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none).
 
         ``names`` is an iterable of names (a str is refused: pass a list);
         ``timeout`` is as for ``get``.  ``newer_than``: a version every name
         must be newer than, or a mapping from name to version (names it
-        lacks: any version), e.g. the versions of the previous ``get_many``.
-        Returns a dict from name to ``SharedTensor``.  Raises
-        ``TensorNotFound`` naming what was missing when the deadline passed."""
-        return self._run(_batch.get_many(self._core, names, timeout, newer_than))
+        lacks: any version; a key that is not in ``names`` is refused),
+        e.g. the versions of the previous ``get_many``.  ``wait="all"``
+        waits until every name has such a version; ``wait="any"`` until one
+        has, and then returns the newest version of every name (compare
+        ``.version`` to see which are new).  Returns a dict from name to
+        ``SharedTensor``.  Raises ``TensorNotFound`` naming every name that
+        was missing when the deadline passed."""
+        return self._run(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
     def push(self, name: str, to: str, *, token: str | None = None,
              tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
@@ -180,15 +189,23 @@ class Client:
         return self._run(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- names ---------------------------------------------------------------
-    def delete(self, name: str) -> None:
-        """Remove ``name`` now; readers keep their bytes until they release them.
+    def delete(self, name: str | None = None, *, prefix: str | None = None) -> builtins.list[str]:
+        """Remove ``name``, or every name that starts with ``prefix`` (in one
+        request; none may match), now; readers keep their bytes until they
+        release them.  Returns the names deleted.
 
         Raises ``TensorNotFound`` if there is no such name."""
-        self._run(_ops.delete(self._core, name))
+        return self._run(_ops.delete(self._core, name, prefix))
 
-    def list(self) -> builtins.list[TensorInfo]:  # ``list`` here names this method
-        """Every name with a version: one ``TensorInfo`` each, for its newest version."""
-        return self._run(_ops.names(self._core))
+    def delete_many(self, names: Iterable[str]) -> builtins.list[str]:
+        """Remove every one of ``names`` in one request, or, if one does not
+        exist, none (``TensorNotFound`` names every missing one)."""
+        return self._run(_ops.delete_many(self._core, names))
+
+    def list(self, prefix: str = "") -> builtins.list[TensorInfo]:  # ``list``: this method
+        """Every name with a version (those that start with ``prefix``): one
+        ``TensorInfo`` each, for its newest version, sorted by name."""
+        return self._run(_ops.names(self._core, prefix))
 
     def stat(self) -> Stat:
         """The broker's accounting: memory, names, versions, leases, sessions (``Stat``)."""

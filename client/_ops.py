@@ -23,15 +23,25 @@ from typing import Any
 from urllib.parse import quote
 
 from .._errors import InvalidRequest
-from .._wire import INLINE_MAX, AllocRequest, Handle, Stat, TensorInfo, TensorList
+from .._wire import (
+    INLINE_MAX,
+    AllocRequest,
+    Deleted,
+    Handle,
+    ManyDelete,
+    Stat,
+    TensorInfo,
+    TensorList,
+    check_prefix,
+)
 from ..shm._copy import copy_into
 from ..shm._posix import array_at
 from . import _cuda_handles, _cuda_ops
-from ._checks import check_name, check_shape, check_timeout, check_ttl, check_version
+from ._checks import check_name, check_names, check_shape, check_timeout, check_ttl, check_version
 from ._core import Core
 from ._extent import check_extent
 from ._http import Offload, Op
-from ._source import Source, dtype_name
+from ._source import Source, dtype_name, typed
 from ._tensor import SharedTensor
 
 _QUOTED: dict[str, str] = {}
@@ -64,9 +74,10 @@ def _release(core: Core, h: Handle) -> None:
 # -- writing ---------------------------------------------------------------------------------
 
 
-def put(core: Core, name: str, x: Any, ttl: Any, device: Any) -> Op[int]:
+def put(core: Core, name: str, x: Any, ttl: Any, device: Any, dtype: Any = None) -> Op[int]:
     check_name(name)
     ttl = check_ttl(ttl)
+    x = typed(x, dtype)
     if _cuda_handles.involves_gpu(x, device):
         version: int = yield Offload(core.run, _cuda_ops.put(core, name, x, device=device, ttl=ttl))
         return version
@@ -178,14 +189,32 @@ def get(core: Core, name: str, timeout: Any, newer_than: Any) -> Op[SharedTensor
 # -- names -----------------------------------------------------------------------------------
 
 
-def delete(core: Core, name: str) -> Op[None]:
-    check_name(name)
-    yield from core.call("DELETE", f"/v1/tensors/{path_name(name)}", rid=core.rid())
+def delete(core: Core, name: str | None, prefix: str | None = None) -> Op[builtins.list[str]]:
+    """One name (``name``) or every name with ``prefix``: the names deleted."""
+    if (name is None) == (prefix is None):
+        raise InvalidRequest("delete takes a name or prefix=, one of the two: delete('w'), "
+                             "delete(prefix='run1/'); for many names use delete_many")
+    if name is not None:
+        check_name(name)
+        yield from core.call("DELETE", f"/v1/tensors/{path_name(name)}", rid=core.rid())
+        return [name]
+    body = ManyDelete.model_construct(names=None, prefix=check_prefix(prefix))
+    return Deleted.model_validate_json((yield from core.call(
+        "POST", "/v1/many/delete", body, rid=core.rid(), raw=True))).names
 
 
-def names(core: Core) -> Op[builtins.list[TensorInfo]]:
-    return TensorList.model_validate_json((yield from core.call("GET", "/v1/tensors",
-                                                                raw=True))).items
+def delete_many(core: Core, names: Any) -> Op[builtins.list[str]]:
+    """Every one of ``names``, or (one missing) none: the names deleted."""
+    body = ManyDelete.model_construct(names=check_names(names, "delete()"), prefix=None)
+    if not body.names:
+        return []
+    return Deleted.model_validate_json((yield from core.call(
+        "POST", "/v1/many/delete", body, rid=core.rid(), raw=True))).names
+
+
+def names(core: Core, prefix: str = "") -> Op[builtins.list[TensorInfo]]:
+    path = f"/v1/tensors?prefix={quote(check_prefix(prefix), safe='')}" if prefix else "/v1/tensors"
+    return TensorList.model_validate_json((yield from core.call("GET", path, raw=True))).items
 
 
 def stat(core: Core) -> Op[Stat]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import InvalidRequest, InvalidType
 from ..shm import UnsupportedDType, dtype_from_name, dtype_from_numpy, import_dlpack
+from ..shm._dtypes import AmbiguousDType
 from ..shm._posix import array_at
 from ._checks import shown
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
     from ._tensor import SharedTensor
 
 _KINDS = ("a numpy array, a torch/jax/cupy tensor, anything with __dlpack__, or a number or list "
-          "of numbers")
+          "of numbers with dtype=")
+_PYTHON = (bool, int, float, complex, list, tuple)  # values whose dtype would be a guess
 
 
 class Source:
@@ -37,12 +39,14 @@ class Source:
             x = _exportable(x)
             self._imported = import_dlpack(x)
             self.array, self.dtype = self._imported.array, self._imported.dtype.name
-        elif isinstance(x, (bool, int, float, complex, list, tuple, np.generic)):
-            try:
-                arr = np.asarray(x)
-            except ValueError as exc:  # ragged lists
-                raise InvalidRequest(f"{what} cannot be made an array: {exc}") from None
+        elif isinstance(x, np.generic):
+            arr = np.asarray(x)
             self.array, self.dtype = arr, _numpy_dtype(arr.dtype, what)
+        elif isinstance(x, _PYTHON):
+            raise InvalidType(f"{what} is a Python {type(x).__name__} ({shown(x)}), whose dtype "
+                              f"would be a guess (int64 or int32? float64 or float32?); pass "
+                              f"dtype=, as in put(name, {what}, dtype='float32'), or a numpy "
+                              f"array of the dtype you mean, np.asarray({what}, dtype='float32')")
         else:
             raise InvalidType(f"{what} must be {_KINDS}; not {type(x).__name__} {shown(x)}")
 
@@ -87,9 +91,39 @@ def _exportable(x: Any) -> Any:
     return x
 
 
+def typed(x: Any, dtype: Any, what: str = "x") -> Any:
+    """put's ``dtype=``: Python numbers and lists as a numpy array of it; any
+    other input must already have it (dtype= never converts a tensor)."""
+    if dtype is None:
+        return x
+    name = dtype_name(dtype)
+    if isinstance(x, _PYTHON):
+        import numpy as np
+
+        from ..shm import numpy_dtype
+
+        try:
+            return np.asarray(x, dtype=numpy_dtype(dtype_from_name(name)))
+        except UnsupportedDType as exc:
+            raise InvalidRequest(str(exc)) from None
+        except (ValueError, TypeError, OverflowError) as exc:  # ragged, or out of range
+            raise InvalidRequest(f"{what} cannot be made a {name} array: {exc}") from None
+    have = getattr(x, "dtype", None)
+    try:
+        same = have is not None and dtype_name(have) == name
+    except InvalidRequest:
+        same = False
+    if not same:
+        raise InvalidRequest(f"{what} has dtype {have}, not {name}: dtype= types Python numbers "
+                             f"and lists only; convert a tensor first (x.astype, x.to)")
+    return x
+
+
 def dtype_name(dtype: Any) -> str:
     try:
         return dtype_from_name(str(dtype)).name
+    except AmbiguousDType as exc:  # numpy would read it one way: never guess
+        raise InvalidRequest(str(exc)) from None
     except UnsupportedDType:
         pass
     try:

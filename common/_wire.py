@@ -368,10 +368,37 @@ class BatchGet(_Frozen):
     newer_than: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, max_length=MAX_BATCH,
         description="per name, in the same order: only a version newer than this (waits for it)")
+    wait: Literal["all", "any"] = Field(
+        "all", description='"all": until every name has a version newer than its newer_than; '
+                           '"any": until one has, then the newest ready version of every name')
 
 
 class HandleList(_Answer):
     items: list[Handle]
+
+
+def check_prefix(prefix: Any) -> str:
+    """The one check of a name prefix (lists and deletes by prefix, both
+    clients and the broker): the start of a name, under the name rule."""
+    return check_name(prefix, "prefix")
+
+
+class ManyDelete(_Frozen):
+    """Names to delete at once: every one of ``names`` (or, one missing, none),
+    or every name that starts with ``prefix``; exactly one of the two."""
+
+    names: Names | None = None
+    prefix: Annotated[str, AfterValidator(check_prefix)] | None = Field(
+        None, json_schema_extra={"pattern": NAME_PATTERN}, examples=["run1/"],
+        description="delete every name that starts with this")
+
+    def model_post_init(self, _: Any) -> None:
+        if (self.names is None) == (self.prefix is None):
+            raise InvalidRequest("a delete names either names or a prefix (one of the two)")
+
+
+class Deleted(_Answer):
+    names: list[str] = Field(description="the names deleted, in order")
 
 
 class ManyAlloc(_Frozen):

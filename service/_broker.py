@@ -6,6 +6,7 @@ checks the caller's session and composes the collaborators, one module each:
 * ``_records``: names and their versions (``Version``, ``Entry``, ``Lease``);
 * ``_memory``: where versions live, when memory is freed or retired;
 * ``_leases``: which session holds which version;
+* ``_reads``: gets, of one name or a batch, at once or after a wait;
 * ``_waits``: gets parked until a publish (the long poll);
 * ``_quotas``: the limits, and bytes charged per session and identity;
 * ``_sessions``: who a client is and whether it is alive;
@@ -50,11 +51,10 @@ The invariants, and the functions that keep them:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import BrokerUnavailable, DepotError, Forbidden, InvalidRequest, TensorNotFound
@@ -64,6 +64,7 @@ from ._cuda import CudaMemory
 from ._leases import Leases
 from ._memory import Memory
 from ._quotas import Limits, Quotas
+from ._reads import Reads
 from ._records import PeerHook, Records, Replica, Version, c_strides
 from ._sessions import LOCAL, Caller, Session, Sessions
 from ._waits import ClientGone, Waits
@@ -76,7 +77,9 @@ class Broker:
     """The registry.  Its writing side is ``Writes`` (``_writes``), whose
     methods it answers with: ``alloc``, ``try_alloc``, ``alloc_many``,
     ``try_alloc_many``, ``publish``, ``publish_many``, ``abort``,
-    ``abandon``, ``put_inline``, ``try_put_inline`` and ``link``.
+    ``abandon``, ``put_inline``, ``try_put_inline`` and ``link``; its
+    reading side is ``Reads`` (``_reads``): ``try_get``, ``try_get_many``,
+    ``get`` and ``get_many``.
     ``ready(name, newer_than)`` (also ``_ready``): the newest ready version
     of ``name`` newer than ``newer_than``, or None."""
 
@@ -88,7 +91,6 @@ class Broker:
         self.cuda = cuda if cuda is not None else CudaMemory()  # GPUs: nothing until first used
         self.clock = clock
         self.counters: dict[str, int] = {}
-        self.peers: PeerHook | None = None  # set when --peer is given
         self.sessions = Sessions(session_ttl=lim.session_ttl, claim_window=lim.claim_window,
                                  max_sessions=lim.max_sessions,
                                  max_per_peer=lim.max_sessions_per_peer, clock=clock, proc=proc)
@@ -101,6 +103,10 @@ class Broker:
         self.writes = w = Writes(sessions=self.sessions, records=self.records, memory=self.memory,
                                  quotas=self.quotas, lending=self.lending, waits=self.waits,
                                  alloc_ttl=lim.alloc_ttl, clock=clock, count=self._count)
+        self.reads = r = Reads(sessions=self.sessions, records=self.records, lending=self.lending,
+                               waits=self.waits, count=self._count)
+        self.try_get, self.try_get_many, self.get, self.get_many = (
+            r.try_get, r.try_get_many, r.get, r.get_many)
         self.entries = self.records.entries  # name -> Entry
         self.leases = self.lending.table  # lease id -> Lease
         self.ready = self._ready = self.records.ready
@@ -113,6 +119,15 @@ class Broker:
         self.cuda.count = self._count
 
     # -- the books -----------------------------------------------------------
+    @property
+    def peers(self) -> PeerHook | None:
+        """The other hosts' brokers (``--peer``), which gets may ask; None: none."""
+        return self.reads.peers
+
+    @peers.setter
+    def peers(self, hook: PeerHook | None) -> None:
+        self.reads.peers = hook
+
     @property
     def closing(self) -> bool:
         """Shutting down: new work is refused with 503."""
@@ -294,119 +309,7 @@ class Broker:
         mapping: the Flight service streams them, the peers fill replicas."""
         return self.memory.view(v, writable=writable)
 
-    # -- reading -----------------------------------------------------------
-    def try_get(self, sid: str | None, caller: Caller, name: str, newer_than: int = 0, *,
-                request: str | None = None) -> tuple[Version, int] | None:
-        """``get`` when a version is ready now and no peer needs asking, without
-        awaiting: the version and its lease; None when ``get`` would wait,
-        ask the peers, or answer not found."""
-        s = self.sessions.admit(sid, caller)
-        v = self.records.ready(name, newer_than)
-        if v is None or self.peers is not None:
-            return None
-        return v, self.lending.take(s, v, request)
-
-    def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
-                     newer_than: int | list[int] = 0, *,
-                     request: str | None = None) -> list[tuple[Version, int]] | None:
-        """``get_many`` when every version is ready now and no peer needs
-        asking, without awaiting; None (and no lease) when it would wait."""
-        s = self.sessions.admit(sid, caller)
-        if self.peers is not None:
-            return None
-        if isinstance(newer_than, list) and len(newer_than) != len(names):
-            return None  # get_many says what is wrong
-        ready = self.records.ready
-        found = []
-        for i, name in enumerate(names):
-            v = ready(name, newer_than if isinstance(newer_than, int) else newer_than[i])
-            if v is None:
-                return None
-            found.append(v)
-        take = self.lending.take
-        got = [(v, take(s, v, request, count=False)) for v in found]
-        self._count("gets", len(got))
-        self._count("bytes_got", sum(v.nbytes for v in found))
-        return got
-
-    async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
-                  newer_than: int = 0, *, request: str | None = None,
-                  gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[Version, int]:
-        """Lease the newest ready version of ``name``, waiting up to ``timeout``
-        seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
-        return (await self._get_all(sid, caller, [name], timeout, newer_than, request, gone))[0]
-
-    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, *, newer_than: int | list[int] = 0,
-                       request: str | None = None,
-                       gone: Callable[[], Awaitable[Any]] | None = None,
-                       ) -> list[tuple[Version, int]]:
-        """All of them under one deadline, or an error and none.  ``newer_than``:
-        one version floor for every name, or one per name."""
-        if isinstance(newer_than, list) and len(newer_than) != len(names):
-            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} "
-                                 f"names; "
-                                 f"give one per name, in the same order")
-        return await self._get_all(sid, caller, names, timeout, newer_than, request, gone)
-
-    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None,
-                       floors: int | list[int], request: str | None,
-                       gone: Callable[[], Awaitable[Any]] | None) -> list[tuple[Version, int]]:
-        s = self.sessions.admit(sid, caller)
-        got: list[tuple[Version, int]] = []
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        try:
-            for i, name in enumerate(names):
-                newer_than = floors if isinstance(floors, int) else floors[i]
-                v = self.records.ready(name, newer_than)
-                if self.peers is not None and (v is None or v.replica is not None):
-                    # A miss, or a replica that may be stale: the peers may publish one here.
-                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
-                    s = self.sessions.admit(sid, caller)
-                    v = self.records.ready(name, newer_than)
-                if v is None:
-                    if timeout == 0:
-                        raise self.records.not_found(name, self.peers, newer_than, caller.prefix)
-                    v = await self._wait(s, caller, name, newer_than, deadline, timeout, request,
-                                         gone)
-                    s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
-                got.append((v, self.lending.take(s, v, request)))
-        except BaseException:
-            self.lending.release_ids(s, [lid for _, lid in got])
-            raise
-        return got
-
-    async def _wait(self, s: Session, caller: Caller, name: str, newer_than: int,
-                    deadline: float | None,
-                    timeout: float | None, request: str | None,
-                    gone: Callable[[], Awaitable[Any]] | None) -> Version:
-        """The long poll: park until a version of ``name`` newer than
-        ``newer_than`` is published (here, or at a peer), or ``deadline``."""
-        if deadline is not None and deadline <= asyncio.get_running_loop().time():
-            raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
-        self._count("waits")  # gets that had to wait for a publish
-        peers = self.peers
-
-        async def look() -> Version | None:
-            v = self.records.ready(name, newer_than)
-            if v is None and peers is not None:
-                await peers.before_get(name, newer_than, True)
-                self.sessions.admit(s.id, Caller(s.owner, s.bound))
-                v = self.records.ready(name, newer_than)
-            return v
-
-        try:
-            v = await self.waits.wait(s, name, look, deadline, stopped=self.closing,
-                                      poll=None if peers is None else peers.poll_interval,
-                                      request=request, gone=gone)
-        except ClientGone:
-            self.sessions.admit(s.id, Caller(s.owner, s.bound))  # says why: closing, or it ended
-            raise
-        if v is None:
-            raise self.records.timed_out(name, newer_than, timeout, self.peers, caller.prefix)
-        return v
-
+    # -- reading: Reads (_reads) answers ----------------------------------------
     def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
                 requests: list[str] | None = None) -> int:
         """Release this session's leases (others' ids are ignored), and cancel
@@ -437,22 +340,38 @@ class Broker:
 
     # -- names ---------------------------------------------------------------
     def delete(self, name: str, caller: Caller = LOCAL) -> None:
+        self.delete_many([name], caller)
+
+    def delete_many(self, names: Sequence[str], caller: Caller = LOCAL) -> list[str]:
+        """Every name of ``names`` deleted, or (one missing) none; the names."""
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down")
-        e = self.entries.get(name)
-        if e is None:
+        if len(set(names)) != len(names):
+            raise InvalidRequest("a batch deletes each name once")
+        missing = [n for n in names if n not in self.entries]
+        if missing:
             known = self.records.known(caller.prefix)
-            raise TensorNotFound(f"tensor {name!r} not found ({known}); nothing to delete")
-        self.records.drop(e)
-        if e.ready is not None:
-            self.memory.retire(e.ready)
-        # Versions being written stay reserved until their writer publishes
-        # (which then fails with 404) or its session ends: freeing them now
-        # would let a new tensor land under the writer's copy.
-        self._count("deletes")
+            if len(names) == 1:
+                raise TensorNotFound(f"tensor {names[0]!r} not found ({known}); nothing to delete")
+            shown = ", ".join(map(repr, missing[:10])) + ", ..." * (len(missing) > 10)
+            raise TensorNotFound(f"{len(missing)} of the {len(names)} names are not found: "
+                                 f"{shown} ({known}); nothing was deleted")
+        for n in names:
+            e = self.entries[n]
+            self.records.drop(e)
+            if e.ready is not None:
+                self.memory.retire(e.ready)
+            # Versions being written stay reserved until their writer publishes (then a 404)
+            # or its session ends: freed now, a new tensor could land under the writer's copy.
+        self._count("deletes", len(names))
+        return list(names)
 
-    def list(self) -> list[TensorInfo]:
-        return self.records.list()
+    def delete_prefix(self, prefix: str, caller: Caller = LOCAL) -> list[str]:
+        """Every name that starts with ``prefix`` deleted (none may match): the names."""
+        return self.delete_many(sorted(n for n in self.entries if n.startswith(prefix)), caller)
+
+    def list(self, prefix: str = "") -> list[TensorInfo]:
+        return self.records.list(prefix)
 
     def stat(self) -> Stat:
         pool = self.pool

@@ -139,7 +139,10 @@ def _names(body: Any) -> Iterator[str]:
     name = getattr(body, "name", None)
     if isinstance(name, str):
         yield name
-    yield from getattr(body, "names", ())
+    yield from getattr(body, "names", None) or ()
+    prefix = getattr(body, "prefix", None)  # covers names only within the token's prefix
+    if isinstance(prefix, str):
+        yield prefix
     for item in getattr(body, "items", ()):
         yield item.name
 

@@ -1,4 +1,5 @@
-"""Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish`` and ``/v1/many/get``.
+"""Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish`` and ``/v1/many/get``
+(``/v1/many/delete`` answers names only: routers/many.py).
 
 A state dict is hundreds or thousands of tensors, and per tensor the older
 ``/v1/batch`` routes validate, build and serialise a whole ``Handle`` model
@@ -94,12 +95,12 @@ def _floors(req: BatchGet) -> int | list[int]:
 
 def get_now(broker: Broker, sid: str | None, who: Caller, req: BatchGet,
             request: str | None) -> bytes | None:
-    got = broker.try_get_many(sid, who, req.names, _floors(req), request=request)
+    got = broker.try_get_many(sid, who, req.names, _floors(req), request=request, wait=req.wait)
     return None if got is None else columns(broker, got, "ready")
 
 
 async def get(broker: Broker, sid: str | None, who: Caller, req: BatchGet, request: str | None,
               timeout: float | None, gone: Callable[[], Awaitable[Any]] | None) -> bytes:
     got = await broker.get_many(sid, who, req.names, timeout, newer_than=_floors(req),
-                                request=request, gone=gone)
+                                request=request, gone=gone, wait=req.wait)
     return columns(broker, got, "ready")

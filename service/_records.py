@@ -25,7 +25,7 @@ from .._wire import TensorInfo
 from ..shm import UnsupportedDType, dtype_from_name
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from ..shm._pool import Block
 
@@ -175,9 +175,9 @@ class Records:
                           expires_in=expires, origin=r.origin if r else None,
                           origin_version=r.version if r else None)
 
-    def list(self) -> list[TensorInfo]:
+    def list(self, prefix: str = "") -> list[TensorInfo]:
         out = []
-        for name in sorted(self.entries):
+        for name in sorted(n for n in self.entries if n.startswith(prefix)):
             e = self.entries[name]
             v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number,
                                                         default=None)
@@ -214,6 +214,30 @@ class Records:
             f"tensor {name!r} not found ({self.known(prefix)}){peers}; did the producer publish "
             f"it? pass timeout= to wait for it"
         )
+
+    def batch_missed(self, names: Sequence[str], floors: Sequence[int], timeout: float | None,
+                     waited: bool, hook: PeerHook | None, prefix: str | None = None,
+                     any_of: bool = False) -> TensorNotFound:
+        """What a batch get that misses says: every name of it without the
+        version it asks for (``waited``: after its wait; ``any_of``: none of them
+        had one, for ``wait="any"``)."""
+        miss = [(n, f) for n, f in zip(names, floors, strict=True) if self.ready(n, f) is None]
+        if len(miss) == 1 and not any_of:
+            n, f = miss[0]
+            return (self.timed_out(n, f, timeout, hook, prefix) if waited
+                    else self.not_found(n, hook, f, prefix))
+        parts = []
+        for n, f in miss[:20]:
+            e = self.entries.get(n)
+            parts.append(f"{n!r} (not published)" if e is None or e.ready is None
+                         else f"{n!r} (v{e.ready.number}, not newer than v{f})")
+        shown = ", ".join(parts) + (f", ... ({len(miss)} in all)" if len(miss) > 20 else "")
+        within = f" within {timeout:g} s" if waited and timeout is not None else ""
+        what = (f"none of the {len(names)} tensors got a newer version{within}" if any_of
+                else f"{len(miss)} of the {len(names)} tensors "
+                     f"{'were not published' + within if waited else 'are not ready'}")
+        wait = "" if waited else "; pass timeout= to wait for them"
+        return TensorNotFound(f"{what}: {shown} ({self.known(prefix)}){wait}")
 
     def timed_out(self, name: str, newer_than: int, timeout: float | None,
                   hook: PeerHook | None, prefix: str | None = None) -> TensorNotFound:

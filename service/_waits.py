@@ -74,12 +74,14 @@ class Waits:
         for waker in list(self._parked):
             waker.stop()
 
-    async def wait(self, s: Session, name: str, look: Callable[[], Awaitable[Version | None]],
+    async def wait(self, s: Session, names: list[str],
+                   look: Callable[[], Awaitable[Version | None]],
                    deadline: float | None, *, poll: float | None, stopped: bool,
                    request: str | None,
                    gone: Callable[[], Awaitable[Any]] | None) -> Version | None:
-        """Sleep until woken, then ``look()``, until it finds a version (which
-        this returns) or ``deadline`` (loop time) passes (None).  ``poll``:
+        """Sleep until woken (a publish of one of ``names``), then ``look()``,
+        until it finds a version (which this returns) or ``deadline`` (loop
+        time) passes (None).  ``poll``:
         look at least this often (the peers may have one).  Raises ClientGone
         if the request is cancelled (``request``: its id), the client hangs up
         (``gone()`` resolves), or ``stopped`` (the broker is shutting down)."""
@@ -90,7 +92,7 @@ class Waits:
                 remaining = None if deadline is None else deadline - loop.time()
                 if poll is not None:
                     remaining = min(poll, math.inf if remaining is None else remaining)
-                await self._nap(waker, name, remaining)
+                await self._nap(waker, names, remaining)
                 if waker.stopped:
                     break
                 v = await look()
@@ -98,7 +100,7 @@ class Waits:
                     return v
                 if deadline is not None and loop.time() >= deadline:
                     return None
-        raise ClientGone(name)
+        raise ClientGone(names[0])
 
     @contextmanager
     def _parked_get(self, s: Session, request: str | None,
@@ -128,13 +130,16 @@ class Waits:
             if request is not None and s.waits.get(request) is cancel:
                 del s.waits[request]
 
-    async def _nap(self, waker: _Waker, name: str, seconds: float | None) -> None:
-        """Sleep until a publish of ``name``, a stop, or ``seconds`` (None: no timer)."""
+    async def _nap(self, waker: _Waker, names: list[str], seconds: float | None) -> None:
+        """Sleep until a publish of one of ``names``, a stop, or ``seconds`` (None: no timer)."""
         loop = asyncio.get_running_loop()
-        asleep = self._by_name.get(name)
-        if asleep is None:
-            asleep = self._by_name[name] = set()
-        asleep.add(waker)
+        beds = []
+        for name in names:
+            asleep = self._by_name.get(name)
+            if asleep is None:
+                asleep = self._by_name[name] = set()
+            asleep.add(waker)
+            beds.append((name, asleep))
         waker.future = loop.create_future()
         timer = None if seconds is None else loop.call_later(max(seconds, 0.0), waker.wake)
         try:
@@ -143,6 +148,7 @@ class Waits:
             waker.future = None
             if timer is not None:
                 timer.cancel()
-            asleep.discard(waker)  # a publish popped the set already, or this one leaves it
-            if not asleep and self._by_name.get(name) is asleep:
-                del self._by_name[name]  # nobody waits: the state goes with the last waiter
+            for name, asleep in beds:
+                asleep.discard(waker)  # a publish popped the set already, or this one leaves it
+                if not asleep and self._by_name.get(name) is asleep:
+                    del self._by_name[name]  # nobody waits: the state goes with the last waiter

@@ -76,15 +76,19 @@ DTYPES: dict[str, DType] = {d.name: d for d in _ALL}
 _BY_TRIPLE: dict[tuple[int, int, int], DType] = {(d.code, d.bits, d.lanes): d for d in _ALL}
 # Common spellings users pass; they map onto the canonical names above.
 _ALIASES = {
-    "float": "float32",
     "double": "float64",
     "half": "float16",
-    "int": "int64",
     "long": "int64",
     "bf16": "bfloat16",
     "bool_": "bool",
-    "cfloat": "complex64",
     "cdouble": "complex128",
+}
+# Spellings that mean one dtype to torch and another to numpy: refused when
+# bare, read as torch's when written "torch.float" (that is torch's own name).
+_AMBIGUOUS = {
+    "float": ("float32", "float64"),
+    "int": ("int32", "int64"),
+    "cfloat": ("complex64", "complex128"),
 }
 
 
@@ -92,9 +96,25 @@ class UnsupportedDType(ValueError):
     """A dtype that tensordepot has no DLPack triple for."""
 
 
+class AmbiguousDType(UnsupportedDType):
+    """A dtype name that torch and numpy read as different dtypes."""
+
+
 def dtype_from_name(name: str) -> DType:
-    """Look a dtype up by name; ``torch.float32``-style and numpy spellings work."""
-    key = str(name).removeprefix("torch.").removeprefix("jnp.")
+    """Look a dtype up by name: the canonical DLPack/numpy names
+    (``float32``, ``bfloat16``), ``torch.float32``-style spellings, and a few
+    unambiguous aliases (``double``, ``half``, ``long``, ``bf16``).  The bare
+    ``float``, ``int`` and ``cfloat`` are refused: torch and numpy read them
+    as different dtypes."""
+    text = str(name)
+    key = text.removeprefix("torch.").removeprefix("jnp.")
+    if key in _AMBIGUOUS:
+        torch_means, numpy_means = _AMBIGUOUS[key]
+        if text.startswith("torch."):
+            return DTYPES[torch_means]
+        raise AmbiguousDType(
+            f"dtype {text!r} is ambiguous: torch reads it as {torch_means}, numpy as "
+            f"{numpy_means}; name the one you mean, {torch_means!r} or {numpy_means!r}")
     key = _ALIASES.get(key, key)
     try:
         return DTYPES[key]

@@ -183,3 +183,28 @@ def spawn_worker(script: str, *args: str,
 
 
 WORKERS = ROOT / "tests" / "workers"
+
+
+# The console script pip installed next to this interpreter: `tensordepot`.
+TENSORDEPOT = str(Path(sys.executable).parent / "tensordepot")
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run the real ``tensordepot`` with no TENSORDEPOT_* variables but ``env``'s."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    res: subprocess.CompletedProcess[str] = subprocess.run(
+        [TENSORDEPOT, *args], text=True, timeout=timeout, env={**base, **(env or {})}, check=False,
+        **kw
+    )
+    return res
+
+
+def ok(*args: str, **kw: Any) -> str:
+    res = cli(*args, **kw)
+    assert res.returncode == 0, f"tensordepot {' '.join(args)} -> {res.returncode}\n{res.stderr}"
+    assert res.stderr == "", res.stderr
+    return res.stdout

@@ -64,7 +64,7 @@ def batch_get(call: Call[BatchGet]) -> Reply:
     async def later() -> Answer:
         got = await broker.get_many(call.session, call.who, req.names, timeout,
                                     newer_than=req.newer_than or 0, request=call.request_id,
-                                    gone=None if timeout == 0 else call.gone)
+                                    gone=None if timeout == 0 else call.gone, wait=req.wait)
         return 200, _handles(broker, list(got))
 
     return later()

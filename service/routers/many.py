@@ -3,7 +3,7 @@ tensor (service/_many.py)."""
 
 from __future__ import annotations
 
-from ..._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
+from ..._wire import BatchGet, Deleted, HandleColumns, ManyAlloc, ManyDelete, ManyPublish
 from .. import _many
 from .._auth import READ, WRITE
 from .._handler import Answer, Call, Reply, route, routes_of
@@ -53,4 +53,18 @@ def get_many(call: Call[BatchGet]) -> Reply:
     return later()
 
 
-ROUTES = routes_of(alloc_many, publish_many, get_many)
+@route("POST", "/v1/many/delete", WRITE, "delete_many", tag=TAG, body=ManyDelete,
+       answers=Deleted, once=True, note="every name (or the prefix) within the token's prefix",
+       summary="Delete many names at once: those listed (all of them, or none), or every name "
+               "with a prefix")
+def delete_many(call: Call[ManyDelete]) -> Reply:
+    body = call.body
+    assert body is not None
+    if body.prefix is not None:
+        names = call.broker.delete_prefix(body.prefix, call.who)
+    else:
+        names = call.broker.delete_many(body.names or [], call.who)
+    return 200, Deleted(names=names).model_dump_json().encode()
+
+
+ROUTES = routes_of(alloc_many, publish_many, get_many, delete_many)

@@ -20,6 +20,7 @@ from ..._wire import (
     PublishRequest,
     ReleaseRequest,
     TensorList,
+    check_prefix,
 )
 from .._auth import READ, WRITE
 from .._broker import Broker
@@ -172,10 +173,15 @@ def release(call: Call[ReleaseRequest]) -> Reply:
 
 
 @route("GET", "/v1/tensors", READ, "list_tensors", tag=TAG, answers=TensorList,
-       note="lists only names within the prefix", summary="List tensors")
+       note="lists only names within the prefix", summary="List tensors",
+       docs={"parameters": [{"name": "prefix", "in": "query", "required": False,
+                             "schema": {"type": "string", "pattern": NAME_PATTERN},
+                             "description": "only names that start with this"}]})
 def list_tensors(call: Call[Any]) -> Reply:
     principal = call.principal  # a prefix-limited token sees only its own names
-    items = [i for i in call.broker.list() if principal.may_use(i.name)]
+    prefix = call.query.get("prefix", "")
+    items = [i for i in call.broker.list(check_prefix(prefix) if prefix else "")
+             if principal.may_use(i.name)]
     return 200, TensorList(items=items).model_dump_json().encode()
 
 

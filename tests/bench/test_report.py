@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from _harness import ROOT
 
-README = "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nTHE-OLD-TABLE\n<!-- bench:end -->\n\n## Next\n"
+README = ("# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nTHE-OLD-TABLE\n<!-- bench:end -->\n\n"
+          "## Next\n")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ def test_put_many_and_get_many_keep_every_tensor(broker: BrokerProc) -> None:
         "fortran": np.asfortranarray(np.arange(6, dtype=np.int16).reshape(2, 3)),
         "empty": np.zeros((0, 5), dtype=np.float32),
         "scalar": np.float64(2.5),
-        "list": [1, 2, 3],
+        "int32": np.array([1, 2, 3], dtype=np.int32),  # a Python list needs a dtype: test_name_ops
         "torch": torch.arange(7, dtype=torch.float32),
         "bf16": torch.arange(5, dtype=torch.bfloat16),
         "big": np.full(3 << 20, 7, dtype=np.uint8),  # copied by threads

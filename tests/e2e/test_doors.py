@@ -529,6 +529,7 @@ R_BATCH_GET = ("POST", "/v1/batch/get")
 R_MANY_ALLOC = ("POST", "/v1/many/alloc")
 R_MANY_PUBLISH = ("POST", "/v1/many/publish")
 R_MANY_GET = ("POST", "/v1/many/get")
+R_MANY_DELETE = ("POST", "/v1/many/delete")
 R_STAT = ("GET", "/v1/stat")
 R_HEALTH = ("GET", "/healthz")
 R_METRICS = ("GET", "/metrics")
@@ -601,6 +602,22 @@ GOOD = [
         "names": [e.put("a"), e.put("b")]}), 200, delta={"leases": 2}), id="many-get"),
     pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
         "names": [e.name("absent")]}), 404, "not_found"), id="many-get-absent"),
+    pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
+        "names": [e.put("a"), e.put("b")], "newer_than": [0, 5], "wait": "any"}), 200,
+        delta={"leases": 2}), id="many-get-any"),
+    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
+        "names": [e.put("a"), e.put("b")]}), 200,
+        delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
+        deleted=frozenset("ab")), id="many-delete"),
+    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
+        "names": [e.put("a"), e.name("absent")]}), 404, "not_found"), id="many-delete-absent"),
+    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
+        "prefix": (e.put("a"), e.put("b"), e.name(""))[2]}), 200,
+        delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
+        deleted=frozenset("ab")), id="many-delete-prefix"),
+    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
+        "names": [e.put("a")], "prefix": e.name("")}), (400, 422), "invalid_request"),
+        id="many-delete-both"),
     pytest.param(Case(R_STAT, lambda e: e.req("GET", "/v1/stat", session=False), 200),
                  id="stat"),
     pytest.param(Case(R_HEALTH, lambda e: e.req("GET", "/healthz", who=None), 200,

@@ -1,0 +1,204 @@
+"""Reads: gets, one name or a batch, at once or after a wait (the long poll).
+
+A get leases the newest ready version newer than the version it names
+(``newer_than``); a batch leases one per name under one deadline.  What a
+batch waits for is its ``wait``: ``"all"`` (every name has the version it
+asks for) or ``"any"`` (one name has, and then every name's newest ready
+version is leased).  A miss names every name of the batch that misses
+(``Records.batch_missed``).  ``Broker`` answers with these methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._errors import InvalidRequest, TensorNotFound
+from ._sessions import Caller
+from ._waits import ClientGone
+
+if TYPE_CHECKING:
+    from ._leases import Leases
+    from ._records import PeerHook, Records, Version
+    from ._sessions import Session, Sessions
+    from ._waits import Waits
+
+Wait = Literal["all", "any"]
+Got = list[tuple["Version", int]]  # the versions leased, with their lease ids
+
+
+class Reads:
+    """The reading side of the registry."""
+
+    def __init__(self, *, sessions: Sessions, records: Records, lending: Leases, waits: Waits,
+                 count: Callable[..., None]) -> None:
+        self.sessions = sessions
+        self.records = records
+        self.lending = lending
+        self.waits = waits
+        self._count = count
+        self.peers: PeerHook | None = None  # set when --peer is given
+
+    def try_get(self, sid: str | None, caller: Caller, name: str, newer_than: int = 0, *,
+                request: str | None = None) -> tuple[Version, int] | None:
+        """``get`` when a version is ready now and no peer needs asking, without
+        awaiting: the version and its lease; None when ``get`` would wait,
+        ask the peers, or answer not found."""
+        s = self.sessions.admit(sid, caller)
+        v = self.records.ready(name, newer_than)
+        if v is None or self.peers is not None:
+            return None
+        return v, self.lending.take(s, v, request)
+
+    def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
+                     newer_than: int | list[int] = 0, *, request: str | None = None,
+                     wait: Wait = "all") -> Got | None:
+        """``get_many`` when what it asks for is ready now and no peer needs
+        asking, without awaiting; None (and no lease) when it would wait."""
+        s = self.sessions.admit(sid, caller)
+        if self.peers is not None:
+            return None
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            return None  # get_many says what is wrong
+        ready = self.records.ready
+        floors = newer_than if isinstance(newer_than, list) else [newer_than] * len(names)
+        if wait == "any":
+            if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
+                return None
+            floors = [0] * len(names)  # then every name's newest
+        found = []
+        for name, floor in zip(names, floors, strict=True):
+            v = ready(name, floor)
+            if v is None:
+                return None
+            found.append(v)
+        take = self.lending.take
+        got = [(v, take(s, v, request, count=False)) for v in found]
+        self._count("gets", len(got))
+        self._count("bytes_got", sum(v.nbytes for v in found))
+        return got
+
+    async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
+                  newer_than: int = 0, *, request: str | None = None,
+                  gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[Version, int]:
+        """Lease the newest ready version of ``name``, waiting up to ``timeout``
+        seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
+        return (await self._get_all(sid, caller, [name], timeout, [newer_than], request,
+                                    gone))[0]
+
+    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, *, newer_than: int | list[int] = 0,
+                       request: str | None = None,
+                       gone: Callable[[], Awaitable[Any]] | None = None,
+                       wait: Wait = "all") -> Got:
+        """Under one deadline, all of them or an error and none.  ``newer_than``:
+        one version floor for every name, or one per name; ``wait``: see the
+        module's doc."""
+        if isinstance(newer_than, list) and len(newer_than) != len(names):
+            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} "
+                                 f"names; give one per name, in the same order")
+        floors = newer_than if isinstance(newer_than, list) else [newer_than] * len(names)
+        if wait == "any":
+            return await self._get_any(sid, caller, names, timeout, floors, request, gone)
+        return await self._get_all(sid, caller, names, timeout, floors, request, gone)
+
+    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, floors: list[int], request: str | None,
+                       gone: Callable[[], Awaitable[Any]] | None) -> Got:
+        s = self.sessions.admit(sid, caller)
+        got: Got = []
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            for name, newer_than in zip(names, floors, strict=True):
+                v = self.records.ready(name, newer_than)
+                if self.peers is not None and (v is None or v.replica is not None):
+                    # A miss, or a replica that may be stale: the peers may publish one here.
+                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+                    s = self.sessions.admit(sid, caller)
+                    v = self.records.ready(name, newer_than)
+                if v is None:
+                    if timeout == 0:
+                        raise self.records.batch_missed(names, floors, timeout, False, self.peers,
+                                                        caller.prefix)
+                    try:
+                        v = await self._wait(s, caller, [name], [newer_than], deadline, timeout,
+                                             request, gone)
+                    except TensorNotFound:  # timed out: say every name still missing
+                        raise self.records.batch_missed(names, floors, timeout, True, self.peers,
+                                                        caller.prefix) from None
+                    s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
+                got.append((v, self.lending.take(s, v, request)))
+        except BaseException:
+            self.lending.release_ids(s, [lid for _, lid in got])
+            raise
+        return got
+
+    async def _get_any(self, sid: str | None, caller: Caller, names: list[str],
+                       timeout: float | None, floors: list[int], request: str | None,
+                       gone: Callable[[], Awaitable[Any]] | None) -> Got:
+        s = self.sessions.admit(sid, caller)
+        ready = self.records.ready
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        if self.peers is not None:  # what a peer may have newer, as _get_all asks per name
+            for name, newer_than in zip(names, floors, strict=True):
+                v = ready(name, newer_than)
+                if v is None or v.replica is not None:
+                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+            s = self.sessions.admit(sid, caller)
+        if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
+            if timeout == 0:
+                raise self.records.batch_missed(names, floors, timeout, False, self.peers,
+                                                caller.prefix, any_of=True)
+            try:
+                await self._wait(s, caller, names, floors, deadline, timeout, request, gone)
+            except TensorNotFound:
+                raise self.records.batch_missed(names, floors, timeout, True, self.peers,
+                                                caller.prefix, any_of=True) from None
+            s = self.sessions.admit(sid, caller)
+        found = [ready(n, 0) for n in names]
+        if any(v is None for v in found):
+            raise self.records.batch_missed(names, [0] * len(names), timeout, False, self.peers,
+                                            caller.prefix)
+        got: Got = []
+        try:
+            for v in found:
+                assert v is not None
+                got.append((v, self.lending.take(s, v, request)))
+        except BaseException:
+            self.lending.release_ids(s, [lid for _, lid in got])
+            raise
+        return got
+
+    async def _wait(self, s: Session, caller: Caller, names: list[str], floors: list[int],
+                    deadline: float | None, timeout: float | None, request: str | None,
+                    gone: Callable[[], Awaitable[Any]] | None) -> Version:
+        """The long poll: park until a version of one of ``names`` newer than its
+        floor is published (here, or at a peer), or ``deadline``; the version."""
+        pairs = list(zip(names, floors, strict=True))
+        if deadline is not None and deadline <= asyncio.get_running_loop().time():
+            raise self.records.timed_out(names[0], floors[0], timeout, self.peers, caller.prefix)
+        self._count("waits")  # gets that had to wait for a publish
+        peers = self.peers
+
+        async def look() -> Version | None:
+            for name, newer_than in pairs:
+                v = self.records.ready(name, newer_than)
+                if v is None and peers is not None:
+                    await peers.before_get(name, newer_than, True)
+                    self.sessions.admit(s.id, Caller(s.owner, s.bound))
+                    v = self.records.ready(name, newer_than)
+                if v is not None:
+                    return v
+            return None
+
+        try:
+            v = await self.waits.wait(s, names, look, deadline, stopped=self.sessions.closing,
+                                      poll=None if peers is None else peers.poll_interval,
+                                      request=request, gone=gone)
+        except ClientGone:
+            self.sessions.admit(s.id, Caller(s.owner, s.bound))  # says why: closing, or it ended
+            raise
+        if v is None:
+            raise self.records.timed_out(names[0], floors[0], timeout, self.peers, caller.prefix)
+        return v
