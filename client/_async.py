@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import InvalidRequest
 from .._wire import Stat, TensorInfo
-from . import _batch, _ops, _push
+from . import _batch, _ops, _pickle, _push
 from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
@@ -110,6 +110,10 @@ class AsyncClient:
         # aclose() waits for it before the session ends.
         self._pending: set[asyncio.Future[Any]] = set()
         self._closed = False
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """As ``Client.__reduce__``: its configuration; unpickled, a fresh AsyncClient."""
+        return _pickle.reduce_client(self._core, "async")
 
     # -- the driver ------------------------------------------------------------------------------
     async def _ready(self) -> None:
@@ -353,3 +357,6 @@ class AsyncClient:
 
     def __repr__(self) -> str:
         return f"AsyncClient({self.url!r}, session={self._core.sid[:8]})"
+
+
+_pickle.MAKERS["async"] = AsyncClient

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._defaults import ENV_TOKEN, default_url
 from .._wire import SessionInfo, Stat, TensorInfo
-from . import _batch, _ops, _push
+from . import _batch, _ops, _pickle, _push
 from ._background import Background
 from ._core import Core
 from ._tensor import SharedTensor
@@ -54,10 +54,30 @@ class Client:
     def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
                  label: str | None = None,
                  trust_uid: int | str | Iterable[int | str] | None = None) -> None:
+        self._setup(url, token, timeout, label, trust_uid, open=True)
+
+    def _setup(self, url: str | None, token: str | None, timeout: float, label: str | None,
+               trust_uid: Any, *, open: bool) -> None:
         self.url = url or default_url()
         self._core = Core(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout,
-                          label=label, trust_uid=trust_uid, transport=Transport, open=True)
+                          label=label, trust_uid=trust_uid, transport=Transport, open=open)
         self._run = self._core.run
+        _pickle.track(self)
+
+    @classmethod
+    def _unopened(cls, url: str, *, token: str | None, timeout: float, label: str | None,
+                  trust_uid: Any) -> Client:
+        """A Client whose session opens on its first call (one unpickled)."""
+        c = cls.__new__(cls)
+        c._setup(url, token, timeout, label, trust_uid, open=False)
+        return c
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """A pickle of this client is its configuration (token included: never
+        store one); unpickled, a fresh client that opens its own session on
+        its first call.  So a Dataset that keeps a Client works under
+        DataLoader workers started with spawn or forkserver."""
+        return _pickle.reduce_client(self._core, "sync")
 
     # -- plumbing ----------------------------------------------------------
     def _call(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
@@ -235,3 +255,6 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.url!r}, session={self._core.sid[:8]})"
+
+
+_pickle.MAKERS["sync"] = Client._unopened

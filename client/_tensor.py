@@ -246,6 +246,17 @@ class SharedTensor:
         """``release()``."""
         self.release()
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """A pickle names the tensor (its broker, name and version); unpickled in
+        another process, it is got there again, zero copy, under a lease of
+        that process's own (``TensorNotFound`` if that version is no longer
+        served).  So it travels through multiprocessing and torch.multiprocessing
+        Queues, and back from DataLoader workers.  Unpublished ``empty()``
+        tensors are refused."""
+        from ._pickle import reduce_tensor
+
+        return reduce_tensor(self)
+
     def __repr__(self) -> str:
         state = "released" if self._owner is None else ("writable" if self.writable
                                                         else "read-only")

@@ -1,0 +1,151 @@
+"""Tensors and clients across processes the torch way, against a real broker:
+a DataLoader whose Dataset keeps the parent's Client (workers started with
+fork, spawn and forkserver) hands SharedTensors back to the main process,
+and a torch.multiprocessing Queue carries SharedTensors and a Client to a
+spawned process.  Every tensor arrives zero copy (its bytes are mapped from
+one of the broker's segments), and nothing is left: no session, no lease, no
+/dev/shm entry (the broker fixture checks the last two at teardown)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as tmp
+from _harness import BrokerProc, wait_for
+from tensordepot import AsyncClient, Client, InvalidRequest, SharedTensor, TensorNotFound
+
+
+def in_segment(address: int, prefix: str) -> bool:
+    """Whether ``address`` lies in a mapping of one of the broker's segments
+    (/dev/shm/<prefix>...): zero copy, not a copy of it."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return len(fields) > 5 and fields[5].startswith(f"/dev/shm/{prefix}")
+    return False
+
+
+def address_of(t: SharedTensor) -> int:
+    return int(np.from_dlpack(t).ctypes.data)
+
+
+class Named(torch.utils.data.Dataset[Any]):
+    """What a Dataset over broker tensors looks like: the parent's Client and
+    the names; each item is the SharedTensor itself (its pickle names it)."""
+
+    def __init__(self, client: Client, names: list[str], prefix: str) -> None:
+        self.client, self.names, self.prefix = client, names, prefix
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: int) -> tuple[SharedTensor, bool]:
+        t = self.client.get(self.names[i])
+        return t, in_segment(address_of(t), self.prefix)
+
+
+def keep(batch: list[Any]) -> list[Any]:
+    """collate_fn: the items as they are (SharedTensors do not stack)."""
+    return batch
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_dataloader_hands_shared_tensors_back_zero_copy(broker: BrokerProc, method: str) -> None:
+    with broker.client() as c:
+        names = [f"sample/{i}" for i in range(6)]
+        c.put_many({n: np.full(1024, i, np.float32) for i, n in enumerate(names)})
+        loader = torch.utils.data.DataLoader(
+            Named(c, names, broker.prefix), batch_size=2, num_workers=2,
+            multiprocessing_context=method, collate_fn=keep)
+        seen = []
+        for batch in loader:
+            for t, worker_zero_copy in batch:
+                assert isinstance(t, SharedTensor) and worker_zero_copy, (t, method)
+                assert in_segment(address_of(t), broker.prefix), t
+                seen.append((t.name, float(np.from_dlpack(t)[0])))
+                del t
+            del batch
+        del loader
+        assert sorted(seen) == [(n, float(i)) for i, n in enumerate(names)]
+        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
+                 what="the workers' sessions and every lease to end")
+        c.delete(prefix="sample/")
+
+
+def _receiver(q: Any, back: Any, prefix: str) -> None:
+    """A spawned process: reads what arrives, answers with what it found."""
+    client, tensors, theirs = q.get()
+    out = {"client": type(client).__name__,
+           "read": {t.name: float(np.from_dlpack(t).sum()) for t in tensors},
+           "zero_copy": all(in_segment(address_of(t), prefix) for t in tensors),
+           "torch_copy_ok": float(theirs.sum()),
+           "torch_zero_copy": in_segment(theirs.untyped_storage().data_ptr(), prefix)}
+    client.put("from-child", np.arange(3, dtype=np.float32))  # the client works there too
+    back.put("read")
+    try:
+        q.get()  # a stale one: a newer version was published meanwhile
+    except TensorNotFound as exc:
+        out["stale"] = str(exc)
+    back.put(out)
+    del tensors, theirs
+    client.close()
+
+
+def test_a_torch_queue_carries_shared_tensors_and_a_client(broker: BrokerProc) -> None:
+    ctx = tmp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    with broker.client() as c:
+        c.put_many({"w": np.ones(256, np.float32), "b": np.full(8, 2.0, np.float32)})
+        got = c.get_many(["w", "b"])
+        torch_view = torch.from_dlpack(got["w"])  # torch's own tensor: torch copies it
+        p = ctx.Process(target=_receiver, args=(q, back, broker.prefix))
+        p.start()
+        q.put((c, list(got.values()), torch_view))
+        old = c.get("b")
+        assert back.get(timeout=120) == "read"
+        c.put("b", np.zeros(8, np.float32))  # b's version sent next is no longer served
+        q.put(old)
+        out = back.get(timeout=120)
+        p.join(60)
+        assert p.exitcode == 0
+        assert out["client"] == "Client"
+        assert out["read"] == {"w": 256.0, "b": 16.0} and out["zero_copy"], out
+        assert out["torch_copy_ok"] == 256.0 and not out["torch_zero_copy"], out
+        assert "'b' v1, is no longer served: the broker has v2" in out["stale"], out
+        assert np.from_dlpack(c.get("from-child")).tolist() == [0.0, 1.0, 2.0]
+        del got, torch_view, old
+        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
+                 what="the child's session and every lease to end")
+        c.delete_many(["w", "b", "from-child"])
+
+
+def test_pickles_name_what_they_carry_and_refuse_what_they_cannot(broker: BrokerProc) -> None:
+    with broker.client() as c:
+        c.put("x", np.arange(4, dtype=np.float32))
+        t = c.get("x")
+        again = pickle.loads(pickle.dumps(t))  # in this process: through this very client
+        assert again is not t and again.version == t.version
+        assert address_of(again) != 0 and np.from_dlpack(again).tolist() == [0, 1, 2, 3]
+        assert c.stat().leases == 2  # a lease of its own
+        fresh = pickle.loads(pickle.dumps(c))
+        assert isinstance(fresh, Client) and fresh is not c and fresh.url == c.url
+        assert fresh.stat().tensors == 1  # its session opens on its first call
+        fresh.close()
+        afresh = pickle.loads(pickle.dumps(AsyncClient(broker.url)))
+        assert isinstance(afresh, AsyncClient)
+        w = c.empty("y", (2,), "float32")
+        with pytest.raises(InvalidRequest, match="publish"):
+            pickle.dumps(w)
+        w.publish()
+        c.delete("x")
+        with pytest.raises(TensorNotFound, match="'x' v1, is gone from the broker"):
+            pickle.loads(pickle.dumps(t))
+        del t, again, w
+        c.delete("y")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the leases to go")
