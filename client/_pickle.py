@@ -8,8 +8,8 @@
   else one made on first use and kept): zero copy, under a lease of its own.
   If that version is no longer the one the broker serves (a newer one was
   published, or the name was deleted), unpickling raises ``TensorNotFound``
-  naming it.  An ``empty()`` tensor not yet
-  published is refused: nothing else may read it.
+  naming it.  An ``empty()`` tensor not yet published is refused: nothing
+  else may read it.
 * A Client (or AsyncClient) pickles to its configuration and unpickles as a
   fresh one, which opens its own session on its first call.
 
