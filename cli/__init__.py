@@ -1,5 +1,5 @@
 """The ``tensordepot`` command: ``serve`` (the broker) and the client
-commands ``ls``, ``stat``, ``rm``, ``wait`` and ``push``.
+commands ``ls``, ``stat``, ``rm``, ``wait``, ``load``, ``save`` and ``push``.
 
 The one package that may import both ``tensordepot.client`` and
 ``tensordepot.service``; neither imports it.  Each command loads only what it

@@ -1,4 +1,5 @@
-"""The client commands: ``ls``, ``stat``, ``rm``, ``wait`` and ``push``.
+"""The client commands: ``ls``, ``stat``, ``rm``, ``wait``, ``load``, ``save``
+and ``push``.
 
 They import only the client (numpy, pydantic), never the broker's FastAPI
 and uvicorn, so ``tensordepot ls`` costs little more than ``import
@@ -168,6 +169,38 @@ def wait(args: argparse.Namespace) -> int:
           f"start one with `tensordepot serve`, or point --url (or $TENSORDEPOT_URL) at its socket",
           file=sys.stderr)
     return 1
+
+
+def _progress(what: str) -> Any:
+    """A progress report on stderr, for files of more than a few seconds' copy."""
+    def report(done: int, total: int) -> None:
+        if total >= 256 << 20:
+            print(f"tensordepot {what}: {format_size(done)} of {format_size(total)} "
+                  f"({100 * done // max(total, 1)}%)", file=sys.stderr)
+    return report
+
+
+def load(args: argparse.Namespace) -> int:
+    """``tensordepot load FILE --prefix P``: every tensor of a safetensors file."""
+    with connect(args) as c:
+        versions = c.load_file(args.file, args.prefix, progress=_progress("load"))
+    if args.json:
+        _print_json(versions)
+    else:
+        meta = args.prefix + "__metadata__" in versions
+        print(f"{len(versions) - meta} tensors{' and its metadata' * meta} from {args.file}")
+    return 0
+
+
+def save(args: argparse.Namespace) -> int:
+    """``tensordepot save PREFIX FILE``: the tensors under a prefix, to a file."""
+    with connect(args) as c:
+        written = c.save_file(args.prefix, args.file, progress=_progress("save"))
+    if args.json:
+        _print_json({"file": args.file, "bytes": written})
+    else:
+        print(f"{format_size(written)} of tensors to {args.file}")
+    return 0
 
 
 def seconds(text: str) -> float:

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("rm", _commands.rm, "delete tensors (names, or --prefix); goes on past missing "
                              "names (exit 1 if any)"),
         ("wait", _commands.wait, "wait until the broker answers (exit 0), or time out (exit 1)"),
+        ("load", _commands.load, "put every tensor of a safetensors file, in one batch"),
+        ("save", _commands.save, "write the tensors under a prefix to a safetensors file"),
     )
     for name, fn, helptext in commands:
         c = sub.add_parser(name, help=helptext, description=helptext)
@@ -60,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("names", nargs="*", metavar="NAME")
             c.add_argument("--prefix", default=None, metavar="P",
                            help="also every name that starts with P, in one request")
+        if name == "load":
+            c.add_argument("file", metavar="FILE")
+            c.add_argument("--prefix", default="", metavar="P",
+                           help="put each tensor as P + its name in the file")
+        if name == "save":
+            c.add_argument("prefix", metavar="PREFIX")
+            c.add_argument("file", metavar="FILE")
         if name == "wait":
             c.add_argument("--timeout", type=_commands.seconds, default=30.0, metavar="S",
                            help="give up after S seconds (default 30)")

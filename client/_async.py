@@ -36,13 +36,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import InvalidRequest
 from .._wire import Stat, TensorInfo
-from . import _batch, _ops, _pickle, _push
+from . import _batch, _files, _ops, _pickle, _push
 from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
@@ -299,6 +299,18 @@ class AsyncClient:
         Flight endpoint is ``to``, as ``Client.push``; returns its version
         there.  It runs whole in a worker thread, and completes."""
         return await self._drive(_push.push(self._core, name, to, token, tls_ca, timeout))
+
+    # -- files -----------------------------------------------------------------------------------
+    async def load_file(self, path: str | os.PathLike[str], prefix: str = "", *,
+                        ttl: float | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+        """As ``Client.load_file``; the copy runs off the event loop."""
+        return await self._drive(_files.load_file(self._core, path, prefix, ttl, progress))
+
+    async def save_file(self, prefix: str, path: str | os.PathLike[str], *,
+                        progress: Callable[[int, int], None] | None = None) -> int:
+        """As ``Client.save_file``; the file is written off the event loop."""
+        return await self._drive(_files.save_file(self._core, prefix, path, progress))
 
     # -- names -----------------------------------------------------------------------------------
     async def delete(self, name: str | None = None, *,

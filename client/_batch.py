@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import BrokerUnavailable, DepotError
@@ -48,6 +48,7 @@ from ._tensor import Publisher, SharedTensor, _Lease
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
 _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> C strides in elements
+_STEP = 256 << 20  # bytes copied between two progress reports
 
 
 def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]:
@@ -99,17 +100,26 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
             arrays.append(a)
             dtypes.append(d)
         shapes = [list(a.shape) for a in arrays]
-        body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl)
-        cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
-        try:
-            # When it raises, no copy thread still writes.
-            yield Offload(_fill, core, cols, arrays, shapes, dtypes)
-        except BaseException:
-            yield from _abort(core, cols)
-            raise
+        return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl))
     finally:
         for src in opened:
             src.close()
+
+
+def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[list[int]],
+               dtypes: list[str], ttl: float | None,
+               progress: Callable[[int, int], None] | None = None) -> Op[dict[str, int]]:
+    """put_many's steps for host arrays: each array holds its tensor's bytes
+    (C-ordered, of ``dtypes``; a flat uint8 array of them will do).
+    ``progress(done, total)``: bytes copied so far, called as the copy goes."""
+    body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl)
+    cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
+    try:
+        # When it raises, no copy thread still writes.
+        yield Offload(_fill, core, cols, arrays, shapes, dtypes, progress)
+    except BaseException:
+        yield from _abort(core, cols)
+        raise
     try:
         yield from core.call("POST", "/v1/many/publish",
                              ManyPublish.model_construct(names=cols.names, versions=cols.versions),
@@ -121,7 +131,7 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
 
 
 def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[int]],
-          dtypes: list[str]) -> None:
+          dtypes: list[str], progress: Callable[[int, int], None] | None = None) -> None:
     check_columns(cols)
     if cols.others or len(cols.names) != len(arrays):
         raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
@@ -131,7 +141,17 @@ def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[
     for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True):
         if n:
             pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
-    copy_many(pairs)
+    if progress is None:
+        copy_many(pairs)
+        return
+    total, done, pending, group = sum(a.nbytes for a in arrays), 0, 0, []
+    for i, pair in enumerate(pairs):  # in pieces of about _STEP bytes, each reported when copied
+        group.append(pair)
+        pending += pair[0].nbytes
+        if pending >= _STEP or i == len(pairs) - 1:
+            copy_many(group)
+            done, pending, group = done + pending, 0, []
+            progress(done, total)
 
 
 def _abort(core: Core, cols: HandleColumns) -> Op[None]:

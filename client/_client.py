@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._defaults import ENV_TOKEN, default_url
 from .._wire import SessionInfo, Stat, TensorInfo
-from . import _batch, _ops, _pickle, _push
+from . import _batch, _files, _ops, _pickle, _push
 from ._background import Background
 from ._core import Core
 from ._tensor import SharedTensor
@@ -207,6 +207,26 @@ class Client:
         its version there.  ``token`` (default ``$TENSORDEPOT_PEER_TOKEN``) needs
         write scope there.  Needs ``pip install 'tensordepot[flight]'``."""
         return self._run(_push.push(self._core, name, to, token, tls_ca, timeout))
+
+    # -- files ---------------------------------------------------------------
+    def load_file(self, path: str | os.PathLike[str], prefix: str = "", *,
+                  ttl: float | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+        """Put every tensor of the safetensors file ``path`` as ``prefix`` +
+        its name, in one batch (all of them, or none), each copied once from
+        the file; its metadata is kept as ``prefix + "__metadata__"``.
+        ``progress(done, total)`` hears the bytes copied as the copy goes.
+        Returns the versions.  Raises ``InvalidRequest`` for a file it cannot
+        read, saying why."""
+        return self._run(_files.load_file(self._core, path, prefix, ttl, progress))
+
+    def save_file(self, prefix: str, path: str | os.PathLike[str], *,
+                  progress: Callable[[int, int], None] | None = None) -> int:
+        """Write every published tensor whose name starts with ``prefix`` to
+        the safetensors file ``path``, named without the prefix (a whole file
+        or none: it is written beside and renamed), with the metadata
+        ``load_file`` kept.  Returns the bytes of tensors written."""
+        return self._run(_files.save_file(self._core, prefix, path, progress))
 
     # -- names ---------------------------------------------------------------
     def delete(self, name: str | None = None, *, prefix: str | None = None) -> builtins.list[str]:

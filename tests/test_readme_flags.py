@@ -10,7 +10,7 @@ import sys
 from _harness import ROOT
 
 README = (ROOT / "README.md").read_text()
-COMMANDS = ("serve", "ls", "stat", "rm", "wait", "push")
+COMMANDS = ("serve", "ls", "stat", "rm", "wait", "load", "save", "push")
 
 
 def cli_flags() -> set[str]:

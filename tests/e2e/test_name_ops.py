@@ -5,9 +5,7 @@ misses that name every missing name, and dtype names that mean one thing."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
-import inspect
 import json
 import os
 import secrets
@@ -20,35 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _both import Api
 from _harness import BrokerProc, cli, free_port, ok, wait_for
-from tensordepot import AsyncClient, Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
+from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
 from tensordepot._proto import SESSION_HEADER
 
 KINDS = [pytest.param("sync", id="Client"), pytest.param("async", id="AsyncClient")]
-
-
-class Api:
-    """One client's calls, made the same way for a Client and an AsyncClient
-    (whose coroutines run to their end on a loop of its own)."""
-
-    def __init__(self, url: str, kind: str) -> None:
-        self.kind = kind
-        self.loop = asyncio.new_event_loop() if kind == "async" else None
-        self.c: Any = Client(url) if kind == "sync" else AsyncClient(url)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.c, name)
-        if self.loop is None or not inspect.iscoroutinefunction(attr):
-            return attr
-        loop = self.loop
-        return lambda *a, **kw: loop.run_until_complete(attr(*a, **kw))
-
-    def close(self) -> None:
-        if self.loop is None:
-            self.c.close()
-            return
-        self.loop.run_until_complete(self.c.aclose())
-        self.loop.close()
 
 
 @pytest.fixture(params=KINDS)

@@ -1,0 +1,176 @@
+"""safetensors files in and out: ``load_file`` puts every tensor of a file in
+one batch, ``save_file`` writes the tensors under a prefix back out.
+
+The format (https://github.com/huggingface/safetensors) is 8 bytes of
+header length (little-endian), a JSON header naming each tensor's dtype,
+shape and byte range (and a ``__metadata__`` map of strings), then the bytes.
+The header is read here and the file is mapped, so each tensor is copied
+once, from the page cache into broker memory, whatever its dtype: the
+safetensors package hands numpy no bfloat16 or float8 without torch.  The
+file's ``__metadata__`` is kept as a uint8 tensor of its JSON, named
+``<prefix>__metadata__``, which ``save_file`` writes back as metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import InvalidRequest
+from ..shm import dtype_from_name
+from ._batch import get_many, put_arrays
+from ._checks import check_name, check_ttl
+from ._core import Core
+from ._http import Offload, Op
+from ._ops import names as list_names
+from ._source import raw_view
+
+METADATA = "__metadata__"  # the name, under the prefix, of the file's metadata
+_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+# safetensors' dtype names -> ours
+DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+          "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
+          "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+_NAMES = {v: k for k, v in DTYPES.items()}
+Progress = Callable[[int, int], None]
+
+
+def _bad(path: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{path} is not a safetensors file tensordepot can read: {why}")
+
+
+Item = tuple[str, str, list[int], int, int]  # name, our dtype, shape, start, end (in the file)
+
+
+def read_header(path: str, data: Any) -> tuple[dict[str, str] | None, list[Item]]:
+    """(metadata, [(name, our dtype, shape, start, end)]) of a mapped file,
+    every range checked against the file and the dtype's item size."""
+    if len(data) < 8:
+        raise _bad(path, f"it has {len(data)} bytes, fewer than its 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > _MAX_HEADER or 8 + n > len(data):
+        raise _bad(path, f"its header claims {n} bytes, and the file has {len(data)}")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _bad(path, f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "its header is not a JSON object")
+    meta = header.pop(METADATA, None)
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise _bad(path, "its __metadata__ is not a map of strings")
+    size, out = len(data) - 8 - n, []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise _bad(path, f"tensor {name!r} needs exactly dtype, shape and data_offsets")
+        ours = DTYPES.get(info["dtype"])
+        if ours is None:
+            raise _bad(path, f"tensor {name!r} has dtype {info['dtype']!r}; tensordepot stores "
+                             f"{', '.join(DTYPES)}")
+        shape, span = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(span, list) and len(span) == 2
+                and all(type(x) is int for x in span) and 0 <= span[0] <= span[1] <= size):
+            raise _bad(path, f"tensor {name!r} has shape {shape!r} and data_offsets {span!r}")
+        if span[1] - span[0] != math.prod(shape) * dtype_from_name(ours).itemsize:
+            raise _bad(path, f"tensor {name!r} of shape {shape} and dtype {info['dtype']} "
+                             f"spans {span[1] - span[0]} bytes")
+        out.append((name, ours, shape, 8 + n + span[0], 8 + n + span[1]))
+    return meta, out
+
+
+def load_file(core: Core, path: Any, prefix: str, ttl: Any,
+              progress: Progress | None) -> Op[dict[str, int]]:
+    """Every tensor of ``path`` as ``prefix + its name``, in one batch: the versions."""
+    path, ttl = os.fspath(path), check_ttl(ttl)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below, after the copy)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
+    import numpy as np
+
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else b""
+        view: Any = memoryview(data)
+        arrays: list[Any] = []
+        try:
+            meta, items = read_header(path, view)
+            names = [check_name(prefix + name, "prefix + tensor name") for name, *_ in items]
+            arrays = [np.frombuffer(view, np.uint8, end - start, start)
+                      for _, _, _, start, end in items]
+            shapes, dtypes = [shape for _, _, shape, *_ in items], [d for _, d, *_ in items]
+            if meta is not None:
+                names.append(check_name(prefix + METADATA, "prefix + __metadata__"))
+                arrays.append(np.frombuffer(json.dumps(meta).encode(), np.uint8))
+                shapes.append([arrays[-1].size])
+                dtypes.append("uint8")
+            if not names:
+                return {}
+            return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl, progress))
+        finally:
+            arrays.clear()  # nothing may point into the mapping when it closes
+            view.release()
+            if isinstance(data, mmap.mmap):
+                data.close()
+
+
+def save_file(core: Core, prefix: str, path: Any, progress: Progress | None) -> Op[int]:
+    """The tensors named ``prefix...`` written to ``path`` (names without the
+    prefix): the bytes of tensors written."""
+    path = os.fspath(path)
+    listed = [i for i in (yield from list_names(core, prefix)) if i.state == "ready"]
+    names = [i.name for i in listed]
+    if not names:
+        raise InvalidRequest(f"no published tensor name starts with {prefix!r}: nothing to save")
+    got = yield from get_many(core, names, 0.0, 0)
+    try:
+        written: int = yield Offload(_write, got, prefix, path, progress)
+    finally:
+        del got
+    return written
+
+
+def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | None) -> int:
+    meta = got.pop(prefix + METADATA, None)
+    header: dict[str, Any] = {}
+    if meta is not None:
+        header[METADATA] = json.loads(bytes(raw_view(meta)))
+    offset, order = 0, []
+    for name in sorted(got):
+        t = got[name]
+        if t.device != "cpu":
+            raise InvalidRequest(f"tensor {name!r} is on {t.device}: save_file writes CPU "
+                                 f"tensors; put a CPU copy first")
+        st = _NAMES.get(t.dtype)
+        if st is None:
+            raise InvalidRequest(f"tensor {name!r} has dtype {t.dtype}, which safetensors does "
+                                 f"not store (it stores {', '.join(_NAMES)})")
+        header[name.removeprefix(prefix)] = {"dtype": st, "shape": list(t.shape),
+                                             "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+        order.append(t)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the bytes start 8-aligned, as the library writes them
+    done, tmp = 0, f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            for t in order:
+                f.write(raw_view(t).reshape(-1).view("uint8").data)
+                done += t.nbytes
+                if progress is not None:
+                    progress(done, offset)
+        os.replace(tmp, path)  # a file that exists is whole
+    except OSError as exc:
+        raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return offset
