@@ -294,6 +294,9 @@ def paused(net: Net, workers: list[Worker]) -> Iterator[Callable[..., Paused]]:
 def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(
         paused: Callable[..., Paused]) -> None:
     p = paused("big", 64 * MiB)
+    # What the relay let through reaches B's books a moment after the relay holds.
+    wait_for(lambda: peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url) > 0, 30,
+             what="B to count the bytes the relay let through")
     pulled = peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url)
     assert 0 < pulled < 64 * MiB, pulled
     with p.b.client() as cb:  # part way: B holds an allocation nobody can see

@@ -55,6 +55,9 @@ def keep(batch: list[Any]) -> list[Any]:
     return batch
 
 
+# jax, once another test imported it, warns at every fork (it runs threads); the
+# Client is made for fork, so the warning is not this test's.
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_a_dataloader_hands_shared_tensors_back_zero_copy(broker: BrokerProc, method: str) -> None:
     with broker.client() as c:
