@@ -5,11 +5,9 @@ misses that name every missing name, and dtype names that mean one thing."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ import pytest
 import torch
 from _both import Api
 from _harness import BrokerProc, cli, free_port, ok, wait_for
+from _rawhttp import encode, exchange
 from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
 from tensordepot._proto import SESSION_HEADER
 
@@ -230,23 +229,12 @@ class Raw:
         self.sid = answer["session"]
 
     def send(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        sock = self.sock
-
-        class Conn(http.client.HTTPConnection):
-            def connect(self) -> None:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.connect(sock)
-
-        conn = Conn("localhost")
-        headers = {"content-type": "application/json"}
+        headers = [("content-type", "application/json")]
         if self.sid:
-            headers[SESSION_HEADER] = self.sid
-        try:
-            conn.request(method, path, None if body is None else json.dumps(body), headers)
-            r = conn.getresponse()
-            return r.status, json.loads(r.read() or b"null")
-        finally:
-            conn.close()
+            headers.append((SESSION_HEADER, self.sid))
+        data = None if body is None else json.dumps(body).encode()
+        answer = exchange(self.sock, encode(method, path, headers, data))
+        return answer.status, json.loads(answer.body or b"null")
 
     def close(self) -> None:
         self.send("DELETE", f"/v1/sessions/{self.sid}")
