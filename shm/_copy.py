@@ -8,11 +8,11 @@ per GiB on two cores).
 Two promises the callers rely on:
 
 * **A copy that raises has stopped writing.**  When the calling thread is
-  interrupted (Ctrl-C) or a piece fails, pieces not yet started are
-  cancelled and the running ones are waited for before the exception
-  propagates, so the caller may give the memory back at once: no thread is
-  still writing into it (README, Lifetime: M1).  Pieces are at most
-  ``_PIECE`` bytes, so that wait is short.
+  interrupted (Ctrl-C) or a piece fails, pieces not yet started do nothing
+  and the running ones are waited for before the exception propagates, so
+  the caller may give the memory back at once: no thread is still writing
+  into it (README, Lifetime: M1).  Pieces are at most ``_PIECE`` bytes, so
+  that wait is short.
 * **Fork-safe.**  A forked child has none of its parent's threads; the
   executor is re-created in the child on first use.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _MIN_PARALLEL = 8 << 20  # below this, thread hand-off costs more than it saves
@@ -55,25 +55,56 @@ def _pool() -> ThreadPoolExecutor:
     return _executor
 
 
-def _wait_all(futures: list[Future[Any]], stop: threading.Event | None = None) -> None:
-    """Wait for every piece; on any exception (Ctrl-C included) cancel what has
-    not started and wait for what has, then re-raise."""
+class _Gate:
+    """What every piece of one copy passes through before it writes.
+
+    Once ``shut`` returns, no piece of that copy writes any more: a piece that
+    has not started returns at once, and ``shut`` waits for the running ones.
+    It holds wherever the caller's interrupt lands, even between two
+    ``submit`` calls, where no future of the running piece is known yet."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.closed = False
+        self._running = 0
+
+    def run(self, fn: Any, *args: Any) -> None:
+        with self._cond:
+            if self.closed:
+                return
+            self._running += 1
+        try:
+            fn(*args)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def shut(self) -> None:
+        while True:
+            try:
+                with self._cond:
+                    self.closed = True
+                    while self._running:
+                        self._cond.wait()
+                return
+            except BaseException:  # a second Ctrl-C: keep waiting, the threads still write
+                continue
+
+
+def _run_all(jobs: list[tuple[Any, ...]]) -> None:
+    """Run ``(fn, *args)`` jobs on the copy threads and wait for all of them;
+    on any exception (Ctrl-C included), stop them first, then re-raise."""
+    gate = _Gate()
     try:
+        pool = _pool()
+        futures = []
+        for fn, *args in jobs:
+            futures.append(pool.submit(gate.run, fn, gate, *args))
         for f in futures:
             f.result()
     except BaseException:
-        if stop is not None:
-            stop.set()
-        for f in futures:
-            f.cancel()
-        pending = [f for f in futures if not f.done()]
-        while pending:
-            try:
-                for f in pending:
-                    f.exception()  # blocks until that piece has stopped
-                pending = []
-            except BaseException:  # a second Ctrl-C: keep waiting, the threads still write
-                pending = [f for f in pending if not f.done()]
+        gate.shut()
         raise
 
 
@@ -106,13 +137,23 @@ def _copy(d: Any, s: Any) -> None:
     np.copyto(d, s, casting="no")
 
 
+def _piece(gate: _Gate, d: Any, s: Any) -> None:
+    _copy(d, s)
+
+
+def _bucket(gate: _Gate, bucket: list[tuple[Any, Any]]) -> None:
+    for d, s in bucket:
+        if gate.closed:
+            return
+        _copy(d, s)
+
+
 def copy_into(dst: Any, src: Any) -> None:
     """Copy ``src`` (any strides) into ``dst`` (C-contiguous, same shape and item size)."""
     if dst.nbytes < _MIN_PARALLEL or _threads == 1:
         _copy(dst, src)
         return
-    pool = _pool()
-    _wait_all([pool.submit(_copy, d, s) for d, s in _pieces(dst, src)])
+    _run_all([(_piece, d, s) for d, s in _pieces(dst, src)])
 
 
 def copy_many(pairs: list[tuple[Any, Any]]) -> None:
@@ -141,15 +182,4 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
         buckets[i].append((d, s))
         loads[i] += d.nbytes
 
-    stop = threading.Event()
-
-    def run(bucket: list[tuple[Any, Any]]) -> None:
-        for d, s in bucket:
-            if stop.is_set():
-                return
-            _copy(d, s)
-
-    pool = _pool()
-    futures = [pool.submit(run, b) for b in buckets if b]
-    futures += [pool.submit(_copy, d, s) for d, s in jobs]
-    _wait_all(futures, stop)
+    _run_all([(_bucket, b) for b in buckets if b] + [(_piece, d, s) for d, s in jobs])

@@ -1,0 +1,82 @@
+"""The parallel copy's promise (shm/_copy.py): once ``copy_into`` or
+``copy_many`` raises, no copy thread writes into the destination any more, so
+the caller may give that memory back at once (M1).
+
+A Ctrl-C lands wherever the interpreter happens to be.  These tests make it
+land in the worst place found so far, between two ``submit`` calls, when the
+first piece already runs and its future is not yet known to anyone
+(tests/_interrupt.py).  Then every copy thread is drained and the
+destination must be as it was when the call raised."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from _interrupt import interrupt_at
+from tensordepot.shm import _copy
+
+pytestmark = pytest.mark.skipif(_copy._threads < 2, reason="one copy thread: nothing runs aside")
+
+MiB = 1 << 20
+
+
+def _drain() -> None:
+    """Wait until every copy thread has finished what it was given before."""
+    pool = _copy._pool()
+    started = threading.Barrier(_copy._threads + 1)
+    done = [pool.submit(started.wait, 60) for _ in range(_copy._threads)]
+    started.wait(60)
+    for f in done:
+        f.result(60)
+
+
+@pytest.fixture
+def interrupted_at_second_submit() -> Iterator[None]:
+    _drain()  # the pool exists, its threads are idle
+    with interrupt_at(ThreadPoolExecutor.submit.__code__, 2):
+        yield
+
+
+def _big_strided(mib: int) -> np.ndarray:
+    """A non-contiguous float32 source of ``mib`` MiB (a transpose: a slow copy)."""
+    n = mib * MiB // 4
+    side = int(n**0.5)
+    return np.full((side, n // side), 5.0, dtype=np.float32).T
+
+
+def test_an_interrupt_between_submits_leaves_no_copy_writing(
+        interrupted_at_second_submit: None) -> None:
+    src = _big_strided(128)
+    dst = np.zeros(src.shape, dtype=np.float32)
+    with pytest.raises(KeyboardInterrupt):
+        _copy.copy_into(dst, src)
+    when_raised = dst.copy()
+    _drain()
+    assert np.array_equal(dst, when_raised), "a copy thread wrote after copy_into raised"
+
+
+def test_an_interrupt_between_submits_of_a_batch_leaves_no_copy_writing(
+        interrupted_at_second_submit: None) -> None:
+    srcs = [_big_strided(64), _big_strided(64)]
+    dsts = [np.zeros(s.shape, dtype=np.float32) for s in srcs]
+    with pytest.raises(KeyboardInterrupt):
+        _copy.copy_many(list(zip(dsts, srcs, strict=True)))
+    when_raised = [d.copy() for d in dsts]
+    _drain()
+    for d, w in zip(dsts, when_raised, strict=True):
+        assert np.array_equal(d, w), "a copy thread wrote after copy_many raised"
+
+
+def test_a_copy_that_is_not_interrupted_copies_everything() -> None:
+    src = _big_strided(64)
+    dst = np.zeros(src.shape, dtype=np.float32)
+    _copy.copy_into(dst, src)
+    assert np.array_equal(dst, src)
+    pairs = [(np.zeros(s.shape, dtype=np.float32), s)
+             for s in [_big_strided(16), np.arange(1000, dtype=np.float32), _big_strided(9)]]
+    _copy.copy_many(pairs)
+    assert all(np.array_equal(d, s) for d, s in pairs)
