@@ -171,46 +171,51 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
                                     wait=check_wait(until))
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
-    if core.map_cheaply("cuda" if cols.others else "posix"):
-        return _tensors(core, cols)
-    return (yield Offload(_tensors, core, cols))  # type: ignore[no-any-return]
+    # From here on, whatever raises (Ctrl-C included) gives back the leases
+    # that no tensor holds yet: the others go when their tensors do.
+    sid = core.sid
+    tensors: list[SharedTensor | None] = [None] * len(cols.names)
+    try:
+        if core.map_cheaply("cuda" if cols.others else "posix"):
+            _tensors(core, cols, tensors)
+        else:
+            yield Offload(_tensors, core, cols, tensors)
+    except BaseException:
+        if core.bg is not None:  # ``leases`` may be longer than ``tensors``
+            for i, lid in enumerate(cols.leases or ()):
+                if lid is not None and (i >= len(tensors) or tensors[i] is None):
+                    core.bg.release_later(sid, lid)
+        raise
+    return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
 
 
-def _tensors(client: Core, cols: HandleColumns) -> dict[str, SharedTensor]:
-    """The batch's tensors (all, or none and their leases released)."""
+def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | None]) -> None:
+    """Make the batch's tensors into ``tensors``, one per name, each as soon
+    as it holds its lease."""
     n = len(cols.names)
     leases: list[int | None] = list(cols.leases) if cols.leases is not None else [None] * n
     bg, sid = client.bg, client.sid
-    tensors: list[SharedTensor | None] = [None] * n
-    try:
-        check_columns(cols)
-        windows = _windows(client, cols)
-        ref = weakref.ref[Publisher](client)
-        release = None if bg is None else functools.partial(bg.release_later, sid)
-        with client.gate:  # no fork while leases are registered
-            for i in range(n):
-                if cols.segment[i] < 0:
-                    continue  # below: tensor() takes the gate itself
-                window, flat, base = windows[i]
-                lid, lease = leases[i], None
-                if lid is not None and release is not None:
-                    lease = _Lease(lid, release)
-                    bg.track(sid, lid)  # type: ignore[union-attr]
-                shape = tuple(cols.shapes[i])
-                t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
-                                     dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
-                                     window, flat, cols.offsets[i] - base, lease)
-                t._lease_session = sid
-                tensors[i] = t
-        for i, h in cols.others.items():
-            tensors[i] = tensor(client, h, False)
-    except BaseException:
-        if bg is not None:  # every lease handed out (``leases`` may be longer than ``tensors``)
-            for i, lid in enumerate(leases):
-                if lid is not None and (i >= n or tensors[i] is None):  # the others go when
-                    bg.release_later(sid, lid)  # their tensors do
-        raise
-    return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
+    check_columns(cols)
+    windows = _windows(client, cols)
+    ref = weakref.ref[Publisher](client)
+    release = None if bg is None else functools.partial(bg.release_later, sid)
+    with client.gate:  # no fork while leases are registered
+        for i in range(n):
+            if cols.segment[i] < 0:
+                continue  # below: tensor() takes the gate itself
+            window, flat, base = windows[i]
+            lid, lease = leases[i], None
+            if lid is not None and release is not None:
+                lease = _Lease(lid, release)
+                bg.track(sid, lid)  # type: ignore[union-attr]
+            shape = tuple(cols.shapes[i])
+            t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
+                                 dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
+                                 window, flat, cols.offsets[i] - base, lease)
+            t._lease_session = sid
+            tensors[i] = t
+    for i, h in cols.others.items():
+        tensors[i] = tensor(client, h, False)
 
 
 def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:

@@ -251,9 +251,11 @@ class Core:
                                    raw=True, keep=keep)
         try:
             return model.model_validate_json(raw)
-        except ValueError as exc:  # pydantic's ValidationError, JSON that is not JSON
+        except BaseException as exc:  # Ctrl-C too: nobody holds what was granted
             if self.bg is not None:
                 self.bg.cancel_later(self.sid, rid)
+            if not isinstance(exc, ValueError):  # pydantic's ValidationError, JSON that is not JSON
+                raise
             first = exc.errors()[0] if isinstance(exc, ValidationError) and exc.errors() else exc
             raise broken(f"{method} {path.split('?')[0]}",
                          f"its answer is not a {model.__name__} ({shown(first, 200)})") from None

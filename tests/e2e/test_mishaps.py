@@ -21,8 +21,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from _harness import BrokerProc, wait_for
+from _interrupt import interrupt_at
 from _workerio import Worker
+from pydantic import BaseModel
 from tensordepot import Client, Stat, TensorNotFound
+from tensordepot._wire import Handle, HandleColumns
 
 MiB = 1 << 20
 N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
@@ -213,6 +216,36 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
         w.ask("put z 1 0", "ok")  # the worker carries on after the interrupt
         assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
         del got, y
+
+
+@pytest.mark.parametrize("op", ["put", "empty", "get", "get_many"])
+def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: BrokerProc,
+                                                                  op: str) -> None:
+    """The interrupt lands after the broker's answer arrived, while the client
+    parses it: nobody holds the allocation or lease yet, so the client cancels
+    it (tests/_interrupt.py makes it land there every time)."""
+    big = np.full(N, 2.0, dtype=np.float32)  # above INLINE_MAX: an allocation
+    with broker.client() as c:
+        c.put("held", big)
+        before = c.stat()
+        model = {"put": Handle, "empty": Handle, "get": Handle, "get_many": HandleColumns}[op]
+        parse = interrupt_at(BaseModel.model_validate_json.__code__,
+                             where=lambda frame: frame.f_locals.get("cls") is model)
+        with pytest.raises(KeyboardInterrupt), parse:
+            if op == "put":
+                c.put("x", big)
+            elif op == "empty":
+                c.empty("x", (N,), "float32")
+            elif op == "get":
+                c.get("held")
+            else:
+                c.get_many(["held"])
+        stat_when(c, lambda s: (s.leases, s.versions, s.bytes_in_use)
+                  == (before.leases, before.versions, before.bytes_in_use),
+                  f"the interrupted {op}'s grant to be given back")
+        assert [i.name for i in c.list()] == ["held"]
+        c.put("x", big)  # the client carries on
+        assert same(np.from_dlpack(c.get("x")), 2.0)
 
 
 # -- M8: fork --------------------------------------------------------------------------------------
