@@ -68,13 +68,17 @@ class _Gate:
         self.closed = False
         self._running = 0
 
-    def run(self, fn: Any, *args: Any) -> None:
+    def run(self, bucket: list[tuple[Any, Any]]) -> None:
+        """Copy each (dst, src) pair of ``bucket`` in turn, until the gate shuts."""
         with self._cond:
             if self.closed:
                 return
             self._running += 1
         try:
-            fn(*args)
+            for d, s in bucket:
+                if self.closed:
+                    return
+                _copy(d, s)
         finally:
             with self._cond:
                 self._running -= 1
@@ -92,15 +96,15 @@ class _Gate:
                 continue
 
 
-def _run_all(jobs: list[tuple[Any, ...]]) -> None:
-    """Run ``(fn, *args)`` jobs on the copy threads and wait for all of them;
-    on any exception (Ctrl-C included), stop them first, then re-raise."""
+def _run_all(buckets: list[list[tuple[Any, Any]]]) -> None:
+    """Copy each bucket of (dst, src) pairs on a copy thread and wait for all
+    of them; on any exception (Ctrl-C included), stop them first, then re-raise."""
     gate = _Gate()
     try:
         pool = _pool()
         futures = []
-        for fn, *args in jobs:
-            futures.append(pool.submit(gate.run, fn, gate, *args))
+        for bucket in buckets:
+            futures.append(pool.submit(gate.run, bucket))
         for f in futures:
             f.result()
     except BaseException:
@@ -137,23 +141,12 @@ def _copy(d: Any, s: Any) -> None:
     np.copyto(d, s, casting="no")
 
 
-def _piece(gate: _Gate, d: Any, s: Any) -> None:
-    _copy(d, s)
-
-
-def _bucket(gate: _Gate, bucket: list[tuple[Any, Any]]) -> None:
-    for d, s in bucket:
-        if gate.closed:
-            return
-        _copy(d, s)
-
-
 def copy_into(dst: Any, src: Any) -> None:
     """Copy ``src`` (any strides) into ``dst`` (C-contiguous, same shape and item size)."""
     if dst.nbytes < _MIN_PARALLEL or _threads == 1:
         _copy(dst, src)
         return
-    _run_all([(_piece, d, s) for d, s in _pieces(dst, src)])
+    _run_all([[piece] for piece in _pieces(dst, src)])
 
 
 def copy_many(pairs: list[tuple[Any, Any]]) -> None:
@@ -182,4 +175,4 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
         buckets[i].append((d, s))
         loads[i] += d.nbytes
 
-    _run_all([(_bucket, b) for b in buckets if b] + [(_piece, d, s) for d, s in jobs])
+    _run_all([b for b in buckets if b] + [[piece] for piece in jobs])
