@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._errors import DepotError
-from .._proto import UNKNOWN_SESSION
+from .._proto import CANCEL_HEADER, RELEASE_HEADER, UNKNOWN_SESSION
 from .._wire import ReleaseRequest
 
 log = logging.getLogger("tensordepot.client")
@@ -171,6 +171,25 @@ class Background:
             if owner == sid:
                 rids.append(rid)
         return ids, rids
+
+    def riders(self, headers: dict[str, str]) -> tuple[list[int], list[str]]:
+        """Put the queued releases and cancels on a request's ``headers``, so
+        that they need no round trip of their own: what it carries."""
+        if not (self.pending or self.cancels):
+            return [], []
+        ids, rids = self.take()
+        if ids:
+            headers[RELEASE_HEADER] = ",".join(map(str, ids))
+        if rids:
+            headers[CANCEL_HEADER] = ",".join(rids)
+        return ids, rids
+
+    def unanswered(self, sid: str, ids: list[int], rids: list[str], grant: str | None) -> None:
+        """A request whose answer was never read: what rode on it goes out
+        again, and what request ``grant`` was granted is cancelled."""
+        self.give_back(ids, rids)
+        if grant is not None:
+            self.cancel_later(sid, grant)
 
     def give_back(self, ids: list[int], rids: list[str]) -> None:
         """A request that carried these failed before the broker answered: queue

@@ -20,6 +20,7 @@ leaves this one to the background thread and worker threads.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import threading
 import weakref
@@ -29,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._proto import CANCEL_HEADER, RELEASE_HEADER, REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
+from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
 from ._background import Background
 from ._checks import check_timeout, shown
@@ -188,12 +189,13 @@ class Core:
                                                   timeout=io, resend=resend, keep=keep)
             return decode(status, payload, raw)
         except DepotError as exc:
-            if not getattr(exc, "answered", False):
-                self._unanswered(sid, ids, rids, rid, grants)
+            if not getattr(exc, "answered", False) and self.bg is not None:
+                self.bg.unanswered(sid, ids, rids, rid if grants else None)
             if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
                 raise
         except BaseException:  # Ctrl-C or a cancel mid-call: the answer will never be read
-            self._unanswered(sid, ids, rids, rid, grants)
+            if self.bg is not None:
+                self.bg.unanswered(sid, ids, rids, rid if grants else None)
             raise
         # The broker restarted or reaped us: open a fresh session and send it once more.
         yield from self.open_session(sid)
@@ -212,30 +214,13 @@ class Core:
     def headers(self, rid: str | None, *,
                 carry: bool) -> tuple[dict[str, str], list[int], list[str]]:
         """A request's session headers, and (``carry``) the queued releases and
-        cancels riding on it: no round trip of their own."""
+        cancels riding on it (``Background.riders``)."""
         headers = {SESSION_HEADER: self.sid}
         if rid is not None:
             headers[REQUEST_HEADER] = rid
-        ids: list[int] = []
-        rids: list[str] = []
         bg = self.bg
-        if carry and bg is not None and (bg.pending or bg.cancels):
-            ids, rids = bg.take()
-            if ids:
-                headers[RELEASE_HEADER] = ",".join(map(str, ids))
-            if rids:
-                headers[CANCEL_HEADER] = ",".join(rids)
+        ids, rids = bg.riders(headers) if carry and bg is not None else ([], [])
         return headers, ids, rids
-
-    def _unanswered(self, sid: str, ids: list[int], rids: list[str], rid: str | None,
-                    grants: bool) -> None:
-        """A request whose answer was never read: the ids that rode on it go
-        out again, and whatever it was granted (``grants``) is cancelled."""
-        bg = self.bg
-        if bg is not None:
-            bg.give_back(ids, rids)
-            if grants and rid is not None:
-                bg.cancel_later(sid, rid)
 
     rid = staticmethod(request_id)
 
@@ -442,8 +427,6 @@ class Core:
                 pass
         self.closing = True
         self.segments.clear()
-        import gc
-
         gc.collect()  # views caught in reference cycles would otherwise hold leases
         self._maybe_finish_close()
 
