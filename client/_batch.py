@@ -15,9 +15,10 @@ A ``get_many`` takes one range per segment, over the span of the batch's
 tensors in it: the tensors of one batch share it, and stay apart because
 their bytes do not overlap (a write within one tensor's bytes changes no
 other tensor's bytes, as a copy-on-write page holds the neighbour's bytes
-unchanged).  Tensors whose bytes do overlap (a name given twice, or two
-names sharing bytes through ``put`` of a got tensor) each get a window of
-their own.  A later get or get_many never sees such a write: the kept
+unchanged).  Tensors whose bytes are the very same (tied weights, which
+``put_many`` stores once: ``_same``; a name given twice) are views of the
+same bytes of the window, so a tie stays a tie; tensors whose bytes only
+overlap each get a window of their own.  A later get or get_many never sees such a write: the kept
 mapping drops a returned range's private pages, and lends no range whose
 bytes are lent now.
 The window lives while any tensor of the batch in it does; memory the
@@ -100,23 +101,43 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
             arrays.append(a)
             dtypes.append(d)
         shapes = [list(a.shape) for a in arrays]
-        return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl))
+        return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl,
+                                      same=_same(arrays, dtypes)))
     finally:
         for src in opened:
             src.close()
 
 
+def _same(arrays: list[Any], dtypes: list[str]) -> list[int] | None:
+    """put_many's ``same`` column (``ManyAlloc``): per array, the position of
+    an earlier one that views the very same bytes as it, in the same way
+    (tied weights), or -1; None when no two do.  Views that only overlap are
+    stored apart."""
+    seen: dict[tuple[Any, ...], int] = {}
+    same = [-1] * len(arrays)
+    for i, a in enumerate(arrays):
+        if a.nbytes:
+            key = (a.__array_interface__["data"][0], a.shape, a.strides, dtypes[i])
+            same[i] = seen.setdefault(key, i)
+            if same[i] == i:
+                same[i] = -1
+    return same if max(same, default=-1) >= 0 else None
+
+
 def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[list[int]],
                dtypes: list[str], ttl: float | None,
-               progress: Callable[[int, int], None] | None = None) -> Op[dict[str, int]]:
+               progress: Callable[[int, int], None] | None = None,
+               same: list[int] | None = None) -> Op[dict[str, int]]:
     """put_many's steps for host arrays: each array holds its tensor's bytes
     (C-ordered, of ``dtypes``; a flat uint8 array of them will do).
-    ``progress(done, total)``: bytes copied so far, called as the copy goes."""
-    body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl)
+    ``progress(done, total)``: bytes copied so far, called as the copy goes.
+    ``same``: see ``_same``; those arrays are stored once."""
+    body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl,
+                                     same=same)
     cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
     try:
         # When it raises, no copy thread still writes.
-        yield Offload(_fill, core, cols, arrays, shapes, dtypes, progress)
+        yield Offload(_fill, core, cols, arrays, shapes, dtypes, progress, same)
     except BaseException:
         yield from _abort(core, cols)
         raise
@@ -131,20 +152,25 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
 
 
 def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[int]],
-          dtypes: list[str], progress: Callable[[int, int], None] | None = None) -> None:
+          dtypes: list[str], progress: Callable[[int, int], None] | None = None,
+          same: list[int] | None = None) -> None:
     check_columns(cols)
     if cols.others or len(cols.names) != len(arrays):
         raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
     flats = [core.segments.fill_flat(seg) for seg in cols.segments]
     check_allocations(cols, [f.size for f in flats], shapes, dtypes, [a.nbytes for a in arrays])
     pairs = []
-    for a, seg, off, n in zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True):
+    for i, (a, seg, off, n) in enumerate(zip(arrays, cols.segment, cols.offsets, cols.nbytes,
+                                             strict=True)):
+        j = -1 if same is None else same[i]
+        if j >= 0 and (cols.segment[j], cols.offsets[j]) == (seg, off):
+            continue  # the bytes of tensor j, copied there
         if n:
             pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
     if progress is None:
         copy_many(pairs)
         return
-    total, done, pending, group = sum(a.nbytes for a in arrays), 0, 0, []
+    total, done, pending, group = sum(p[0].nbytes for p in pairs), 0, 0, []
     for i, pair in enumerate(pairs):  # in pieces of about _STEP bytes, each reported when copied
         group.append(pair)
         pending += pair[0].nbytes
@@ -231,16 +257,20 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
         try:
             f = client.segments.file(cols.segments[j], False)
             check_segment(cols, members, f.size)
-            ranges = sorted((cols.offsets[i], cols.offsets[i] + cols.nbytes[i], i) for i in members)
+            # The tensors of one range of bytes (tied weights, a name given twice) are one.
+            spans: dict[tuple[int, int], list[int]] = {}
+            for i in members:
+                spans.setdefault((cols.offsets[i], cols.offsets[i] + cols.nbytes[i]), []).append(i)
+            ranges = sorted(spans)
             shared, alone = [], []
             end = -1
-            for k, (lo, hi, i) in enumerate(ranges):
+            for k, (lo, hi) in enumerate(ranges):
                 nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
-                # Overlapping bytes (the same bytes twice) may not share a window.
+                # Ranges that overlap without being the same may not share a window.
                 if lo < end or (nxt is not None and nxt < hi):
-                    alone.append(i)
+                    alone.append(spans[lo, hi])
                 else:
-                    shared.append(i)
+                    shared.extend(spans[lo, hi])
                 end = max(end, hi)
             if shared:
                 lo = min(cols.offsets[i] for i in shared)
@@ -249,9 +279,12 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
                 flat = byte_view(w, 0, hi - lo, writable=True)  # private pages: see module doc
                 for i in shared:
                     out[i] = (w, flat, lo)
-            for i in alone:
-                w = client.segments.reader(cols.segments[j], cols.offsets[i], cols.nbytes[i])
-                out[i] = (w, byte_view(w, 0, cols.nbytes[i], writable=True), cols.offsets[i])
+            for same in alone:
+                lo, n = cols.offsets[same[0]], cols.nbytes[same[0]]
+                w = client.segments.reader(cols.segments[j], lo, n)
+                flat = byte_view(w, 0, n, writable=True)
+                for i in same:
+                    out[i] = (w, flat, lo)
         except (DepotError, OSError) as exc:
             if isinstance(exc, DepotError):
                 raise

@@ -411,6 +411,10 @@ class ManyAlloc(_Frozen):
                                                                examples=[["float32", "bfloat16"]])
     ttl: float | None = Field(None, gt=0,
                               description="delete each tensor this many seconds after publish")
+    same: list[Annotated[int, Field(ge=-1)]] | None = Field(
+        None, max_length=MAX_BATCH,
+        description="per tensor: the position of an earlier tensor of the batch whose bytes it "
+                    "is (tied weights: stored once, under both names), or -1")
 
 
 class ManyPublish(_Frozen):

@@ -62,7 +62,8 @@ def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: 
 
 def alloc_now(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
               request: str | None) -> bytes | None:
-    got = broker.try_alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request)
+    got = broker.try_alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request,
+                                req.same)
     return None if got is None else columns(broker, [(v, None) for v in got], "writing")
 
 
@@ -70,7 +71,8 @@ async def alloc(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
                 request: str | None) -> bytes:
     """``request``: the request id, which cancels the allocations if the
     answer is never read (``Broker.release``)."""
-    got = await broker.alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request)
+    got = await broker.alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request,
+                                  req.same)
     return columns(broker, [(v, None) for v in got], "writing")
 
 

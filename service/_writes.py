@@ -101,12 +101,13 @@ class Writes:
 
     def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
                dtype: str, itemsize: int, block: Block, charge: Charge, count: bool = True,
-               request: str | None = None) -> tuple[Version, int | None]:
+               request: str | None = None, shared: bool = False) -> tuple[Version, int | None]:
         """The new writing version of ``name`` in ``block``, carrying its bytes
         of ``charge`` (``count``: in the metrics now; a batch counts its
         versions at once).  ``request``: the id of the request that allocated
         it, which cancels it if its answer was never read (and its hold, if
-        any)."""
+        any).  ``shared``: ``block`` is another version's of the same batch
+        (tied weights), whose bytes this one is."""
         e = self.records.entry(name)
         v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=ttl, entry=e)
@@ -116,7 +117,11 @@ class Writes:
         e.writing[v.number] = v
         s.writing.add(v)
         charge.attach(v)
-        self.memory.placed(v)
+        if shared:
+            block.refs += 1
+            self.memory.linked(v)
+        else:
+            self.memory.placed(v)
         v.request = request
         if count:
             self._count("allocs")
@@ -124,9 +129,10 @@ class Writes:
 
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
-               dtypes: list[str]) -> tuple[Session, list[Checked], Charge]:
+               dtypes: list[str], same: list[int] | None) -> tuple[Session, list[Checked], Charge]:
         """The session, every item checked (CPU memory) and the batch's bytes
-        charged, before anything is placed."""
+        charged, before anything is placed.  A tensor that is another's bytes
+        (``same``) is charged as a copy would be, as ``link`` charges it."""
         s = self.sessions.admit(sid, caller)
         if not len(names) == len(shapes) == len(dtypes):
             raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
@@ -142,36 +148,45 @@ class Writes:
             if item is None:
                 item = seen[key] = check_item(d, shape)
             items.append(item)
+        if same is not None:
+            _check_same(names, items, same)
         total = sum(item[3] for item in items)
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
         return s, items, self.quotas.charge(s, total, what)
 
     def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                        shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                       request: str | None = None) -> list[Version] | None:
+                       request: str | None = None,
+                       same: list[int] | None = None) -> list[Version] | None:
         """``alloc_many`` when every tensor fits in existing memory, without
         awaiting; None (and nothing allocated) when one does not."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes)
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same)
         with charge:
-            blocks: list[Block] = []
-            for item in items:
-                blk = self.pool.try_alloc(item[3])
-                if blk is None:
+            blocks: list[Block | None] = []
+            for i, item in enumerate(items):
+                blk = None if same is not None and same[i] >= 0 else self.pool.try_alloc(item[3])
+                if blk is None and (same is None or same[i] < 0):
                     for b in blocks:
-                        self.pool.free(b)  # never handed out: safe to reuse at once
+                        if b is not None:
+                            self.pool.free(b)  # never handed out: safe to reuse at once
                     return None
                 blocks.append(blk)
-            return self._place_all(s, names, items, blocks, charge, ttl, request)
+            return self._place_all(s, names, items, blocks, charge, ttl, request, same)
 
     async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                          shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                         request: str | None = None) -> list[Version]:
-        """A new writing version of each name (CPU memory), all or none."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes)
+                         request: str | None = None,
+                         same: list[int] | None = None) -> list[Version]:
+        """A new writing version of each name (CPU memory), all or none;
+        ``same``: see ``ManyAlloc``."""
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same)
         with charge:
-            blocks: list[Block] = []
+            blocks: list[Block | None] = []
             try:
-                for name, item in zip(names, items, strict=True):
+                for i, (name, item) in enumerate(zip(names, items, strict=True)):
+                    if same is not None and same[i] >= 0:
+                        blocks.append(None)  # placed in its original's block
+                        continue
                     try:
                         blocks.append(await self.memory.block(item[3]))
                     except PoolExhausted as exc:
@@ -181,16 +196,21 @@ class Writes:
                     self.sessions.admit(sid, caller)  # raises the reason
             except BaseException:
                 for b in blocks:
-                    self.pool.free(b)  # nobody maps them yet
+                    if b is not None:
+                        self.pool.free(b)  # nobody maps them yet
                 raise
-            return self._place_all(s, names, items, blocks, charge, ttl, request)
+            return self._place_all(s, names, items, blocks, charge, ttl, request, same)
 
-    def _place_all(self, s: Session, names: list[str], items: list[Checked], blocks: list[Block],
-                   charge: Charge, ttl: float | None, request: str | None) -> list[Version]:
-        placed = [self._place(s, name, ttl, False, shape, dtype, itemsize, blk, charge, False,
-                              request)[0]
-                  for name, (shape, dtype, itemsize, _), blk
-                  in zip(names, items, blocks, strict=True)]
+    def _place_all(self, s: Session, names: list[str], items: list[Checked],
+                   blocks: list[Block | None], charge: Charge, ttl: float | None,
+                   request: str | None, same: list[int] | None = None) -> list[Version]:
+        placed: list[Version] = []
+        for i, (name, (shape, dtype, itemsize, _)) in enumerate(zip(names, items, strict=True)):
+            j = -1 if same is None else same[i]
+            blk = blocks[i] if j < 0 else placed[j].block
+            assert blk is not None
+            placed.append(self._place(s, name, ttl, False, shape, dtype, itemsize, blk, charge,
+                                      False, request, shared=j >= 0)[0])
         self._count("allocs", len(placed))
         return placed
 
@@ -337,3 +357,20 @@ class Writes:
             self.memory.linked(v)
         self._count("links")
         return self._publish(s, v)
+
+
+def _check_same(names: list[str], items: list[Checked], same: list[int]) -> None:
+    """A batch's ``same`` column: each tensor is -1 or an earlier tensor that
+    is no one else's copy, of its own dtype and shape."""
+    if len(same) != len(names):
+        raise InvalidRequest(f"a batch's same column needs one entry per name: {len(names)} "
+                             f"names, {len(same)} entries")
+    for i, j in enumerate(same):
+        if j < 0:
+            continue
+        if j >= i or same[j] >= 0:
+            raise InvalidRequest(f"same[{i}] is {j}: a tensor can only be the bytes of an earlier "
+                                 f"tensor of the batch that is not itself another's (-1: its own)")
+        if items[i][:3] != items[j][:3]:
+            raise InvalidRequest(f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
+                                 f"dtypes or shapes differ")

@@ -169,3 +169,30 @@ def exchange(address: Address, data: bytes, *, method: str = "", timeout: float 
             pass
         writer.join(timeout)
         sock.close()
+
+
+class Session:
+    """Plain JSON requests on a broker's unix socket, under a session of their
+    own: ``send`` answers ``(status, decoded body)``."""
+
+    def __init__(self, sock: str) -> None:
+        import os
+
+        self.sock = sock
+        self.sid = ""
+        status, answer = self.send("POST", "/v1/sessions", {"pid": os.getpid(), "label": "raw"})
+        assert status == 200, answer
+        self.sid = answer["session"]
+
+    def send(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        from tensordepot._proto import SESSION_HEADER
+
+        headers = [("content-type", "application/json")]
+        if self.sid:
+            headers.append((SESSION_HEADER, self.sid))
+        data = None if body is None else json.dumps(body).encode()
+        answer = exchange(self.sock, encode(method, path, headers, data))
+        return answer.status, json.loads(answer.body or b"null")
+
+    def close(self) -> None:
+        self.send("DELETE", f"/v1/sessions/{self.sid}")

@@ -6,7 +6,6 @@ misses that name every missing name, and dtype names that mean one thing."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import threading
 import time
@@ -18,9 +17,8 @@ import pytest
 import torch
 from _both import Api
 from _harness import BrokerProc, cli, free_port, ok, wait_for
-from _rawhttp import encode, exchange
+from _rawhttp import Session
 from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
-from tensordepot._proto import SESSION_HEADER
 
 KINDS = [pytest.param("sync", id="Client"), pytest.param("async", id="AsyncClient")]
 
@@ -218,33 +216,11 @@ def test_get_many_refuses_what_it_cannot_mean(api: Api) -> None:
     api.delete("a")
 
 
-class Raw:
-    """Plain HTTP requests on the broker's unix socket, under a session of their own."""
-
-    def __init__(self, broker: BrokerProc) -> None:
-        self.sock = broker.sock
-        self.sid = ""
-        status, answer = self.send("POST", "/v1/sessions", {"pid": os.getpid(), "label": "raw"})
-        assert status == 200, answer
-        self.sid = answer["session"]
-
-    def send(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        headers = [("content-type", "application/json")]
-        if self.sid:
-            headers.append((SESSION_HEADER, self.sid))
-        data = None if body is None else json.dumps(body).encode()
-        answer = exchange(self.sock, encode(method, path, headers, data))
-        return answer.status, json.loads(answer.body or b"null")
-
-    def close(self) -> None:
-        self.send("DELETE", f"/v1/sessions/{self.sid}")
-
-
 def test_wait_any_and_many_delete_over_raw_http(broker: BrokerProc) -> None:
     """The wire: ``wait`` in /v1/many/get's body, /v1/many/delete; bad values are refused."""
     with broker.client() as c:
         c.put("a", np.zeros(2, np.float32))
-    raw = Raw(broker)
+    raw = Session(broker.sock)
     try:
         body = {"names": ["a"], "newer_than": [0], "wait": "any"}
         status, answer = raw.send("POST", "/v1/many/get", body)
