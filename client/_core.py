@@ -427,7 +427,10 @@ class Core:
                 pass
         self.closing = True
         self.segments.clear()
-        gc.collect()  # views caught in reference cycles would otherwise hold leases
+        if self.bg is not None and self.bg.live:
+            # Views caught in reference cycles would otherwise hold leases (a
+            # full collection costs ~0.1 s with torch loaded: only when one is held).
+            gc.collect()
         self._maybe_finish_close()
 
     def _at_exit(self) -> None:
