@@ -339,7 +339,8 @@ def sweep(prefix: str, keep: set[str] | None = None) -> list[str]:
     """Unlink every segment whose name starts with ``prefix`` (except ``keep``).
 
     A broker calls this on start, holding the prefix lock, to remove what a
-    dead broker left behind.
+    dead broker left behind.  What it cannot unlink (a directory that shares
+    the prefix, another user's file) is no segment of ours: it stays.
     """
     removed: list[str] = []
     keep = keep or set()
@@ -352,7 +353,7 @@ def sweep(prefix: str, keep: set[str] | None = None) -> list[str]:
             try:
                 os.unlink(os.path.join(SHM_DIR, entry))
                 removed.append(entry)
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
                 pass
     return removed
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, wait_for
+from _harness import TEST_PREFIX, BrokerProc, wait_for
 from _workerio import Worker, metrics, proc_state
 from tensordepot import BrokerUnavailable, Client, InvalidRequest, Stat, TensorInfo, TensorNotFound
 from tensordepot._proto import proc_stat
@@ -166,6 +167,27 @@ def test_killed_producer_write_is_reclaimed(
         if not existing:
             assert "half" not in names(c)
     w.wait()
+
+
+def test_a_broker_starts_beside_a_folder_that_shares_its_prefix(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """The start-up sweep removes its own segments only: a directory in
+    /dev/shm whose name starts with the broker's prefix stays, and the broker
+    starts."""
+    prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
+    folder = os.path.join("/dev/shm", f"{prefix}a-folder")
+    os.mkdir(folder)
+    try:
+        with open(os.path.join("/dev/shm", f"{prefix}left"), "wb"):
+            pass  # what a dead broker of this prefix left
+        b = broker_factory(prefix=prefix)
+        assert os.path.isdir(folder)
+        assert f"{prefix}left" not in b.segments()
+        with b.client() as c:
+            c.put("x", np.zeros(4))
+            c.delete("x")
+    finally:
+        os.rmdir(folder)
 
 
 def test_broker_sigkill(broker_factory: Callable[..., BrokerProc]) -> None:
