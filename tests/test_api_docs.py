@@ -11,9 +11,10 @@ import pydoc
 import pydantic
 import pytest
 import tensordepot
+import tensordepot.checkpoint
 
-CLASSES = [getattr(tensordepot, n) for n in tensordepot.__all__
-           if inspect.isclass(getattr(tensordepot, n))]
+CLASSES = [getattr(m, n) for m in (tensordepot, tensordepot.checkpoint) for n in m.__all__
+           if inspect.isclass(getattr(m, n))]
 # Protocol methods a user calls through syntax or a library, so they are documented too.
 DOCUMENTED_DUNDERS = {"__dlpack__", "__dlpack_device__", "__array__", "__enter__", "__exit__"}
 ANSWERS = [tensordepot.Stat, tensordepot.TensorInfo, tensordepot.DeviceStat]

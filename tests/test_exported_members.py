@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-PACKAGES = ["tensordepot", "tensordepot.cli", "tensordepot.client", "tensordepot.service",
-            "tensordepot.shm"]
+PACKAGES = ["tensordepot", "tensordepot.checkpoint", "tensordepot.cli", "tensordepot.client",
+            "tensordepot.service", "tensordepot.shm"]
 
 
 def public_names(module: types.ModuleType) -> list[str]:

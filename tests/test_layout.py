@@ -13,7 +13,7 @@ import subprocess
 from _harness import ROOT
 
 MAX_LINES = 500
-PRODUCT = ("common", "client", "service", "shm", "cli")
+PRODUCT = ("common", "client", "service", "shm", "cli", "checkpoint")
 
 
 def _modules() -> list[str]:
