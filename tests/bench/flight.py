@@ -26,16 +26,14 @@ repetitions, so CI can run it; its ratios mean little.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import multiprocessing as mp
-import os
 import secrets
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -253,24 +251,8 @@ def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc,
 
 def markdown(result: dict[str, Any]) -> str:
     """The README's table for this run."""
-    m = result["machine"]
-    head = (f"Measured on {result['date'][:10]} ({result['mode']} mode) with "
-            f"`{result['command']}`, on {m['cpu_model']}, {m['cpu_count']} CPUs, "
-            f"{m['memory_bytes'] / GiB:.0f} GiB RAM, "
-            f"Linux {m['kernel']}, pyarrow {result['versions'].get('pyarrow')}, load average "
-            f"{m['loadavg_start'][0]:.1f} at start and {m['loadavg_end'][0]:.1f} at the end "
-            f"(other users' work on the same 2 cores).")
-    lines = [head, "", "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result "
-                       "| Note |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in result["checks"]:
-        ours, peer = row["ours"], row["peer"]
-        verdict = {True: "pass", False: "miss", None: "info"}[row["pass"]]
-        lines.append(f"| {row['id']} | {row['what']} | {ours['median']:,.0f} ms | "
-                     f"{peer['median']:,.0f} ms ({peer['label']}) | {row['measured']:.3g}× | "
-                     f"{row['goal'].replace('>=', '≥').replace('<=', '≤')}× | {verdict} | "
-                     f"{row['reason'] or row['note']} |")
-    return "\n".join(lines)
+    return suite.table(result, f"pyarrow {result['versions'].get('pyarrow')}",
+                       after=" (other users' work on the same 2 cores)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,16 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     prefix = args.shm_prefix or f"tdbench-{secrets.token_hex(4)}-"
     started = time.monotonic()
-    result: dict[str, Any] = {
-        "schema": suite.SCHEMA,
-        "mode": cfg.mode,
-        "command": ("python tests/bench/flight.py" + (" --quick" if args.quick else "")
-                    + f" --out {args.out}"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": suite.machine(),
-        "versions": {**suite.versions(), "pyarrow": suite._version("pyarrow")},
-        "config": asdict(cfg),
-    }
+    result = suite.head("flight.py", cfg.mode, args.out, cfg, pyarrow=suite._version("pyarrow"))
     common = ["--max-memory", cfg.max_memory, "--warm-memory", cfg.max_memory, "--reap-interval",
               "0.5"]
     brokers: list[BrokerProc] = []
@@ -330,17 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for br in brokers:
             br.cleanup()
-    reasons = {**suite.load_reasons(), **REASONS}
-    for row in checks:
-        if row["pass"] is False:
-            row["reason"] = suite.reason_for(row, cfg.mode, reasons)
-    result["machine"]["loadavg_end"] = list(os.getloadavg())
-    result["seconds"] = round(time.monotonic() - started, 1)
     result["benchmarks"] = benches
     result["checks"] = checks
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = suite.written(result, args.out, started, REASONS)
     print(suite.summary(result))
     print(markdown(result))
     print(f"[{time.monotonic() - started:5.1f} s] wrote {out}")

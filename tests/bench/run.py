@@ -1279,6 +1279,58 @@ def load_reasons() -> dict[str, str]:
     return {k: v for k, v in json.loads(REASONS.read_text()).items() if not k.startswith("_")}
 
 
+def head(script: str, mode: str, out: str, config: Any, **more: str | None) -> dict[str, Any]:
+    """The opening of a side suite's result (``flight.py``, ``dcp.py``): what
+    ran, when, where, with which versions (``more``: besides ``versions()``)."""
+    return {
+        "schema": SCHEMA,
+        "mode": mode,
+        "command": f"python tests/bench/{script}" + (" --quick" if mode == "quick" else "")
+                   + f" --out {out}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "versions": {**versions(), **more},
+        "config": asdict(config),
+    }
+
+
+def written(result: dict[str, Any], out: str, started: float, reasons: dict[str, str]) -> Path:
+    """A side suite's result, finished (the reason for each missed goal, the
+    load at the end, the time taken) and written to ``out``."""
+    for row in result["checks"]:
+        if row["pass"] is False:
+            row["reason"] = reason_for(row, result["mode"], {**load_reasons(), **reasons})
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    result["seconds"] = round(time.monotonic() - started, 1)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def table(result: dict[str, Any], software: str, digits: int = 0, after: str = "") -> str:
+    """A side suite's README table: a line on the run (``software``: what it
+    names besides the machine; ``after``: appended), then a row per check,
+    times in ms with ``digits`` decimals."""
+    m = result["machine"]
+    lines = [f"Measured on {result['date'][:10]} ({result['mode']} mode) with "
+             f"`{result['command']}`, on {m['cpu_model']}, {m['cpu_count']} CPUs, "
+             f"{m['memory_bytes'] / GiB:.0f} GiB RAM, Linux {m['kernel']}, {software}, load "
+             f"average {m['loadavg_start'][0]:.1f} at start and {m['loadavg_end'][0]:.1f} at "
+             f"the end{after}.", "",
+             "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["checks"]:
+        ours, peer = row["ours"], row["peer"]
+        verdict = {True: "pass", False: "miss", None: "info"}[row["pass"]]
+        goal = row["goal"].replace(">=", "≥").replace("<=", "≤") + "×" if row["goal"] else "—"
+        lines.append(f"| {row['id']} | {row['what']} | {ours['median']:,.{digits}f} ms | "
+                     f"{peer['median']:,.{digits}f} ms ({peer['label']}) | "
+                     f"{row['measured']:.3g}× | {goal} | {verdict} | "
+                     f"{row['reason'] or row['note']} |")
+    return "\n".join(lines)
+
+
 def teardown(broker: BrokerProc) -> dict[str, Any]:
     """Leftovers after the run: accounting, the exit status on SIGTERM, /dev/shm."""
     with broker.client() as c:

@@ -28,6 +28,7 @@ def example(name: str) -> str:
                     "torch.Size([4, 16]) [4.0, 5.0, 6.0, 7.0]"]),
     ("queue", ["worker read 523776.0", "done: 1"]),
     ("tied", ["one tensor: True", "same logits: True"]),
+    ("dcp", ["restored: True 100", "zero copy: True"]),
 ])
 def test_the_readme_torch_example_runs(broker: BrokerProc, tmp_path: Path, name: str,
                                        says: list[str]) -> None:
