@@ -29,6 +29,8 @@ def example(name: str) -> str:
     ("queue", ["worker read 523776.0", "done: 1"]),
     ("tied", ["one tensor: True", "same logits: True"]),
     ("dcp", ["restored: True 100", "zero copy: True"]),
+    ("safetensors", ["['llama/__metadata__', 'llama/embed', 'llama/head']", "served: True",
+                     "round trip: True"]),
 ])
 def test_the_readme_torch_example_runs(broker: BrokerProc, tmp_path: Path, name: str,
                                        says: list[str]) -> None:
