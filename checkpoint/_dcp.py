@@ -124,11 +124,11 @@ class DepotWriter(StorageWriter):
     """DCP's ``StorageWriter`` into a broker: ``dcp.save(state_dict,
     storage_writer=DepotWriter("run1/step-100"))``.
 
-    ``client``: the ``Client`` to use; else one of ``url`` (default
-    ``$TENSORDEPOT_URL``, then the default socket) and ``token``, opened for
-    each save.  ``overwrite``: replace a checkpoint of this id (default:
-    refuse, ``InvalidRequest``).  ``ttl``: delete the checkpoint's tensors
-    this many seconds after they are put."""
+    ``client``: the ``Client`` to use; else this process's client of ``url``
+    (default ``$TENSORDEPOT_URL``, then the default socket) and ``token``,
+    made on first use and kept.  ``overwrite``: replace a checkpoint of this
+    id (default: refuse, ``InvalidRequest``).  ``ttl``: delete the
+    checkpoint's tensors this many seconds after they are put."""
 
     def __init__(self, checkpoint_id: str | None = None, *, client: Client | None = None,
                  url: str | None = None, token: str | None = None, overwrite: bool = False,

@@ -18,9 +18,9 @@ other tensor's bytes, as a copy-on-write page holds the neighbour's bytes
 unchanged).  Tensors whose bytes are the very same (tied weights, which
 ``put_many`` stores once: ``_same``; a name given twice) are views of the
 same bytes of the window, so a tie stays a tie; tensors whose bytes only
-overlap each get a window of their own.  A later get or get_many never sees such a write: the kept
-mapping drops a returned range's private pages, and lends no range whose
-bytes are lent now.
+overlap each get a window of their own.  A later get or get_many never
+sees such a write: the kept mapping drops a returned range's private
+pages, and lends no range whose bytes are lent now.
 The window lives while any tensor of the batch in it does; memory the
 broker reuses meanwhile is never read through it, since no live view
 covers it.
@@ -279,11 +279,11 @@ def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
                 flat = byte_view(w, 0, hi - lo, writable=True)  # private pages: see module doc
                 for i in shared:
                     out[i] = (w, flat, lo)
-            for same in alone:
-                lo, n = cols.offsets[same[0]], cols.nbytes[same[0]]
+            for one in alone:  # the tensors of one range
+                lo, n = cols.offsets[one[0]], cols.nbytes[one[0]]
                 w = client.segments.reader(cols.segments[j], lo, n)
                 flat = byte_view(w, 0, n, writable=True)
-                for i in same:
+                for i in one:
                     out[i] = (w, flat, lo)
         except (DepotError, OSError) as exc:
             if isinstance(exc, DepotError):

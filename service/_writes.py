@@ -164,8 +164,11 @@ class Writes:
         with charge:
             blocks: list[Block | None] = []
             for i, item in enumerate(items):
-                blk = None if same is not None and same[i] >= 0 else self.pool.try_alloc(item[3])
-                if blk is None and (same is None or same[i] < 0):
+                if same is not None and same[i] >= 0:
+                    blocks.append(None)  # placed in its original's block
+                    continue
+                blk = self.pool.try_alloc(item[3])
+                if blk is None:
                     for b in blocks:
                         if b is not None:
                             self.pool.free(b)  # never handed out: safe to reuse at once
