@@ -178,6 +178,22 @@ def test_one_process_saves_and_loads_every_kind_of_value(broker: BrokerProc) -> 
         wait_for(lambda: c.stat().leases == 0, 10, what="the load's leases to end")
 
 
+def test_without_collectives_each_rank_keeps_its_own_metadata(broker: BrokerProc) -> None:
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
+    back = {"w": torch.zeros(3, 4), "step": 0}
+    with broker.client() as c:
+        dcp.save(sd, storage_writer=DepotWriter("four/a", client=c), use_collectives=False)
+        names = [i.name for i in c.list(prefix="four/a/")]
+        assert "four/a/.metadata.0" in names and "four/a/.metadata" not in names, names
+        dcp.load(back, storage_reader=DepotReader("four/a", client=c))  # falls back to rank 0's
+        assert torch.equal(back["w"], sd["w"]) and back["step"] == 7
+        dcp.save(sd, storage_writer=DepotWriter("four/a", client=c, overwrite=True),
+                 use_collectives=False)
+        assert len(c.list(prefix="four/a/")) == len(names), "the earlier save's tensors dropped"
+        c.delete(prefix="four/")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the load's leases to end")
+
+
 def test_what_cannot_be_meant_is_refused_with_what_to_do(broker: BrokerProc) -> None:
     sd = {"w": torch.ones(4)}
     with pytest.raises(InvalidRequest, match="has no checkpoint id"):
