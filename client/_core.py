@@ -427,10 +427,9 @@ class Core:
                 pass
         self.closing = True
         self.segments.clear()
-        if self.bg is not None and self.bg.live:
-            # Views caught in reference cycles would otherwise hold leases (a
-            # full collection costs ~0.1 s with torch loaded: only when one is held).
-            gc.collect()
+        # Views caught in reference cycles, this client's or garbage of the
+        # process's (an error's traceback frames), would otherwise hold leases.
+        gc.collect()
         self._maybe_finish_close()
 
     def _at_exit(self) -> None:
