@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from .._errors import (
     AuthError,
@@ -79,31 +80,42 @@ def _push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes
             tls_ca = f.read()
     t = yield from _ops.get(core, name, 0.0, 0)
     try:
-        meta = FlightMeta(name=name, version=t.version, shape=list(t.shape), dtype=t.dtype,
-                          nbytes=t.nbytes)
-        # The bytes in C order: get() always hands out C-contiguous tensors.  The
-        # view holds the lease until the last batch that wraps it is gone.
-        flat = array_at(t._address, (t.nbytes,), None, "|u1", writable=False, owner=t._alive())
-        sch = schema(meta.model_dump_json())
-        headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
-        options = fl.FlightCallOptions(timeout=timeout, headers=headers)
-        conn = fl.FlightClient(url.location(), tls_root_certs=tls_ca if url.tls else None)
-        try:
-            writer, reader = conn.do_put(fl.FlightDescriptor.for_path(name), sch, options)
-            try:
-                for batch in batches(flat, sch):
-                    writer.write_batch(batch)
-                writer.done_writing()
-                answer = reader.read()
-            finally:
-                writer.close()
-            if answer is None:
-                raise BrokerUnavailable(f"the broker at {to} did not confirm the push of {name!r}")
-            return int(json.loads(answer.to_pybytes())["version"])
-        except (pa.ArrowException, ValueError, KeyError) as exc:
-            raise _error(to, name, exc) from None
-        finally:
-            conn.close()
+        answer = _send(fl, pa, t, name, to, url, token, tls_ca, timeout)
     finally:
         t.release()
+    if isinstance(answer, DepotError):
+        # Raised here, not where it happened: the error's traceback then holds
+        # no frame whose locals still view the tensor, so its lease goes now.
+        raise answer
+    return answer
+
+
+def _send(fl: Any, pa: Any, t: Any, name: str, to: str, url: Any, token: str | None,
+          tls_ca: str | bytes | None, timeout: float | None) -> int | DepotError:
+    """The DoPut of ``t``: the version it has there, or the error to raise."""
+    meta = FlightMeta(name=name, version=t.version, shape=list(t.shape), dtype=t.dtype,
+                      nbytes=t.nbytes)
+    # The bytes in C order: get() always hands out C-contiguous tensors.  The
+    # view holds the lease until the last batch that wraps it is gone.
+    flat = array_at(t._address, (t.nbytes,), None, "|u1", writable=False, owner=t._alive())
+    sch = schema(meta.model_dump_json())
+    headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+    options = fl.FlightCallOptions(timeout=timeout, headers=headers)
+    conn = fl.FlightClient(url.location(), tls_root_certs=tls_ca if url.tls else None)
+    try:
+        writer, reader = conn.do_put(fl.FlightDescriptor.for_path(name), sch, options)
+        try:
+            for batch in batches(flat, sch):
+                writer.write_batch(batch)
+            writer.done_writing()
+            answer = reader.read()
+        finally:
+            writer.close()
+        if answer is None:
+            return BrokerUnavailable(f"the broker at {to} did not confirm the push of {name!r}")
+        return int(json.loads(answer.to_pybytes())["version"])
+    except (pa.ArrowException, ValueError, KeyError) as exc:
+        return _error(to, name, exc)
+    finally:
+        conn.close()
 
