@@ -178,6 +178,18 @@ def test_one_process_saves_and_loads_every_kind_of_value(broker: BrokerProc) -> 
         wait_for(lambda: c.stat().leases == 0, 10, what="the load's leases to end")
 
 
+def test_an_async_save_loads_like_a_save(broker: BrokerProc) -> None:
+    """``dcp.async_save`` stages the state and writes it with the same DepotWriter."""
+    sd = {"w": torch.randn(100, 10), "step": 4}
+    back = {"w": torch.zeros(100, 10), "step": 0}
+    with broker.client() as c:
+        dcp.async_save(sd, storage_writer=DepotWriter("five/a", client=c)).result(timeout=60)
+        dcp.load(back, storage_reader=DepotReader("five/a", client=c))
+        assert torch.equal(back["w"], sd["w"]) and back["step"] == 4
+        c.delete(prefix="five/")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the load's leases to end")
+
+
 def test_without_collectives_each_rank_keeps_its_own_metadata(broker: BrokerProc) -> None:
     sd = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
     back = {"w": torch.zeros(3, 4), "step": 0}
