@@ -216,7 +216,7 @@ class DepotWriter(StorageWriter):
                 nbytes = value.nbytes
             else:
                 value = data.detach()
-                nbytes = value.numel() * value.element_size()
+                nbytes = value.nbytes
             tensors[name] = value
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
                                        storage_data=Stored(name, nbytes)))
@@ -240,21 +240,14 @@ class DepotWriter(StorageWriter):
     def _drop_earlier_saves(self, c: Client, cid: str, rank: int | None) -> None:
         """What earlier saves of this id left (finished or not): the tensors
         of another save id under ``cid/`` (``rank``: of that rank only)."""
-        old = []
+        old = set()
         for info in c.list(prefix=f"{cid}/"):
             parts = info.name[len(cid) + 1:].split("/")
             if (len(parts) == 3 and _SAVE.fullmatch(parts[0]) and parts[0] != self.save_id
                     and (rank is None or parts[1] == str(rank))):
-                old.append(info.name)
-        if old:
-            try:
-                c.delete_many(old)
-            except TensorNotFound:  # another save deleted some meanwhile: delete the rest
-                for name in old:
-                    try:
-                        c.delete(name)
-                    except TensorNotFound:
-                        pass
+                old.add("/".join([cid, *parts[:1 if rank is None else 2]]) + "/")
+        for prefix in sorted(old):  # one request each, which another save may have beaten
+            c.delete(prefix=prefix)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -432,9 +425,10 @@ def push(checkpoint_id: str, to: str, *, client: Client | None = None, url: str 
     that host finds it only once it is whole.  ``token`` (default
     ``$TENSORDEPOT_PEER_TOKEN``) needs write scope there.  Returns the number
     of tensors sent."""
+    cid = _checked_id(checkpoint_id)
     c = _Broker(client, url, None).client()
-    metadata = DepotReader(_checked_id(checkpoint_id), client=c).read_metadata()
+    metadata = DepotReader(cid, client=c).read_metadata()
     names = sorted({s.name for s in metadata.storage_data.values()})
-    for name in [*names, _meta_name(_checked_id(checkpoint_id), None)]:
+    for name in [*names, _meta_name(cid, None)]:
         c.push(name, to, token=token, tls_ca=tls_ca)
     return len(names) + 1

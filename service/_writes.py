@@ -106,8 +106,8 @@ class Writes:
         of ``charge`` (``count``: in the metrics now; a batch counts its
         versions at once).  ``request``: the id of the request that allocated
         it, which cancels it if its answer was never read (and its hold, if
-        any).  ``shared``: ``block`` is another version's of the same batch
-        (tied weights), whose bytes this one is."""
+        any).  ``shared``: ``block`` is another version's, whose bytes this one
+        is (``link``, tied weights in a batch)."""
         e = self.records.entry(name)
         v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
                     ttl=ttl, entry=e)
@@ -349,15 +349,8 @@ class Writes:
         # An alias is charged to whoever makes it, as a copy would be: when the
         # original goes, the bytes it leaves held are still counted.
         with self.quotas.charge(s, src.nbytes, name) as charge:
-            e = self.records.entry(name)
-            src.block.refs += 1
-            v = Version(name, e.next_version, src.block, src.shape, src.dtype, src.itemsize,
-                        "writing", s.id, ttl=ttl, entry=e)
-            e.next_version += 1
-            e.writing[v.number] = v
-            s.writing.add(v)
-            charge.attach(v)
-            self.memory.linked(v)
+            v, _ = self._place(s, name, ttl, False, src.shape, src.dtype, src.itemsize, src.block,
+                               charge, count=False, shared=True)
         self._count("links")
         return self._publish(s, v)
 
