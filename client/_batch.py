@@ -33,7 +33,8 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import BrokerUnavailable, DepotError
+from .._errors import BrokerUnavailable, DepotError, TensorBroken
+from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
 from .._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
@@ -134,6 +135,18 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
     ``same``: see ``_same``; those arrays are stored once."""
     body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl,
                                      same=same)
+    own = [a for i, a in enumerate(arrays) if same is None or same[i] < 0]
+    carried = sum(a.nbytes for a in own)
+    if progress is None and carried <= min(INLINE_BATCH_MAX, INLINE_BATCH_MEAN * len(own)):
+        # Many small tensors ride in the request: one round trip, no mapping to fill.
+        head = body.__pydantic_serializer__.to_json(body)
+        got = yield from core.call("POST", "/v1/many/put",
+                                   frame(head, [a.tobytes() for a in own]), rid=core.rid())
+        versions = got.get("versions") if isinstance(got, dict) else None
+        if not isinstance(versions, list) or len(versions) != len(names):
+            raise TensorBroken(f"the broker's answer to a put_many of {len(names)} tensor(s) does "
+                               f"not give one version per tensor: {str(got)[:200]}")
+        return dict(zip(names, versions, strict=True))
     cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
     try:
         # When it raises, no copy thread still writes.

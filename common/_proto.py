@@ -1,11 +1,14 @@
 """Wire constants and limits that the broker and the client share.
 
-Headers, error codes that change client behaviour, and the reading of
+Headers, error codes that change client behaviour, the framing of a body
+that carries bytes after its JSON head, and the reading of
 ``/proc/<pid>/stat`` live here once, so the two sides cannot drift apart.
 Every limit below is documented in the README ("Limits").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 # -- headers ---------------------------------------------------------------
 SESSION_HEADER = "x-tensordepot-session"
@@ -28,6 +31,13 @@ UNKNOWN_SESSION = "unknown_session"
 MAX_HEADER_BYTES = 64 * 1024  # a request's head; beyond it: 431
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a request's body; beyond it: 413
 MAX_RELEASE_IDS = 4096  # lease or request ids on one request's headers
+# The bytes a batch may carry in its request (``/v1/many/put``, ``frame``);
+# larger batches go through /v1/many/alloc + /v1/many/publish.  A client sends
+# its bytes only when its tensors average at most INLINE_BATCH_MEAN: bytes in
+# the request cost copies (client, socket, broker) that a mapped copy does not,
+# and pay off where the batch's tensors are many and small (README, B8).
+INLINE_BATCH_MAX = 1 << 20
+INLINE_BATCH_MEAN = 16 * 1024
 MAX_WAIT = 1e7  # seconds; a longer timeout means "forever"
 REQUEST_CACHE = 64  # answers kept per session for resends of the same request id
 
@@ -49,3 +59,27 @@ def proc_stat(pid: int, proc: str = "/proc") -> tuple[int, str] | None:
         return int(rest[19]), rest[0].decode()
     except (IndexError, ValueError):
         return None
+
+
+# -- framed bodies (/v1/many/put) -------------------------------------------
+_FRAME_HEAD = 4  # the length of a framed body's JSON head, big-endian
+
+
+def frame(head: bytes, parts: list[Any]) -> bytes:
+    """A framed body (``/v1/many/put``): the length of ``head`` in 4 bytes,
+    big-endian, then ``head`` (JSON), then ``parts`` (bytes-like), back to back."""
+    return b"".join([len(head).to_bytes(_FRAME_HEAD, "big"), head, *parts])
+
+
+def unframe(data: bytes) -> tuple[bytes, memoryview]:
+    """(the JSON head, the bytes after it) of a framed body; raises ValueError
+    that says what is wrong."""
+    if len(data) < _FRAME_HEAD:
+        raise ValueError(f"the body has {len(data)} bytes: a framed body starts with the length "
+                         f"of its JSON head in {_FRAME_HEAD} bytes, big-endian")
+    n = int.from_bytes(data[:_FRAME_HEAD], "big")
+    if _FRAME_HEAD + n > len(data):
+        raise ValueError(f"the body's first {_FRAME_HEAD} bytes say its JSON head has {n} bytes, "
+                         f"but only {len(data) - _FRAME_HEAD} follow them")
+    view = memoryview(data)
+    return bytes(view[_FRAME_HEAD:_FRAME_HEAD + n]), view[_FRAME_HEAD + n:]

@@ -422,6 +422,13 @@ class ManyPublish(_Frozen):
     versions: list[Annotated[int, Field(ge=1)]] = Field(max_length=MAX_BATCH)
 
 
+class Versions(_Answer):
+    """The version each name now has, in the request's order."""
+
+    names: list[str]
+    versions: list[int]
+
+
 class HandleColumns(_Answer):
     """Many handles as columns: entry ``i`` of each list describes tensor
     ``i``.  Shared-memory tensors are C-ordered (strides follow from shapes);

@@ -77,7 +77,8 @@ class Broker:
     """The registry.  Its writing side is ``Writes`` (``_writes``), whose
     methods it answers with: ``alloc``, ``try_alloc``, ``alloc_many``,
     ``try_alloc_many``, ``publish``, ``publish_many``, ``abort``,
-    ``abandon``, ``put_inline``, ``try_put_inline`` and ``link``; its
+    ``abandon``, ``put_inline``, ``try_put_inline``, ``put_many``,
+    ``try_put_many`` and ``link``; its
     reading side is ``Reads`` (``_reads``): ``try_get``, ``try_get_many``,
     ``get`` and ``get_many``.
     ``ready(name, newer_than)`` (also ``_ready``): the newest ready version
@@ -116,6 +117,7 @@ class Broker:
         self.publish, self.publish_many, self.abort, self.abandon = (
             w.publish, w.publish_many, w.abort, w.abandon)
         self.put_inline, self.try_put_inline, self.link = w.put_inline, w.try_put_inline, w.link
+        self.put_many, self.try_put_many = w.put_many, w.try_put_many
         self.cuda.count = self._count
 
     # -- the books -----------------------------------------------------------

@@ -44,7 +44,7 @@ from .._version import __version__
 from .._wire import check_name
 from ._auth import READ, Authorizer, AuthPolicy, Principal, require_name, require_names
 from ._broker import Broker, ClientGone
-from ._handler import JSON, Answer, Call, Reply, Route, parse_body
+from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed
 from ._metrics import UNMATCHED, Metrics
 from ._routes import match
 from ._sessions import Caller
@@ -269,13 +269,17 @@ class Gate:
         sid = headers.get(_SESSION)
         if (releases or cancels) and sid:
             release_riders(broker, sid.decode("latin-1"), who, releases, cancels)
-        body = None
+        body, rest = None, None
         if r.body is not None:
-            body = parse_body(r.body, data, headers.get(b"content-type"))
+            if r.framed:  # the handler reads the bytes after the head as ``rest``
+                body, rest = parse_framed(r.body, data, headers.get(b"content-type"))
+            else:
+                body = parse_body(r.body, data, headers.get(b"content-type"))
             if principal.prefix is not None:
                 require_names(principal, _names(body))
         call: Call[Any] = Call(broker, method, path, adm.params, query_of(query) if query else {},
                                headers, data, body, principal, who, self.state, gone)
+        call.rest = rest
         handler = r.handler
         assert handler is not None, r.path
         if not r.once:

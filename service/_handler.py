@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 from pydantic import BaseModel, ValidationError
 
 from .._errors import InvalidRequest
-from .._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER
+from .._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER, unframe
 from .._wire import INLINE_MAX, MAX_NDIM, AllocRequest
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Call(Generic[M]):
     that resolves when the client hangs up (for waits)."""
 
     __slots__ = ("body", "broker", "data", "gone", "headers", "method", "params", "path",
-                 "principal", "query", "request_id", "session", "state", "who")
+                 "principal", "query", "request_id", "rest", "session", "state", "who")
 
     def __init__(self, broker: Broker, method: str, path: str, params: dict[str, str],
                  query: Mapping[str, str], headers: dict[bytes, bytes], data: bytes,
@@ -62,6 +62,7 @@ class Call(Generic[M]):
         self.broker, self.method, self.path, self.params = broker, method, path, params
         self.query, self.headers, self.data, self.body = query, headers, data, body
         self.principal, self.who, self.state, self.gone = principal, who, state, gone
+        self.rest: memoryview | None = None
         # The session the request runs under, and its request id (None: not sent).
         self.session: str | None = self.header(_SESSION)
         self.request_id: str | None = self.header(_REQUEST)
@@ -86,6 +87,7 @@ class Route:
     summary: str = ""
     tag: str = ""
     body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
+    framed: bool = False  # the body is framed (``_wire.frame``): ``body`` is its JSON head
     answers: Any = None  # the answer's model, for the OpenAPI document
     status: int = 200  # the status of a good answer
     media: str = JSON  # the content type of a good answer
@@ -161,6 +163,23 @@ def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
         return model.model_validate_json(data or b"null")
     except ValidationError as exc:
         raise invalid(exc) from None
+
+
+def parse_framed(model: type[M], data: bytes, content_type: bytes | None
+                 ) -> tuple[M, memoryview]:
+    """A framed body (``_wire.frame``): its JSON head as ``model``, and the
+    bytes after it.  Sent as ``application/octet-stream`` or with no content type."""
+    if content_type is not None:
+        media = content_type.partition(b";")[0].strip().lower()
+        if media != b"application/octet-stream":
+            raise InvalidRequest(f"this body is framed bytes (a JSON head, then the tensors' "
+                                 f"bytes) sent as 'content-type: application/octet-stream', not "
+                                 f"{media.decode('latin-1')[:80]!r}")
+    try:
+        head, rest = unframe(data)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return parse_body(model, head, None), rest
 
 
 def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:

@@ -1,5 +1,5 @@
-"""Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish`` and ``/v1/many/get``
-(``/v1/many/delete`` answers names only: routers/many.py).
+"""Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish``, ``/v1/many/put``
+and ``/v1/many/get`` (``/v1/many/delete`` answers names only: routers/many.py).
 
 A state dict is hundreds or thousands of tensors, and per tensor the older
 ``/v1/batch`` routes validate, build and serialise a whole ``Handle`` model
@@ -76,14 +76,32 @@ async def alloc(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
     return columns(broker, [(v, None) for v in got], "writing")
 
 
+def versions_of(published: Sequence[Version]) -> bytes:
+    """``Versions`` for what a batch published, as JSON."""
+    return json.dumps({"names": [v.name for v in published],
+                       "versions": [v.number for v in published]},
+                      separators=(",", ":")).encode()
+
+
 def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> bytes:
     if len(req.names) != len(req.versions):
         from .._errors import InvalidRequest
 
         raise InvalidRequest(f"publish needs one version per name: {len(req.names)} names, "
                              f"{len(req.versions)} versions")
-    versions = broker.publish_many(sid, who, list(zip(req.names, req.versions, strict=True)))
-    return columns(broker, [(v, None) for v in versions], "ready")
+    return versions_of(broker.publish_many(sid, who, list(zip(req.names, req.versions,
+                                                               strict=True))))
+
+
+def put_now(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, data: memoryview,
+            request: str | None) -> bytes | None:
+    got = broker.try_put_many(sid, who, req, data, request)
+    return None if got is None else versions_of(got)
+
+
+async def put(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, data: memoryview,
+              request: str | None) -> bytes:
+    return versions_of(await broker.put_many(sid, who, req, data, request))
 
 
 def wait_of(req: BatchGet) -> float | None:

@@ -305,6 +305,32 @@ class Memory:
         if v.nbytes:
             ctypes.memmove(self._map(v.block.segment).address + v.block.offset, data, v.nbytes)
 
+    def fill_many(self, versions: list[Version], data: memoryview) -> None:
+        """Copy ``data`` into unpublished ``versions``, one after another: each
+        takes its ``nbytes`` (their sum is ``len(data)``, checked)."""
+        import numpy as np
+
+        src = np.frombuffer(data, np.uint8)  # no copy; the address stays valid while it lives
+        at, pos, maps = src.ctypes.data, 0, self._maps
+        # Blocks placed back to back take one copy: (destination, source, bytes) per run.
+        run: list[int] = [0, 0, 0]
+        for v in versions:
+            n, blk = v.nbytes, v.block
+            if not n:
+                continue
+            m = maps.get(blk.segment) or self._map(blk.segment)
+            dst = m.address + blk.offset
+            if dst == run[0] + run[2] and at + pos == run[1] + run[2]:
+                run[2] += n
+            else:
+                if run[2]:
+                    ctypes.memmove(*run)
+                run = [dst, at + pos, n]
+            pos += n
+        if run[2]:
+            ctypes.memmove(*run)
+        del src
+
     # -- shutdown --------------------------------------------------------------------
     def close(self) -> None:
         """Stop the worker threads and unlink every segment (broker shutdown)."""

@@ -108,7 +108,7 @@ def _documented(r: Route) -> Any:
         raise AssertionError("the gate serves this route")
 
     params = []
-    if r.body is not None:
+    if r.body is not None and not r.framed:  # a framed body's docs say what it is
         model: type[BaseModel] = r.body
         params.append(inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY,
                                         annotation=Annotated[model, Body()]))

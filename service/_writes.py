@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
-from .._wire import INLINE_MAX, AllocRequest
+from .._proto import INLINE_BATCH_MAX
+from .._wire import INLINE_MAX, AllocRequest, ManyAlloc
 from ..shm._pool import Block, PoolExhausted
 from ._records import CPU, Checked, Version, check_item
 
@@ -129,10 +130,12 @@ class Writes:
 
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
-               dtypes: list[str], same: list[int] | None) -> tuple[Session, list[Checked], Charge]:
+               dtypes: list[str], same: list[int] | None,
+               carried: int | None = None) -> tuple[Session, list[Checked], Charge]:
         """The session, every item checked (CPU memory) and the batch's bytes
         charged, before anything is placed.  A tensor that is another's bytes
-        (``same``) is charged as a copy would be, as ``link`` charges it."""
+        (``same``) is charged as a copy would be, as ``link`` charges it.
+        ``carried``: the bytes the request carries for the batch (``put_many``)."""
         s = self.sessions.admit(sid, caller)
         if not len(names) == len(shapes) == len(dtypes):
             raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
@@ -151,38 +154,35 @@ class Writes:
         if same is not None:
             _check_same(names, items, same)
         total = sum(item[3] for item in items)
+        if carried is not None:
+            _check_carried(items, same, carried)
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
         return s, items, self.quotas.charge(s, total, what)
 
     def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                        shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                       request: str | None = None,
-                       same: list[int] | None = None) -> list[Version] | None:
+                       request: str | None = None, same: list[int] | None = None,
+                       carried: int | None = None) -> list[Version] | None:
         """``alloc_many`` when every tensor fits in existing memory, without
         awaiting; None (and nothing allocated) when one does not."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same)
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
         with charge:
-            blocks: list[Block | None] = []
-            for i, item in enumerate(items):
-                if same is not None and same[i] >= 0:
-                    blocks.append(None)  # placed in its original's block
-                    continue
-                blk = self.pool.try_alloc(item[3])
-                if blk is None:
-                    for b in blocks:
-                        if b is not None:
-                            self.pool.free(b)  # never handed out: safe to reuse at once
-                    return None
-                blocks.append(blk)
+            own = [i for i in range(len(items)) if same is None or same[i] < 0]
+            got = self.pool.try_alloc_many([items[i][3] for i in own])
+            if got is None:
+                return None
+            blocks: list[Block | None] = [None] * len(items)  # None: in its original's block
+            for i, blk in zip(own, got, strict=True):
+                blocks[i] = blk
             return self._place_all(s, names, items, blocks, charge, ttl, request, same)
 
     async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
                          shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                         request: str | None = None,
-                         same: list[int] | None = None) -> list[Version]:
+                         request: str | None = None, same: list[int] | None = None,
+                         carried: int | None = None) -> list[Version]:
         """A new writing version of each name (CPU memory), all or none;
-        ``same``: see ``ManyAlloc``."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same)
+        ``same``: see ``ManyAlloc``; ``carried``: see ``_batch``."""
+        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
         with charge:
             blocks: list[Block | None] = []
             try:
@@ -216,6 +216,33 @@ class Writes:
                                       False, request, shared=j >= 0)[0])
         self._count("allocs", len(placed))
         return placed
+
+    # -- a batch whose bytes came in the request ---------------------------------------
+    def try_put_many(self, sid: str | None, caller: Caller, req: ManyAlloc, data: memoryview,
+                     request: str | None = None) -> list[Version] | None:
+        """``put_many`` when it needs no new segment, without awaiting; None
+        (and nothing allocated) when it does."""
+        placed = self.try_alloc_many(sid, caller, req.names, req.shapes, req.dtypes, req.ttl,
+                                     request, req.same, len(data))
+        return None if placed is None else self._fill_many(sid, caller, placed, req.same, data)
+
+    async def put_many(self, sid: str | None, caller: Caller, req: ManyAlloc, data: memoryview,
+                       request: str | None = None) -> list[Version]:
+        """Allocate, fill and publish a batch of small tensors whose bytes came
+        in the request (``data``: each tensor's C-ordered bytes in order, once
+        for tensors that are an earlier one's, ``same``); all or none."""
+        placed = await self.alloc_many(sid, caller, req.names, req.shapes, req.dtypes, req.ttl,
+                                       request, req.same, len(data))
+        return self._fill_many(sid, caller, placed, req.same, data)
+
+    def _fill_many(self, sid: str | None, caller: Caller, placed: list[Version],
+                   same: list[int] | None, data: memoryview) -> list[Version]:
+        # The lengths were checked (``_check_carried``), and nothing awaits from
+        # the allocation to here: every version is still this session's to publish.
+        s = self.sessions.admit(sid, caller)
+        self.memory.fill_many([v for i, v in enumerate(placed) if same is None or same[i] < 0],
+                              data)
+        return [self._publish(s, v) for v in placed]
 
     # -- publishing --------------------------------------------------------
     def _writing(self, s: Session, name: str, number: int) -> Version:
@@ -370,3 +397,17 @@ def _check_same(names: list[str], items: list[Checked], same: list[int]) -> None
         if items[i][:3] != items[j][:3]:
             raise InvalidRequest(f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
                                  f"dtypes or shapes differ")
+
+
+def _check_carried(items: list[Checked], same: list[int] | None, carried: int) -> None:
+    """The bytes a batch's request carries are its tensors' (those of its own,
+    ``same``), and no more than ``INLINE_BATCH_MAX``."""
+    need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
+    if carried != need:
+        raise InvalidRequest(f"the body carries {carried} bytes after its head, but the batch's "
+                             f"tensors need {need} (each one's C-ordered bytes, in order; none "
+                             f"for a tensor that is an earlier one's bytes)")
+    if need > INLINE_BATCH_MAX:
+        raise InvalidRequest(f"a batch carries at most {INLINE_BATCH_MAX} bytes in its request; "
+                             f"this one has {need}: put larger batches with /v1/many/alloc and "
+                             f"/v1/many/publish")

@@ -170,6 +170,36 @@ class Pool:
                     return blk
         return None
 
+    def try_alloc_many(self, sizes: list[int]) -> list[Block] | None:
+        """A block for each of ``sizes`` in memory that already exists, or None
+        (and nothing taken).  Small blocks go back to back into one free range
+        when one holds them all (one search for the batch); each is freed on its own."""
+        aligned = [self._size(n) for n in sizes]
+        small = [i for i, a in enumerate(aligned) if a <= self.dedicated_threshold]
+        out: list[Block | None] = [None] * len(sizes)
+        if len(small) > 1:
+            total = sum(aligned[i] for i in small)
+            for seg in self._segs.values():
+                if seg.dedicated:
+                    continue
+                first = self._take(seg, 0, total)
+                if first is not None:
+                    off, name, dev = first.offset, seg.name, self.device
+                    for i in small:
+                        out[i] = Block(name, off, sizes[i], aligned[i], seg, device=dev)
+                        off += aligned[i]
+                    break
+        for i, n in enumerate(sizes):
+            if out[i] is None:
+                blk = self.try_alloc(n)
+                if blk is None:
+                    for b in out:
+                        if b is not None:
+                            self.free(b)  # never handed out: safe to reuse at once
+                    return None
+                out[i] = blk
+        return out  # type: ignore[return-value]
+
     def plan(self, nbytes: int) -> tuple[int, bool]:
         """(segment size, dedicated) of the segment a new ``nbytes`` block needs."""
         size = self._size(nbytes)

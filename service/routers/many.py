@@ -3,7 +3,16 @@ tensor (service/_many.py)."""
 
 from __future__ import annotations
 
-from ..._wire import BatchGet, Deleted, HandleColumns, ManyAlloc, ManyDelete, ManyPublish
+from ..._proto import INLINE_BATCH_MAX
+from ..._wire import (
+    BatchGet,
+    Deleted,
+    HandleColumns,
+    ManyAlloc,
+    ManyDelete,
+    ManyPublish,
+    Versions,
+)
 from .. import _many
 from .._auth import READ, WRITE
 from .._handler import Answer, Call, Reply, route, routes_of
@@ -28,11 +37,37 @@ def alloc_many(call: Call[ManyAlloc]) -> Reply:
 
 
 @route("POST", "/v1/many/publish", WRITE, "publish_many", tag=TAG, body=ManyPublish,
-       answers=HandleColumns, once=True, note="every name within the prefix",
+       answers=Versions, once=True, note="every name within the prefix",
        summary="Publish many versions at once (all of them, or none)")
 def publish_many(call: Call[ManyPublish]) -> Reply:
     assert call.body is not None
     return 200, _many.publish(call.broker, call.session, call.who, call.body)
+
+
+_PUT_DOCS = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary", "description": (
+        "framed: the length of a JSON head in 4 bytes, big-endian; the head (a ManyAlloc: "
+        "names, shapes, dtypes, ttl, same); then each tensor's C-ordered bytes, in order, "
+        "none for a tensor that is an earlier one's (same), at most "
+        f"{INLINE_BATCH_MAX} bytes in all")}}}}}
+
+
+@route("POST", "/v1/many/put", WRITE, "put_many", tag=TAG, body=ManyAlloc, framed=True,
+       answers=Versions, once=True, docs=_PUT_DOCS, note="every name within the prefix",
+       summary="Allocate, fill and publish a batch of small tensors in one round trip (all of "
+               "them, or none)")
+def put_many(call: Call[ManyAlloc]) -> Reply:
+    assert call.body is not None and call.rest is not None
+    broker, sid, who, body, rid, data = (call.broker, call.session, call.who, call.body,
+                                         call.request_id, call.rest)
+    out = _many.put_now(broker, sid, who, body, data, rid)
+    if out is not None:
+        return 200, out
+
+    async def later() -> Answer:
+        return 200, await _many.put(broker, sid, who, body, data, rid)
+
+    return later()
 
 
 @route("POST", "/v1/many/get", READ, "get_many", tag=TAG, body=BatchGet, answers=HandleColumns,
@@ -67,4 +102,4 @@ def delete_many(call: Call[ManyDelete]) -> Reply:
     return 200, Deleted(names=names).model_dump_json().encode()
 
 
-ROUTES = routes_of(alloc_many, publish_many, get_many, delete_many)
+ROUTES = routes_of(alloc_many, publish_many, put_many, get_many, delete_many)

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tensordepot import AsyncClient, BrokerUnavailable, TensorNotFound
+from tensordepot import AsyncClient, BrokerUnavailable, TensorBroken, TensorNotFound
+from tensordepot._proto import unframe
 from tensordepot._wire import BatchGet, ManyAlloc, ManyPublish, PublishRequest
 from tensordepot.client import _batch, _http, _ops
 from tensordepot.client._core import Core
@@ -228,23 +229,47 @@ def test_a_get_never_answered_cancels_what_it_was_granted(fake: Any) -> None:
     assert list(core.bg.cancels) == [(core.sid, rid)]
 
 
+# 64 KiB and 16 bytes: on average more than INLINE_BATCH_MEAN, so the bytes are not inline.
 COLUMNS = {"names": ["a", "b"], "versions": [1, 4], "state": "writing", "segments": ["seg"],
-           "segment": [0, 0], "offsets": [0, 4096], "nbytes": [4000, 16], "shapes": [[1000], [4]],
-           "dtypes": ["float32", "float32"]}
+           "segment": [0, 0], "offsets": [0, 65536], "nbytes": [65536, 16],
+           "shapes": [[16384], [4]], "dtypes": ["float32", "float32"]}
 
 
 def test_put_many_allocates_and_publishes_over_the_many_routes(fake: Any) -> None:
     core, t = fake(lambda s: ok(COLUMNS) if s.route == "/v1/many/alloc" else ok({}))
-    sd = {"a": np.zeros(1000, dtype=np.float32), "b": np.ones(4, dtype=np.float32)}
+    sd = {"a": np.zeros(16384, dtype=np.float32), "b": np.ones(4, dtype=np.float32)}
     copies: list[Offload] = []
     assert run(_batch.put_many(core, sd, None, None), t, copies.append) == {"a": 1, "b": 4}
     assert t.routes()[1:] == ["POST /v1/many/alloc", "POST /v1/many/publish"]
     alloc, publish = (s.json() for s in t.sent[1:])
     assert ManyAlloc.model_validate(alloc) == ManyAlloc(
-        names=["a", "b"], shapes=[[1000], [4]], dtypes=["float32", "float32"], ttl=None)
+        names=["a", "b"], shapes=[[16384], [4]], dtypes=["float32", "float32"], ttl=None)
     assert ManyPublish.model_validate(publish) == ManyPublish(names=["a", "b"], versions=[1, 4])
     assert len(copies) == 1 and not copies[0].cheap  # the copy is offloaded work
     assert all(s.headers.get(REQUEST) for s in t.sent[1:])
+
+
+def test_put_many_of_small_tensors_carries_their_bytes_in_one_request(fake: Any) -> None:
+    core, t = fake(lambda s: ok({"names": ["a", "b", "c"], "versions": [2, 7, 1]}))
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    sd = {"a": a.T, "b": np.ones(4, dtype=np.int64), "c": a.T}  # a.T: C order is a copy
+    assert run(_batch.put_many(core, sd, 5.0, None), t) == {"a": 2, "b": 7, "c": 1}
+    assert t.routes()[1:] == ["POST /v1/many/put"]
+    (sent,) = t.sent[1:]
+    assert sent.headers["content-type"] == "application/octet-stream" and sent.headers[REQUEST]
+    head, rest = unframe(sent.body)
+    assert ManyAlloc.model_validate_json(head) == ManyAlloc(
+        names=["a", "b", "c"], shapes=[[3, 2], [4], [3, 2]], dtypes=["float32", "int64", "float32"],
+        ttl=5.0, same=[-1, -1, 0])
+    # c is a's very bytes: sent once
+    assert bytes(rest) == np.ascontiguousarray(a.T).tobytes() + sd["b"].tobytes()
+
+
+def test_a_put_many_answer_without_a_version_per_tensor_is_refused(fake: Any) -> None:
+    core, t = fake(lambda s: ok({"names": ["a"], "versions": [1]}))
+    with pytest.raises(TensorBroken, match="one version per tensor"):
+        run(_batch.put_many(core, {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)},
+                            None, None), t)
 
 
 def test_put_many_whose_copy_fails_gives_every_allocation_back(fake: Any) -> None:
@@ -254,8 +279,8 @@ def test_put_many_whose_copy_fails_gives_every_allocation_back(fake: Any) -> Non
         raise MemoryError("the copy failed")
 
     with pytest.raises(MemoryError):
-        run(_batch.put_many(core, {"a": np.zeros(1000, np.float32), "b": np.ones(4, np.float32)},
-                            None, None), t, copy)
+        run(_batch.put_many(core, {"a": np.zeros(16384, np.float32),
+                                   "b": np.ones(4, np.float32)}, None, None), t, copy)
     aborts = [PublishRequest.model_validate(s.json()) for s in t.sent if s.route == "/v1/abort"]
     assert [(a.name, a.version) for a in aborts] == [("a", 1), ("b", 4)]
     assert "POST /v1/many/publish" not in t.routes()

@@ -67,6 +67,7 @@ ACCOUNTS = ("bytes_in_use", "bytes_retired", "tensors", "versions", "leases", "s
 JSON = "application/json"
 ANY = "*"  # an error code: any, as long as every door gives the same one
 NBYTES = 16  # every tensor here: 16 uint8
+OCTETS = "application/octet-stream"
 
 
 # -- the broker ------------------------------------------------------------------------------
@@ -489,6 +490,20 @@ def _many_publish(env: Env) -> Req:
                    {"names": [n for n, _ in pairs], "versions": [v for _, v in pairs]})
 
 
+def _framed(head: Any, data: bytes) -> bytes:
+    """A ``/v1/many/put`` body: the JSON head's length in 4 bytes, the head, the bytes."""
+    text = json.dumps(head).encode()
+    return len(text).to_bytes(4, "big") + text + data
+
+
+def _many_put(env: Env, data: bytes = b"\1" * 2 * NBYTES, who: str = "admin",
+              names: tuple[str, ...] = ("a", "b"), ctype: str | None = OCTETS,
+              team: bool = False) -> Req:
+    head = {"names": [env.name(x, team) for x in names], "shapes": [[NBYTES]] * len(names),
+            "dtypes": ["uint8"] * len(names)}
+    return env.req("POST", "/v1/many/put", _framed(head, data), who=who, ctype=ctype)
+
+
 def _share_body(env: Env) -> dict[str, Any]:
     return {"name": env.name(), "shape": [4], "dtype": "float32",
             "device": "cuda:GPU-00000000-0000-0000-0000-000000000000",
@@ -528,6 +543,7 @@ R_BATCH_PUBLISH = ("POST", "/v1/batch/publish")
 R_BATCH_GET = ("POST", "/v1/batch/get")
 R_MANY_ALLOC = ("POST", "/v1/many/alloc")
 R_MANY_PUBLISH = ("POST", "/v1/many/publish")
+R_MANY_PUT = ("POST", "/v1/many/put")
 R_MANY_GET = ("POST", "/v1/many/get")
 R_MANY_DELETE = ("POST", "/v1/many/delete")
 R_STAT = ("GET", "/v1/stat")
@@ -598,6 +614,29 @@ GOOD = [
                       200, delta=TWO, created=frozenset("ab")), id="many-alloc"),
     pytest.param(Case(R_MANY_PUBLISH, _many_publish, 200, delta={"tensors": 2}),
                  id="many-publish"),
+    pytest.param(Case(R_MANY_PUT, _many_put, 200, delta={**TWO, "tensors": 2},
+                      created=frozenset("ab")), id="many-put"),
+    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, ctype=None), 200,
+                      delta={**TWO, "tensors": 2}, created=frozenset("ab")),
+                 id="many-put-no-content-type"),
+    # Bad bodies: refused, and nothing is placed.
+    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES - 1)), 400,
+                      "invalid_request"), id="many-put-short-body"),
+    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES + 1)), 400,
+                      "invalid_request"), id="many-put-long-body"),
+    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put", b"\0\0",
+                                                  ctype=OCTETS), 400, "invalid_request"),
+                 id="many-put-no-head"),
+    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put",
+                                                  b"\0\0\1\0{}", ctype=OCTETS),
+                      400, "invalid_request"), id="many-put-head-cut"),
+    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put",
+                                                  _framed([1, 2], b""), ctype=OCTETS),
+                      (400, 422), "invalid_request"), id="many-put-head-not-an-object"),
+    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, ctype=JSON), 400, "invalid_request"),
+                 id="many-put-as-json"),
+    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, names=("a", "a")), 400,
+                      "invalid_request"), id="many-put-name-twice"),
     pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
         "names": [e.put("a"), e.put("b")]}), 200, delta={"leases": 2}), id="many-get"),
     pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
@@ -671,6 +710,9 @@ def _control_cases() -> Iterator[Any]:
         yield pytest.param(Case(R_MANY_ALLOC, lambda e, c=c: e.req("POST", "/v1/many/alloc", {
             "names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]}), 400,
             "invalid_request"), id=f"name-{label}-many-alloc-body")
+        yield pytest.param(Case(R_MANY_PUT, lambda e, c=c: e.req("POST", "/v1/many/put", _framed({
+            "names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]}, b"\0" * NBYTES),
+            ctype=OCTETS), 400, "invalid_request"), id=f"name-{label}-many-put-head")
 
 
 # -- limits: bodies over MAX_BODY_BYTES, heads over MAX_HEADER_BYTES -----------------------------
@@ -795,6 +837,7 @@ def _scope_cases() -> Iterator[Any]:
             "names": [e.name()], "shapes": [[NBYTES]], "dtypes": ["uint8"]}, who="read")),
         "many-publish": (R_MANY_PUBLISH, lambda e: e.req("POST", "/v1/many/publish", {
             "names": [e.alloc()[0]], "versions": [1]}, who="read")),
+        "many-put": (R_MANY_PUT, lambda e: _many_put(e, who="read")),
         "cuda-share": (R_SHARE, lambda e: e.req("POST", "/v1/cuda/share", _share_body(e),
                                                 who="read")),
     }
@@ -836,6 +879,9 @@ def _scope_cases() -> Iterator[Any]:
             "dtypes": ["uint8", "uint8"]}, who="team")),
         "many-get-body": (R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
             "names": [e.put()]}, who="team")),
+        "many-put-head": (R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put", _framed({
+            "names": [e.name("ok", team=True), e.name()], "shapes": [[NBYTES], [NBYTES]],
+            "dtypes": ["uint8", "uint8"]}, b"\0" * 2 * NBYTES), who="team", ctype=OCTETS)),
         "batch-get-body": (R_BATCH_GET, lambda e: e.req("POST", "/v1/batch/get", {
             "names": [e.put()]}, who="team")),
         "publish-body": (R_PUBLISH, lambda e: e.req("POST", "/v1/publish", _written(e),
@@ -853,6 +899,10 @@ def _scope_cases() -> Iterator[Any]:
     yield pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
         "names": [e.put(team=True)]}, who="team"), 200, delta={"leases": 1}),
         id="prefix-many-get-inside")
+    yield pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, who="team", team=True), 200,
+                            delta={**TWO, "tensors": 2},
+                            created=frozenset({TEAM + "a", TEAM + "b"})),
+                       id="prefix-many-put-inside")
 
 
 # -- release riders, stale releases, resends -------------------------------------------------------
@@ -915,6 +965,10 @@ RIDERS = [
     pytest.param(Case(R_MANY_ALLOC, _replay(R_MANY_ALLOC, lambda e: (
         "/v1/many/alloc", _many_alloc_body(e))), 200, delta=TWO, created=frozenset("ab")),
         id="replay-many-alloc"),
+    pytest.param(Case(R_MANY_PUT, lambda e: e.req(
+        "POST", "/v1/many/put", _many_put(e).body, ctype=OCTETS,
+        headers=((REQUEST_HEADER, f"rid-{e.ns}"),), repeat=2), 200,
+        delta={**TWO, "tensors": 2}, created=frozenset("ab")), id="replay-many-put"),
 ]
 
 # A raw byte >= 0x80 in the path is no valid request; it is still an answer of the broker's.
