@@ -127,6 +127,46 @@ def test_free_ranges_coalesce(make_pool: Callable[..., Pool]) -> None:
     assert whole.offset == 0 and whole.segment == seg.name
 
 
+def test_a_batch_of_small_blocks_goes_back_to_back_and_frees_block_by_block(
+        make_pool: Callable[..., Pool]) -> None:
+    pool = make_pool(align=256)
+    pool.prewarm(SEG)
+    first = pool.alloc(1000)  # the batch goes after it
+    sizes = [1024, 0, 100, 5000, 1024]
+    batch = pool.try_alloc_many(sizes)
+    assert batch is not None
+    assert [b.nbytes for b in batch] == sizes
+    offsets = [b.offset for b in batch]
+    assert offsets[0] == first.offset + first.size
+    assert all(b.offset + b.size == nxt for b, nxt in zip(batch, offsets[1:], strict=False))
+    check_invariants(pool, [first, *batch])
+    for b in [batch[2], batch[0], *batch[3:], batch[1]]:  # freed one by one, in any order
+        pool.free(b)
+    check_invariants(pool, [first])
+    seg = pool._segs[first.segment]
+    assert len(seg.free_off) == 1, "the batch's ranges merged back"
+
+
+def test_a_batch_that_fits_only_piece_by_piece_or_not_at_all(
+        make_pool: Callable[..., Pool]) -> None:
+    pool = make_pool(align=4096)
+    pool.prewarm(SEG)
+    pieces = [pool.alloc(4096) for _ in range(SEG // 4096)]
+    for b in pieces[::2]:  # every other page free: no range holds two pages
+        pool.free(b)
+    live = pieces[1::2]
+    batch = pool.try_alloc_many([4096, 4096, 4096])
+    assert batch is not None and len({b.offset for b in batch}) == 3
+    check_invariants(pool, live + batch)
+    free_pages = len(pieces) // 2 - 3
+    before = (pool.used, list(pool._segs[live[0].segment].free_off))
+    assert pool.try_alloc_many([4096] * (free_pages + 1)) is None, "more than there is"
+    assert (pool.used, pool._segs[live[0].segment].free_off) == before, "nothing taken"
+    for b in batch:
+        pool.free(b)
+    check_invariants(pool, live)
+
+
 def test_random_churn_keeps_fragmentation_bounded(make_pool: Callable[..., Pool]) -> None:
     pool = make_pool(max_memory=8 * MiB)
     rng = random.Random(1234)
