@@ -87,7 +87,7 @@ class Route:
     summary: str = ""
     tag: str = ""
     body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
-    framed: bool = False  # the body is framed (``_wire.frame``): ``body`` is its JSON head
+    framed: bool = False  # the body is framed (``_proto.frame``): ``body`` is its JSON head
     answers: Any = None  # the answer's model, for the OpenAPI document
     status: int = 200  # the status of a good answer
     media: str = JSON  # the content type of a good answer
@@ -167,7 +167,7 @@ def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
 
 def parse_framed(model: type[M], data: bytes, content_type: bytes | None
                  ) -> tuple[M, memoryview]:
-    """A framed body (``_wire.frame``): its JSON head as ``model``, and the
+    """A framed body (``_proto.frame``): its JSON head as ``model``, and the
     bytes after it.  Sent as ``application/octet-stream`` or with no content type."""
     if content_type is not None:
         media = content_type.partition(b";")[0].strip().lower()
