@@ -311,25 +311,21 @@ class Memory:
         import numpy as np
 
         src = np.frombuffer(data, np.uint8)  # no copy; the address stays valid while it lives
-        at, pos, maps = src.ctypes.data, 0, self._maps
-        # Blocks placed back to back take one copy: (destination, source, bytes) per run.
-        run: list[int] = [0, 0, 0]
+        at = src.ctypes.data
+        # Blocks placed back to back take one copy per run of them.
+        dst = length = 0
         for v in versions:
-            n, blk = v.nbytes, v.block
-            if not n:
+            if not v.nbytes:
                 continue
-            m = maps.get(blk.segment) or self._map(blk.segment)
-            dst = m.address + blk.offset
-            if dst == run[0] + run[2] and at + pos == run[1] + run[2]:
-                run[2] += n
-            else:
-                if run[2]:
-                    ctypes.memmove(*run)
-                run = [dst, at + pos, n]
-            pos += n
-        if run[2]:
-            ctypes.memmove(*run)
-        del src
+            to = self._map(v.block.segment).address + v.block.offset
+            if to != dst + length:
+                if length:
+                    ctypes.memmove(dst, at, length)
+                    at += length
+                dst, length = to, 0
+            length += v.nbytes
+        if length:
+            ctypes.memmove(dst, at, length)
 
     # -- shutdown --------------------------------------------------------------------
     def close(self) -> None:
