@@ -40,6 +40,33 @@ def test_put_many_stores_tied_tensors_once_and_get_many_keeps_the_tie(broker: Br
                  what="the tie's bytes to be freed with its last name")
 
 
+def test_numpy_arrays_are_tied_when_they_are_one_array_or_view_the_same_bytes(
+        broker: BrokerProc) -> None:
+    import numpy as np
+
+    a = np.arange(16 * KiB, dtype=np.float32)  # 64 KiB each
+    b = a.copy()  # equal bytes, its own memory: stored apart
+    owners = {"a": a, "a_again": a, "b": b}  # arrays that own their memory
+    mixed = {"a": a, "view": a[:], "b": b, "half": a[: 8 * KiB]}  # views of a among them
+    with broker.client() as c:
+        c.put_many(owners)
+        assert c.stat().bytes_in_use == 2 * 64 * KiB, "a once, b apart"
+        got = c.get_many(list(owners))
+        assert got["a"]._address == got["a_again"]._address != got["b"]._address
+        del got
+        c.delete_many(list(owners))
+        c.put_many(mixed)
+        assert c.stat().bytes_in_use == (2 * 64 + 32) * KiB, "a and its view once; half apart"
+        got = c.get_many(list(mixed))
+        assert got["a"]._address == got["view"]._address
+        for name, x in mixed.items():
+            assert np.array_equal(np.from_dlpack(got[name]), x), name
+        del got
+        c.delete_many(list(mixed))
+        wait_for(lambda: c.stat().bytes_in_use == 0 and c.stat().leases == 0, 10,
+                 what="every byte freed")
+
+
 def test_a_transformers_model_keeps_its_tied_weights(broker: BrokerProc) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
