@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import ipaddress
 import json
 import logging
@@ -403,6 +404,12 @@ class Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
+            # What startup made (the app, its routes and schemas, the modules)
+            # lives as long as the broker: moved out of the collector's sight,
+            # a full collection, which a batch of 1,000 versions can start,
+            # walks only what requests made (measured: a third of the time).
+            gc.collect()
+            gc.freeze()
             log.info(self.ready_message)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
