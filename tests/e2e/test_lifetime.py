@@ -281,6 +281,28 @@ def test_leases_of_a_dead_broker_never_release_new_ones(
     x2.close()
 
 
+def test_close_collects_a_view_caught_in_a_reference_cycle(broker: BrokerProc) -> None:
+    """close() collects garbage while leases are held: a view that only a
+    reference cycle keeps (a traceback's frames, a model's graph) is freed,
+    and the session ends with the call."""
+    with broker.client() as other:
+        c = broker.client()
+        c.put("cyc", np.arange(N, dtype=np.float64))
+        gc.disable()  # nothing but close() collects the cycle
+        try:
+            loop: list[Any] = [np.from_dlpack(c.get("cyc"))]
+            loop.append(loop)
+            del loop
+            assert other.stat().leases == 1
+            c.close()
+            st = other.stat()
+            assert st.leases == 0 and st.sessions == 1, st
+        finally:
+            gc.enable()
+        other.delete("cyc")
+        stat_when(other, lambda s: s.bytes_in_use == 0, "the tensor to be freed")
+
+
 def test_release_takes_only_own_leases(broker: BrokerProc) -> None:
     t = Transport(broker.url)
     try:
