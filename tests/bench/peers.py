@@ -2,6 +2,7 @@
 
     python tests/bench/peers.py [--quick] [--out bench-results/peers.json]
     python tests/bench/peers.py --report bench-results/peers.json   # the README table
+    python tests/bench/peers.py --cases 1000x1KiB,gets1   # some cases only (development)
 
 ``tests/bench/run.py`` runs it as its step B10.  Every case hands data from
 a producer to a consumer in another process, and the consumer reads every
@@ -499,8 +500,9 @@ def _source(sizes: list[int]) -> list[np.ndarray]:
 
 
 def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every case, every system, interleaved; the result as JSON-able data."""
+        log: Callable[[str], None] = print, only: set[str] | None = None) -> dict[str, Any]:
+    """Every case (or those whose ids are in ``only``), every system,
+    interleaved; the result as JSON-able data."""
     ctx = mp.get_context("spawn")
     reps = reps or (3 if quick else 11)
     ray = start_ray(quick) if "ray" in systems else None
@@ -518,6 +520,8 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
     out: dict[str, Any] = {"reps": reps, "systems": active, "skipped": skipped, "cases": {}}
     try:
         for case in cases(quick):
+            if only is not None and case["id"] not in only:
+                continue
             arrays = _source(case["sizes"])
             peers: dict[str, Any] = {}
             try:
@@ -562,6 +566,8 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
                 for p in peers.values():
                     p.close()
         for case in rate_cases(quick):
+            if only is not None and case["id"] not in only:
+                continue
             out["cases"][case["id"]] = _rates(case, ctx, url, ray, active, reps, log)
     finally:
         if ray is not None:
@@ -663,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/peers.json")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--reps", type=int)
+    ap.add_argument("--cases", help="comma-separated case ids, e.g. 1000x1KiB,gets1 (for "
+                                    "development; a partial table)")
     ap.add_argument("--report", metavar="JSON", help="print the table of a result and stop")
     args = ap.parse_args(argv)
     if args.report:
@@ -671,9 +679,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from _harness import BrokerProc
 
+    only = None if args.cases is None else set(args.cases.split(","))
+    if only is not None:
+        known = {c["id"] for c in cases(args.quick) + rate_cases(args.quick)}
+        if not only <= known:
+            ap.error(f"unknown case ids {sorted(only - known)}; the cases: {sorted(known)}")
     broker = BrokerProc("--max-memory", "8GiB", "--warm-memory", "6GiB", max_memory="8GiB")
     try:
-        result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps)
+        result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps,
+                     only=only)
     finally:
         broker.cleanup()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
