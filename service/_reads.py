@@ -103,6 +103,16 @@ class Reads:
             return await self._get_any(sid, caller, names, timeout, floors, request, gone)
         return await self._get_all(sid, caller, names, timeout, floors, request, gone)
 
+    def _asks_peers(self, found: Version | None) -> bool:
+        """Whether a get that found ``found`` here asks the peers first: a
+        miss, or a replica that may be stale (a peer may publish a newer one
+        here).  The long poll asks on a miss only (``_wait``)."""
+        return self.peers is not None and (found is None or found.replica is not None)
+
+    async def _ask_peers(self, name: str, newer_than: int, timeout: float | None) -> None:
+        assert self.peers is not None
+        await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+
     async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
                        timeout: float | None, floors: list[int], request: str | None,
                        gone: Callable[[], Awaitable[Any]] | None) -> Got:
@@ -112,9 +122,8 @@ class Reads:
         try:
             for name, newer_than in zip(names, floors, strict=True):
                 v = self.records.ready(name, newer_than)
-                if self.peers is not None and (v is None or v.replica is not None):
-                    # A miss, or a replica that may be stale: the peers may publish one here.
-                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+                if self._asks_peers(v):
+                    await self._ask_peers(name, newer_than, timeout)
                     s = self.sessions.admit(sid, caller)
                     v = self.records.ready(name, newer_than)
                 if v is None:
@@ -142,9 +151,8 @@ class Reads:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self.peers is not None:  # what a peer may have newer, as _get_all asks per name
             for name, newer_than in zip(names, floors, strict=True):
-                v = ready(name, newer_than)
-                if v is None or v.replica is not None:
-                    await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+                if self._asks_peers(ready(name, newer_than)):
+                    await self._ask_peers(name, newer_than, timeout)
             s = self.sessions.admit(sid, caller)
         if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
             if timeout == 0:
