@@ -1,4 +1,5 @@
-"""report.py writes the README only when asked (--readme).
+"""report.py writes the README only when asked (--readme); peers.py runs
+the cases asked for (--cases) and refuses an unknown one.
 
 It runs from a copy of the repository's layout in a temporary folder, so a
 report.py that writes the README by default changes the copy's README, never
@@ -7,6 +8,8 @@ the real one.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -55,3 +58,22 @@ def test_report_writes_the_readme_when_asked(repo: Path) -> None:
     other.write_text(README)
     report(repo, "--readme", str(other))
     assert "| B1.copy |" in other.read_text()
+
+
+def test_peers_runs_the_cases_asked_for_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    peers = [sys.executable, str(ROOT / "tests" / "bench" / "peers.py")]
+    bad = subprocess.run([*peers, "--cases", "4KiB,nope"], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert bad.returncode == 2 and "unknown case ids ['nope']" in bad.stderr, bad.stderr
+    out = tmp_path / "peers.json"
+    before = set(os.listdir("/dev/shm"))
+    res = subprocess.run([*peers, "--quick", "--reps", "1", "--cases", "4KiB,gets1",
+                          "--systems", "tensordepot,shm_pipe,pipe_pickle", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert set(got["cases"]) == {"4KiB", "gets1"}, list(got["cases"])
+    for case in got["cases"].values():
+        assert set(case["systems"]) == {"tensordepot", "shm_pipe", "pipe_pickle"}
+        assert all(v["median"] > 0 for v in case["systems"].values())
+    assert set(os.listdir("/dev/shm")) <= before, "the run left shared memory behind"
