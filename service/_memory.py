@@ -307,25 +307,22 @@ class Memory:
 
     def fill_many(self, versions: list[Version], data: memoryview) -> None:
         """Copy ``data`` into unpublished ``versions``, one after another: each
-        takes its ``nbytes`` (their sum is ``len(data)``, checked)."""
-        import numpy as np
-
-        src = np.frombuffer(data, np.uint8)  # no copy; the address stays valid while it lives
-        at = src.ctypes.data
-        # Blocks placed back to back take one copy per run of them.
-        dst = length = 0
+        takes its ``nbytes`` (their sum is ``len(data)``, checked).  Without
+        numpy, which the broker would otherwise import on its first batch."""
+        runs: list[list[int]] = []  # [address, length]: back-to-back blocks take one copy
         for v in versions:
             if not v.nbytes:
                 continue
             to = self._map(v.block.segment).address + v.block.offset
-            if to != dst + length:
-                if length:
-                    ctypes.memmove(dst, at, length)
-                    at += length
-                dst, length = to, 0
-            length += v.nbytes
-        if length:
-            ctypes.memmove(dst, at, length)
+            if runs and runs[-1][0] + runs[-1][1] == to:
+                runs[-1][1] += v.nbytes
+            else:
+                runs.append([to, v.nbytes])
+        src = data.cast("B")
+        at = 0
+        for to, n in runs:
+            memoryview((ctypes.c_char * n).from_address(to)).cast("B")[:] = src[at:at + n]
+            at += n
 
     # -- shutdown --------------------------------------------------------------------
     def close(self) -> None:
