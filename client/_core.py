@@ -35,7 +35,7 @@ from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, 
 from ._background import Background
 from ._checks import check_timeout, shown
 from ._extent import broken, check_extent
-from ._fork import register
+from ._fork import GATE, gate_is_free, register
 from ._http import (
     COMMIT,
     Endpoint,
@@ -88,7 +88,6 @@ class Core:
     bg: Background | None = None
     session: SessionInfo | None = None
     gpu: Extension | None = None  # set by the CUDA code on first use
-    _fork_plan: ForkInfo | None = None
 
     def __init__(self, url: str, *, token: str | None, timeout: float, label: str | None,
                  trust_uid: Any, transport: Callable[..., Blocking], open: bool) -> None:
@@ -103,7 +102,7 @@ class Core:
         self.endpoint = Endpoint.parse(url, token)
         self.transport = transport(url, token=token, timeout=io, trust=self.trust)
         self.segments = Segments(self.trust)
-        self.gate = threading.Lock()  # held across fork(): no lease is registered meanwhile
+        self.gate = GATE  # held across fork(): no lease is registered meanwhile
         self._lock = threading.Lock()  # a forked child's claim
         self._finishing = threading.Lock()  # held while the session is being ended
         self.writers: weakref.WeakSet[Any] = weakref.WeakSet()  # empty() windows not yet private
@@ -307,7 +306,7 @@ class Core:
     def map_cheaply(self, kind: str) -> bool:
         """Whether mapping tensors of this kind never waits: one lazy mmap per
         tensor, no page touched, no lock that another thread holds."""
-        return kind == "posix" and not self.segments.lock.locked() and not self.gate.locked()
+        return kind == "posix" and not self.segments.lock.locked() and gate_is_free()
 
     def posix_tensor(self, h: Handle, *, writable: bool) -> SharedTensor:
         """The tensor of a shared-memory handle (its operation gives back what
@@ -349,32 +348,25 @@ class Core:
             self.gpu.prune(self)
 
     # -- fork --------------------------------------------------------------------------------
-    def _before_fork(self) -> None:
-        """In the parent, just before fork(): ask the broker for a session for
+    def _plan_fork(self) -> ForkInfo | None:
+        """In the parent, just before fork() (the gate held, so no lease is
+        registered until the fork is done): ask the broker for a session for
         the child holding copies of this session's leases, so the views the
-        child inherits stay theirs.  No lease is registered until the fork is done."""
-        self.gate.acquire()
-        self._fork_plan = None
+        child inherits stay theirs."""
         bg = self.bg
         if self.closed or bg is None or not bg.live or os.getpid() != self.pid:
-            return
+            return None
         try:
-            self._fork_plan = ForkInfo.model_validate(
+            return ForkInfo.model_validate(
                 self.call_now("POST", f"/v1/sessions/{self.sid}/fork", background=True,
                               rid=self.rid()))
         except DepotError:
-            self._fork_plan = None  # the child's inherited views stay readable; see below
+            return None  # the child's inherited views stay readable; see below
 
-    def _after_fork_parent(self) -> None:
-        self._fork_plan = None
-        self.gate.release()
-
-    def _after_fork_child(self) -> None:
-        self.gate = threading.Lock()
+    def _after_fork_child(self, plan: ForkInfo | None) -> None:
         self._lock = threading.Lock()
         self._finishing = threading.Lock()
         self.segments.after_fork()
-        plan, self._fork_plan = self._fork_plan, None
         self.pid = os.getpid()
         self.transport.after_fork()
         for w in list(self.writers):

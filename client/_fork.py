@@ -8,6 +8,17 @@ touches its parent's connections or threads.  A Client therefore keeps
 working in the child, and the views the child inherited stay valid there,
 whatever the parent does next.
 
+``GATE`` is held from just before those requests until the fork is done, so
+no lease is registered in between (it would be missing from the child's
+copies).  A signal handler may raise anywhere in Python code (Ctrl-C in the
+middle of a fork: its KeyboardInterrupt lands in whichever fork hook is
+running, and CPython reports and drops it).  So what must happen on every
+fork happens in C, where no handler can run: the gate is taken and let go,
+and the plans of the last fork are forgotten, by C callables registered as
+fork hooks of their own.  The Python hooks only make plans and set up the
+child's Clients; an interruption in one Client's part still lets the others
+take theirs.
+
 At a normal exit (``atexit``), each live Client ends its session on the way
 out, so that the broker counts an exit, not a crash.
 """
@@ -16,46 +27,74 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Forkable(Protocol):
     """What takes part in a fork (``_core.Core``)."""
 
-    def _before_fork(self) -> None: ...
-    def _after_fork_parent(self) -> None: ...
-    def _after_fork_child(self) -> None: ...
+    def _plan_fork(self) -> Any: ...
+    def _after_fork_child(self, plan: Any) -> None: ...
     def _at_exit(self) -> None: ...
 
 
+# Reentrant, so that letting it go after a fork whose hook could not take it
+# (a wait for it cut short by a signal handler) raises instead of releasing
+# another thread's hold.
+GATE = threading.RLock()
+
 _clients: weakref.WeakSet[Forkable] = weakref.WeakSet()
-_forking: list[Forkable] = []
+# id(client) -> (client, its plan), for the fork under way: emptied by C hooks
+# before every fork and after it, in both processes.
+_plans: dict[int, tuple[Forkable, Any]] = {}
 
 
 def register(client: Forkable) -> None:
     _clients.add(client)
 
 
-def _before() -> None:
-    _forking[:] = list(_clients)
-    for c in _forking:
+def gate_is_free() -> bool:
+    """Whether taking the gate now would not wait (no fork under way, no
+    lease being registered by another thread)."""
+    if not GATE.acquire(blocking=False):
+        return False
+    GATE.release()
+    return True
+
+
+def _each(clients: list[Forkable], part: Any) -> None:
+    """``part(client)`` for each client, even when one of them is cut short
+    (a signal handler raising, or an error): the first exception is raised
+    at the end, for CPython to report."""
+    cut: BaseException | None = None
+    for c in clients:
         try:
-            c._before_fork()
-        except Exception:  # a fork must go ahead; the child copes without a plan
-            pass
+            part(c)
+        except BaseException as exc:
+            cut = cut or exc
+    if cut is not None:
+        raise cut
 
 
-def _after_in_parent() -> None:
-    for c in _forking:
-        c._after_fork_parent()
-    _forking.clear()
+def _plan(c: Forkable) -> None:
+    _plans[id(c)] = (c, None)  # the strong reference keeps c until the fork is done
+    try:
+        _plans[id(c)] = (c, c._plan_fork())
+    except Exception:  # a fork must go ahead; the child copes without a plan
+        pass
+
+
+def _before() -> None:
+    _each(list(_clients), _plan)
 
 
 def _after_in_child() -> None:
-    for c in _forking:
-        c._after_fork_child()
-    _forking.clear()
+    # Every client, planned or not: a hook cut short before it planned them
+    # must not leave a child using its parent's connections and threads.
+    plans = dict(_plans)
+    _each(list(_clients), lambda c: c._after_fork_child(plans.get(id(c), (c, None))[1]))
 
 
 def _at_exit() -> None:
@@ -66,6 +105,12 @@ def _at_exit() -> None:
             pass
 
 
-os.register_at_fork(before=_before, after_in_parent=_after_in_parent,
-                    after_in_child=_after_in_child)
+os.register_at_fork(before=_before, after_in_child=_after_in_child)
+# Registered after the hooks above: before a fork, hooks run last-registered
+# first, so these run ahead of ``_before``; after it, in the order registered,
+# so they run once ``_after_in_child`` is done.  Each is a C callable.
+os.register_at_fork(before=_plans.clear, after_in_parent=_plans.clear,
+                    after_in_child=_plans.clear)
+os.register_at_fork(before=GATE.acquire, after_in_parent=GATE.release,
+                    after_in_child=GATE.release)
 atexit.register(_at_exit)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, run_worker, wait_for
 from _interrupt import interrupt_at
 from _workerio import Worker
 from pydantic import BaseModel
@@ -283,6 +283,22 @@ def test_fork_child_client_works_and_inherited_views_hold(
             assert same(np.from_dlpack(c.get("child.put")), 3.0)
             cmds.write("exit\n")
         del held
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_ctrl_c_during_fork_leaves_every_client_working(broker: BrokerProc, where: str) -> None:
+    """A KeyboardInterrupt raised in the Clients' fork hooks (as they plan the
+    fork, or as the parent comes out of it) leaves no lock held and no Client
+    half set up, in the parent or the child."""
+    res = run_worker("fork_interrupted", broker.url, where, timeout=90)
+    assert res.stdout.split()[-1:] == ["ok"], res.stdout + res.stderr
+    # In a Client's hook (reported, dropped) or in the caller (after: there are
+    # no Python hooks of the Client's left to run in the parent).
+    landed = "client/_fork.py" in res.stderr or "interrupted" in res.stdout.split()
+    assert landed, f"the Ctrl-C landed elsewhere:\n{res.stdout}{res.stderr}"
+    with broker.client() as c:
+        stat_when(c, lambda s: (s.sessions, s.leases, s.versions) == (1, 0, 0),
+                  "the worker's and its child's sessions to end")
 
 
 # -- M3: versions only grow ------------------------------------------------------------------------
