@@ -15,9 +15,10 @@ middle of a fork: its KeyboardInterrupt lands in whichever fork hook is
 running, and CPython reports and drops it).  So what must happen on every
 fork happens in C, where no handler can run: the gate is taken and let go,
 and the plans of the last fork are forgotten, by C callables registered as
-fork hooks of their own.  The Python hooks only make plans and set up the
-child's Clients; an interruption in one Client's part still lets the others
-take theirs.
+fork hooks of their own, and the handlers already due run in one just before
+the plans are made.  The Python hooks only make plans and set up the child's
+Clients; an interruption in one Client's part still lets the others take
+theirs.
 
 At a normal exit (``atexit``), each live Client ends its session on the way
 out, so that the broker counts an exit, not a crash.
@@ -26,7 +27,10 @@ out, so that the broker counts an exit, not a crash.
 from __future__ import annotations
 
 import atexit
+import functools
+import importlib
 import os
+import signal
 import threading
 import weakref
 from typing import Any, Protocol
@@ -80,10 +84,17 @@ def _each(clients: list[Forkable], part: Any) -> None:
 
 def _plan(c: Forkable) -> None:
     _plans[id(c)] = (c, None)  # the strong reference keeps c until the fork is done
-    try:
-        _plans[id(c)] = (c, c._plan_fork())
-    except Exception:  # a fork must go ahead; the child copes without a plan
-        pass
+    cut: BaseException | None = None
+    for _ in range(2):  # once more when a signal handler cut the request short
+        try:
+            _plans[id(c)] = (c, c._plan_fork())
+            break
+        except Exception:  # a fork must go ahead; the child copes without a plan
+            break
+        except BaseException as exc:
+            cut = cut or exc
+    if cut is not None:
+        raise cut
 
 
 def _before() -> None:
@@ -109,6 +120,13 @@ os.register_at_fork(before=_before, after_in_child=_after_in_child)
 # Registered after the hooks above: before a fork, hooks run last-registered
 # first, so these run ahead of ``_before``; after it, in the order registered,
 # so they run once ``_after_in_child`` is done.  Each is a C callable.
+#
+# Right before ``_before``: run the signal handlers already due (a Ctrl-C
+# that came in just before the fork), here rather than as ``_before`` starts,
+# where their exception would cut every plan short.  pthread_sigmask, with
+# nothing to block, does only that: the C one (signal's own is a Python wrapper).
+_sigmask = importlib.import_module("_signal").pthread_sigmask
+os.register_at_fork(before=functools.partial(_sigmask, signal.SIG_BLOCK, ()))
 os.register_at_fork(before=_plans.clear, after_in_parent=_plans.clear,
                     after_in_child=_plans.clear)
 os.register_at_fork(before=GATE.acquire, after_in_parent=GATE.release,

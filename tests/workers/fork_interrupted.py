@@ -1,16 +1,20 @@
 """Ctrl-C in the middle of fork(): a SIGINT whose handler runs while the
 Clients' fork hooks do.  A hook of this script's, registered next to theirs,
 marks SIGINT due, so its KeyboardInterrupt lands in the first Python code
-that runs after it: one of the Clients' fork hooks (CPython reports the
-exception and drops it), or the caller of fork() once it returns.
+that checks for it: a fork hook (CPython reports the exception and drops
+it), or the caller of fork() once it returns.
 
     python fork_interrupted.py BROKER_URL before|after
 
-``before``: it lands as the Clients plan the fork.  ``after``: as the parent
-comes out of it.  Two Clients with live views each; the child checks the
-views it inherited and uses both Clients, then the parent does.  Prints
-``interrupted`` if fork() itself raised, then ``ok``; ``hung`` (exit 4)
-when a Client is stuck.
+``before``: it is due as the Clients plan the fork.  ``after``: as the
+parent comes out of it.  Two Clients with live views each.  The child uses
+both Clients; then the parent drops its views, deletes their tensors and
+puts others of the same size, which land in the freed memory if nothing
+holds it; then the child checks that the views it inherited kept their
+bytes.  Then the parent uses both Clients.
+
+Prints ``interrupted`` if fork() itself raised, then ``ok``; ``hung`` (exit
+4) when a Client is stuck.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import _thread
 import functools
 import logging  # noqa: F401  (its own fork hooks come before this script's)
 import os
+import select
 import signal
 import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +48,11 @@ if where == "before":
     # Registered after the Clients' hooks: before a fork, this one runs first.
     os.register_at_fork(before=ctrl_c)
 
+N = (1 << 20) // 8  # float64 elements of a 1 MiB tensor (a pooled block)
+A, B = np.arange(N, dtype=np.float64), np.arange(N, dtype=np.float64) * 2
 
-def within(seconds: float, what: str, fn: functools.partial[object]) -> None:
+
+def within(seconds: float, what: str, fn: functools.partial[Any]) -> None:
     """Run ``fn``; a Client stuck on a lock shows as "hung", not as a test timeout."""
     done = threading.Event()
     failed: list[BaseException] = []
@@ -70,11 +79,29 @@ def use(a: Client, b: Client, tag: str) -> None:
         c.delete(f"{name}.{tag}")
 
 
+def child(a: Client, b: Client, va: np.ndarray, vb: np.ndarray, go: int) -> int:
+    assert np.array_equal(va, A) and np.array_equal(vb, B)
+    within(20, "a Client in the child", functools.partial(use, a, b, "child"))
+    print("child used", flush=True)
+    if not select.select([go], [], [], 30)[0]:
+        print("hung: the parent never said go", flush=True)
+        return 4
+    os.read(go, 1)
+    if not (np.array_equal(va, A) and np.array_equal(vb, B)):
+        print("CHANGED: a view the child inherited shows other bytes", flush=True)
+        return 3
+    del va, vb
+    a.close()
+    b.close()
+    return 0
+
+
 def main() -> None:
     a, b = Client(url), Client(url)
-    a.put("fi.a", np.arange(1000.0))
-    b.put("fi.b", np.arange(2000.0))
+    a.put("fi.a", A)
+    b.put("fi.b", B)
     va, vb = np.from_dlpack(a.get("fi.a")), np.from_dlpack(b.get("fi.b"))
+    go_r, go_w = os.pipe()
     try:
         pid = os.fork()
     except KeyboardInterrupt:  # in the parent, once fork() returned: pid unknown
@@ -83,18 +110,24 @@ def main() -> None:
     if pid == 0:
         code = 1
         try:
-            assert np.array_equal(va, np.arange(1000.0)) and np.array_equal(vb, np.arange(2000.0))
-            within(20, "a Client in the child", functools.partial(use, a, b, "child"))
-            a.close()
-            b.close()
-            code = 0
+            code = child(a, b, va, vb, go_r)
         except BaseException:
             traceback.print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    deadline = time.monotonic() + 30
+    # The parent lets go of both tensors; the memory would be reused.  The
+    # views' releases ride on the deletes.
+    del va, vb
+    a.delete("fi.a")
+    b.delete("fi.b")
+    ca, cb = np.full(N, 7.0), np.full(N, 9.0)
+    a.put("fi.c", ca)
+    b.put("fi.d", cb)
+    held = np.from_dlpack(a.get("fi.c")), np.from_dlpack(b.get("fi.d"))
+    os.write(go_w, b"x")
+    deadline = time.monotonic() + 60
     while True:
         got, status = os.waitpid(pid, os.WNOHANG)  # -1: the only child
         if got:
@@ -105,10 +138,10 @@ def main() -> None:
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0, f"the child failed ({status})"
     within(20, "a Client in the parent", functools.partial(use, a, b, "parent"))
-    assert np.array_equal(va, np.arange(1000.0)) and np.array_equal(vb, np.arange(2000.0))
-    del va, vb
-    a.delete("fi.a")
-    b.delete("fi.b")
+    assert np.array_equal(held[0], ca) and np.array_equal(held[1], cb)
+    del held
+    a.delete("fi.c")
+    b.delete("fi.d")
     a.close()
     b.close()
     print("ok", flush=True)
