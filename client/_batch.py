@@ -247,7 +247,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
         for i in range(n):
             if cols.segment[i] < 0:
                 continue  # below: tensor() takes the gate itself
-            window, flat, base = windows[i]
+            window, flats, base = windows[i]
             lid, lease = leases[i], None
             if lid is not None and release is not None:
                 lease = _Lease(lid, release)
@@ -255,7 +255,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
             shape = tuple(cols.shapes[i])
             t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
                                  dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
-                                 window, flat, cols.offsets[i] - base, lease)
+                                 window, flats, cols.offsets[i] - base, lease)
             t._lease_session = sid
             tensors[i] = t
     for i, h in cols.others.items():
@@ -263,48 +263,68 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
 
 
 def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
-    """Per tensor: (its window, the window as a flat uint8 array, the segment
-    offset the window starts at)."""
+    """Per tensor: (its window, the window as flat uint8 arrays, writable and
+    read-only, the segment offset the window starts at)."""
     n = len(cols.names)
     by_segment: dict[int, list[int]] = {}
     for i in range(n):
         if cols.segment[i] >= 0:
             by_segment.setdefault(cols.segment[i], []).append(i)
     out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
+    offsets, nbytes = cols.offsets, cols.nbytes
     for j, members in by_segment.items():
         try:
             f = client.segments.file(cols.segments[j], False)
             check_segment(cols, members, f.size)
-            # The tensors of one range of bytes (tied weights, a name given twice) are one.
-            spans: dict[tuple[int, int], list[int]] = {}
-            for i in members:
-                spans.setdefault((cols.offsets[i], cols.offsets[i] + cols.nbytes[i]), []).append(i)
-            ranges = sorted(spans)
-            shared, alone = [], []
-            end = -1
-            for k, (lo, hi) in enumerate(ranges):
-                nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
-                # Ranges that overlap without being the same may not share a window.
-                if lo < end or (nxt is not None and nxt < hi):
-                    alone.append(spans[lo, hi])
-                else:
-                    shared.extend(spans[lo, hi])
-                end = max(end, hi)
+            shared, alone = _layout(members, offsets, nbytes)
             if shared:
-                lo = min(cols.offsets[i] for i in shared)
-                hi = max(cols.offsets[i] + cols.nbytes[i] for i in shared)
-                w = client.segments.reader(cols.segments[j], lo, hi - lo)
-                flat = byte_view(w, 0, hi - lo, writable=True)  # private pages: see module doc
+                lo = min(offsets[i] for i in shared)
+                hi = max(offsets[i] + nbytes[i] for i in shared)
+                window = _window(client, cols.segments[j], lo, hi - lo)
                 for i in shared:
-                    out[i] = (w, flat, lo)
+                    out[i] = window
             for one in alone:  # the tensors of one range
-                lo, n = cols.offsets[one[0]], cols.nbytes[one[0]]
-                w = client.segments.reader(cols.segments[j], lo, n)
-                flat = byte_view(w, 0, n, writable=True)
+                window = _window(client, cols.segments[j], offsets[one[0]], nbytes[one[0]])
                 for i in one:
-                    out[i] = (w, flat, lo)
+                    out[i] = window
         except (DepotError, OSError) as exc:
             if isinstance(exc, DepotError):
                 raise
             raise BrokerUnavailable(f"cannot map segment {cols.segments[j]}: {exc}") from exc
     return out
+
+
+def _window(client: Core, segment: str, lo: int, n: int) -> tuple[Any, Any, int]:
+    w = client.segments.reader(segment, lo, n)
+    flat = byte_view(w, 0, n, writable=True)  # private pages: see module doc
+    return w, (flat, byte_view(w, 0, n, writable=False)), lo
+
+
+def _layout(members: list[int], offsets: list[int],
+            nbytes: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The tensors of one segment that may share a window, and the groups
+    that each need one of their own: the tensors of one range of bytes (tied
+    weights, a name given twice) are one; ranges that overlap without being
+    the same may not share a window."""
+    end = -1
+    for i in members:  # the usual batch: placed in order, nothing overlapping
+        if offsets[i] < end:
+            break
+        end = offsets[i] + nbytes[i]
+    else:
+        return members, []
+    spans: dict[tuple[int, int], list[int]] = {}
+    for i in members:
+        spans.setdefault((offsets[i], offsets[i] + nbytes[i]), []).append(i)
+    ranges = sorted(spans)
+    shared: list[int] = []
+    alone: list[list[int]] = []
+    end = -1
+    for k, (lo, hi) in enumerate(ranges):
+        nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
+        if lo < end or (nxt is not None and nxt < hi):
+            alone.append(spans[lo, hi])
+        else:
+            shared.extend(spans[lo, hi])
+        end = max(end, hi)
+    return shared, alone

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._errors import DepotError, InvalidRequest, TensorBroken, TensorReleased
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
-from ..shm._dlpack import carrier, export_carrier, kDLCPU
+from ..shm._dlpack import export_view, kDLCPU
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -85,20 +85,20 @@ class SharedTensor:
                     tuple(handle.strides), dtype_from_name(handle.dtype), handle.device,
                     handle.nbytes, handle.state == "ready", window, window.address, lease, writable)
 
-    _flat: Any = None  # a flat uint8 array over the window, if the batch made one ...
+    _flats: tuple[Any, Any] | None = None  # the window as flat uint8 arrays (export_view) ...
     _flat_offset = 0  # ... and where this tensor starts in it
 
     @classmethod
     def _of(cls, client: weakref.ref[Publisher], name: str, version: int, shape: tuple[int, ...],
-            strides: tuple[int, ...], dt: DType, nbytes: int, window: Any, flat: Any,
-            offset: int, lease: _Lease | None) -> SharedTensor:
+            strides: tuple[int, ...], dt: DType, nbytes: int, window: Any,
+            flats: tuple[Any, Any], offset: int, lease: _Lease | None) -> SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
         it may share with the batch's other tensors of the same segment
-        (``flat``: the window as a flat uint8 array)."""
+        (``flats``: the window as flat uint8 arrays, writable and read-only)."""
         t = cls.__new__(cls)
         t._setup(client, name, version, shape, strides, dt, "cpu", nbytes, True, window,
                  window.address + offset, lease, False)
-        t._flat, t._flat_offset = flat, offset
+        t._flats, t._flat_offset = flats, offset
         return t
 
     def _setup(self, client: weakref.ref[Publisher], name: str, version: int,
@@ -141,9 +141,9 @@ class SharedTensor:
                 f"tensor {self.name!r} is on the CPU and cannot be exported to DLPack device "
                 f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
             )
-        if self._flat is not None and not copy and not self.writable:
-            arr = carrier(self._flat, self._flat_offset, self.nbytes, self.shape, self._dt, owner)
-            return export_carrier(arr, self._dt, read_only=True, max_version=max_version)
+        if self._flats is not None and not copy and not self.writable:
+            return export_view(self._flats, self._flat_offset, self.nbytes, self.shape, self._dt,
+                               owner, max_version)
         return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
                               read_only=not self.writable, max_version=max_version,
                               copy=bool(copy))

@@ -60,7 +60,11 @@ NO_SYNC = -1
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
 
-# Our own capsules say DLPack 1.1: the float8 codes arrived in 1.1.
+# Capsules of dtypes numpy lacks say DLPack 1.1: the float8 codes arrived in
+# 1.1.  Those of numpy's own dtypes keep the 1.0 numpy writes: 1.1 has the
+# same layout and adds only codes and a flag they do not use, and rewriting
+# the header costs two foreign calls per capsule (a third of a batch
+# tensor's export).
 VERSION = (1, 1)
 
 
@@ -154,7 +158,6 @@ def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...
 
 _OWNED: Any = None
 _CARRIER: dict[str, Any] = {}  # dtype name -> its numpy carrier dtype
-_MINOR = (ctypes.c_uint32 * 1)(VERSION[1])
 
 
 def _owned_type() -> Any:
@@ -172,7 +175,8 @@ def _owned_type() -> Any:
 def carrier(flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType,
             owner: Any) -> Any:
     """What ``export_capsule`` exports, made by slicing: a C-ordered view of
-    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping)
+    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping,
+    read-only or not: the view is as writable as it)
     with ``dtype``'s numpy carrier type, which keeps ``owner`` alive.  A few
     times cheaper than an array built from an address."""
     dt = _CARRIER.get(dtype.name)
@@ -193,12 +197,25 @@ def export_carrier(arr: Any, dtype: DType, *, read_only: bool,
     versioned = max_version is not None and max_version[0] >= 1
     if versioned and read_only:
         arr.flags.writeable = False  # numpy then sets READ_ONLY itself
+    return _exported(arr, dtype, versioned, FLAG_READ_ONLY if read_only else 0)
+
+
+def export_view(flats: tuple[Any, Any], offset: int, nbytes: int, shape: tuple[int, ...],
+                dtype: DType, owner: Any, max_version: tuple[int, int] | None) -> Any:
+    """The read-only ``export_capsule`` of the tensor at ``offset`` of a
+    mapping, by slicing one of ``flats``: the mapping as a flat uint8 array,
+    writable (for legacy capsules, which cannot say read-only: numpy exports
+    no read-only array as one) and read-only (for versioned ones: numpy sets
+    READ_ONLY itself)."""
+    versioned = max_version is not None and max_version[0] >= 1
+    arr = carrier(flats[versioned], offset, nbytes, shape, dtype, owner)
+    return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
+
+
+def _exported(arr: Any, dtype: DType, versioned: bool, flags: int) -> Any:
     cap = arr.__dlpack__(max_version=VERSION if versioned else None)
-    if dtype.numpy_name is None:
-        patch_capsule(cap, dtype, (kDLCPU, 0), FLAG_READ_ONLY if read_only else 0)
-    elif versioned:  # numpy's dtype triple and device are ours; its version says 1.0
-        ptr = _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
-        ctypes.memmove(ptr + DLPackVersion.minor.offset, _MINOR, 4)
+    if dtype.numpy_name is None:  # numpy exported the carrier type: the dtype is ours
+        patch_capsule(cap, dtype, (kDLCPU, 0), flags)
     return cap
 
 

@@ -22,6 +22,9 @@ torch = pytest.importorskip("torch")
 
 VERSIONS = [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")]
 BIG = (512, 1024)  # 2 MiB of float32: the alloc path, and a range the pool would reuse
+# A get's tensor exports from its own window; a get_many's from slices of the batch's window.
+GETS = [pytest.param(lambda c, name: c.get(name), id="get"),
+        pytest.param(lambda c, name: c.get_many([name])[name], id="get_many")]
 
 
 def pointer(t: SharedTensor) -> int:
@@ -42,13 +45,14 @@ def raw_bytes(x: Any) -> bytes:
 
 
 # -- the legacy path and double consumption ---------------------------------------
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
-def test_legacy_torch_utils_path(broker: BrokerProc, dtype: str) -> None:
+@pytest.mark.parametrize("get", GETS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float16"])
+def test_legacy_torch_utils_path(broker: BrokerProc, dtype: str, get: Any) -> None:
     src = torch.from_numpy(np.random.default_rng(5).integers(0, 256, (64, 34), dtype=np.uint8))
     src = src.view(getattr(torch, dtype))
     with broker.client() as c:
         c.put("w", src)
-        t = c.get("w")
+        t = get(c, "w")
         cap = t.__dlpack__()
         assert is_capsule(cap, b"dltensor"), "max_version=None must give a legacy capsule"
         x = torch.utils.dlpack.from_dlpack(cap)
@@ -134,10 +138,11 @@ def test_copy_true_is_independent_and_flagged(broker: BrokerProc) -> None:
         assert (a == -1).all()
 
 
-def test_copy_false_and_none_never_copy(broker: BrokerProc) -> None:
+@pytest.mark.parametrize("get", GETS)
+def test_copy_false_and_none_never_copy(broker: BrokerProc, get: Any) -> None:
     with broker.client() as c:
         c.put("w", np.arange(12, dtype=np.float32))
-        t = c.get("w")
+        t = get(c, "w")
         for copy in (False, None):
             cap = t.__dlpack__(max_version=(1, 0), copy=copy)
             mt, dl = managed(cap)
@@ -198,11 +203,12 @@ def test_strides_always_filled(broker: BrokerProc, max_version: tuple[int, int] 
 
 
 # -- read-only views ------------------------------------------------------------------
-def test_numpy_views_of_published_tensors_are_read_only(broker: BrokerProc) -> None:
+@pytest.mark.parametrize("get", GETS)
+def test_numpy_views_of_published_tensors_are_read_only(broker: BrokerProc, get: Any) -> None:
     with broker.client() as c:
         c.put("f", np.arange(6, dtype=np.float32))
         c.put("bf", torch.ones(6, dtype=torch.bfloat16))
-        f, bf = c.get("f"), c.get("bf")
+        f, bf = get(c, "f"), get(c, "bf")
         for view in (np.from_dlpack(f), f.numpy(), np.asarray(f), bf.numpy()):
             assert not view.flags.writeable
             with pytest.raises(ValueError, match="read-only"):
