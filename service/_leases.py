@@ -76,14 +76,17 @@ class Leases:
     def release_ids(self, s: Session, lease_ids: Iterable[int]) -> int:
         """End those of ``lease_ids`` that ``s`` holds (others are ignored)."""
         n = 0
+        table, sid = self.table, s.id
         for lid in list(lease_ids):
-            lease = self.table.get(lid)
-            if lease is not None and lease.session == s.id:
-                self.release_one(lid)
+            lease = table.get(lid)
+            if lease is not None and lease.session == sid:
+                self.release_one(lid, count=False)
                 n += 1
+        if n:
+            self._count("releases", n)
         return n
 
-    def release_one(self, lid: int) -> None:
+    def release_one(self, lid: int, *, count: bool = True) -> None:
         lease = self.table.pop(lid)
         s = self.sessions.get(lease.session)
         if s is not None:
@@ -104,4 +107,5 @@ class Leases:
                 v.entry.readers -= 1
         self.cuda.on_release(lease)
         self.memory.free_if_unreachable(v)
-        self._count("releases")
+        if count:
+            self._count("releases")

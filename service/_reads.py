@@ -74,9 +74,13 @@ class Reads:
                 return None
             found.append(v)
         take = self.lending.take
-        got = [(v, take(s, v, request, count=False)) for v in found]
+        return self._counted([(v, take(s, v, request, count=False)) for v in found])
+
+    def _counted(self, got: Got) -> Got:
+        """A batch's leases, counted in the metrics at once (those of a batch
+        that failed too: their releases are counted)."""
         self._count("gets", len(got))
-        self._count("bytes_got", sum(v.nbytes for v in found))
+        self._count("bytes_got", sum(v.nbytes for v, _ in got))
         return got
 
     async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
@@ -137,11 +141,11 @@ class Reads:
                         raise self.records.batch_missed(names, floors, timeout, True, self.peers,
                                                         caller.prefix) from None
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
-                got.append((v, self.lending.take(s, v, request)))
+                got.append((v, self.lending.take(s, v, request, count=False)))
         except BaseException:
-            self.lending.release_ids(s, [lid for _, lid in got])
+            self.lending.release_ids(s, [lid for _, lid in self._counted(got)])
             raise
-        return got
+        return self._counted(got)
 
     async def _get_any(self, sid: str | None, caller: Caller, names: list[str],
                        timeout: float | None, floors: list[int], request: str | None,
@@ -172,11 +176,11 @@ class Reads:
         try:
             for v in found:
                 assert v is not None
-                got.append((v, self.lending.take(s, v, request)))
+                got.append((v, self.lending.take(s, v, request, count=False)))
         except BaseException:
-            self.lending.release_ids(s, [lid for _, lid in got])
+            self.lending.release_ids(s, [lid for _, lid in self._counted(got)])
             raise
-        return got
+        return self._counted(got)
 
     async def _wait(self, s: Session, caller: Caller, names: list[str], floors: list[int],
                     deadline: float | None, timeout: float | None, request: str | None,

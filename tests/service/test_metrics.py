@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -148,6 +149,43 @@ def _count(text: bytes, route: str) -> float:
                                  for s in f.samples)
     return sum(s.value for s in samples
                if s.name == f"{LATENCY}_count" and s.labels["route"] == route)
+
+
+def test_batches_count_each_tensor(broker_factory: Callable[..., BrokerProc]) -> None:
+    """A batch counts its tensors once each, on every path: a put_many, a
+    get_many answered at once and one that waits for the next versions, and
+    the releases.  A get_many that fails counts the leases it took and gave
+    back as gets and releases alike."""
+    b = broker_factory()
+    sizes = {"a": 3, "b": 5, "c": 7}
+    batch = {n: np.zeros(k, np.float32) for n, k in sizes.items()}
+    nbytes = 4 * sum(sizes.values())
+    with b.client() as c, b.client() as waiter:
+        c.put_many(batch)
+        got = c.get_many(list(batch))  # ready now
+        with pytest.raises(TensorNotFound):
+            c.get_many([*batch, "absent"], timeout=0)  # leases a, b, c, then gives them back
+        parked: list[dict[str, Any]] = []
+
+        def wait_next() -> None:
+            parked.append(waiter.get_many(list(batch), timeout=60,
+                                          newer_than={n: 1 for n in batch}))
+
+        th = threading.Thread(target=wait_next)
+        th.start()
+        wait_for(lambda: scrape(b.url).value("tensordepot_waiting") == 1, 10,
+                 what="the get_many to park")
+        c.put_many(batch)  # the next versions: the parked get_many takes them
+        th.join(30)
+        assert {n: t.version for n, t in parked[0].items()} == {n: 2 for n in batch}
+        del got
+        parked.clear()
+        m = wait_for(lambda: (s := scrape(b.url)).value("tensordepot_leases") == 0 and s, 10,
+                     what="every lease to be released")
+    assert m.value("tensordepot_bytes_put_total", device="cpu") == 2 * nbytes
+    assert m.value("tensordepot_bytes_got_total", device="cpu") == 3 * nbytes
+    expected = {"publishes": 6, "gets": 9, "releases": 9, "allocs": 6}
+    assert {k: m.value(f"tensordepot_{k}_total") for k in expected} == expected
 
 
 def test_each_app_has_a_registry_of_its_own() -> None:
