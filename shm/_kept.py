@@ -16,7 +16,8 @@ found and dropped:
   a range that is lent now.  A page under no lent range maps the segment's
   own page, so it shows what the segment holds.
 * **Return:** when a ``Lent``'s last view is gone, its range is returned and
-  its pages are scanned (``PAGEMAP_SCAN``, Linux 6.7, or ``/proc/self/pagemap``);
+  its pages are scanned (``PAGEMAP_SCAN``, Linux 6.7, or ``/proc/self/pagemap``,
+  which a range of a few pages reads faster: one ``pread``);
   dirty pages that no other lent range shares are dropped (``MADV_DONTNEED``),
   so they map the segment's page again.
 * **Lend:** lent ranges never share bytes: a range that overlaps one lent now
@@ -39,6 +40,7 @@ import bisect
 import collections
 import ctypes
 import os
+import struct
 import threading
 from typing import Any
 
@@ -62,6 +64,12 @@ class _Region(ctypes.Structure):  # struct page_region
 _PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_ScanArg) << 16) | (ord("f") << 8) | 16
 _PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
 _VEC = 64
+# A range of at most this many pages is read from /proc/self/pagemap rather
+# than scanned: one pread and one unpack cost less than building the scan's
+# ctypes arguments (checking a 4 KiB get's page at its return, in a loop of
+# 4 KiB gets: 8.6 us read against 12.5 us scanned; alone, 2.0 against 5.2;
+# at 64 pages the scan is the cheaper, 6.8 against 14.3).
+_READ_PAGES = 16
 _ioctl = _libc.ioctl
 _ioctl.restype = ctypes.c_int
 _ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
@@ -69,10 +77,13 @@ _ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 
 class _Pagemap:
     """This process's /proc/self/pagemap: which pages of a range hold private
-    (anonymous) copies.  Reopened after fork, since /proc/self is resolved at open."""
+    (anonymous) copies.  Reopened after fork, since /proc/self is resolved at open.
+    ``use_scan``: ask with ``PAGEMAP_SCAN``, else read the entries;
+    ``read_small``: read them anyway for ranges of at most ``_READ_PAGES``."""
 
-    def __init__(self, use_scan: bool = True) -> None:
+    def __init__(self, use_scan: bool = True, read_small: bool = False) -> None:
         self.use_scan = use_scan
+        self.read_small = read_small
         self._pid = -1
         self._fd = -1
         self._lock = threading.Lock()
@@ -96,7 +107,9 @@ class _Pagemap:
         """The address ranges in ``[start, end)`` (page aligned) whose pages
         are private copies, present or swapped out."""
         fd = self._file()
-        return self._scan(fd, start, end) if self.use_scan else self._read(fd, start, end)
+        if self.use_scan and not (self.read_small and end - start <= _READ_PAGES * PAGE):
+            return self._scan(fd, start, end)
+        return self._read(fd, start, end)
 
     @staticmethod
     def _scan(fd: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -120,17 +133,23 @@ class _Pagemap:
 
     @staticmethod
     def _read(fd: int, start: int, end: int) -> list[tuple[int, int]]:
-        import numpy as np  # only where PAGEMAP_SCAN is missing
-
         n = (end - start) // PAGE
         raw = os.pread(fd, n * 8, (start // PAGE) * 8)
-        e = np.frombuffer(raw, dtype="<u8")
+        if len(raw) != n * 8:  # a page not reported would be taken for clean
+            raise OSError(f"/proc/self/pagemap gave {len(raw)} bytes for {n} pages")
         # bit 63 present, 62 swapped, 61 file page or shared anonymous
-        one = np.uint64(1)
-        flag = ((e >> np.uint64(63)) | (e >> np.uint64(62))) & ~(e >> np.uint64(61)) & one
-        pages = np.flatnonzero(flag)
+        if n <= _READ_PAGES:
+            pages = [p for p, e in enumerate(struct.unpack(f"<{n}Q", raw))
+                     if e >> 62 and not (e >> 61) & 1]
+        else:
+            import numpy as np  # a long range where PAGEMAP_SCAN is missing
+
+            e = np.frombuffer(raw, dtype="<u8")
+            one = np.uint64(1)
+            flag = ((e >> np.uint64(63)) | (e >> np.uint64(62))) & ~(e >> np.uint64(61)) & one
+            pages = np.flatnonzero(flag).tolist()
         out: list[tuple[int, int]] = []
-        for p in pages.tolist():
+        for p in pages:
             a = start + p * PAGE
             if out and out[-1][1] == a:
                 out[-1] = (out[-1][0], a + PAGE)
@@ -174,9 +193,13 @@ def supported() -> bool:
     """Whether kept mappings can be used here (checked once per process)."""
     global _supported
     if _supported is None:
-        if not _probe(_pagemap):  # no PAGEMAP_SCAN (before Linux 6.7): read pagemap
-            _pagemap.use_scan = False
-        _supported = _pagemap.use_scan or _probe(_pagemap)
+        _pagemap.read_small = False
+        scan = _probe(_pagemap)  # no PAGEMAP_SCAN before Linux 6.7
+        _pagemap.use_scan = False
+        read = _probe(_pagemap)
+        # Both truthful: small ranges read, long ones scanned.
+        _pagemap.use_scan, _pagemap.read_small = scan, scan and read
+        _supported = scan or read
     return _supported
 
 

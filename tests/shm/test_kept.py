@@ -17,11 +17,15 @@ from tensordepot.shm import PosixSegment, _kept
 from tensordepot.shm._posix import PAGE, SegmentFile, byte_view
 
 
-@pytest.fixture(params=[True, False], ids=["pagemap_scan", "pagemap_read"])
+@pytest.fixture(params=[(True, False), (False, False), (True, True)],
+                ids=["pagemap_scan", "pagemap_read", "pagemap_both"])
 def pagemap(request: pytest.FixtureRequest) -> _kept._Pagemap:
-    pm = _kept._Pagemap(use_scan=request.param)
-    if not _kept._probe(pm):
-        pytest.skip("this kernel has no PAGEMAP_SCAN" if request.param else "no /proc/self/pagemap")
+    """Scanned, read, or (what a client uses where both are truthful) read
+    for ranges of a few pages and scanned for longer ones."""
+    use_scan, read_small = request.param
+    pm = _kept._Pagemap(use_scan=use_scan, read_small=read_small)
+    if not _kept._probe(pm) or (read_small and not _kept._probe(_kept._Pagemap(use_scan=False))):
+        pytest.skip("this kernel has no PAGEMAP_SCAN" if use_scan else "no /proc/self/pagemap")
     return pm
 
 
@@ -146,6 +150,46 @@ def test_a_return_while_the_map_is_busy_is_handled_by_the_next_call(seg, pagemap
         del a  # would deadlock if the finalizer waited for the lock
         assert list(k._returned) == [(0, PAGE)]
     assert k.lent() == [] and pagemap.dirty(page, page + PAGE) == []
+
+
+def test_every_way_of_asking_finds_the_same_private_pages() -> None:
+    """/proc/self/pagemap read entry by entry (a few pages), read in bulk (a
+    long range) and PAGEMAP_SCAN agree on which pages of a private mapping
+    hold copies: written pages, not read or untouched ones."""
+    prefix = f"{TEST_PREFIX}kept-{secrets.token_hex(4)}-"
+    n = 64  # past _READ_PAGES: the bulk read
+    s = PosixSegment(prefix + "a", n * PAGE)
+    try:
+        f = SegmentFile(s.name, writable=True, trust={os.getuid()})
+        os.pwrite(f.fd, b"\x01" * (n * PAGE), 0)
+        k = _kept.KeptMap(f, _kept._Pagemap(use_scan=False))
+        lent = k.lend(0, n * PAGE)
+        assert lent is not None
+        base = lent.address
+        ctypes.string_at(base, n * PAGE)  # every page read: present, clean
+        written = [0, 1, 2, 7, 17, 40, 41, n - 1]
+        for p in written:
+            ctypes.memset(base + p * PAGE + 5, 9, 3)
+        want = [(base, base + 3 * PAGE), (base + 7 * PAGE, base + 8 * PAGE),
+                (base + 17 * PAGE, base + 18 * PAGE), (base + 40 * PAGE, base + 42 * PAGE),
+                (base + (n - 1) * PAGE, base + n * PAGE)]
+        ways = {"read": _kept._Pagemap(use_scan=False),
+                "scan": _kept._Pagemap(use_scan=True),
+                "both": _kept._Pagemap(use_scan=True, read_small=True)}
+        if not _kept._probe(ways["scan"]):
+            del ways["scan"], ways["both"]  # no PAGEMAP_SCAN here
+        assert _kept._probe(ways["read"]), "no /proc/self/pagemap here"
+        for how, pm in ways.items():
+            assert pm.dirty(base, base + n * PAGE) == want, how
+            for lo, hi in [(0, 3), (0, 16), (6, 9), (3, 7), (30, 46)]:  # short and long ranges
+                part = [(max(a, base + lo * PAGE), min(b, base + hi * PAGE)) for a, b in want
+                        if a < base + hi * PAGE and b > base + lo * PAGE]
+                assert pm.dirty(base + lo * PAGE, base + hi * PAGE) == part, (how, lo, hi)
+        del lent, k, f
+        gc.collect()
+    finally:
+        s.unlink()
+    assert shm_entries(prefix) == []
 
 
 def test_a_pagemap_that_reports_nothing_turns_kept_mappings_off() -> None:
