@@ -143,7 +143,8 @@ class Reads:
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
                 got.append((v, self.lending.take(s, v, request, count=False)))
         except BaseException:
-            self.lending.release_ids(s, [lid for _, lid in self._counted(got)])
+            self._counted(got)  # taken, so counted, then given back
+            self.lending.release_ids(s, [lid for _, lid in got])
             raise
         return self._counted(got)
 
@@ -178,7 +179,8 @@ class Reads:
                 assert v is not None
                 got.append((v, self.lending.take(s, v, request, count=False)))
         except BaseException:
-            self.lending.release_ids(s, [lid for _, lid in self._counted(got)])
+            self._counted(got)  # taken, so counted, then given back
+            self.lending.release_ids(s, [lid for _, lid in got])
             raise
         return self._counted(got)
 

@@ -175,10 +175,10 @@ def _owned_type() -> Any:
 def carrier(flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType,
             owner: Any) -> Any:
     """What ``export_capsule`` exports, made by slicing: a C-ordered view of
-    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping,
-    read-only or not: the view is as writable as it)
-    with ``dtype``'s numpy carrier type, which keeps ``owner`` alive.  A few
-    times cheaper than an array built from an address."""
+    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping)
+    with ``dtype``'s numpy carrier type, which keeps ``owner`` alive and is
+    writable only if ``flat`` is.  A few times cheaper than an array built
+    from an address."""
     dt = _CARRIER.get(dtype.name)
     if dt is None:
         import numpy as np
