@@ -149,9 +149,21 @@ class Core:
 
     def reopen(self, stale: str) -> None:
         """The background thread found ``stale`` ended (this process was paused
-        past its TTL, or the broker restarted): open the next session now."""
-        if not (self.closed or self.closing):
-            self.run(self.open_session(stale))
+        past its TTL, or the broker restarted): open the next session now.
+
+        A closing client whose views are alive opens one too: its heartbeats
+        name the lapsed session while those views hold its leases, which keeps
+        their memory retired past ``--lapse-grace``; it ends with the last view
+        (``_maybe_finish_close``)."""
+        if self.closed or (self.closing and not (self.bg is not None and self.bg.live)):
+            return
+        if not self._finishing.acquire(blocking=False):
+            return  # close() is ending the session now; the next heartbeat looks again
+        try:
+            if not self.closed:
+                self.run(self.open_session(stale))
+        finally:
+            self._finishing.release()
 
     def set_session(self, info: SessionInfo) -> None:
         self.session = info

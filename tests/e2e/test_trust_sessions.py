@@ -133,22 +133,29 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
         drained(c)
 
 
+@pytest.mark.parametrize("closed", [False, True], ids=["carries_on", "closed_its_client"])
 def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker],
+        closed: bool) -> None:
     """A TCP reader SIGSTOPped past --session-ttl lapses, then resumes with its
     view alive.  Its heartbeats say which lapsed session its views still hold,
     so the grace never runs out under a live view: puts long past the grace
-    never reuse those bytes.  Once the view is dropped, the memory comes back."""
+    never reuse those bytes.  Once the view is dropped, the memory comes back.
+    ``closed``: the reader closed its client before the pause (a closed client's
+    views keep their leases), so it makes no request after it resumes."""
     w, c = tcp_reader(broker_factory, workers)
     with c:
         c.put("keep", np.full(N, 1.0, dtype=np.float32))
         c.put("a", np.full(N, 2.0, dtype=np.float32))
         w.ask("get a", "ok")
+        if closed:
+            w.ask("close", "ok")
         os.kill(w.pid, signal.SIGSTOP)
         stat_when(c, lambda s: s.sessions == 1, "the paused session to lapse")
         lapsed = time.monotonic()
         os.kill(w.pid, signal.SIGCONT)
-        w.ask("put mine 1 3.0", "ok")  # the reader carries on, in a new session
+        if not closed:
+            w.ask("put mine 1 3.0", "ok")  # the reader carries on, in a new session
         c.delete("a")
         i = 0
         while time.monotonic() - lapsed < GRACE + 3:  # puts that would take the freed bytes
@@ -159,9 +166,11 @@ def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
         assert c.stat().bytes_retired == MiB
         w.ask("drop a", "ok")  # the view is gone: the client says so, the memory comes back
         stat_when(c, lambda s: s.bytes_retired == 0, "the dropped view's memory to come back", 10)
-        w.ask("drop mine", "ok")
+        if not closed:
+            w.ask("drop mine", "ok")
         w.close()
-        for name in ["keep", "mine", *{f"churn{j % 4}" for j in range(i)}]:
+        names = ["keep", *{f"churn{j % 4}" for j in range(i)}] + ([] if closed else ["mine"])
+        for name in names:
             c.delete(name)
         drained(c)
 

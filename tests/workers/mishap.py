@@ -21,6 +21,7 @@ One command per line, one answer per line:
                               "child put VERSION", then runs commands read from FIFO,
                               answering on stdout with a "child " prefix, until "exit"
     leases                    the number of leases this process holds live views of  -> "n N"
+    close                     close the client, views alive (they keep their leases)   -> "ok"
     exit                      leave normally
 """
 
@@ -117,6 +118,9 @@ class State:
         elif cmd == "leases":
             bg = c._bg
             self.say("n", 0 if bg is None else len(bg.live))
+        elif cmd == "close":
+            c.close()
+            self.say("ok")
         elif cmd == "exit":
             return False
         else:
