@@ -11,8 +11,7 @@ lease keeps is charged to that reader (``reader_of``, ``Quotas.repin``).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from ._records import Lease
@@ -34,28 +33,43 @@ class Leases:
         self.cuda = cuda
         self._count = count
         self.table: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
+        self._next = 1  # the next lease id: ids are never reused
 
     def take(self, s: Session, v: Version, request: str | None = None, *, count: bool = True,
              hold: bool = False) -> int:
         """A new lease of ``v`` for ``s``; ``request``: the id of the request
         that took it, which releases it if its answer is never read."""
-        lid = next(self._ids)
-        self.table[lid] = Lease(lid, s.id, v, request, hold)
-        s.leases.add(lid)
-        if request is not None:
-            s.by_request.setdefault(request, set()).add(lid)
-        v.readers += 1
-        if not hold:
-            v.reader = lid
-            v.got += 1
-            if v.entry is not None:
-                v.entry.readers += 1
-        self.cuda.on_lease(lid, v, s)
+        lid = self.take_many(s, [v], request, hold=hold)[0]
         if count:
             self._count("gets")
             self._count("bytes_got", v.nbytes)
         return lid
+
+    def take_many(self, s: Session, versions: Sequence[Version], request: str | None = None, *,
+                  hold: bool = False) -> range:
+        """A new lease of each of ``versions`` for ``s``, as ``take`` (not
+        counted: a batch is counted by its caller): their ids, consecutive."""
+        first = self._next
+        self._next = first + len(versions)
+        lids = range(first, self._next)
+        table, sid, on_lease = self.table, s.id, self.cuda.on_lease
+        for lid, v in zip(lids, versions, strict=True):
+            table[lid] = Lease(lid, sid, v, request, hold)
+            v.readers += 1
+            if not hold:
+                v.reader = lid
+                v.got += 1
+                if v.entry is not None:
+                    v.entry.readers += 1
+            on_lease(lid, v, s)
+        s.leases.update(lids)
+        if request is not None:
+            ids = s.by_request.get(request)
+            if ids is None:
+                s.by_request[request] = set(lids)
+            else:
+                ids.update(lids)
+        return lids
 
     def reader_of(self, v: Version) -> Session | None:
         """A session holding a get's lease of ``v`` (None: only writers' holds
@@ -80,7 +94,8 @@ class Leases:
         for lid in list(lease_ids):
             lease = table.get(lid)
             if lease is not None and lease.session == sid:
-                self.release_one(lid, count=False)
+                del table[lid]
+                self._end(lease, s)
                 n += 1
         if n:
             self._count("releases", n)
@@ -88,7 +103,15 @@ class Leases:
 
     def release_one(self, lid: int, *, count: bool = True) -> None:
         lease = self.table.pop(lid)
-        s = self.sessions.get(lease.session)
+        self._end(lease, self.sessions.get(lease.session))
+        if count:
+            self._count("releases")
+
+    def _end(self, lease: Lease, s: Session | None) -> None:
+        """``lease``, out of the table, ends: ``s`` (its session, if it is
+        still open) forgets it, and its version's memory is freed if nothing
+        else reaches it."""
+        lid = lease.id
         if s is not None:
             s.leases.discard(lid)
             if lease.request is not None:
@@ -107,5 +130,3 @@ class Leases:
                 v.entry.readers -= 1
         self.cuda.on_release(lease)
         self.memory.free_if_unreachable(v)
-        if count:
-            self._count("releases")

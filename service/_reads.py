@@ -73,8 +73,8 @@ class Reads:
             if v is None:
                 return None
             found.append(v)
-        take = self.lending.take
-        return self._counted([(v, take(s, v, request, count=False)) for v in found])
+        lids = self.lending.take_many(s, found, request)
+        return self._counted(list(zip(found, lids, strict=True)))
 
     def _counted(self, got: Got) -> Got:
         """A batch's leases, counted in the metrics at once (those of a batch
@@ -122,11 +122,18 @@ class Reads:
                        gone: Callable[[], Awaitable[Any]] | None) -> Got:
         s = self.sessions.admit(sid, caller)
         got: Got = []
+        found: list[Version] = []  # ready, not yet leased: leased together before any wait
+
+        def lease_found() -> None:
+            got.extend(zip(found, self.lending.take_many(s, found, request), strict=True))
+            found.clear()
+
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             for name, newer_than in zip(names, floors, strict=True):
                 v = self.records.ready(name, newer_than)
                 if self._asks_peers(v):
+                    lease_found()
                     await self._ask_peers(name, newer_than, timeout)
                     s = self.sessions.admit(sid, caller)
                     v = self.records.ready(name, newer_than)
@@ -134,6 +141,7 @@ class Reads:
                     if timeout == 0:
                         raise self.records.batch_missed(names, floors, timeout, False, self.peers,
                                                         caller.prefix)
+                    lease_found()
                     try:
                         v = await self._wait(s, caller, [name], [newer_than], deadline, timeout,
                                              request, gone)
@@ -141,7 +149,8 @@ class Reads:
                         raise self.records.batch_missed(names, floors, timeout, True, self.peers,
                                                         caller.prefix) from None
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
-                got.append((v, self.lending.take(s, v, request, count=False)))
+                found.append(v)
+            lease_found()
         except BaseException:
             self._counted(got)  # taken, so counted, then given back
             self.lending.release_ids(s, [lid for _, lid in got])

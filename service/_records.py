@@ -98,7 +98,7 @@ class Entry:
     readers: int = 0  # live leases on any version of this incarnation (writers' holds excluded)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Lease:
     id: int
     session: str

@@ -6,6 +6,7 @@ get_many waiting for newer versions."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,3 +125,31 @@ def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
         with pytest.raises(InvalidRequest, match="newer_than"):
             c.get_many(["a"], newer_than={"a": -1})
         wait_for(lambda: c.stat().leases == 0, 10, what="the leases to be released")
+
+
+def test_get_many_keeps_what_it_found_while_it_waits_for_the_rest(broker: BrokerProc) -> None:
+    """A get_many that waits for one name leases the others as it finds them:
+    replaced meanwhile (their memory free to reuse), the versions it found
+    come back whole."""
+    with broker.client() as c, broker.client() as producer:
+        producer.put_many({"a": np.full(1000, 1.0, np.float32), "b": np.zeros(3, np.float32)})
+        got: list[dict[str, Any]] = []
+
+        def read() -> None:
+            batch = c.get_many(["a", "b"], timeout=30, newer_than={"b": 1})
+            got.append({n: (t.version, np.from_dlpack(t).copy()) for n, t in batch.items()})
+
+        th = threading.Thread(target=read)
+        th.start()
+        wait_for(lambda: producer.stat().waiting == 1, 10, what="get_many to wait for b")
+        for i in range(4):  # a's first version is no longer current: these would take its bytes
+            producer.put("a", np.full(1000, 2.0 + i, np.float32))
+        producer.put("b", np.ones(3, np.float32))
+        th.join(30)
+        (va, a), (vb, b) = got[0]["a"], got[0]["b"]
+        assert (va, vb) == (1, 2)
+        assert (a == 1.0).all(), f"the version get_many found first changed: {a[:4]}"
+        assert (b == 1.0).all()
+        producer.delete_many(["a", "b"])
+        wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
+                 what="the leases and bytes to be given back")

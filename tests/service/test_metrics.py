@@ -155,7 +155,7 @@ def test_batches_count_each_tensor(broker_factory: Callable[..., BrokerProc]) ->
     """A batch counts its tensors once each, on every path: a put_many, a
     get_many answered at once and one that waits for the next versions, and
     the releases.  A get_many that fails counts the leases it took and gave
-    back as gets and releases alike."""
+    back as gets and releases alike (one that fails at once takes none)."""
     b = broker_factory()
     sizes = {"a": 3, "b": 5, "c": 7}
     batch = {n: np.zeros(k, np.float32) for n, k in sizes.items()}
@@ -164,7 +164,10 @@ def test_batches_count_each_tensor(broker_factory: Callable[..., BrokerProc]) ->
         c.put_many(batch)
         got = c.get_many(list(batch))  # ready now
         with pytest.raises(TensorNotFound):
-            c.get_many([*batch, "absent"], timeout=0)  # leases a, b, c, then gives them back
+            c.get_many([*batch, "absent"], timeout=0)  # fails before it leases anything
+        with pytest.raises(TensorNotFound):
+            # leases a, b, c before it waits for "absent", then gives them back
+            c.get_many([*batch, "absent"], timeout=0.2)
         parked: list[dict[str, Any]] = []
 
         def wait_next() -> None:
