@@ -153,8 +153,8 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
     """Copy many (dst, src) pairs, as ``copy_into`` each, using every copy thread.
 
     A state dict is hundreds of tensors that are each too small to split, so
-    whole tensors are dealt out to the threads, largest first, to the least
-    loaded one; tensors big enough to split are split into pieces."""
+    each thread copies a run of whole tensors, in order, of about equal bytes;
+    tensors big enough to split are split into pieces."""
     total = sum(d.nbytes for d, _ in pairs)
     if total < _MIN_PARALLEL or _threads == 1:
         for d, s in pairs:
@@ -167,12 +167,24 @@ def copy_many(pairs: list[tuple[Any, Any]]) -> None:
             jobs.extend(_pieces(d, s))
         else:
             small.append((d, s))
-    small.sort(key=lambda p: -p[0].nbytes)
-    buckets: list[list[tuple[Any, Any]]] = [[] for _ in range(_threads)]
-    loads = [0] * _threads
-    for d, s in small:
-        i = loads.index(min(loads))
-        buckets[i].append((d, s))
-        loads[i] += d.nbytes
+    _run_all([b for b in _runs(small, _threads) if b] + [[piece] for piece in jobs])
 
-    _run_all([b for b in buckets if b] + [[piece] for piece in jobs])
+
+def _runs(pairs: list[tuple[Any, Any]], n: int) -> list[list[tuple[Any, Any]]]:
+    """``pairs`` cut, in order, into at most ``n`` runs of about equal bytes.
+
+    put_many places a batch back to back, so each thread writes one stretch
+    of memory, which copies faster than tensors dealt out largest first
+    (B7's state dict into shared memory, interleaved: 16.4-16.7 ms against
+    17.0-17.3).  A tensor starts the next run when most of it lies past this
+    run's share: each cut lies within half a tensor of a multiple of the
+    share, so a run's bytes are its share give or take one tensor."""
+    share = sum(d.nbytes for d, _ in pairs) / n
+    runs: list[list[tuple[Any, Any]]] = [[]]
+    done = 0
+    for d, s in pairs:
+        if runs[-1] and len(runs) < n and done + d.nbytes / 2 > share * len(runs):
+            runs.append([])
+        runs[-1].append((d, s))
+        done += d.nbytes
+    return runs

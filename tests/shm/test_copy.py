@@ -80,3 +80,26 @@ def test_a_copy_that_is_not_interrupted_copies_everything() -> None:
              for s in [_big_strided(16), np.arange(1000, dtype=np.float32), _big_strided(9)]]
     _copy.copy_many(pairs)
     assert all(np.array_equal(d, s) for d, s in pairs)
+
+
+@pytest.mark.parametrize("sizes", [
+    [1, 1, 1, 1, 7], [7, 1], [3, 3, 2, 2, 2], [1, 10, 1], [5] * 7,
+    [2_621_440, 30_720, 30_720] * 100,  # B7's state dict: in order, a weight then two small
+    [int(x) for x in np.random.default_rng(7).integers(1, 1 << 20, 500)],
+])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_batch_is_cut_in_order_into_runs_of_about_equal_bytes(sizes: list[int], n: int) -> None:
+    pairs = [(np.empty(k, np.uint8), np.empty(k, np.uint8)) for k in sizes]
+    runs = _copy._runs(pairs, n)
+    assert [p for run in runs for p in run] == pairs  # every pair, once, in order
+    assert 1 <= len(runs) <= n and all(runs)
+    share = sum(sizes) / n
+    done = 0.0
+    for k, run in enumerate(runs):
+        for i, (d, _) in enumerate(run):
+            middle = done + d.nbytes / 2
+            if i == 0 and k > 0:  # it starts a run: most of it lies past the runs before
+                assert middle > share * k, (k, middle, share)
+            elif i > 0 and k < n - 1:  # it joined its run: most of it lies within the share
+                assert middle <= share * (k + 1), (k, middle, share)
+            done += d.nbytes
