@@ -33,6 +33,7 @@ _COALESCE = 0.01  # seconds a queued release may wait for company (or a request 
 # (finalizers then need not wake it): a release queued just as the client goes
 # quiet leaves within about this long.
 _ACTIVE = 0.1
+_CALM = 0.1  # seconds between rounds at the least, after a chore failed (see _run)
 
 Key = tuple[str, int]  # (session id, lease id): ids restart with each broker
 
@@ -73,6 +74,9 @@ class Background:
         self._armed = False  # the thread knows something is queued: finalizers need not wake it
         self._since = 0.0  # when the queue last went from empty to not empty
         self.carried = 0  # releases requests have carried (the client is busy: see _run)
+        self._carried_seen = 0
+        self._busy_until = 0.0  # requests have been carrying releases: look again only then
+        self._last_beat = self._last_prune = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="tensordepot-client", daemon=True)
         self.thread.start()
 
@@ -217,10 +221,8 @@ class Background:
 
     # -- the thread ------------------------------------------------------------
     def _run(self) -> None:
-        last_beat = last_prune = time.monotonic()
-        client = self._client
-        busy_until = 0.0  # requests have been carrying releases: look again only then
-        carried = self.carried
+        calm_until = 0.0  # after a chore failed: no faster than _CALM between rounds
+        chores = (self._releases, self._beat, self._prune, self._client._maybe_finish_close)
         while not self._stop:
             wait = 1.0 if self.heartbeat is None else min(1.0, self.heartbeat)
             now = time.monotonic()
@@ -228,53 +230,77 @@ class Background:
                 wait = 0.0
             elif self.pending or self.cancels:  # wake when the oldest is due
                 due = self._since + _COALESCE
-                wait = min(wait, max(0.0, max(due, busy_until) - now))
-            elif busy_until > now:
-                wait = min(wait, busy_until - now)
+                wait = min(wait, max(0.0, max(due, self._busy_until) - now))
+            elif self._busy_until > now:
+                wait = min(wait, self._busy_until - now)
+            wait = max(wait, calm_until - now)
             try:
                 readable, _, _ = select.select([self._r], [], [], wait)
                 if readable:
                     os.read(self._r, 4096)
             except OSError:
                 break
-            client.claim_if_forked()
-            self._recorded()
-            now = time.monotonic()
-            if self.carried != carried:  # the client is making requests: they carry releases
-                carried = self.carried
-                busy_until = now + _ACTIVE
-            # Disarmed first, then looked at: a release queued after this line
-            # wakes us; one queued before it is seen below.
-            self._armed = False
-            if self.stale or ((self.pending or self.cancels) and now - self._since >= _COALESCE
-                               and now >= busy_until):
-                self.flush()  # nothing carried them for _COALESCE seconds
-            if self.pending or self.cancels or busy_until > now:
-                self._armed = True  # we wake on our own in time: finalizers need not
-            now = time.monotonic()
-            if self.heartbeat is not None and now - last_beat >= self.heartbeat:
-                last_beat = now
-                # Earlier sessions that lapsed while this process was paused,
-                # whose leases views still hold: their memory must stay retired.
-                sid = client.sid
-                held = self.holding(sid)
-                path = f"/v1/sessions/{sid}/heartbeat"
-                if held:
-                    path += "?holding=" + ",".join(held)
+            # Each chore on its own: one that fails in a way nobody foresaw is
+            # logged and tried again next round, and never stops the others,
+            # least of all the heartbeats that keep this process's views' memory
+            # its own (a thread that died would let the session lapse under them).
+            for chore in chores:
                 try:
-                    client.call_now("POST", path, background=True)
-                except DepotError as exc:
-                    if getattr(exc, "code", "") == UNKNOWN_SESSION:
-                        # It lapsed while this process was paused: open the next
-                        # one now, naming it while views still hold its leases.
-                        try:
-                            client.reopen(sid)
-                        except DepotError:
-                            pass
-            if now - last_prune >= 2.0:
-                last_prune = now
-                client.prune()
-            client._maybe_finish_close()
+                    chore()
+                except Exception:
+                    calm_until = time.monotonic() + _CALM
+                    log.exception("tensordepot client: the background thread's %s failed; "
+                                  "it tries again", getattr(chore, "__name__", chore))
+
+    def _releases(self) -> None:
+        """A forked child's claim first, then the releases nothing carried."""
+        self._client.claim_if_forked()
+        self._recorded()
+        now = time.monotonic()
+        if self.carried != self._carried_seen:  # the client is making requests: they carry releases
+            self._carried_seen = self.carried
+            self._busy_until = now + _ACTIVE
+        # Disarmed first, then looked at: a release queued after this line
+        # wakes us; one queued before it is seen below.
+        self._armed = False
+        busy = self._busy_until > now
+        if self.stale or ((self.pending or self.cancels) and now - self._since >= _COALESCE
+                           and not busy):
+            self.flush()  # nothing carried them for _COALESCE seconds
+        if self.pending or self.cancels or busy:
+            self._armed = True  # we wake on our own in time: finalizers need not
+
+    def _beat(self) -> None:
+        """A heartbeat when one is due (heartbeat sessions only)."""
+        now = time.monotonic()
+        if self.heartbeat is None or now - self._last_beat < self.heartbeat:
+            return
+        self._last_beat = now
+        client = self._client
+        # Earlier sessions that lapsed while this process was paused,
+        # whose leases views still hold: their memory must stay retired.
+        sid = client.sid
+        held = self.holding(sid)
+        path = f"/v1/sessions/{sid}/heartbeat"
+        if held:
+            path += "?holding=" + ",".join(held)
+        try:
+            client.call_now("POST", path, background=True)
+        except DepotError as exc:
+            if getattr(exc, "code", "") == UNKNOWN_SESSION:
+                # It lapsed while this process was paused: open the next
+                # one now, naming it while views still hold its leases.
+                try:
+                    client.reopen(sid)
+                except DepotError:
+                    pass
+
+    def _prune(self) -> None:
+        """Every two seconds: forget segments the broker unlinked."""
+        now = time.monotonic()
+        if now - self._last_prune >= 2.0:
+            self._last_prune = now
+            self._client.prune()
 
     def stop(self) -> None:
         self._stop = True

@@ -612,6 +612,41 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
         t.close()
 
 
+def test_heartbeats_outlive_a_background_chore_that_fails(
+        broker_factory: Callable[..., BrokerProc], caplog: pytest.LogCaptureFixture) -> None:
+    """The client's background thread runs its chores (releases, heartbeats,
+    forgetting unlinked segments) each on its own: one that raises what nobody
+    foresaw (here, forgetting segments, which also asks the GPU code) is logged
+    and tried again, and the heartbeats go on, so the session does not lapse
+    under a live view."""
+    tcp = f"http://127.0.0.1:{_free_port()}"
+    b = broker_factory("--listen", tcp, "--session-ttl", "1", "--insecure-no-auth")
+    failures = []
+
+    def prune() -> None:
+        failures.append(time.monotonic())
+        raise RuntimeError("an unforeseen failure")
+
+    with Client(tcp) as c:
+        c.put("x", np.arange(4, dtype=np.float32))
+        view = np.from_dlpack(c.get("x"))
+        sid = c._core.sid
+        c._core.prune = prune  # type: ignore[method-assign]
+        deadline = time.monotonic() + 4  # four heartbeat TTLs
+        while time.monotonic() < deadline:
+            lapsed = metrics(b.url).get("tensordepot_sessions_lapsed_total", 0)
+            assert lapsed == 0 and c._core.sid == sid, "the session lapsed under a live view"
+            time.sleep(0.1)
+        assert len(failures) >= 2, "the failing chore was not tried again"
+        assert any("failed; it tries again" in r.getMessage() for r in caplog.records)
+        del c._core.prune
+        assert view.tolist() == [0, 1, 2, 3]
+        del view
+        c.delete("x")
+        wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
+                 what="the lease and the bytes to be given back")
+
+
 def _start_time(pid: int) -> int | None:
     ident = proc_stat(pid)
     return None if ident is None else ident[0]
