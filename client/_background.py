@@ -45,6 +45,8 @@ class Owner(Protocol):
 
     def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any: ...
     def rid(self) -> str: ...
+    @property
+    def forked(self) -> bool: ...
     def claim_if_forked(self) -> None: ...
     def reopen(self, stale: str) -> None: ...
     def prune(self) -> None: ...
@@ -221,12 +223,16 @@ class Background:
 
     # -- the thread ------------------------------------------------------------
     def _run(self) -> None:
+        client = self._client
         calm_until = 0.0  # after a chore failed: no faster than _CALM between rounds
-        chores = (self._releases, self._beat, self._prune, self._client._maybe_finish_close)
+        chores = (self._releases, self._beat, self._prune, client._maybe_finish_close)
         while not self._stop:
             wait = 1.0 if self.heartbeat is None else min(1.0, self.heartbeat)
             now = time.monotonic()
-            if self.stale:  # leases of a lapsed session, set aside by a request's take()
+            if self.stale or client.forked:
+                # Leases of a lapsed session, set aside by a request's take(); or
+                # a forked child's session to claim: at once, for a child that
+                # never claims in time lapses under its views (README, Lifetime).
                 wait = 0.0
             elif self.pending or self.cancels:  # wake when the oldest is due
                 due = self._since + _COALESCE

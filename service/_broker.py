@@ -265,13 +265,14 @@ class Broker:
             self._count("sessions_lapsed")
 
     def _lapse_deadline(self, s: Session) -> float | None:
-        """When a lapsed session's process counts as gone (README, Limits): an
-        unclaimed fork ``--alloc-ttl`` after the fork, like an unpublished
-        allocation; any other ``--lapse-grace`` from now (None: never)."""
-        lim = self.limits
-        if not s.claimed:
-            return s.born + lim.alloc_ttl if lim.alloc_ttl else None
-        return self.clock() + lim.lapse_grace if lim.lapse_grace else None
+        """When a lapsed session's process counts as gone (README, Limits):
+        ``--lapse-grace`` from now (None: never).  A fork never claimed too:
+        a live child's client claims its session within a second of the fork
+        (its background thread does, at once), so one still unclaimed after
+        the claim window is a child that died, or was paused, like a session
+        that lapsed."""
+        grace = self.limits.lapse_grace
+        return self.clock() + grace if grace else None
 
     def reap(self) -> list[str]:
         """End sessions whose process died or that missed heartbeats."""

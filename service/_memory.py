@@ -28,8 +28,8 @@ mapping of it is left, or after a bounded grace:
   ends verified (the process is gone, or it closed);
 * a lapsed session's leases come back when the resumed client says their
   views are gone (``release_stale``), and at the latest at the lapse's
-  deadline (``expire_lapsed``): ``--lapse-grace`` after it lapsed, or, for
-  a fork never claimed, ``--alloc-ttl`` after the fork.
+  deadline (``expire_lapsed``): ``--lapse-grace`` after it lapsed (a fork
+  never claimed lapses at the end of its claim window).
 """
 
 from __future__ import annotations

@@ -70,7 +70,6 @@ class Session:
     label: str | None
     last_seen: float
     ttl: float  # heartbeat sessions end after this long unheard
-    born: float = 0.0  # when it was opened (broker clock)
     claimed: bool = True  # False for a forked child's session until the child claims it
     own: bool = False  # the broker's own work: ended by the broker, never lapses
     exiting: bool = False  # its process said it is exiting, views alive: ends once it is gone
@@ -162,7 +161,6 @@ class Sessions:
         ttl = self.session_ttl if claimed else self.claim_window
         s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
                     self.clock(), ttl, claimed=claimed, own=own)
-        s.born = s.last_seen
         if claimed:
             s.bound = caller.peer_pid or None
         else:
