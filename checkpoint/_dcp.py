@@ -33,8 +33,6 @@ Without ``use_collectives``, every rank writes its own metadata,
 
 from __future__ import annotations
 
-import builtins
-import collections
 import dataclasses
 import io
 import pickle
@@ -251,25 +249,35 @@ class DepotWriter(StorageWriter):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Only what a DCP ``Metadata`` holds (the module docstring)."""
+    """Only what a DCP ``Metadata`` holds (the module docstring): an exact
+    allow-list of (module, name) pairs.
 
-    _BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "slice", "object"})
-    _HELPERS = frozenset({("copyreg", "_reconstructor"), ("torch.serialization", "_get_layout")})
+    Pickle protocol 4 resolves a dotted name attribute by attribute
+    (``("os", "path.join")``), so a name with a dot is refused before any
+    lookup, and no module is allowed as a whole: a module's attributes
+    include what it imported (``os``, ``pickle``, ``builtins``)."""
+
+    _ALLOWED = frozenset({
+        *(("torch.distributed.checkpoint.metadata", n) for n in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+        (__name__, "Stored"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
+        ("copyreg", "_reconstructor"),
+        ("collections", "OrderedDict"),
+        *(("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "slice",
+                                    "object")),
+    })
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or module == __name__:
-            return super().find_class(module, name)
-        if module == "torch":
-            found = getattr(torch, name, None)
-            if name == "Size" or isinstance(found, torch.dtype | torch.layout
-                                             | torch.memory_format):
-                return found
-        if module == "builtins" and name in self._BUILTINS:
-            return getattr(builtins, name)
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if (module, name) in self._HELPERS:
-            return super().find_class(module, name)
+        if "." not in name:
+            if (module, name) in self._ALLOWED:
+                return super().find_class(module, name)
+            if module == "torch":  # dtypes, layouts and memory formats, and nothing else
+                found = torch.__dict__.get(name)
+                if isinstance(found, torch.dtype | torch.layout | torch.memory_format):
+                    return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's "
                                      f"metadata; refused")
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO
 
 import numpy as np
@@ -230,6 +231,42 @@ def test_what_cannot_be_meant_is_refused_with_what_to_do(broker: BrokerProc) -> 
         c.delete(prefix="two/")
         wait_for(lambda: c.stat().leases == 0 and c.stat().sessions == 1, 10,
                  what="the readers' leases to end")
+
+
+def _call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle that calls ``module``'s ``name`` (dotted names
+    resolved, as STACK_GLOBAL does) with one string."""
+    def text(s: str) -> bytes:
+        b = s.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    return (b"\x80\x04" + text(module) + text(name) + b"\x93"  # PROTO 4, STACK_GLOBAL
+            + text(arg) + b"\x85R.")  # TUPLE1, REDUCE, STOP
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    pytest.param("tensordepot.checkpoint._dcp", "builtins.exec", id="through-our-module"),
+    pytest.param("tensordepot.checkpoint._dcp", "pickle.loads", id="our-module-imports"),
+    pytest.param("torch.distributed.checkpoint.filesystem", "os.system", id="through-dcp"),
+    pytest.param("torch.distributed.checkpoint.metadata", "Metadata.__reduce_ex__.__globals__",
+                 id="dotted-allowed-class"),
+    pytest.param("torch", "load", id="torch-function"),
+    pytest.param("torch", "Size.__new__", id="dotted-torch"),
+])
+def test_checkpoint_metadata_never_runs_code(broker: BrokerProc, tmp_path: Path,
+                                             module: str, name: str) -> None:
+    """A write token within a checkpoint's prefix can replace its metadata, but
+    what it writes is never run: every global is matched exactly, and no
+    dotted name is resolved."""
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('x')"
+    arg = {"builtins.exec": code, "os.system": f"touch {marker}"}.get(name, code)
+    with broker.client() as c:
+        c.put("evil/a/.metadata", np.frombuffer(_call(module, name, arg), np.uint8))
+        with pytest.raises(Exception, match=f"{module}.{name} is not part of a DCP"):
+            DepotReader("evil/a", client=c).read_metadata()
+        assert not marker.exists(), "the metadata ran code in the loading process"
+        c.delete(prefix="evil/")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the reader's leases to end")
 
 
 def test_a_zero_copy_load_copies_what_it_cannot_adopt(broker: BrokerProc) -> None:
