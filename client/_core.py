@@ -299,15 +299,20 @@ class Core:
                              rid=self.rid(), keep=True)
 
     def publish_tensor(self, t: SharedTensor) -> Op[SharedTensor]:
-        """Publish an ``empty()`` tensor of this Core's (checked by the caller)."""
+        """Publish an ``empty()`` tensor of this Core's (checked by the caller).
+
+        The writer loses write access first (its window is made private), then
+        the broker publishes: a thread still writing while ``publish()`` runs
+        writes into this process's own pages, never into bytes a reader got."""
+        if t.nbytes < _REMAP_IN_THREAD:
+            t._seal()
+        else:
+            yield Offload(t._seal)
         try:
             yield from self.publish(t.name, t.version)
         except (BrokerUnavailable, TensorNotFound) as exc:
             raise t._broken(exc) from exc
-        if t.nbytes < _REMAP_IN_THREAD:
-            t._published()
-        else:
-            yield Offload(t._published)
+        t.published = True
         return t
 
     def publish_now(self, t: SharedTensor) -> None:

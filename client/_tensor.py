@@ -218,13 +218,15 @@ class SharedTensor:
             f"write it again with empty() or put()"
         )
 
-    def _published(self) -> None:
-        # Published bytes never change: from now on a write through this
-        # tensor's views stays in this process (README, Lifetime: M2).
+    def _seal(self) -> None:
+        # Published bytes never change: before the broker publishes, a write
+        # through this tensor's views starts to stay in this process (README,
+        # Lifetime: M2).  A publish that fails after this publishes, when
+        # tried again, the bytes as they were at the first try.
         make_private = getattr(self._window, "make_private", None)  # CPU windows; not CUDA blocks
         if make_private is not None:
             make_private()
-        self.published, self.writable = True, False
+        self.writable = False
 
     def release(self) -> None:
         """Drop this object's hold on the memory.  Idempotent.
