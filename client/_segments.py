@@ -63,10 +63,20 @@ class Segments:
         f = self.file(segment, False)
         k = self._kept.get(segment)
         if k is None and self.keep:
-            k = _kept.KeptMap(f)
+            if _kept.locked_now():  # a kept map would be copied whole, and go stale
+                self.keep = False
+            else:
+                k = _kept.KeptMap(f)
+                with self.lock:
+                    k = self._kept.setdefault(segment, k)
+        source = _kept.lend_or_map(k, f, offset, nbytes)
+        if k is not None and k.retired:
+            # This process locked its memory (mlock, mlockall): from now on
+            # every get maps a window of its own (shm._kept, Locked memory).
             with self.lock:
-                k = self._kept.setdefault(segment, k)
-        return _kept.lend_or_map(k, f, offset, nbytes)
+                self.keep = False
+                self._kept.clear()
+        return source
 
     def fill_map(self, segment: str) -> Window:
         """The whole segment, mapped shared and writable once, for put's copies.

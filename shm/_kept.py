@@ -29,6 +29,17 @@ Whether this kernel reports private copies truthfully is checked once per
 process on a scratch memfd (``supported``); where it does not, callers map a
 fresh window per get, as before.
 
+**Locked memory** (``mlock``, ``mlockall``) breaks the invariant: locking a
+writable private mapping faults every page in for writing, so each page
+becomes a private copy of what the segment held at that moment, and
+``MADV_DONTNEED`` refuses locked pages (EINVAL).  A map whose pages may be
+locked is *retired*: it lends nothing more (each get maps a fresh window,
+whose copy, if it is locked, is taken after publishing and so holds the
+published bytes), and its ranges are never lent again.  Locking is seen
+through a probe page mapped with the map (``mlockall(MCL_CURRENT)`` locks it
+too; under ``MCL_FUTURE`` it is locked from the start), checked at each lend,
+and through any drop the kernel refuses.
+
 A ``Lent``'s finalizer may run in any thread, including one inside ``lend``
 on the same map (garbage collection), so it never waits for the lock: a
 return that finds the lock held is queued and handled by whoever holds it.
@@ -44,9 +55,19 @@ import struct
 import threading
 from typing import Any
 
-from ._posix import _MAP_PRIVATE, _PROT_READ, _PROT_WRITE, PAGE, SegmentFile, _libc, _mmap
+from ._posix import (
+    _MAP_FIXED,
+    _MAP_PRIVATE,
+    _PROT_READ,
+    _PROT_WRITE,
+    PAGE,
+    SegmentFile,
+    _libc,
+    _mmap,
+)
 
 _MADV_DONTNEED = 4
+_MAP_ANONYMOUS = 0x20
 
 
 class _ScanArg(ctypes.Structure):  # struct pm_scan_arg, linux/fs.h
@@ -203,17 +224,43 @@ def supported() -> bool:
     return _supported
 
 
+def _probe_page() -> int:
+    """A page of its own, anonymous and read-only: locked exactly when
+    ``mlockall`` has locked this process's mappings."""
+    return _mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0, "probe")
+
+
+def _is_locked(address: int) -> bool:
+    # MADV_DONTNEED fails (EINVAL) on a locked page; on this untouched
+    # anonymous page it is a no-op otherwise.
+    return _libc.madvise(address, PAGE, _MADV_DONTNEED) != 0
+
+
+def locked_now() -> bool:
+    """Whether a mapping made now would be locked (``mlockall(MCL_FUTURE)``):
+    then a kept map would be copied whole as it is mapped."""
+    page = _probe_page()
+    try:
+        return _is_locked(page)
+    finally:
+        _libc.munmap(page, PAGE)
+
+
 class KeptMap:
     """The whole of one segment, mapped private once, lent range by range."""
 
     _base = 0  # 0 until mapped: nothing to unmap
+    _probe = 0
+    retired = False  # its pages may be locked copies: it lends nothing more
 
     def __init__(self, file: SegmentFile, pagemap: _Pagemap | None = None) -> None:
         self.file, self.name = file, file.name
         self._len = max(-(-file.size // PAGE) * PAGE, PAGE)
         self._pm = pagemap or _pagemap
+        self._probe = _probe_page()
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
                            file.name)
+        self.retired = _is_locked(self._probe)
         # The lent ranges, (start, end), sorted; they never share bytes.  One
         # list, so that each change is one step a signal cannot split (Ctrl-C
         # raises between steps, never inside ``list.insert``).
@@ -222,21 +269,31 @@ class KeptMap:
         self._returned: collections.deque[tuple[int, int]] = collections.deque()
 
     def __del__(self) -> None:  # after every Lent (they hold the map)
-        if self._base:
-            try:
+        try:
+            if self._base:
                 _libc.munmap(self._base, self._len)
-            except Exception:  # at interpreter exit, libc may be gone
-                pass
+            if self._probe:
+                _libc.munmap(self._probe, PAGE)
+        except Exception:  # at interpreter exit, libc may be gone
+            pass
 
     def lend(self, offset: int, nbytes: int) -> Lent | None:
         """``[offset, offset + nbytes)`` as a ``Lent``, or None where it
         shares bytes, or a dirty page, with a range lent now (the caller
         maps a fresh window)."""
-        if nbytes <= 0 or offset < 0 or offset + nbytes > self.file.size:
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.file.size or self.retired:
+            return None
+        if _is_locked(self._probe):
+            self.retired = True
             return None
         hi = offset + nbytes
         first, last = offset // PAGE, (hi - 1) // PAGE
-        with self._lock:
+        # Never wait for the lock: one that a signal left held (a Ctrl-C
+        # between its acquire and the block) would hang every later get;
+        # a busy map is a fresh window instead.
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             self._drain()
             spans = self._spans
             i = bisect.bisect_left(spans, (offset, hi))
@@ -244,14 +301,23 @@ class KeptMap:
             after = spans[i] if i < len(spans) else None
             if (before and before[1] > offset) or (after and after[0] < hi):
                 return None
-            if before and (before[1] - 1) // PAGE == first and self._dirty(first, first + 1):
+            # The first page is checked always (one pagemap read): dirty under
+            # no other lent range, it breaks the invariant, as locking the
+            # map does (even when unlocked since), and the map is retired.
+            if self._dirty(first, first + 1):
+                if not ((before and (before[1] - 1) // PAGE == first)
+                        or (after and after[0] // PAGE == first)):
+                    self.retired = True
                 return None
-            if after and after[0] // PAGE == last and self._dirty(last, last + 1):
+            if (last != first and after and after[0] // PAGE == last
+                    and self._dirty(last, last + 1)):
                 return None
             # Interrupted from here until the Lent exists, the range stays
             # listed as lent: never lent again, never unsafe.
             spans.insert(i, (offset, hi))
             lent = Lent(self, offset, nbytes)
+        finally:
+            self._lock.release()
         if self._returned:
             self._give_back()
         return lent
@@ -295,10 +361,27 @@ class KeptMap:
                 p0 += 1
             if i + 1 < len(spans) and spans[i + 1][0] // PAGE == p1 - 1:
                 p1 -= 1
-            if p0 < p1:
-                for a, b in self._dirty(p0, p1):
-                    _libc.madvise(a, b - a, _MADV_DONTNEED)
+            if (p0 < p1 and not self.retired
+                    and not all(self._drop(a, b) for a, b in self._dirty(p0, p1))):
+                continue  # a private page stays: the range stays covered, never lent again
             del spans[i]
+
+    def _drop(self, a: int, b: int) -> bool:
+        """Make ``[a, b)`` map the segment's pages again; False if it may
+        still hold private copies.  ``MADV_DONTNEED`` fails (EINVAL) on locked
+        pages (``mlock``, ``mlockall``): then the map is retired, and the
+        range is mapped afresh in place all the same (``MAP_FIXED`` replaces
+        the old pages, locked or not), so the stray write leaves this
+        process's memory; that can fail too (``RLIMIT_MEMLOCK``)."""
+        if _libc.madvise(a, b - a, _MADV_DONTNEED) == 0:
+            return True
+        self.retired = True
+        try:
+            _mmap(a, b - a, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED, self.file.fd,
+                  a - self._base, self.name)
+        except OSError:  # the old pages may be gone too: never lend this range again
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"KeptMap({self.name!r}, {self._len} bytes, {len(self._spans)} lent)"

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import os
 import secrets
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -227,3 +228,53 @@ def test_a_stale_copy_of_the_last_page_is_not_lent_either(seg, pagemap) -> None:
     del b
     c = k.lend(0, 100)
     assert c is not None and read(c) == b"\x04" * 100
+
+
+def _mlock(address: int, size: int, lock: bool = True) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mlock if lock else libc.munlock
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if fn(address, size):
+        pytest.skip(f"mlock refused here: {os.strerror(ctypes.get_errno())}")
+
+
+def test_a_locked_range_is_remapped_when_returned_and_the_map_retired(seg, pagemap) -> None:
+    """``MADV_DONTNEED`` fails on locked pages: the stray write is dropped by
+    mapping the range afresh, and the map lends nothing more."""
+    _, f, _ = seg
+    k = _kept.KeptMap(f, pagemap)
+    a = k.lend(PAGE, 3 * PAGE)
+    assert a is not None
+    base = a.address
+    _mlock(base, 3 * PAGE)
+    write(a, 9)
+    del a
+    assert pagemap.dirty(base, base + 3 * PAGE) == [], "the stray write stayed"
+    assert ctypes.string_at(base, 3 * PAGE) == b"\x01" * (3 * PAGE)
+    assert k.retired and k.lend(PAGE, 3 * PAGE) is None
+
+
+def test_a_map_locked_once_is_retired_even_after_it_is_unlocked(seg, pagemap) -> None:
+    """Locking a private mapping copies every page of it as it is then; a
+    page copied under no lent range would show a dead tensor's bytes."""
+    _, f, shared = seg
+    k = _kept.KeptMap(f, pagemap)
+    _mlock(k._base, 16 * PAGE)
+    _mlock(k._base, 16 * PAGE, lock=False)
+    shared[: 2 * PAGE] = 7  # the broker's next tensor in these bytes
+    assert k.lend(0, 2 * PAGE) is None and k.retired
+
+
+def test_a_lock_left_held_never_hangs_a_lend(seg, pagemap) -> None:
+    """A Ctrl-C between a lock's acquire and its block can leave it held:
+    a lend then maps a fresh window instead of waiting for ever."""
+    _, f, _ = seg
+    k = _kept.KeptMap(f, pagemap)
+    k._lock.acquire()
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(k.lend(0, PAGE)), daemon=True)
+    t.start()
+    t.join(5)
+    k._lock.release()
+    t.join(5)
+    assert got == [None] and not t.is_alive() and k.lend(0, PAGE) is not None
