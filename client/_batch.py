@@ -238,7 +238,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
     as it holds its lease."""
     n = len(cols.names)
     leases: list[int | None] = list(cols.leases) if cols.leases is not None else [None] * n
-    bg, sid = client.bg, client.sid
+    bg, sid, instance = client.bg, client.sid, client.instance
     check_columns(cols)
     windows = _windows(client, cols)
     ref = weakref.ref[Publisher](client)
@@ -256,7 +256,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
             t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
                                  dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
                                  window, flats, cols.offsets[i] - base, lease)
-            t._lease_session = sid
+            t._lease_session, t._instance = sid, instance
             tensors[i] = t
     for i, h in cols.others.items():
         tensors[i] = tensor(client, h, False)

@@ -165,6 +165,11 @@ class Core:
         finally:
             self._finishing.release()
 
+    @property
+    def instance(self) -> str:
+        """The run of the broker this client's session is with ("" before one)."""
+        return self.session.instance if self.session is not None else ""
+
     def set_session(self, info: SessionInfo) -> None:
         self.session = info
         self.sid = info.session

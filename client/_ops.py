@@ -61,9 +61,10 @@ def path_name(name: str) -> str:
 def tensor(core: Core, h: Handle, writable: bool) -> SharedTensor:
     """The tensor of a handle from get, get_many or empty.  If it cannot be
     made, the caller gives back what the broker handed out."""
-    if h.kind == "cuda":
-        return _cuda_handles.tensor(core, h, writable=writable)
-    return core.posix_tensor(h, writable=writable)
+    t = (_cuda_handles.tensor(core, h, writable=writable) if h.kind == "cuda"
+         else core.posix_tensor(h, writable=writable))
+    t._instance = core.instance  # the run of the broker it came from (pickles name it)
+    return t
 
 
 def _release(core: Core, h: Handle) -> None:

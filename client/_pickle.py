@@ -2,13 +2,14 @@
 ``Client`` and an ``AsyncClient`` become in a pickle.
 
 * A SharedTensor pickles to what names it: its broker (the client's URL,
-  token, timeout and trusted uids), its name and its version.  Unpickled in
+  token, timeout and trusted uids, and the broker's run: versions start
+  again at 1 when a broker restarts), its name and its version.  Unpickled in
   another process it is got again there, through that process's own client
   for that broker (a ``Client`` of the same configuration, if one is open;
   else one made on first use and kept): zero copy, under a lease of its own.
   If that version is no longer the one the broker serves (a newer one was
-  published, or the name was deleted), unpickling raises ``TensorNotFound``
-  naming it.  An ``empty()`` tensor not yet published is refused: nothing
+  published, the name was deleted, or the broker restarted), unpickling
+  raises ``TensorNotFound`` naming it.  An ``empty()`` tensor not yet published is refused: nothing
   else may read it.
 * A Client (or AsyncClient) pickles to its configuration and unpickles as a
   fresh one, which opens its own session on its first call.
@@ -64,7 +65,7 @@ def reduce_tensor(t: Any) -> tuple[Any, tuple[Any, ...]]:
         raise InvalidRequest(f"tensor {t.name!r} v{t.version} cannot be sent: the client that "
                              f"got it is gone, so its broker is unknown; send it while that "
                              f"client lives")
-    return _rebuild_tensor, (config_of(core), t.name, t.version)
+    return _rebuild_tensor, (config_of(core), t.name, t.version, t._instance)
 
 
 def reduce_client(core: Any, kind: str) -> tuple[Any, tuple[Any, ...]]:
@@ -91,13 +92,18 @@ def client_for(config: Config) -> Any:
         return c
 
 
-def _rebuild_tensor(config: Config, name: str, version: int) -> Any:
+def _rebuild_tensor(config: Config, name: str, version: int, instance: str = "") -> Any:
     c = client_for(config)
     try:
         t = c.get(name)
     except TensorNotFound as exc:
         raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone from the broker "
                              f"({exc})") from None
+    if instance and t._instance != instance:  # versions start again at 1 in a new broker
+        t.release()
+        raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone: the broker that "
+                             f"served it has restarted since, and its {name!r} is another "
+                             f"tensor; send it again from the new broker")
     if t.version != version:
         newest = t.version
         t.release()

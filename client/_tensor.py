@@ -121,6 +121,7 @@ class SharedTensor:
         self._owner: _Owner | None = _Owner(window, lease)
         self._client = client
         self._lease_session = ""  # the session the lease was taken in
+        self._instance = ""  # the run of the broker it came from
 
     # -- DLPack ------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:

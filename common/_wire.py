@@ -122,6 +122,8 @@ class SessionInfo(_Answer):
     tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by "
                                       "heartbeat")
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
+    instance: str = Field("", max_length=64, description="this run of the broker: versions start "
+                                                        "again at 1 in another")
 
 
 class ForkInfo(_Answer):

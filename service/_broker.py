@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,6 +89,10 @@ class Broker:
                  clock: Callable[[], float] = time.monotonic, proc: str = "/proc",
                  cuda: CudaMemory | None = None) -> None:
         self.limits = lim = limits or Limits()
+        # This run's id: version numbers start again with a new broker, so
+        # whatever names a version across runs (a pickle, a replica's
+        # origin) names the run too.
+        self.instance = secrets.token_hex(8)
         self.pool = pool
         self.cuda = cuda if cuda is not None else CudaMemory()  # GPUs: nothing until first used
         self.clock = clock
@@ -190,7 +195,8 @@ class Broker:
 
     def _session_info(self, s: Session) -> SessionInfo:
         interval = None if s.tracked else s.ttl / 3
-        return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval)
+        return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval,
+                           instance=self.instance)
 
     def heartbeat(self, sid: str, caller: Caller, holding: Sequence[str] = ()) -> None:
         """``holding``: lapsed sessions of this process whose leases live views

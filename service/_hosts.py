@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +68,7 @@ def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any 
 
     hosts = Hosts(metrics)
     keep_receive_buffers_warm()
-    instance = secrets.token_hex(8)  # this run's id: version numbers restart with a broker
+    instance = broker.instance
     if flight is None and settings.flight:
         flight = bind_flight(settings, policy)
     if flight is not None:

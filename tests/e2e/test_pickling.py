@@ -152,3 +152,25 @@ def test_pickles_name_what_they_carry_and_refuse_what_they_cannot(broker: Broker
         del t, again, w
         c.delete("y")
         wait_for(lambda: c.stat().leases == 0, 10, what="the leases to go")
+
+
+@pytest.mark.parametrize("how", ["get", "get_many"])
+def test_a_pickle_from_before_a_broker_restart_never_names_the_new_tensor(
+        broker: BrokerProc, how: str) -> None:
+    """Versions start again at 1 in a new broker: the pickle of the old ``w``
+    v1 must not unpickle as the new ``w`` v1."""
+    with broker.client() as c:
+        c.put("w", np.ones(4, np.int64))
+        t = c.get("w") if how == "get" else c.get_many(["w"])["w"]
+        blob = pickle.dumps(t)
+        del t
+        broker.stop()
+        broker.start()  # a new run on the same socket
+        assert c.put("w", np.full(4, 666, np.int64)) == 1  # v1 again, another tensor
+        with pytest.raises(TensorNotFound, match="restarted"):
+            pickle.loads(blob)
+        fresh = c.get("w")
+        assert pickle.loads(pickle.dumps(fresh)).version == 1  # the new run's pickles work
+        del fresh
+        c.delete("w")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the leases to go")
