@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -158,9 +159,15 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
         order.append(t)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the bytes start 8-aligned, as the library writes them
-    done, tmp = 0, f"{path}.tmp-{os.getpid()}"
+    done, tmp = 0, ""
     try:
-        with open(tmp, "wb") as f:
+        # The temporary file is made O_EXCL|O_NOFOLLOW under a random name
+        # (mkstemp), in the target's directory: in a shared sticky directory
+        # another user can plant neither a symlink nor a file where it goes.
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp", dir=os.path.dirname(path) or ".")
+        with open(fd, "wb") as f:
+            os.fchmod(fd, 0o666 & ~_umask())  # the mode open() would give the file
             f.write(len(text).to_bytes(8, "little") + text)
             for t in order:
                 f.write(raw_view(t).reshape(-1).view("uint8").data)
@@ -168,9 +175,23 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
                 if progress is not None:
                     progress(done, offset)
         os.replace(tmp, path)  # a file that exists is whole
+        tmp = ""
     except OSError as exc:
         raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp:
             os.unlink(tmp)
     return offset
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it,
+    for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o077  # unknown: the file stays private

@@ -7,6 +7,7 @@ and puts nothing."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,29 @@ def test_a_file_it_cannot_read_says_why_and_puts_nothing(
         assert c.list() == []
         with pytest.raises(InvalidRequest, match="cannot read"):
             c.load_file(tmp_path / "missing.safetensors")
+
+
+def test_a_save_never_writes_through_a_planted_temporary_file(broker: BrokerProc,
+                                                              tmp_path: Path) -> None:
+    """In a shared directory another user can plant a symlink where a save's
+    temporary file would go (``<path>.tmp-<pid>`` was guessable): the save
+    must create its own, and the file the link points to stays as it was."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root only")
+    out = tmp_path / "out.safetensors"
+    planted = {Path(f"{out}.tmp-{pid}") for pid in (os.getpid(), *range(1, 64))}
+    for p in planted:
+        p.symlink_to(victim)
+    sd = {"w": torch.arange(6.0)}
+    with broker.client() as c:
+        c.put_many({f"s/{k}": v for k, v in sd.items()})
+        assert c.save_file("s/", out) == 24
+        ok("save", "s/", str(tmp_path / "cli.safetensors"), "--url", broker.url)
+        c.delete(prefix="s/")
+    assert victim.read_bytes() == b"root only"
+    same(sd, load_file(str(out)))
+    same(sd, load_file(str(tmp_path / "cli.safetensors")))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert set(tmp_path.iterdir()) == {victim, out, tmp_path / "cli.safetensors", *planted}
