@@ -103,7 +103,8 @@ class Broker:
         self.records = Records(clock)
         self.quotas = Quotas(lim, self.sessions, self._count)
         self.memory = Memory(pool, self.cuda, self.quotas, self._count)
-        self.lending = Leases(self.sessions, self.memory, self.cuda, self._count)
+        self.lending = Leases(self.sessions, self.memory, self.cuda, self._count,
+                              lim.max_leases_per_session)
         self.memory.reader_of = self.lending.reader_of
         self.waits = Waits()
         self.writes = w = Writes(sessions=self.sessions, records=self.records, memory=self.memory,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from .._errors import LimitExceeded
 from ._records import Lease
 
 if TYPE_CHECKING:
@@ -27,8 +28,9 @@ class Leases:
     """Every live lease, by id."""
 
     def __init__(self, sessions: Sessions, memory: Memory, cuda: CudaMemory,
-                 count: Callable[..., None]) -> None:
+                 count: Callable[..., None], per_session: int = 65536) -> None:
         self.sessions = sessions
+        self.per_session = per_session  # --max-leases-per-session
         self.memory = memory
         self.cuda = cuda
         self._count = count
@@ -48,7 +50,14 @@ class Leases:
     def take_many(self, s: Session, versions: Sequence[Version], request: str | None = None, *,
                   hold: bool = False) -> range:
         """A new lease of each of ``versions`` for ``s``, as ``take`` (not
-        counted: a batch is counted by its caller): their ids, consecutive."""
+        counted: a batch is counted by its caller): their ids, consecutive.
+        Raises ``LimitExceeded``, taking none, past ``--max-leases-per-session``."""
+        if len(s.leases) + len(versions) > self.per_session:
+            self._count("lease_refusals")
+            raise LimitExceeded(
+                f"this session holds {len(s.leases)} leases, and {len(versions)} more would pass "
+                f"--max-leases-per-session ({self.per_session}): release what you no longer read "
+                f"(drop its views, or t.release()), or get fewer tensors at once")
         first = self._next
         self._next = first + len(versions)
         lids = range(first, self._next)

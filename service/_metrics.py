@@ -70,6 +70,7 @@ COUNTERS = {
     "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired "
                       "until the writer's views are gone.",
     "forks": "Sessions made for forked children, holding copies of their parent's leases.",
+    "lease_refusals": "Gets refused with 429: the session held --max-leases-per-session leases.",
 }
 # Counters of bytes, labelled with the device that holds them.
 BYTE_COUNTERS = {

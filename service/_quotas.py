@@ -44,6 +44,7 @@ class Limits:
     lapse_grace: float = 60.0  # a lapsed session's memory comes back after this (0: never)
     max_sessions: int = 16384
     max_sessions_per_peer: int = 256
+    max_leases_per_session: int = 65536
     max_memory_per_session: int = 0  # 0: no limit beyond --max-memory
     max_memory_per_identity: int = 0
 

@@ -100,6 +100,8 @@ class Settings(BaseSettings):
     max_sessions: int = Field(16384, gt=0, description="sessions the broker holds at most")
     max_sessions_per_peer: int = Field(256, gt=0, description="sessions one process, or one token "
                                        "over TCP, may hold")
+    max_leases_per_session: int = Field(65536, gt=0, description="leases one session may hold "
+                                        "(each got tensor it still reads holds one)")
     max_memory_per_session: Size = Field("0", description="bytes one session may hold, e.g. 1GiB "
                                          "(0: no limit)")
     max_memory_per_token: Size = Field("0", description="bytes one identity (a uid, or a token) "
@@ -159,6 +161,7 @@ class Settings(BaseSettings):
                       lapse_grace=self.lapse_grace,
                       max_sessions=self.max_sessions,
                       max_sessions_per_peer=self.max_sessions_per_peer,
+                      max_leases_per_session=self.max_leases_per_session,
                       max_memory_per_session=parse_size(self.max_memory_per_session),
                       max_memory_per_identity=parse_size(self.max_memory_per_token))
     def cuda_memory_bytes(self) -> int | None:

@@ -168,3 +168,26 @@ def test_a_big_first_put_does_not_stall_other_clients(
         assert p99 < 0.020, (f"gets stalled while a segment was made: p99 {p99 * 1000:.1f} ms "
                              f"over {len(during)} gets")
         c.delete("big")
+
+
+def test_leases_per_session_are_limited(broker_factory: Callable[..., BrokerProc]) -> None:
+    """A session that gets without releasing is refused past
+    --max-leases-per-session (429), taking nothing; releasing makes room."""
+    b = broker_factory("--max-leases-per-session", "100")
+    with b.client() as c:
+        names = [f"l{i}" for i in range(60)]
+        c.put_many({n: np.zeros(4, np.float32) for n in names})
+        first = c.get_many(names)
+        with pytest.raises(LimitExceeded, match="--max-leases-per-session"):
+            c.get_many(names)
+        assert c.stat().leases == 60, "the refused batch took leases"
+        held = [c.get("l0") for _ in range(40)]
+        with pytest.raises(LimitExceeded, match="release what you no longer read"):
+            c.get("l1")
+        del first, held
+        wait_for(lambda: c.stat().leases == 0, 10, what="the leases to be released")
+        again = c.get_many(names)  # room again
+        assert len(again) == 60
+        del again
+        c.delete(prefix="l")
+    b.check_clean()
