@@ -72,7 +72,8 @@ class Leases:
                     v.entry.readers += 1
             on_lease(lid, v, s)
         s.leases.update(lids)
-        if request is not None:
+        if request is not None and lids:  # no entry for nothing: a get that finds
+            # nothing and times out never comes back to remove one
             ids = s.by_request.get(request)
             if ids is None:
                 s.by_request[request] = set(lids)
