@@ -4,8 +4,9 @@ one batch, ``save_file`` writes the tensors under a prefix back out.
 The format (https://github.com/huggingface/safetensors) is 8 bytes of
 header length (little-endian), a JSON header naming each tensor's dtype,
 shape and byte range (and a ``__metadata__`` map of strings), then the bytes.
-The header is read here and the file is mapped, so each tensor is copied
-once, from the page cache into broker memory, whatever its dtype: the
+The header is read here and each tensor is read with ``preadv`` straight
+into broker memory, so it is copied once, from the page cache, whatever its
+dtype: the
 safetensors package hands numpy no bfloat16 or float8 without torch.  The
 file's ``__metadata__`` is kept as a uint8 tensor of its JSON, named
 ``<prefix>__metadata__``, which ``save_file`` writes back as metadata.
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from .._errors import InvalidRequest
+from .._wire import MAX_NDIM
 from ..shm import dtype_from_name
+from ..shm._copy import FileChanged, FileSpan
 from ._batch import get_many, put_arrays
 from ._checks import check_name, check_ttl
 from ._core import Core
@@ -48,39 +51,59 @@ def _bad(path: str, why: str) -> InvalidRequest:
 Item = tuple[str, str, list[int], int, int]  # name, our dtype, shape, start, end (in the file)
 
 
-def read_header(path: str, data: Any) -> tuple[dict[str, str] | None, list[Item]]:
-    """(metadata, [(name, our dtype, shape, start, end)]) of a mapped file,
-    every range checked against the file and the dtype's item size."""
-    if len(data) < 8:
-        raise _bad(path, f"it has {len(data)} bytes, fewer than its 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if n > _MAX_HEADER or 8 + n > len(data):
-        raise _bad(path, f"its header claims {n} bytes, and the file has {len(data)}")
+def _pread(path: str, fd: int, n: int, offset: int) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise _changed(path)
+    return data
+
+
+def _changed(path: str) -> InvalidRequest:
+    return InvalidRequest(f"{path} changed while it was read (it is shorter than its header "
+                          f"says now); load it again once its writer is done")
+
+
+def read_header(path: str, fd: int, size: int) -> tuple[dict[str, str] | None, list[Item]]:
+    """(metadata, [(name, our dtype, shape, start, end)]) of an open file of
+    ``size`` bytes, every range checked against the file and the dtype's item
+    size, and nothing in the header trusted: whatever it holds is this
+    error or that, an ``InvalidRequest`` naming the file."""
+    if size < 8:
+        raise _bad(path, f"it has {size} bytes, fewer than its 8-byte header length")
+    n = int.from_bytes(_pread(path, fd, 8, 0), "little")
+    if n > _MAX_HEADER or 8 + n > size:
+        raise _bad(path, f"its header claims {n} bytes, and the file has {size}")
     try:
-        header = json.loads(bytes(data[8:8 + n]))
+        header = json.loads(_pread(path, fd, n, 8))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(path, f"its header is not JSON ({exc})") from None
+    except RecursionError:
+        raise _bad(path, "its header nests too deeply") from None
     if not isinstance(header, dict):
         raise _bad(path, "its header is not a JSON object")
     meta = header.pop(METADATA, None)
     if meta is not None and not (isinstance(meta, dict)
                                  and all(isinstance(v, str) for v in meta.values())):
         raise _bad(path, "its __metadata__ is not a map of strings")
-    size, out = len(data) - 8 - n, []
+    size, out = size - 8 - n, []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise _bad(path, f"tensor {name!r} needs exactly dtype, shape and data_offsets")
-        ours = DTYPES.get(info["dtype"])
+        dtype = info["dtype"]
+        ours = DTYPES.get(dtype) if isinstance(dtype, str) else None
         if ours is None:
-            raise _bad(path, f"tensor {name!r} has dtype {info['dtype']!r}; tensordepot stores "
-                             f"{', '.join(DTYPES)}")
+            raise _bad(path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}; tensordepot "
+                             f"stores {', '.join(DTYPES)}")
         shape, span = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+                and all(type(d) is int and d >= 0 for d in shape)
                 and isinstance(span, list) and len(span) == 2
                 and all(type(x) is int for x in span) and 0 <= span[0] <= span[1] <= size):
-            raise _bad(path, f"tensor {name!r} has shape {shape!r} and data_offsets {span!r}")
+            raise _bad(path, f"tensor {name!r} has shape {str(shape)[:100]} and data_offsets "
+                             f"{str(span)[:100]} (at most {MAX_NDIM} dimensions, within the "
+                             f"file)")
         if span[1] - span[0] != math.prod(shape) * dtype_from_name(ours).itemsize:
-            raise _bad(path, f"tensor {name!r} of shape {shape} and dtype {info['dtype']} "
+            raise _bad(path, f"tensor {name!r} of shape {shape} and dtype {dtype} "
                              f"spans {span[1] - span[0]} bytes")
         out.append((name, ours, shape, 8 + n + span[0], 8 + n + span[1]))
     return meta, out
@@ -88,7 +111,10 @@ def read_header(path: str, data: Any) -> tuple[dict[str, str] | None, list[Item]
 
 def load_file(core: Core, path: Any, prefix: str, ttl: Any,
               progress: Progress | None) -> Op[dict[str, int]]:
-    """Every tensor of ``path`` as ``prefix + its name``, in one batch: the versions."""
+    """Every tensor of ``path`` as ``prefix + its name``, in one batch: the versions.
+
+    The file is read, not mapped (``FileSpan``): a file that shrinks while it
+    is copied is an error, where a mapping would die of SIGBUS."""
     path, ttl = os.fspath(path), check_ttl(ttl)
     try:
         f = open(path, "rb")  # noqa: SIM115 (closed below, after the copy)
@@ -97,29 +123,30 @@ def load_file(core: Core, path: Any, prefix: str, ttl: Any,
     import numpy as np
 
     with f:
-        size = os.fstat(f.fileno()).st_size
-        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) if size else b""
-        view: Any = memoryview(data)
-        arrays: list[Any] = []
+        fd = f.fileno()
         try:
-            meta, items = read_header(path, view)
-            names = [check_name(prefix + name, "prefix + tensor name") for name, *_ in items]
-            arrays = [np.frombuffer(view, np.uint8, end - start, start)
-                      for _, _, _, start, end in items]
-            shapes, dtypes = [shape for _, _, shape, *_ in items], [d for _, d, *_ in items]
-            if meta is not None:
-                names.append(check_name(prefix + METADATA, "prefix + __metadata__"))
-                arrays.append(np.frombuffer(json.dumps(meta).encode(), np.uint8))
-                shapes.append([arrays[-1].size])
-                dtypes.append("uint8")
-            if not names:
-                return {}
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidRequest(f"cannot read {path}: not a regular file")
+            meta, items = read_header(path, fd, st.st_size)
+        except OSError as exc:  # a directory, an I/O error
+            raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
+        names = [check_name(prefix + name, "prefix + tensor name") for name, *_ in items]
+        arrays: list[Any] = [FileSpan(fd, start, end - start) for _, _, _, start, end in items]
+        shapes, dtypes = [shape for _, _, shape, *_ in items], [d for _, d, *_ in items]
+        if meta is not None:
+            names.append(check_name(prefix + METADATA, "prefix + __metadata__"))
+            arrays.append(np.frombuffer(json.dumps(meta).encode(), np.uint8))
+            shapes.append([arrays[-1].size])
+            dtypes.append("uint8")
+        if not names:
+            return {}
+        try:
             return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl, progress))
-        finally:
-            arrays.clear()  # nothing may point into the mapping when it closes
-            view.release()
-            if isinstance(data, mmap.mmap):
-                data.close()
+        except FileChanged:
+            raise _changed(path) from None
+        except OSError as exc:
+            raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
 
 
 def save_file(core: Core, prefix: str, path: Any, progress: Progress | None) -> Op[int]:
@@ -142,7 +169,7 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
     meta = got.pop(prefix + METADATA, None)
     header: dict[str, Any] = {}
     if meta is not None:
-        header[METADATA] = json.loads(bytes(raw_view(meta)))
+        header[METADATA] = _metadata(prefix, meta)
     offset, order = 0, []
     for name in sorted(got):
         t = got[name]
@@ -182,6 +209,27 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
         if tmp:
             os.unlink(tmp)
     return offset
+
+
+def _metadata(prefix: str, meta: Any) -> dict[str, str]:
+    """What ``<prefix>__metadata__`` holds, if it is what ``load_file`` puts
+    there (a map of strings, as JSON): anyone with write access to the
+    prefix may have put anything there."""
+    why = "it is not JSON text"
+    try:
+        if meta.device == "cpu" and meta.dtype == "uint8" and len(meta.shape) == 1:
+            value = json.loads(bytes(raw_view(meta)).decode())
+            if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+                return value
+            why = "it is not a map of strings"
+        else:
+            why = f"it is a {meta.dtype} tensor of shape {list(meta.shape)} on {meta.device}"
+    except RecursionError:
+        why = "it nests too deeply"
+    except ValueError:  # not UTF-8, not JSON
+        pass
+    raise InvalidRequest(f"{prefix + METADATA!r} is not a safetensors file's metadata ({why}): "
+                         f"delete it, or put the metadata as a JSON map of strings (uint8)")
 
 
 def _umask() -> int:

@@ -112,17 +112,68 @@ def _run_all(buckets: list[list[tuple[Any, Any]]]) -> None:
         raise
 
 
+class FileChanged(OSError):
+    """A file read as a copy's source ended before the bytes it was to hold."""
+
+
+class FileSpan:
+    """Bytes ``[offset, offset + nbytes)`` of an open file, as the source of
+    a copy: read with ``preadv`` straight into the destination (one copy,
+    from the page cache, as from a mapping of the file, and without the GIL).
+
+    Not a mapping: a file that another process shrinks while it is copied
+    would kill this one with SIGBUS through a mapping; read, it raises
+    ``FileChanged``.  The caller owns ``fd`` and keeps it open meanwhile."""
+
+    ndim = 1
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        import numpy as np
+
+        self.fd, self.offset, self.nbytes = fd, offset, nbytes
+        self.shape = (nbytes,)
+        self.dtype = np.dtype(np.uint8)
+
+    def part(self, start: int, stop: int) -> FileSpan:
+        stop = min(stop, self.nbytes)
+        return FileSpan(self.fd, self.offset + start, stop - start)
+
+    def read_into(self, dst: Any) -> None:
+        """Fill ``dst`` (C-contiguous, ``nbytes`` bytes) from the file."""
+        import numpy as np
+
+        view = memoryview(dst.reshape(-1).view(np.uint8))
+        done = 0
+        while done < self.nbytes:
+            n = os.preadv(self.fd, [view[done:]], self.offset + done)
+            if n == 0:
+                raise FileChanged(f"the file ended {self.offset + done} bytes in, before the "
+                                  f"{self.nbytes} bytes from {self.offset}: it shrank while "
+                                  f"it was read")
+            done += n
+
+    def tobytes(self) -> bytes:
+        import numpy as np
+
+        out = np.empty(self.nbytes, np.uint8)
+        self.read_into(out)
+        return out.tobytes()
+
+
 def _pieces(dst: Any, src: Any) -> list[tuple[Any, Any]]:
     """Split a copy into at most ``_PIECE``-byte pieces along the outermost axis."""
     import numpy as np
 
     nbytes = dst.nbytes
     n = max(_threads, -(-nbytes // _PIECE))
+    step = -(-nbytes // n)
+    step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN  # for flat pieces: whole 64 KiB chunks
+    if isinstance(src, FileSpan):
+        d = dst.reshape(-1).view(np.uint8)
+        return [(d[i:i + step], src.part(i, i + step)) for i in range(0, nbytes, step)]
     if src.flags.c_contiguous:
         d = dst.reshape(-1).view(np.uint8)
         s = src.reshape(-1).view(np.uint8)
-        step = -(-nbytes // n)
-        step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN
         return [(d[i:i + step], s[i:i + step]) for i in range(0, nbytes, step)]
     axis = next((i for i, k in enumerate(src.shape) if k > 1), 0)
     rows = src.shape[axis]
@@ -138,6 +189,9 @@ def _pieces(dst: Any, src: Any) -> list[tuple[Any, Any]]:
 def _copy(d: Any, s: Any) -> None:
     import numpy as np
 
+    if isinstance(s, FileSpan):
+        s.read_into(d)
+        return
     np.copyto(d, s, casting="no")
 
 

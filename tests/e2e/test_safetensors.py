@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _both import Api
 from _harness import BrokerProc, cli, ok
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tensordepot import InvalidRequest
+from tensordepot import InvalidRequest, OutOfMemory
 
 META = {"format": "pt", "origin": "a test"}
 
@@ -106,6 +109,13 @@ def _file(path: Path, header: Any, body: bytes = b"", length: int | None = None)
      "its header claims"),
     ([1, 2], b"", None, "not a JSON object"),
     ({"__metadata__": {"a": 1}}, b"", None, "not a map of strings"),
+    (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None, "nests too deeply"),
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
+     "has dtype \"['F32']\""),
+    ({"a": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
+     "has dtype \"{'F32': 1}\""),
+    ({"a": {"dtype": "U8", "shape": [1] * 40, "data_offsets": [0, 1]}}, b"\0", None,
+     "at most 32 dimensions"),
 ])
 def test_a_file_it_cannot_read_says_why_and_puts_nothing(
         broker: BrokerProc, tmp_path: Path, header: Any, body: bytes, length: int | None,
@@ -145,3 +155,71 @@ def test_a_save_never_writes_through_a_planted_temporary_file(broker: BrokerProc
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
     assert set(tmp_path.iterdir()) == {victim, out, tmp_path / "cli.safetensors", *planted}
+
+
+_SHRINKER = """
+import os, sys
+from tensordepot import Client, InvalidRequest
+url, path = sys.argv[1:]
+def progress(done, total):
+    if done < total:
+        os.truncate(path, 1 << 20)  # another process shortens the file mid-copy
+with Client(url) as c:
+    try:
+        c.load_file(path, "f/", progress=progress)
+    except InvalidRequest as exc:
+        print("refused:", exc)
+    print("listed", len(c.list()))
+"""
+
+
+def test_a_file_that_shrinks_while_it_is_loaded_is_refused_not_fatal(
+        broker: BrokerProc, tmp_path: Path) -> None:
+    """Loading through a mapping, a file truncated mid-copy killed the loading
+    process with SIGBUS; read, it is an error, and nothing is put."""
+    path = tmp_path / "big.safetensors"
+    mib = 1 << 20
+    header = {f"t{i}": {"dtype": "U8", "shape": [300 * mib], "data_offsets": [i * 300 * mib,
+                                                                           (i + 1) * 300 * mib]}
+              for i in range(2)}
+    _file(path, header)
+    os.truncate(path, path.stat().st_size + 600 * mib)  # sparse: no disk written
+    res = subprocess.run([sys.executable, "-c", _SHRINKER, broker.url, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-2000:]}"
+    assert "changed while it was read" in res.stdout and "listed 0" in res.stdout, res.stdout
+    broker.check_clean()
+
+
+def test_a_refused_load_says_what_the_broker_said(broker_factory: Any, tmp_path: Path) -> None:
+    """A put the broker refuses (a quota) reaches the caller as that refusal,
+    not as an error about the file's mapping, and the CLI prints one line."""
+    b = broker_factory("--max-memory-per-session", "1MiB")
+    path = tmp_path / "two.safetensors"
+    save_file({"w": torch.zeros(1 << 20)}, str(path))  # 4 MiB
+    with b.client() as c:
+        with pytest.raises(OutOfMemory, match="--max-memory-per-session"):
+            c.load_file(path, "m/")
+        assert c.list() == []
+    res = cli("load", str(path), "--url", b.url)
+    assert res.returncode == 1 and "--max-memory-per-session" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "BufferError" not in res.stderr
+    b.check_clean()
+
+
+@pytest.mark.parametrize(("meta", "says"), [
+    (np.frombuffer(b"\xff\xfe", np.uint8), "not JSON text"),
+    (np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8), "nests too deeply"),
+    (np.frombuffer(b'{"a": 1}', np.uint8), "not a map of strings"),
+    (np.zeros(3, np.float32), "float32 tensor"),
+])
+def test_a_planted_metadata_tensor_is_refused_before_anything_is_written(
+        broker: BrokerProc, tmp_path: Path, meta: Any, says: str) -> None:
+    out = tmp_path / "out.safetensors"
+    with broker.client() as c:
+        c.put_many({"p/w": np.arange(3.0), "p/__metadata__": meta})
+        with pytest.raises(InvalidRequest, match=f"'p/__metadata__' is not .*{says}"):
+            c.save_file("p/", out)
+        c.delete(prefix="p/")
+    assert list(tmp_path.iterdir()) == []
+    broker.check_clean()
