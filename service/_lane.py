@@ -104,6 +104,9 @@ class _Busy:
         self.message_event = _Lost()
 
 
+_DISCARD = 64 << 10  # a refused request's body up to this size is read (and dropped)
+
+
 class Lane:
     """The fast lane of one app: a door to its gate."""
 
@@ -148,13 +151,19 @@ class Lane:
         return req
 
     def refuse_now(self, proto: PeerCredProtocol, req: LaneRequest) -> bool:
-        """A request refused at its head (401, 403, 404, 413...) with a body
-        still to come is answered now and its connection closed: its body is
-        never read, so a peer without a token cannot make the broker wait
-        for, or hold, anything.  False: answer it as usual, at its end."""
+        """A request refused at its head (401, 403, 404, 413...) with a large
+        or chunked body still to come is answered now and its connection
+        closed: its body is never read, so a peer without a token cannot make
+        the broker wait for, or hold, anything.  False: answer it as usual,
+        at its end, on a connection kept alive: a refused request whose
+        body is small (at most ``_DISCARD`` bytes, dropped as they come, never
+        held) is read to its end first, since closing a socket with unread
+        bytes in it resets the connection, and the peer may then never read
+        the answer (a 404 racing its own body)."""
         h = req.headers
-        if req.error is None or (h.get(b"content-length", b"0") == b"0"
-                                 and b"transfer-encoding" not in h):
+        length = h.get(b"content-length", b"0")
+        if req.error is None or (b"transfer-encoding" not in h and length.isdigit()
+                                 and int(length) <= _DISCARD):
             return False
         req.keep_alive = False
         self.run(proto, req)

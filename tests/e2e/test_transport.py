@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from _harness import BrokerProc, wait_for
+from _rawhttp import _Reader, connect, encode, read_answer
 from _relay import Relay
 from tensordepot import BrokerUnavailable, Client, InvalidRequest, InvalidType, TensorNotFound
 
@@ -276,3 +277,24 @@ def test_put_of_a_tensor_from_a_dead_broker_copies_it(
         assert c.put("copy", stale) == 1
         assert np.array_equal(np.from_dlpack(c.get("copy")), np.full(1000, 3.0, dtype=np.float32))
         del stale, other
+
+
+@pytest.mark.parametrize("target", ["/v1/nope", "/v1/sessions//heartbeat"])
+def test_a_refused_request_with_a_small_body_is_answered_on_a_live_connection(
+        broker: BrokerProc, target: str) -> None:
+    """A POST with a JSON body to a route that does not exist: the broker reads
+    the small body before answering, so the answer is never lost to a reset
+    (closing a socket with unread bytes resets it), and the connection stays
+    open for the next request."""
+    body = json.dumps({"x": "y" * 300}).encode()
+    request = encode("POST", target, [("content-type", "application/json")], body)
+    for _ in range(40):
+        sock = connect(broker.sock, 10)
+        try:
+            sock.sendall(request)
+            reader = _Reader(sock)
+            assert read_answer(reader, "POST").status in (400, 404)
+            sock.sendall(encode("GET", "/healthz", []))
+            assert read_answer(reader, "GET").status == 200
+        finally:
+            sock.close()
