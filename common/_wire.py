@@ -87,7 +87,7 @@ INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
 class _Frozen(BaseModel):
     """What a client sends: unknown fields are refused (422), never ignored."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class _Answer(BaseModel):

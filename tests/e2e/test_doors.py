@@ -977,8 +977,25 @@ ODD = [
                       ANY), id="path-raw-byte"),
 ]
 
+
+
+def _same_cases() -> Iterator[Any]:
+    """``same`` takes integers only: never a float, a string or a boolean
+    that lax coercion would turn into a position."""
+    for label, value in (("float", 0.0), ("string", "0"), ("bool", True)):
+        def body(e: Env, value: Any = value) -> dict[str, Any]:
+            return {**_many_alloc_body(e), "same": [-1, value]}
+
+        yield pytest.param(Case(R_MANY_ALLOC, lambda e, body=body: e.req(
+            "POST", "/v1/many/alloc", body(e)), 422, "invalid_request"),
+            id=f"many-alloc-same-{label}")
+        yield pytest.param(Case(R_MANY_PUT, lambda e, body=body: e.req(
+            "POST", "/v1/many/put", _framed(body(e), b"\1" * NBYTES), ctype=OCTETS),
+            (400, 422), "invalid_request"), id=f"many-put-same-{label}")
+
+
 CASES = [*GOOD, *_control_cases(), *_limit_cases(), *_encoding_cases(), *_scope_cases(),
-         *RIDERS, *ODD]
+         *_same_cases(), *RIDERS, *ODD]
 
 
 # -- the tests ---------------------------------------------------------------------------------
