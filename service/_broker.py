@@ -110,6 +110,7 @@ class Broker:
         self.writes = w = Writes(sessions=self.sessions, records=self.records, memory=self.memory,
                                  quotas=self.quotas, lending=self.lending, waits=self.waits,
                                  alloc_ttl=lim.alloc_ttl, clock=clock, count=self._count)
+        self.lending.abandoned = w.abandon
         self.reads = r = Reads(sessions=self.sessions, records=self.records, lending=self.lending,
                                waits=self.waits, count=self._count)
         self.try_get, self.try_get_many, self.get, self.get_many = (
@@ -371,8 +372,14 @@ class Broker:
             self.records.drop(e)
             if e.ready is not None:
                 self.memory.retire(e.ready)
-            # Versions being written stay reserved until their writer publishes (then a 404)
-            # or its session ends: freed now, a new tensor could land under the writer's copy.
+            # A version being written under a hold (empty()) is reclaimed now:
+            # the hold keeps its memory while the writer's views live, and a
+            # publish finds it gone.  One a put still copies into, with no
+            # hold, stays reserved until its writer publishes (then a 404) or
+            # its session ends: freed now, a new tensor could land under the copy.
+            for v in list(e.writing.values()):
+                if v.readers:
+                    self.abandon(v)
         self._count("deletes", len(names))
         return list(names)
 

@@ -31,6 +31,8 @@ class Leases:
                  count: Callable[..., None], per_session: int = 65536) -> None:
         self.sessions = sessions
         self.per_session = per_session  # --max-leases-per-session
+        # Reclaims a version being written (Writes.abandon): set by the broker.
+        self.abandoned: Callable[[Version], None] | None = None
         self.memory = memory
         self.cuda = cuda
         self._count = count
@@ -139,4 +141,8 @@ class Leases:
             if v.entry is not None:
                 v.entry.readers -= 1
         self.cuda.on_release(lease)
+        if lease.hold and v.readers == 0 and v.state == "writing" and self.abandoned:
+            # An empty() whose every view is gone, unpublished: nobody can
+            # publish it now, so its memory and quota come back at once.
+            self.abandoned(v)
         self.memory.free_if_unreachable(v)

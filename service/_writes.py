@@ -327,7 +327,10 @@ class Writes:
         raise TensorNotFound(f"this session is not writing version {number} of {name!r}")
 
     def abandon(self, v: Version) -> None:
-        """Reclaim a version that was allocated but never published."""
+        """Reclaim a version that was allocated but never published (once:
+        a version already reclaimed is left as it is)."""
+        if not v.current:
+            return
         if v.owner:
             s = self.sessions.get(v.owner)
             if s is not None:

@@ -22,7 +22,15 @@ import numpy as np
 import pytest
 from _harness import TEST_PREFIX, BrokerProc, wait_for
 from _workerio import Worker, metrics, proc_state
-from tensordepot import BrokerUnavailable, Client, InvalidRequest, Stat, TensorInfo, TensorNotFound
+from tensordepot import (
+    BrokerUnavailable,
+    Client,
+    InvalidRequest,
+    Stat,
+    TensorBroken,
+    TensorInfo,
+    TensorNotFound,
+)
 from tensordepot._proto import proc_stat
 from tensordepot.client._transport import Transport
 
@@ -708,3 +716,32 @@ def test_reused_pid_does_not_keep_session_alive(
         finally:
             impostor.stdin.close()  # type: ignore[union-attr]
             impostor.wait()
+
+
+def test_an_empty_dropped_unpublished_gives_its_memory_back_at_once(
+        broker_factory: Callable[..., BrokerProc]) -> None:
+    """An ``empty()`` whose views are all gone can never be published: its
+    memory and quota come back when its hold is released, not after
+    --alloc-ttl, so the retry after an error between ``empty()`` and
+    ``publish()`` fits; a ``delete`` of its name reclaims it too."""
+    b = broker_factory("--max-memory-per-session", "3MiB")
+    with b.client() as c:
+        for _ in range(4):  # each try fails before publish; the next one must fit
+            out = c.empty("w", (2 << 20,), "uint8")
+            np.from_dlpack(out)[:] = 1
+            del out
+        out = c.empty("w", (2 << 20,), "uint8")
+        np.from_dlpack(out)[:] = 7
+        out.publish()
+        del out
+        assert np.from_dlpack(c.get("w"))[0] == 7
+        wait_for(lambda: c.stat().bytes_in_use == 2 << 20 and c.stat().leases == 0, 10,
+                 what="only the published version to hold memory")
+        held = c.empty("x", (1 << 20,), "uint8")
+        c.delete("x")  # the writer still holds its view: freed when it lets go
+        with pytest.raises(TensorBroken, match="allocation is gone"):
+            held.publish()
+        del held
+        wait_for(lambda: c.stat().bytes_in_use == 2 << 20, 10, what="the deleted write's memory")
+        c.delete("w")
+    b.check_clean()
