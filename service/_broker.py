@@ -238,7 +238,8 @@ class Broker:
         mapping = {}
         for lid in sorted(parent.leases):
             src = self.leases[lid]
-            mapping[str(lid)] = self.lending.take(child, src.version, count=False, hold=src.hold)
+            mapping[str(lid)] = self.lending.take(child, src.version, count=False, hold=src.hold,
+                                                     copy=True)
         self._count("forks")
         return ForkInfo(session=child.id, leases=mapping, claim_within=child.ttl)
 

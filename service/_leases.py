@@ -40,20 +40,24 @@ class Leases:
         self._next = 1  # the next lease id: ids are never reused
 
     def take(self, s: Session, v: Version, request: str | None = None, *, count: bool = True,
-             hold: bool = False) -> int:
+             hold: bool = False, copy: bool = False) -> int:
         """A new lease of ``v`` for ``s``; ``request``: the id of the request
-        that took it, which releases it if its answer is never read."""
-        lid = self.take_many(s, [v], request, hold=hold)[0]
+        that took it, which releases it if its answer is never read;
+        ``copy``: a copy of a lease held already (a fork's), never refused
+        for what the reader pins."""
+        lid = self.take_many(s, [v], request, hold=hold, copy=copy)[0]
         if count:
             self._count("gets")
             self._count("bytes_got", v.nbytes)
         return lid
 
     def take_many(self, s: Session, versions: Sequence[Version], request: str | None = None, *,
-                  hold: bool = False) -> range:
+                  hold: bool = False, copy: bool = False) -> range:
         """A new lease of each of ``versions`` for ``s``, as ``take`` (not
         counted: a batch is counted by its caller): their ids, consecutive.
         Raises ``LimitExceeded``, taking none, past ``--max-leases-per-session``."""
+        if versions and not (hold or copy):
+            self.memory.quotas.check_reader(s, versions[0].name)
         if len(s.leases) + len(versions) > self.per_session:
             self._count("lease_refusals")
             raise LimitExceeded(

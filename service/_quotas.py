@@ -58,6 +58,7 @@ class Quotas:
         self.sessions = sessions
         self._count = count
         self._identity_bytes: dict[str, int] = {}
+        self._identity_pinned: dict[str, int] = {}  # of those, pins (repin)
 
     def charge(self, s: Session, nbytes: int, name: str) -> Charge:
         """Take ``nbytes`` from ``s``'s and its identity's quotas now, or refuse
@@ -82,6 +83,27 @@ class Quotas:
         self._identity_bytes[s.owner] = held + nbytes
         return Charge(self, s.id, s.owner, nbytes)
 
+    def check_reader(self, s: Session, name: str) -> None:
+        """A reader may take a new lease while the versions it pins (read,
+        then superseded or deleted: ``repin``) leave room in its quotas;
+        once they fill one, its gets are refused (OutOfMemory) until it lets
+        some go.  Its own puts never count here: a writer at its quota still
+        reads."""
+        lim = self.limits
+        if lim.max_memory_per_session and s.pinned >= lim.max_memory_per_session:
+            held, limit, flag = s.pinned, lim.max_memory_per_session, "--max-memory-per-session"
+        elif (lim.max_memory_per_identity and self._identity_pinned.get(s.owner, 0)
+              >= lim.max_memory_per_identity):
+            held, limit = self._identity_pinned[s.owner], lim.max_memory_per_identity
+            flag = "--max-memory-per-token"
+        else:
+            return
+        self._count("quota_refusals")
+        raise OutOfMemory(
+            f"cannot get {name!r}: versions you read that have since been replaced or deleted "
+            f"hold {held} bytes, and {flag} is {limit}; release the tensors you no longer "
+            f"read (drop their views, or t.release())")
+
     def _give(self, sid: str, identity: str, nbytes: int) -> None:
         """Bytes no longer held: off the session (if it still lives) and the identity."""
         if not nbytes:
@@ -100,17 +122,28 @@ class Quotas:
         keeps it alive: its bytes now count against the reader, so that a
         reader cannot lock a producer out of its quota."""
         if v.charged and v.creator != holder.id:
-            n = v.charged  # already held: moved, never refused
+            n = v.charged  # already held: moved, never refused (check_reader refuses gets)
             self.uncharge(v)
             holder.bytes += n
+            holder.pinned += n
             self._identity_bytes[holder.owner] = self._identity_bytes.get(holder.owner, 0) + n
-            v.charged, v.creator, v.identity = n, holder.id, holder.owner
+            self._identity_pinned[holder.owner] = self._identity_pinned.get(holder.owner, 0) + n
+            v.charged, v.creator, v.identity, v.pinned = n, holder.id, holder.owner, True
 
     def uncharge(self, v: Version) -> None:
         """``v``'s memory was freed: the bytes it carries no longer count."""
         if v.charged and v.identity is not None:
+            if v.pinned:
+                s = self.sessions.get(v.creator or "")
+                if s is not None:
+                    s.pinned -= v.charged
+                left = self._identity_pinned.get(v.identity, 0) - v.charged
+                if left > 0:
+                    self._identity_pinned[v.identity] = left
+                else:
+                    self._identity_pinned.pop(v.identity, None)
             self._give(v.creator or "", v.identity, v.charged)
-        v.charged = 0
+        v.charged, v.pinned = 0, False
 
 
 class Charge:

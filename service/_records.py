@@ -76,6 +76,7 @@ class Version:
     charged: int = 0  # bytes counted against its creator's quotas
     creator: str | None = None  # session id
     identity: str | None = None  # creator's identity (per-identity quota)
+    pinned: bool = False  # charged to a reader whose lease keeps it (Quotas.repin)
     deadline: float | None = None  # unpublished past this: reclaimed (--alloc-ttl)
     request: str | None = None  # the request id that allocated it, so the client can cancel it
     replica: Replica | None = None  # pulled from a peer

@@ -78,6 +78,7 @@ class Session:
     leases: set[int] = field(default_factory=set)
     writing: set[Version] = field(default_factory=set)
     bytes: int = 0  # bytes of versions it allocated that are still alive (quota)
+    pinned: int = 0  # of those, bytes of versions it only reads, whose names moved on
     # Idempotency: answers to recent request ids, and gets still waiting.
     # (the field ``bytes`` above shadows the builtin inside this class body)
     answers: OrderedDict[str, tuple[int, builtins.bytes]] = field(default_factory=OrderedDict)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from _harness import WORKERS, BrokerProc, free_port, wait_for
 from _workerio import Worker, metrics
-from tensordepot import Client, Stat
+from tensordepot import Client, OutOfMemory, Stat
 
 MiB = 1 << 20
 N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
@@ -327,18 +327,26 @@ def test_versions_a_reader_pins_do_not_count_against_the_producer(
         broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
     """A reader that keeps every version it got pins what the producer has
     replaced; those bytes count against the reader, so the producer's
-    --max-memory-per-token holds only what its names still refer to."""
+    --max-memory-per-token holds only what its names still refer to.  Once
+    the reader's pins fill its own quota, its gets are refused (507) until it
+    lets go: it cannot hold the broker's memory without bound."""
     tcp, producer, reader = _producer_and_reader(broker_factory, tmp_path)
     with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
-        kept = []
+        kept, refused = [], 0
         for i in range(6):  # the producer's fourth put was refused when pins were its own
             p.put("w", np.full(N, float(i), dtype=np.float32))
-            kept.append(np.from_dlpack(r.get("w")))
-        assert [float(k[0]) for k in kept] == [float(i) for i in range(6)]
-        assert p.stat().bytes_in_use == 6 * MiB
-        p.delete("w")
+            try:
+                kept.append(np.from_dlpack(r.get("w")))
+            except OutOfMemory as exc:
+                assert "replaced or deleted hold 3145728 bytes" in str(exc), exc
+                refused += 1
+        assert [float(k[0]) for k in kept] == [0.0, 1.0, 2.0] and refused == 3
+        assert p.stat().bytes_in_use == 4 * MiB  # 3 pinned by the reader, and the current one
         del kept
-        wait_for(lambda: p.stat().bytes_in_use == 0, 10, what="the pinned versions to go")
+        wait_for(lambda: p.stat().bytes_in_use == MiB, 10, what="the pinned versions to go")
+        assert float(np.from_dlpack(r.get("w"))[0]) == 5.0  # room again
+        p.delete("w")
+        wait_for(lambda: p.stat().bytes_in_use == 0, 10, what="the last version to go")
 
 
 def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer(
@@ -346,19 +354,25 @@ def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer
     """A read token may fork its session (a read-only consumer's DataLoader
     forks its workers).  The copies of its leases that a child never claims
     pin the versions the producer replaces: those bytes count against the
-    forker's quota, so the producer keeps publishing under its own, and they
-    come back --lapse-grace after the claim window."""
+    forker's quota, so the producer keeps publishing under its own (and once
+    they fill the forker's quota, its gets are refused), and they come back
+    --lapse-grace after the claim window."""
     tcp, producer, reader = _producer_and_reader(broker_factory, tmp_path,
                                                  env={"TENSORDEPOT_LAPSE_GRACE": "2"})
     with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
-        for i in range(6):  # 6 MiB pinned by forks under a 3 MiB quota of the producer's
+        refused = 0
+        for i in range(6):  # 6 MiB pinned by forks were a 3 MiB quota of the producer's
             p.put("w", np.full(N, float(i), dtype=np.float32))
-            t = r.get("w")
+            try:
+                t = r.get("w")
+            except OutOfMemory:  # the forks' pins fill the reader's own 3 MiB
+                refused += 1
+                continue
             fork = r._call("POST", f"/v1/sessions/{r._sid}/fork")
             assert str(t._lease_id()) in fork["leases"], fork  # the child's copy of t's lease
             del t  # the reader lets go; only the unclaimed child's copy holds version i
         st = p.stat()
-        assert (st.tensors, st.bytes_in_use) == (1, 6 * MiB), st
+        assert (st.tensors, st.bytes_in_use, refused) == (1, 4 * MiB, 3), st
         p.delete("w")
         # The forks' claim window ends, then their copies' memory comes back.
         wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().bytes_retired == 0
