@@ -29,13 +29,14 @@ covers it.
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import BrokerUnavailable, DepotError, TensorBroken
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorBroken
 from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
-from .._wire import BatchGet, HandleColumns, ManyAlloc, ManyPublish
+from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._posix import byte_view
@@ -137,7 +138,30 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
     """put_many's steps for host arrays: each array holds its tensor's bytes
     (C-ordered, of ``dtypes``; a flat uint8 array of them will do).
     ``progress(done, total)``: bytes copied so far, called as the copy goes.
-    ``same``: see ``_same``; those arrays are stored once."""
+    ``same``: see ``_same``; those arrays are stored once.
+
+    A batch of more than ``MAX_BATCH`` names (the most one request carries)
+    goes as several batches, in order, tied tensors together: each is all
+    or nothing, so a failure leaves the batches before it published."""
+    if len(names) > MAX_BATCH:
+        versions: dict[str, int] = {}
+        total = sum(a.nbytes for i, a in enumerate(arrays) if same is None or same[i] < 0)
+        done = 0
+
+        def told(d: int, _: int) -> None:
+            if progress is not None:
+                progress(done + d, total)
+
+        for part in _parts(same, len(names)):
+            local = {i: k for k, i in enumerate(part)}
+            psame = None if same is None else [local[same[i]] if same[i] >= 0 else -1
+                                               for i in part]
+            versions.update((yield from put_arrays(
+                core, [names[i] for i in part], [arrays[i] for i in part],
+                [shapes[i] for i in part], [dtypes[i] for i in part], ttl,
+                None if progress is None else told, psame)))
+            done += sum(arrays[i].nbytes for i in part if same is None or same[i] < 0)
+        return {n: versions[n] for n in names}
     body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl,
                                      same=same)
     own = [a for i, a in enumerate(arrays) if same is None or same[i] < 0]
@@ -167,6 +191,24 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
         yield from _abort(core, cols)  # if the broker published them, it finds nothing to abort
         raise
     return dict(zip(cols.names, cols.versions, strict=True))
+
+
+def _parts(same: list[int] | None, n: int) -> list[list[int]]:
+    """Positions ``0..n-1`` in batches of at most ``MAX_BATCH``, each tensor
+    in the batch of the tensor whose bytes it is (``same``)."""
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        j = -1 if same is None else same[i]
+        groups.setdefault(i if j < 0 else j, []).append(i)
+    parts: list[list[int]] = [[]]
+    for group in groups.values():
+        if len(group) > MAX_BATCH:
+            raise InvalidRequest(f"{len(group)} names share one tensor's bytes; a batch holds at "
+                                 f"most {MAX_BATCH}")
+        if len(parts[-1]) + len(group) > MAX_BATCH:
+            parts.append([])
+        parts[-1].extend(group)
+    return parts
 
 
 def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[int]],
@@ -207,12 +249,31 @@ def _abort(core: Core, cols: HandleColumns) -> Op[None]:
 def get_many(core: Core, names: Iterable[str], timeout: Any,
              newer_than: Any, until: Any = "all") -> Op[dict[str, SharedTensor]]:
     """One request, one window per segment, a tensor per name; ``until``:
-    get_many's ``wait`` ("all" or "any")."""
+    get_many's ``wait`` ("all" or "any").  More than ``MAX_BATCH`` names
+    (the most one request carries) go as several requests under the one
+    deadline: all of them, or an error and none."""
     names = check_names(names)
     wait = check_timeout(timeout)
-    body = BatchGet.model_construct(names=names, timeout=wait,
-                                    newer_than=check_floors(newer_than, names),
-                                    wait=check_wait(until))
+    floors = check_floors(newer_than, names)
+    until = check_wait(until)
+    if len(names) <= MAX_BATCH:
+        return (yield from _get_batch(core, names, wait, floors, until))
+    if until == "any":
+        raise InvalidRequest(f"get_many(wait='any') waits on at most {MAX_BATCH} names; this "
+                             f"asks for {len(names)}: wait on fewer, or wait='all'")
+    deadline = None if wait is None else time.monotonic() + wait
+    got: dict[str, SharedTensor] = {}  # dropped, with its leases, if a later part fails
+    for k in range(0, len(names), MAX_BATCH):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        got.update((yield from _get_batch(core, names[k:k + MAX_BATCH], left,
+                                          None if floors is None else floors[k:k + MAX_BATCH],
+                                          until)))
+    return got
+
+
+def _get_batch(core: Core, names: list[str], wait: float | None, floors: list[int] | None,
+               until: str) -> Op[dict[str, SharedTensor]]:
+    body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
     # From here on, whatever raises (Ctrl-C included) gives back the leases

@@ -153,3 +153,37 @@ def test_get_many_keeps_what_it_found_while_it_waits_for_the_rest(broker: Broker
         producer.delete_many(["a", "b"])
         wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
                  what="the leases and bytes to be given back")
+
+
+def test_batches_larger_than_one_request_are_split(broker: BrokerProc, tmp_path: Any) -> None:
+    """One request carries at most 10,000 names: put_many, get_many and
+    load_file send larger batches as several, tied tensors kept together
+    (each tied name is a view of its source's bytes), under one deadline."""
+    n = 10_050
+    tensors = {f"big/{i:05d}": np.full(4, i, np.int32) for i in range(n)}
+    tied = tensors["big/09999"]
+    tensors["big/10040"] = tied  # tied across the boundary of the first request
+    with broker.client() as c:
+        versions = c.put_many(tensors)
+        assert list(versions) == list(tensors) and set(versions.values()) == {1}
+        stored = c.stat().bytes_in_use
+        c.put("probe", np.zeros(4, np.int32))
+        each = c.stat().bytes_in_use - stored  # one block of 16 bytes
+        assert stored == (n - 1) * each, "the tie was stored twice"
+        c.delete("probe")
+        got = c.get_many(list(tensors))
+        assert list(got) == list(tensors)
+        assert all(int(np.from_dlpack(got[k])[0]) == int(v[0]) for k, v in tensors.items())
+        with pytest.raises(InvalidRequest, match="at most 10000 names"):
+            c.get_many(list(tensors), wait="any")
+        with pytest.raises(TensorNotFound):  # one name of the last request is missing
+            c.get_many([*tensors, "big/missing"], timeout=0.05)
+        del got
+        file = tmp_path / "many.safetensors"
+        assert c.save_file("big/", file) == 4 * 4 * (n + 0)
+        c.delete(prefix="big/")
+        assert len(c.load_file(file, "again/")) == n
+        assert len(c.list(prefix="again/")) == n
+        c.delete(prefix="again/")
+        wait_for(lambda: c.stat().leases == 0, 10, what="the leases to be released")
+    broker.check_clean()
