@@ -328,7 +328,10 @@ class Broker:
         requests whose answers the client never read."""
         s = self.sessions.get(sid or "")
         if s is None:
-            return 0  # leases of an ended session are gone already
+            # Leases of an ended session are gone already; if it lapsed, their
+            # memory is retired, and a client that has not yet noticed the
+            # lapse tells of its dropped views under the old id: as stale.
+            return self.memory.release_stale(caller, {sid: lease_ids}) if sid else 0
         why = self.sessions.foreign(s, caller)
         if why is not None:  # only the session that took a lease may release it
             raise Forbidden(why)

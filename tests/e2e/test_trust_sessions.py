@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _harness import WORKERS, BrokerProc, free_port, wait_for
+from _rawhttp import Answer, encode, exchange
 from _workerio import Worker, metrics
 from tensordepot import Client, OutOfMemory, Stat
+from tensordepot._proto import SESSION_HEADER
 
 MiB = 1 << 20
 N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
@@ -378,3 +380,38 @@ def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer
         wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().bytes_retired == 0
                  and p.stat().leases == 0, 30, what="the unclaimed forks' pins to go")
         assert r.stat().sessions == 2  # the producer's and the reader's: the forks ended
+
+
+def test_a_release_sent_under_a_lapsed_session_gives_its_memory_back(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A process resumes from a pause past --session-ttl and drops a view
+    before its heartbeat finds the session gone: the release goes out under
+    the lapsed session's id.  The broker takes it as the client's word that
+    the view is gone (as a stale release), so the retired memory comes back
+    now, not --lapse-grace later."""
+    token = secrets.token_urlsafe(24)
+    tokens = tmp_path / "tokens"
+    fd = os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{token} write name=resumed\n")
+    port = free_port()
+    broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", str(tokens),
+                   "--session-ttl", "1", "--lapse-grace", "120")
+    auth = [("Authorization", f"Bearer {token}"), ("Content-Type", "application/json")]
+
+    def send(method: str, path: str, body: object = None, sid: str | None = None) -> Answer:
+        hs = auth + ([(SESSION_HEADER, sid)] if sid else [])
+        data = None if body is None else json.dumps(body).encode()
+        return exchange(("127.0.0.1", port), encode(method, path, hs, data))
+
+    with Client(f"http://127.0.0.1:{port}", token=token) as p:
+        p.put("w", np.ones(N, np.float32))
+        p.put("keep", np.ones(N, np.float32))  # so the segment is not unlinked with w's bytes
+        sid = send("POST", "/v1/sessions", {"pid": 1}).json()["session"]
+        lease = send("GET", "/v1/tensors/w", sid=sid).json()["lease"]
+        p.delete("w")  # the lease keeps its memory
+        wait_for(lambda: p.stat().bytes_retired == MiB, 15, what="the session to lapse")
+        answer = send("POST", "/v1/release", {"leases": [lease]}, sid=sid)
+        assert answer.status == 200 and answer.json() == {"released": 1}, answer
+        assert p.stat().bytes_retired == 0 and p.stat().bytes_in_use == MiB
+        p.delete("keep")
