@@ -111,6 +111,7 @@ class Broker:
                                  quotas=self.quotas, lending=self.lending, waits=self.waits,
                                  alloc_ttl=lim.alloc_ttl, clock=clock, count=self._count)
         self.lending.abandoned = w.abandon
+        self.quotas.evict = self._evict
         self.reads = r = Reads(sessions=self.sessions, records=self.records, lending=self.lending,
                                waits=self.waits, count=self._count)
         self.try_get, self.try_get_many, self.get, self.get_many = (
@@ -390,6 +391,23 @@ class Broker:
     def delete_prefix(self, prefix: str, caller: Caller = LOCAL) -> list[str]:
         """Every name that starts with ``prefix`` deleted (none may match): the names."""
         return self.delete_many(sorted(n for n in self.entries if n.startswith(prefix)), caller)
+
+    def _evict(self, nbytes: int, identity: str | None) -> int:
+        """Replicas that no lease holds are a cache: drop the least recently
+        checked first (of those charged to ``identity``, if given) until
+        ``nbytes`` came back; the bytes dropped.  A get pulls them again."""
+        cached = [e.ready for e in self.entries.values()
+                  if e.ready is not None and e.ready.replica is not None and not e.writing
+                  and e.ready.readers == 0 and (identity is None or e.ready.identity == identity)]
+        cached.sort(key=lambda v: v.replica.checked_at if v.replica else 0.0)
+        freed = 0
+        for v in cached:
+            if freed >= nbytes:
+                break
+            freed += v.nbytes
+            self.delete(v.name)
+            self._count("replicas_evicted")
+        return freed
 
     def list(self, prefix: str = "") -> list[TensorInfo]:
         return self.records.list(prefix)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import BrokerUnavailable, OutOfMemory
 from ..shm import PosixMapping, byte_view
 from ..shm._base import Segment
-from ..shm._pool import Block, Pool
+from ..shm._pool import Block, Pool, PoolExhausted
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
@@ -100,7 +100,17 @@ class Memory:
     async def block(self, nbytes: int) -> Block:
         """A host block for ``nbytes``; a new segment is made in a worker thread.
         Requests that need a pool segment while one is being made wait for it
-        and share it, instead of each making (and reserving) one of their own."""
+        and share it, instead of each making (and reserving) one of their own.
+        Where none fits, replicas that no lease holds (a cache) are dropped
+        for room first."""
+        try:
+            return await self._block(nbytes)
+        except PoolExhausted:
+            if self.quotas.evict is None or not self.quotas.evict(nbytes, None):
+                raise
+        return await self._block(nbytes)
+
+    async def _block(self, nbytes: int) -> Block:
         while True:
             blk = self.pool.try_alloc(nbytes)
             if blk is not None:

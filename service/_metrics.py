@@ -71,6 +71,8 @@ COUNTERS = {
                       "until the writer's views are gone.",
     "forks": "Sessions made for forked children, holding copies of their parent's leases.",
     "lease_refusals": "Gets refused with 429: the session held --max-leases-per-session leases.",
+    "replicas_evicted": "Replicas pulled from peers that no lease held, dropped for room (a "
+                        "cache: a later get pulls them again).",
 }
 # Counters of bytes, labelled with the device that holds them.
 BYTE_COUNTERS = {

@@ -57,7 +57,7 @@ from ..shm._arrow import (
 )
 from ._broker import Broker, Replica, Version
 from ._records import check_item
-from ._sessions import LOCAL
+from ._sessions import LOCAL, Caller
 from ._traffic import PEER_METRICS, Traffic
 
 log = logging.getLogger("tensordepot.peers")
@@ -136,7 +136,8 @@ class Peers:
         self._watchdog: asyncio.Task[None] | None = None
 
     # -- the broker's hook ---------------------------------------------------------
-    async def before_get(self, name: str, newer_than: int, can_wait: bool) -> None:
+    async def before_get(self, name: str, newer_than: int, can_wait: bool,
+                         caller: Caller = LOCAL) -> None:
         if self._closing or self.instance in VIA.get():
             return  # shutting down, or the request came through us: our own memory only
         if self.local(name):
@@ -148,7 +149,7 @@ class Peers:
             return
         fut = self._inflight.get(name)
         if fut is None:
-            fut = asyncio.ensure_future(self._refresh(name))
+            fut = asyncio.ensure_future(self._refresh(name, caller))
             self._inflight[name] = fut
             fut.add_done_callback(
                 lambda f: self._inflight.pop(name) if self._inflight.get(name) is f else None)
@@ -175,10 +176,10 @@ class Peers:
         return any(w.replica is None and w is not but for w in e.writing.values())
 
     # -- one lookup (and maybe one transfer) per name at a time ------------------------
-    async def _refresh(self, name: str) -> _Outcome:
+    async def _refresh(self, name: str, caller: Caller) -> _Outcome:
         via = (*VIA.get(), self.instance)
         for _ in range(2):
-            out = await self._refresh_once(name, via)
+            out = await self._refresh_once(name, via, caller)
             # A version superseded at the source between the lookup and the
             # transfer: look again.
             if not isinstance(out.error, _Stale):
@@ -187,7 +188,7 @@ class Peers:
             out.error = out.error.cause
         return out
 
-    async def _refresh_once(self, name: str, via: tuple[str, ...]) -> _Outcome:
+    async def _refresh_once(self, name: str, via: tuple[str, ...], caller: Caller) -> _Outcome:
         answers = await asyncio.gather(*(self._run(self._ask, p, name, via) for p in self.urls),
                                        return_exceptions=True)
         found, out = [], _Outcome()
@@ -223,7 +224,7 @@ class Peers:
             held.replica.checked_at = broker.clock()  # still the newest
             return out
         try:
-            await self._pull(best, via)
+            await self._pull(best, via, caller)
         except TensorNotFound as exc:
             out.error = _Stale(exc)
         except DepotError as exc:
@@ -253,14 +254,16 @@ class Peers:
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _pull(self, f: _Found, via: tuple[str, ...]) -> None:
+    async def _pull(self, f: _Found, via: tuple[str, ...], caller: Caller) -> None:
         """Copy ``f`` into a new allocation here and publish it as a replica.
         Until it is published nobody sees it; on any failure, ending the
-        session gives the allocation back."""
+        session gives the allocation back.  It is charged to the identity
+        whose get caused it (``caller``), not to one the readers share."""
         broker, m = self.broker, f.meta
-        sid = broker.own_session("peer-pull")
+        who = Caller(caller.identity)
+        sid = broker.own_session("peer-pull", who)
         try:
-            v, _ = await broker.alloc(sid, LOCAL,
+            v, _ = await broker.alloc(sid, who,
                                       AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
             # Set in the same step as the alloc: list() hides replicas in flight.
             v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
@@ -286,7 +289,7 @@ class Peers:
                          m.name, f.peer)
                 return  # ending the session gives its memory back
             v.replica.checked_at = broker.clock()
-            broker.publish(sid, LOCAL, m.name, v.number)
+            broker.publish(sid, who, m.name, v.number)
         finally:
             broker.end_local_session(sid)
 

@@ -59,6 +59,9 @@ class Quotas:
         self._count = count
         self._identity_bytes: dict[str, int] = {}
         self._identity_pinned: dict[str, int] = {}  # of those, pins (repin)
+        # Drops an identity's replicas that no lease holds (a cache) for room:
+        # (bytes wanted, identity) -> bytes dropped.  Set by the broker.
+        self.evict: Callable[[int, str | None], int] | None = None
 
     def charge(self, s: Session, nbytes: int, name: str) -> Charge:
         """Take ``nbytes`` from ``s``'s and its identity's quotas now, or refuse
@@ -73,6 +76,10 @@ class Quotas:
                 f"tensors or publish what you are writing"
             )
         held = self._identity_bytes.get(s.owner, 0)
+        if (lim.max_memory_per_identity and held + nbytes > lim.max_memory_per_identity
+                and self.evict is not None
+                and self.evict(held + nbytes - lim.max_memory_per_identity, s.owner)):
+            held = self._identity_bytes.get(s.owner, 0)  # its cached replicas made room
         if lim.max_memory_per_identity and held + nbytes > lim.max_memory_per_identity:
             self._count("quota_refusals")
             raise OutOfMemory(

@@ -113,9 +113,10 @@ class Reads:
         here).  The long poll asks on a miss only (``_wait``)."""
         return self.peers is not None and (found is None or found.replica is not None)
 
-    async def _ask_peers(self, name: str, newer_than: int, timeout: float | None) -> None:
+    async def _ask_peers(self, name: str, newer_than: int, timeout: float | None,
+                         caller: Caller) -> None:
         assert self.peers is not None
-        await self.peers.before_get(name, newer_than, timeout is None or timeout > 0)
+        await self.peers.before_get(name, newer_than, timeout is None or timeout > 0, caller)
 
     async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
                        timeout: float | None, floors: list[int], request: str | None,
@@ -134,7 +135,7 @@ class Reads:
                 v = self.records.ready(name, newer_than)
                 if self._asks_peers(v):
                     lease_found()
-                    await self._ask_peers(name, newer_than, timeout)
+                    await self._ask_peers(name, newer_than, timeout, caller)
                     s = self.sessions.admit(sid, caller)
                     v = self.records.ready(name, newer_than)
                 if v is None:
@@ -166,7 +167,7 @@ class Reads:
         if self.peers is not None:  # what a peer may have newer, as _get_all asks per name
             for name, newer_than in zip(names, floors, strict=True):
                 if self._asks_peers(ready(name, newer_than)):
-                    await self._ask_peers(name, newer_than, timeout)
+                    await self._ask_peers(name, newer_than, timeout, caller)
             s = self.sessions.admit(sid, caller)
         if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
             if timeout == 0:
@@ -208,7 +209,7 @@ class Reads:
             for name, newer_than in pairs:
                 v = self.records.ready(name, newer_than)
                 if v is None and peers is not None:
-                    await peers.before_get(name, newer_than, True)
+                    await peers.before_get(name, newer_than, True, caller)
                     self.sessions.admit(s.id, Caller(s.owner, s.bound))
                     v = self.records.ready(name, newer_than)
                 if v is not None:

@@ -46,16 +46,17 @@ def _raw(path: str, data: bytes, timeout: float = 10) -> bytes:
 
 def test_timed_out_waits_leave_nothing_behind(broker: BrokerProc) -> None:
     """Every wait on a name nobody publishes times out; the broker keeps no
-    state for any of them (it used to keep one event per name forever)."""
+    state for any of them (it used to keep one event per name forever, and
+    then an empty entry per request in the session, for the session's life:
+    so the waits share one long-lived session here)."""
     assert broker.proc is not None
-    with broker.client() as c:
+    with broker.client() as c, broker.client() as w:
         c.put("warm", np.zeros(4, dtype=np.float32))
 
         def many(k: int) -> None:
-            with broker.client() as w:
-                for i in range(1500):
-                    with pytest.raises(TensorNotFound):
-                        w.get(f"absent-{k}-{i}", timeout=0.001)
+            for i in range(1500):
+                with pytest.raises(TensorNotFound):
+                    w.get(f"absent-{k}-{i}", timeout=0.001)
 
         for k in range(2):  # warm every code path and allocator before measuring
             many(100 + k)
@@ -67,7 +68,7 @@ def test_timed_out_waits_leave_nothing_behind(broker: BrokerProc) -> None:
             t.join(300)
         after = _rss_kib(broker.proc.pid)
         assert c.stat().waiting == 0
-        assert after - before < 4 * 1024, (
+        assert after - before < 1024, (
             f"6000 timed-out waits grew the broker by {after - before} KiB")
 
 

@@ -381,3 +381,41 @@ def test_flight_pushes_are_charged_to_the_pushing_tokens_quota(
             c.put("d", np.zeros(8 * MiB, dtype=np.uint8))
         c.delete("a")
         c.put("d", np.zeros(8 * MiB, dtype=np.uint8))  # its bytes came back with the delete
+
+
+# -- 6. replicas are charged to the reader who pulled them, and are a cache ---------------------
+
+def test_replicas_are_charged_to_their_reader_and_dropped_for_room(
+        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    """A read token's gets pull replicas here: they count against that token,
+    not against an identity every reader shares, and a replica no lease
+    holds is a cache, dropped (least recently checked first) when its
+    reader's quota or the broker's memory needs the room."""
+    a = broker_factory("--flight", "grpc://127.0.0.1:0", env=ENV)
+    with a.client() as c:
+        for n in "abc":
+            c.put(n, np.full(8 * MiB, ord(n), np.uint8))
+    one, two, writer = (secrets.token_urlsafe(24) for _ in range(3))
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{one} read name=one\n{two} read name=two\n{writer} write name=w\n")
+    tokens.chmod(0o600)
+    url = f"http://127.0.0.1:{free_port()}"
+    b = broker_factory("--peer", flight_url(a), "--peer-token", TOKEN, "--listen", url,
+                       "--token-file", str(tokens), "--max-memory-per-token", "20MiB",
+                       "--segment-size", "4MiB", "--warm-memory", "0", max_memory="32MiB")
+    with Client(url, token=one) as r1, Client(url, token=two) as r2, \
+            Client(url, token=writer) as w:
+        for n in "ab":
+            assert int(np.from_dlpack(r1.get(n))[0]) == ord(n)
+        wait_for(lambda: r1.stat().leases == 0, 10, what="r1's leases to end")
+        # 16 MiB of r1's replicas, and 8 more would pass its 20 MiB: its own
+        # cached replica makes room, where a shared quota said 507.
+        assert int(np.from_dlpack(r1.get("c"))[0]) == ord("c")
+        assert int(np.from_dlpack(r2.get("a"))[0]) == ord("a")  # charged to two, not one
+        wait_for(lambda: r1.stat().leases == 0, 10, what="the leases to end")
+        assert r1.stat().bytes_in_use == 24 * MiB
+        w.put("own", np.zeros(16 * MiB, np.uint8))  # replicas give way to a put
+        st = w.stat()
+        assert st.bytes_in_use <= 32 * MiB and "own" in {i.name for i in w.list()}
+        assert metrics(b.url).get("tensordepot_replicas_evicted_total", 0) >= 2
+        assert int(np.from_dlpack(r1.get("b"))[0]) == ord("b")  # pulled again on demand
