@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
 from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
 from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
+from ..shm import _sigint
 from ._background import Background
 from ._checks import check_timeout, shown
 from ._extent import broken, check_extent
@@ -91,6 +92,7 @@ class Core:
 
     def __init__(self, url: str, *, token: str | None, timeout: float, label: str | None,
                  trust_uid: Any, transport: Callable[..., Blocking], open: bool) -> None:
+        _sigint.install()  # Ctrl-C lands in waits, never in bookkeeping
         self.url = url
         self.pid = os.getpid()
         io = check_timeout(timeout, "timeout")

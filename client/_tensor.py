@@ -45,10 +45,17 @@ class _Lease:
         self.on_free = on_free
 
     def __del__(self) -> None:
-        try:
-            self.on_free(self.id)
-        except BaseException:  # nobody could handle it here
-            pass
+        # A Ctrl-C that lands inside would lose the release, and the lease
+        # with it until the session ends: try again (releasing twice is
+        # harmless, ids are never reused).
+        for _ in range(8):
+            try:
+                self.on_free(self.id)
+                return
+            except KeyboardInterrupt:
+                continue
+            except BaseException:  # nobody could handle it here
+                return
 
 
 class _Owner:

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from ..shm._sigint import interruptible
 from ._http import Answer, Endpoint, Request, decode, drive, exchange, failed, io_timeout
 from ._trust import check_broker_socket
 
@@ -74,6 +75,7 @@ class _Conn:
         poller.register(self.sock, select.POLLIN)
         return bool(poller.poll(0))
 
+    @interruptible
     def roundtrip(self, head: bytes, body: bytes, timeout: float | None) -> tuple[int, bytes]:
         if self.sock is not None and time.monotonic() - self.used > _IDLE and self._stale():
             self.close()  # reconnect now rather than fail a request that may not be resent

@@ -24,6 +24,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ._sigint import interruptible
+
 _MIN_PARALLEL = 8 << 20  # below this, thread hand-off costs more than it saves
 # The most one thread copies before it can notice a cancel: about 40 ms of one
 # thread's bandwidth.  Not smaller: glibc's memcpy switches to non-temporal
@@ -84,6 +86,7 @@ class _Gate:
                 self._running -= 1
                 self._cond.notify_all()
 
+    @interruptible
     def shut(self) -> None:
         while True:
             try:
@@ -96,6 +99,7 @@ class _Gate:
                 continue
 
 
+@interruptible
 def _run_all(buckets: list[list[tuple[Any, Any]]]) -> None:
     """Copy each bucket of (dst, src) pairs on a copy thread and wait for all
     of them; on any exception (Ctrl-C included), stop them first, then re-raise."""

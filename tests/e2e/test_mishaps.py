@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -343,3 +344,31 @@ def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
         stat_when(c, lambda s: s.leases == 0, "no lease for a wait the client abandoned", 5)
         w.ask("get later", "ok")  # the process carries on
         assert c.stat().leases == 1
+
+
+def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(
+        broker: BrokerProc) -> None:
+    """A user holding Ctrl-C: SIGINT every 2 ms for 4 s at a worker that gets,
+    gets many, puts many, empties and publishes in a loop, catching each
+    KeyboardInterrupt.  Once it drops its views, neither its client nor the
+    broker holds a lease for it: no release was lost to a Ctrl-C landing in
+    a finalizer or in clean-up code, no generator was left half run, and the
+    client never hung on a lock a Ctrl-C left held."""
+    w = Worker("ctrl_c_storm", broker.url)
+    try:
+        w.expect("ready")
+        end, sent = time.monotonic() + 4, 0
+        while time.monotonic() < end and w.proc.poll() is None:
+            os.kill(w.pid, signal.SIGINT)
+            sent += 1
+            time.sleep(0.002)  # the storm's pace, not a wait for a condition
+        w.send("stop")
+        caught, live, held = map(int, w.expect("left", 60).split()[1:])
+        assert w.wait(30) == 0, w.stderr()
+        err = w.stderr()
+    finally:
+        w.close()
+    assert caught > sent // 4, f"only {caught} of {sent} SIGINTs interrupted a call"
+    assert (live, held) == (0, 0), f"{live} leases left in the client, {held} in the broker"
+    assert "ignored" not in err, err[-3000:]
+    broker.check_clean()
