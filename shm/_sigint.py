@@ -18,8 +18,9 @@ first frame that decides is either
   would, and the operation's clean-up runs as before; or
 * any other code of the client or of ``shm``: bookkeeping, which runs in
   microseconds.  The handler has the signal marked as due again (by a
-  thread of its own, with ``_thread.interrupt_main``) and returns, so it is handled at the next check, until the code that
-  checks is a wait or the application's own.
+  thread of its own, with ``_thread.interrupt_main``) and returns, so it is
+  handled at the next check, until the code that checks is a wait or the
+  application's own.
 
 Only the main thread runs signal handlers; other threads are never
 interrupted.  ``SharedTensor`` finalizers that run in other threads are
