@@ -32,7 +32,7 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorBroken
 from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
@@ -144,7 +144,7 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
     goes as several batches, in order, tied tensors together: each is all
     or nothing, so a failure leaves the batches before it published."""
     if len(names) > MAX_BATCH:
-        versions: dict[str, int] = {}
+        placed: dict[str, int] = {}
         total = sum(a.nbytes for i, a in enumerate(arrays) if same is None or same[i] < 0)
         done = 0
 
@@ -156,12 +156,12 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
             local = {i: k for k, i in enumerate(part)}
             psame = None if same is None else [local[same[i]] if same[i] >= 0 else -1
                                                for i in part]
-            versions.update((yield from put_arrays(
+            placed.update((yield from put_arrays(
                 core, [names[i] for i in part], [arrays[i] for i in part],
                 [shapes[i] for i in part], [dtypes[i] for i in part], ttl,
                 None if progress is None else told, psame)))
             done += sum(arrays[i].nbytes for i in part if same is None or same[i] < 0)
-        return {n: versions[n] for n in names}
+        return {n: placed[n] for n in names}
     body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl,
                                      same=same)
     own = [a for i, a in enumerate(arrays) if same is None or same[i] < 0]
@@ -255,10 +255,10 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
     names = check_names(names)
     wait = check_timeout(timeout)
     floors = check_floors(newer_than, names)
-    until = check_wait(until)
+    how = check_wait(until)
     if len(names) <= MAX_BATCH:
-        return (yield from _get_batch(core, names, wait, floors, until))
-    if until == "any":
+        return (yield from _get_batch(core, names, wait, floors, how))
+    if how == "any":
         raise InvalidRequest(f"get_many(wait='any') waits on at most {MAX_BATCH} names; this "
                              f"asks for {len(names)}: wait on fewer, or wait='all'")
     deadline = None if wait is None else time.monotonic() + wait
@@ -267,12 +267,12 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         got.update((yield from _get_batch(core, names[k:k + MAX_BATCH], left,
                                           None if floors is None else floors[k:k + MAX_BATCH],
-                                          until)))
+                                          how)))
     return got
 
 
 def _get_batch(core: Core, names: list[str], wait: float | None, floors: list[int] | None,
-               until: str) -> Op[dict[str, SharedTensor]]:
+               until: Literal["all", "any"]) -> Op[dict[str, SharedTensor]]:
     body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from .._errors import InvalidRequest, TensorNotFound
 from .._wire import TensorInfo
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ..shm._pool import Block
-    from ._sessions import Caller
 
 MAX_NBYTES = 1 << 62
 CPU = ("cpu", "cpu:0")  # how a request names host memory
@@ -53,10 +52,11 @@ class PeerHook(Protocol):
     poll_interval: float  # how often a waiting get asks the peers again
 
     async def before_get(self, name: str, newer_than: int, can_wait: bool,
-                         caller: Caller) -> None:
+                         caller: Any) -> None:
         """A get missed, or hit a replica: publish a newer replica of ``name``
-        if a peer has one, or raise.  ``caller``: who asked; a pull is
-        charged to them."""
+        if a peer has one, or raise.  ``caller``: who asked (a
+        ``_sessions.Caller``, which imports this module); a pull is charged
+        to them."""
 
     def explain(self, name: str) -> str:
         """What the peers said about ``name``, for a not-found message."""

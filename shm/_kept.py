@@ -233,7 +233,7 @@ def _probe_page() -> int:
 def _is_locked(address: int) -> bool:
     # MADV_DONTNEED fails (EINVAL) on a locked page; on this untouched
     # anonymous page it is a no-op otherwise.
-    return _libc.madvise(address, PAGE, _MADV_DONTNEED) != 0
+    return bool(_libc.madvise(address, PAGE, _MADV_DONTNEED) != 0)
 
 
 def locked_now() -> bool:
