@@ -2,10 +2,13 @@
 while the test SIGKILLs and respawns them, interrupts them (SIGINT, in the
 middle of copies too), pauses them (SIGSTOP, past the session TTL for
 the workers on TCP, whose sessions live on heartbeats), and hangs them
-(SIGSTOP, then SIGKILL: readers that stopped heartbeating and died).  Workers
-put_many while others delete the same names, fork with views alive (half of
-the children never claim their session), and put non-contiguous arrays.  Every read is verified, and
-every view a worker holds is re-verified after whatever happened to it
+(SIGSTOP, then SIGKILL: readers that stopped heartbeating and died), sends
+them Ctrl-C storms (SIGINT every 2 ms), and restarts the broker once, with
+pickled SharedTensors in flight.  Workers put_many while others delete the
+same names, fork with views alive (half of the children never claim their
+session), put non-contiguous arrays, publish while a thread still writes,
+and lock their memory (mlockall).  Every read is verified, and every view a
+worker holds is re-verified after whatever happened to it
 (tests/workers/lifetime_soak.py); at the end nothing may be left: no leases,
 no bytes once the names are deleted, nothing in /dev/shm.
 
@@ -39,6 +42,7 @@ HANG_S = 3.0
 # Memory a lapsed session could still map is retired, and comes back this
 # long after the lapse (--lapse-grace): the bound on what the soak ends with.
 LAPSE_GRACE = 4.0
+STORM = 40  # SIGINTs in a Ctrl-C storm, 2 ms apart
 
 
 def _counters(words: list[str]) -> Counter[str]:
@@ -73,6 +77,8 @@ def test_soak_kill_and_respawn(
     last: dict[int, Counter[str]] = {}  # latest counters of each worker
     totals: Counter[str] = Counter()
     spawns = 0
+    restart_at = t_start + SOAK_S * 0.4  # the broker restarts once, mid-soak
+    restarts = 0
 
     def spawn() -> None:
         nonlocal spawns
@@ -129,17 +135,28 @@ def test_soak_kill_and_respawn(
                 killed.add(pid)
                 del hung[pid]
                 spawn()
+            if not restarts and now >= restart_at:
+                # Every worker's calls fail until it is back; views and pickles
+                # from before must never meet the new run's tensors.
+                assert b.stop() == 0, b.log()
+                b.start()
+                restarts += 1
             if now >= next_kill and now < end - PAUSE_S - 0.5:
                 candidates = sorted((alive & ready) - done - killed - set(paused) - set(hung))
                 if candidates:
                     pid = rng.choice(candidates)
-                    what = rng.choices(["kill", "interrupt", "pause", "hang"], [2, 2, 1, 0.5])[0]
+                    what = rng.choices(["kill", "interrupt", "pause", "hang", "storm"],
+                                       [2, 2, 1, 0.5, 0.5])[0]
                     if what == "kill":
                         os.kill(pid, signal.SIGKILL)
                         killed.add(pid)
                         spawn()
                     elif what == "interrupt":
                         os.kill(pid, signal.SIGINT)
+                    elif what == "storm":
+                        for _ in range(STORM):
+                            os.kill(pid, signal.SIGINT)
+                            time.sleep(0.002)  # the storm's pace, not a wait for a condition
                     elif what == "pause":
                         os.kill(pid, signal.SIGSTOP)
                         paused[pid] = now + PAUSE_S
@@ -205,12 +222,17 @@ def test_soak_kill_and_respawn(
     assert mishaps["hang"] >= SOAK_S / 20, mishaps
     assert totals["batches"] >= SOAK_S and totals["unclaimed_forks"] >= 1, totals
     assert totals["reads"] >= 10 * SOAK_S, totals
+    assert restarts == 1 and mishaps["storm"] >= 1, (restarts, mishaps)
+    assert totals["race_publishes"] >= 1 and totals["race_reads"] >= 1, totals
+    assert totals["pickles_read"] + totals["pickles_refused"] >= 1, totals
     reaped = int(broker_counts.get("tensordepot_sessions_ended_total", 0))
     with capsys.disabled():
         print(
             f"\nsoak (seed {seed}): {time.monotonic() - t_start:.0f} s, {N_WORKERS} workers, "
-            f"{kills} SIGKILLs, {mishaps['interrupt']} SIGINTs ({totals['interrupted']} cut an "
-            f"operation short), {mishaps['pause']} SIGSTOPs of {PAUSE_S:g} s "
+            f"{kills} SIGKILLs, {mishaps['interrupt']} SIGINTs and {mishaps['storm']} storms of "
+            f"{STORM} ({totals['interrupted']} cut an operation short), {restarts} broker "
+            f"restart ({totals['unavailable']} calls failed meanwhile), "
+            f"{mishaps['pause']} SIGSTOPs of {PAUSE_S:g} s "
             f"(TTL {SESSION_TTL:g} s on TCP), {mishaps['hang']} hangs of {HANG_S:g} s then SIGKILL "
             f"survived; {totals['ops']} operations: "
             f"{totals['reads']} verified reads "
@@ -219,6 +241,11 @@ def test_soak_kill_and_respawn(
             f"{totals['forks']} forks with views alive "
             f"(and {totals['unclaimed_forks']} whose child never claimed its session), "
             f"{totals['publishes']} empty+publish, {totals['abandoned']} abandoned writes, "
+            f"{totals['race_publishes']} publishes racing a writer thread and "
+            f"{totals['race_reads']} reads of them checked unchanged, "
+            f"{totals['mlocked']} workers under mlockall ({totals['mlock_refused']} refused), "
+            f"{totals['pickles_read']} pickles read back and {totals['pickles_refused']} refused "
+            f"(gone, replaced, or from the broker's earlier run), "
             f"{totals['deletes']} deletes, {totals['misses']} not-found, "
             f"{totals['reconnects']} reconnects; broker: {reaped} sessions ended, "
             f"{int(broker_counts.get('tensordepot_writes_reclaimed_total', 0))} writes reclaimed, "

@@ -1,8 +1,14 @@
 """Soak workers: random put/put_many/get/delete/empty on a few shared names until a
 deadline, with the mishaps users cause: Ctrl-C (SIGINT) anywhere, including in the
-middle of a copy, non-contiguous sources, and fork() with views alive (half of
-the children never use the Client they inherited, so their sessions are never
-claimed).
+middle of a copy, and in storms; non-contiguous sources; fork() with views alive
+(half of the children never use the Client they inherited, so their sessions are
+never claimed); a thread still writing while ``publish()`` runs (``race*``
+names: a reader checks that the bytes it got never change); workers that lock
+their memory (``mlockall``, one seed in eight); and SharedTensors pickled
+before the broker restarts and unpickled after (they must fail, never
+resolve to the new run's tensor of the same name and version).  The broker
+may be unavailable for a while (the test restarts it): calls that fail then
+are counted and the worker carries on.
 
 This process is a zygote: it imports everything once, then forks one worker
 per "spawn SEED" line on stdin, so a SIGKILLed worker is replaced in
@@ -25,19 +31,23 @@ stdout, one line per write (atomic below PIPE_BUF, so workers never interleave):
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
 import random
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
 
 import numpy as np
-from tensordepot import Client, TensorBroken, TensorNotFound
+from tensordepot import BrokerUnavailable, Client, TensorBroken, TensorNotFound
 
 NAMES = [f"soak{i}" for i in range(12)]
+RACED = [f"race{i}" for i in range(2)]  # written by a publish racing a writer thread
 MAX_HELD = 4
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -87,6 +97,28 @@ def noncontiguous(arr: np.ndarray) -> np.ndarray:
     return wide[:, 0]
 
 
+def scribble(a: np.ndarray, stop: threading.Event) -> None:
+    """A writer thread still writing while (and after) its tensor is published."""
+    i = 0
+    while not stop.is_set():
+        a[i % a.shape[0]] = i
+        i += 1
+
+
+def race_publish(c: Client, name: str) -> None:
+    out = c.empty(name, (4096,), "uint64")
+    a = np.from_dlpack(out)
+    a[:] = 7
+    stop = threading.Event()
+    th = threading.Thread(target=scribble, args=(a, stop), daemon=True)
+    th.start()
+    try:
+        out.publish()
+    finally:
+        stop.set()
+        th.join()
+
+
 def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: random.Random) -> str:
     """fork(): the child re-verifies the views it inherited, puts and gets
     through the Client it inherited, and exits 0 (3 on a bad read)."""
@@ -105,6 +137,8 @@ def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: rand
         except Corrupt as exc:
             emit(f"CORRUPT {exc}")
             code = 3
+        except (BrokerUnavailable, TensorBroken):  # the broker restarting
+            code = 0
         except BaseException:  # report anything, then leave through os._exit
             traceback.print_exc()
             code = 1
@@ -128,11 +162,28 @@ def fork_and_check(c: Client, held: list[tuple[np.ndarray, int, str]], rng: rand
     return "forks" if claims else "unclaimed_forks"
 
 
+def connect(url: str, seed: int) -> Client:
+    """A Client, once the broker answers (the test restarts it once)."""
+    give_up = time.monotonic() + 30
+    while True:
+        try:
+            return Client(url, label=f"soak-{seed}")
+        except BrokerUnavailable:
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.05)  # polled with a deadline: the broker comes back within seconds
+
+
 def work(url: str, seed: int, deadline: float) -> int:
     rng = random.Random(seed)
     count: Counter[str] = Counter()
-    c = Client(url, label=f"soak-{seed}")
+    c = connect(url, seed)
     held: list[tuple[np.ndarray, int, str]] = []  # (view, seed, what)
+    raced: list[tuple[np.ndarray, np.ndarray, str]] = []  # (view, its bytes when got, what)
+    pickles: list[tuple[bytes, int, str]] = []  # (a pickled SharedTensor, its seed, what)
+    if seed % 8 == 3:  # a consumer that locks its memory, as inference servers do
+        libc = ctypes.CDLL(None, use_errno=True)
+        count["mlocked" if libc.mlockall(1 | 2) == 0 else "mlock_refused"] += 1
     emit("ready")
 
     def report(tag: str) -> None:
@@ -142,13 +193,22 @@ def work(url: str, seed: int, deadline: float) -> int:
         for view, s, what in held:
             verify(view, what, s)
             count["rechecks"] += 1
+        for view, was, what in raced:
+            if not np.array_equal(view, was):
+                raise Corrupt(f"{what}: published bytes changed after the get returned")
+            count["rechecks"] += 1
 
     armed = [False]
+    client_handler = signal.getsignal(signal.SIGINT)  # the Client's (shm/_sigint.py)
 
     def on_sigint(signum: int, frame: object) -> None:
-        # Ctrl-C lands only inside an operation, where it is what the soak tests.
+        # Ctrl-C lands only inside an operation, where it is what the soak
+        # tests; there, as the Client's handler would have it land.
         if armed[0]:
-            raise KeyboardInterrupt
+            if callable(client_handler):
+                client_handler(signum, frame)
+            else:
+                raise KeyboardInterrupt
 
     def one_op(c: Client) -> Client:
         name = rng.choice(NAMES)
@@ -181,8 +241,9 @@ def work(url: str, seed: int, deadline: float) -> int:
                         out.publish()
                         count["publishes"] += 1
                     except TensorBroken as exc:
-                        # Another worker deleted the name while this one wrote it.
-                        assert isinstance(exc.__cause__, TensorNotFound), exc
+                        # Another worker deleted the name while this one wrote
+                        # it, or the broker restarted meanwhile.
+                        assert isinstance(exc.__cause__, (TensorNotFound, BrokerUnavailable)), exc
                         count["misses"] += 1
                 del out
             elif op < 0.70:
@@ -208,6 +269,42 @@ def work(url: str, seed: int, deadline: float) -> int:
             elif op < 0.87:
                 c.delete(name)
                 count["deletes"] += 1
+            elif op < 0.91:
+                if rng.random() < 0.4:
+                    race_publish(c, rng.choice(RACED))
+                    count["race_publishes"] += 1
+                else:
+                    nm = rng.choice(RACED)
+                    t = c.get(nm)
+                    view = np.from_dlpack(t)
+                    del t
+                    was = view.copy()
+                    for _ in range(50):  # the writer may still be writing, elsewhere
+                        if not np.array_equal(view[:64], was[:64]):
+                            raise Corrupt(f"{nm}: published bytes changed after the get")
+                    if len(raced) >= MAX_HELD:
+                        raced.pop(0)
+                    raced.append((view, was, nm))
+                    count["race_reads"] += 1
+            elif op < 0.93:
+                if pickles and rng.random() < 0.5:
+                    blob, s, what = pickles.pop(0)
+                    try:
+                        t = pickle.loads(blob)
+                    except (TensorNotFound, BrokerUnavailable):
+                        count["pickles_refused"] += 1  # gone, replaced, or another broker run
+                    else:
+                        verify(np.from_dlpack(t), "unpickled " + what, s)
+                        count["pickles_read"] += 1
+                        del t
+                else:
+                    t = c.get(name)
+                    what = f"{name} v{t.version}"
+                    s = verify(np.from_dlpack(t), what)
+                    pickles.append((pickle.dumps(t), s, what))
+                    del t
+                    if len(pickles) > 8:
+                        pickles.pop(0)
             elif op < 0.95:
                 check_held()
             elif op < 0.985:
@@ -219,16 +316,18 @@ def work(url: str, seed: int, deadline: float) -> int:
             else:
                 # Close with views alive: they keep their leases; a new client carries on.
                 c.close()
-                c = Client(url, label=f"soak-{seed}")
+                c = connect(url, seed)
                 count["reconnects"] += 1
         except TensorNotFound:
             count["misses"] += 1
+        except (BrokerUnavailable, TensorBroken):  # the test restarts the broker once
+            count["unavailable"] += 1
         except KeyboardInterrupt:  # Ctrl-C: whatever it cut short, the worker carries on
             count["interrupted"] += 1
         finally:
             armed[0] = False
         if c._closed or c._closing:  # interrupted between close() and a new Client
-            c = Client(url, label=f"soak-{seed}")
+            c = connect(url, seed)
         count["ops"] += 1
         if count["ops"] % 5 == 0:
             report("n")
