@@ -94,8 +94,8 @@ def _start_rearmer() -> None:
 def _after_fork() -> None:
     global _due
     _due = threading.Event()
-    if _installed:
-        _start_rearmer()
+    if _installed and signal.getsignal(signal.SIGINT) is _handler:
+        _start_rearmer()  # the parent's is not in the child
 
 
 os.register_at_fork(after_in_child=_after_fork)
