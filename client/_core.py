@@ -168,8 +168,7 @@ class Core:
             self._finishing.release()
 
     @property
-    def instance(self) -> str:
-        """The run of the broker this client's session is with ("" before one)."""
+    def instance(self) -> str:  # the run of the broker the session is with ("" before one)
         return self.session.instance if self.session is not None else ""
 
     def set_session(self, info: SessionInfo) -> None:
@@ -306,15 +305,9 @@ class Core:
                              rid=self.rid(), keep=True)
 
     def publish_tensor(self, t: SharedTensor) -> Op[SharedTensor]:
-        """Publish an ``empty()`` tensor of this Core's (checked by the caller).
-
-        The writer loses write access first (its window is made private), then
-        the broker publishes: a thread still writing while ``publish()`` runs
-        writes into this process's own pages, never into bytes a reader got."""
-        if t.nbytes < _REMAP_IN_THREAD:
-            t._seal()
-        else:
-            yield Offload(t._seal)
+        """Publish an ``empty()`` tensor of this Core's (checked by the caller):
+        its window turns private first, then the broker publishes (M2)."""
+        yield Offload(t._seal, cheap=t.nbytes < _REMAP_IN_THREAD)  # a large one: off the loop
         try:
             yield from self.publish(t.name, t.version)
         except (BrokerUnavailable, TensorNotFound) as exc:

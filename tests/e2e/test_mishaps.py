@@ -370,5 +370,10 @@ def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(
         w.close()
     assert caught > sent // 4, f"only {caught} of {sent} SIGINTs interrupted a call"
     assert (live, held) == (0, 0), f"{live} leases left in the client, {held} in the broker"
-    assert "ignored" not in err, err[-3000:]
+    # A Ctrl-C may still cut Python's own weakref callbacks short (a WeakSet
+    # forgetting an entry); never one of the client's finalizers or a generator.
+    ours = [ln for ln in err.splitlines() if "ignored" in ln and any(
+        n in ln for n in ("tensordepot", "_Lease", "Window", "Lent", "KeptMap", "SharedTensor",
+                          "GeneratorExit", "generator"))]
+    assert not ours, err[-3000:]
     broker.check_clean()

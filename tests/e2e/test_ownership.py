@@ -90,7 +90,7 @@ h = {"authorization": f"Bearer {token}", "content-type": "application/json"}
 conn.request("POST", "/v1/sessions", body=json.dumps({"pid": 1, "start_time": start}), headers=h)
 info = json.loads(conn.getresponse().read())
 h["x-tensordepot-session"] = info["session"]
-conn.request("POST", "/v1/alloc", body=json.dumps({"name": "squat", "shape": [ARGS[2]],
+conn.request("POST", "/v1/alloc", body=json.dumps({"name": "squat", "shape": [int(ARGS[2])],
                                                     "dtype": "uint8"}), headers=h)
 r = conn.getresponse()
 emit({"session": info, "alloc": r.status, "handle": json.loads(r.read())})
