@@ -36,11 +36,11 @@ becomes a private copy of what the segment held at that moment, and
 locked is *retired*: it lends nothing more (each get maps a fresh window,
 whose copy, if it is locked, is taken after publishing and so holds the
 published bytes), and its ranges are never lent again.  Locking is seen
-through a probe page mapped with the map (under ``MCL_FUTURE`` it is locked
-from the start), through the first page of each range asked for (copied
-under no lent range: ``mlockall(MCL_CURRENT)`` copied every page, even if
-unlocked since; one pagemap read, 1.9 us, where a probe of the lock itself
-would add a syscall to every lend), and through any drop the kernel refuses.
+through the first page of each range asked for (copied under no lent range:
+``mlockall`` copied every page, even if unlocked since; one pagemap read,
+1.9 us, where a probe of the lock itself would add a syscall to every lend),
+and through any drop the kernel refuses.  Under ``mlockall(MCL_FUTURE)`` a
+new map would be copied whole as it is made: ``locked_now`` says so first.
 
 A ``Lent``'s finalizer may run in any thread, including one inside ``lend``
 on the same map (garbage collection), so it never waits for the lock: a
@@ -226,24 +226,14 @@ def supported() -> bool:
     return _supported
 
 
-def _probe_page() -> int:
-    """A page of its own, anonymous and read-only: locked exactly when
-    ``mlockall`` has locked this process's mappings."""
-    return _mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0, "probe")
-
-
-def _is_locked(address: int) -> bool:
-    # MADV_DONTNEED fails (EINVAL) on a locked page; on this untouched
-    # anonymous page it is a no-op otherwise.
-    return bool(_libc.madvise(address, PAGE, _MADV_DONTNEED) != 0)
-
-
 def locked_now() -> bool:
     """Whether a mapping made now would be locked (``mlockall(MCL_FUTURE)``):
     then a kept map would be copied whole as it is mapped."""
-    page = _probe_page()
+    page = _mmap(None, PAGE, _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0, "probe")
     try:
-        return _is_locked(page)
+        # MADV_DONTNEED fails (EINVAL) on a locked page; on this untouched
+        # anonymous page it is a no-op otherwise.
+        return bool(_libc.madvise(page, PAGE, _MADV_DONTNEED) != 0)
     finally:
         _libc.munmap(page, PAGE)
 
@@ -252,17 +242,14 @@ class KeptMap:
     """The whole of one segment, mapped private once, lent range by range."""
 
     _base = 0  # 0 until mapped: nothing to unmap
-    _probe = 0
     retired = False  # its pages may be locked copies: it lends nothing more
 
     def __init__(self, file: SegmentFile, pagemap: _Pagemap | None = None) -> None:
         self.file, self.name = file, file.name
         self._len = max(-(-file.size // PAGE) * PAGE, PAGE)
         self._pm = pagemap or _pagemap
-        self._probe = _probe_page()
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
                            file.name)
-        self.retired = _is_locked(self._probe)
         # The lent ranges, (start, end), sorted; they never share bytes.  One
         # list, so that each change is one step a signal cannot split (Ctrl-C
         # raises between steps, never inside ``list.insert``).
@@ -271,13 +258,11 @@ class KeptMap:
         self._returned: collections.deque[tuple[int, int]] = collections.deque()
 
     def __del__(self) -> None:  # after every Lent (they hold the map)
-        try:
-            if self._base:
+        if self._base:
+            try:
                 _libc.munmap(self._base, self._len)
-            if self._probe:
-                _libc.munmap(self._probe, PAGE)
-        except Exception:  # at interpreter exit, libc may be gone
-            pass
+            except Exception:  # at interpreter exit, libc may be gone
+                pass
 
     def lend(self, offset: int, nbytes: int) -> Lent | None:
         """``[offset, offset + nbytes)`` as a ``Lent``, or None where it
