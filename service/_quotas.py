@@ -118,11 +118,7 @@ class Quotas:
         s = self.sessions.get(sid)
         if s is not None:
             s.bytes -= nbytes
-        left = self._identity_bytes.get(identity, 0) - nbytes
-        if left > 0:
-            self._identity_bytes[identity] = left
-        else:
-            self._identity_bytes.pop(identity, None)
+        _less(self._identity_bytes, identity, nbytes)
 
     def repin(self, v: Version, holder: Session) -> None:
         """``v`` is no longer its name's, and a reader's lease (``holder``'s)
@@ -144,13 +140,18 @@ class Quotas:
                 s = self.sessions.get(v.creator or "")
                 if s is not None:
                     s.pinned -= v.charged
-                left = self._identity_pinned.get(v.identity, 0) - v.charged
-                if left > 0:
-                    self._identity_pinned[v.identity] = left
-                else:
-                    self._identity_pinned.pop(v.identity, None)
+                _less(self._identity_pinned, v.identity, v.charged)
             self._give(v.creator or "", v.identity, v.charged)
         v.charged, v.pinned = 0, False
+
+
+def _less(table: dict[str, int], identity: str, nbytes: int) -> None:
+    """``nbytes`` off ``identity``'s count in ``table``, forgotten at zero."""
+    left = table.get(identity, 0) - nbytes
+    if left > 0:
+        table[identity] = left
+    else:
+        table.pop(identity, None)
 
 
 class Charge:
