@@ -181,26 +181,44 @@ def _progress(what: str) -> Any:
 
 
 def load(args: argparse.Namespace) -> int:
-    """``tensordepot load FILE --prefix P``: every tensor of a safetensors file."""
+    """``tensordepot load FILE... --prefix P``: every tensor of safetensors
+    files (a file, several, a folder of shards, an index), in one batch."""
+    what = args.files[0] if len(args.files) == 1 else args.files
     with connect(args) as c:
-        versions = c.load_file(args.file, args.prefix, progress=_progress("load"))
+        versions = c.load_file(what, args.prefix, progress=_progress("load"))
     if args.json:
         _print_json(versions)
     else:
         meta = args.prefix + "__metadata__" in versions
-        print(f"{len(versions) - meta} tensors{' and its metadata' * meta} from {args.file}")
+        where = args.files[0] if len(args.files) == 1 else f"{len(args.files)} files"
+        print(f"{len(versions) - meta} tensors{' and its metadata' * meta} from {where}")
     return 0
 
 
 def save(args: argparse.Namespace) -> int:
-    """``tensordepot save PREFIX FILE``: the tensors under a prefix, to a file."""
+    """``tensordepot save PREFIX PATH``: the tensors under a prefix, to a
+    file, or to shards and an index in the folder PATH (``--max-shard-size``)."""
     with connect(args) as c:
-        written = c.save_file(args.prefix, args.file, progress=_progress("save"))
+        written = c.save_file(args.prefix, args.file, progress=_progress("save"),
+                              max_shard_size=args.max_shard_size)
     if args.json:
         _print_json({"file": args.file, "bytes": written})
     else:
         print(f"{format_size(written)} of tensors to {args.file}")
     return 0
+
+
+def size(text: str) -> int:
+    """An argparse type: a size (5GB, 500MiB, bytes), more than 0."""
+    from .._defaults import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size > 0")
+    return value
 
 
 def seconds(text: str) -> float:

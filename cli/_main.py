@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("rm", _commands.rm, "delete tensors (names, or --prefix); goes on past missing "
                              "names (exit 1 if any)"),
         ("wait", _commands.wait, "wait until the broker answers (exit 0), or time out (exit 1)"),
-        ("load", _commands.load, "put every tensor of a safetensors file, in one batch"),
-        ("save", _commands.save, "write the tensors under a prefix to a safetensors file"),
+        ("load", _commands.load, "put every tensor of safetensors files (a file, several, a "
+                                 "folder of shards or its index), in one batch"),
+        ("save", _commands.save, "write the tensors under a prefix to a safetensors file, or "
+                                 "to shards and an index (--max-shard-size)"),
     )
     for name, fn, helptext in commands:
         c = sub.add_parser(name, help=helptext, description=helptext)
@@ -63,12 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--prefix", default=None, metavar="P",
                            help="also every name that starts with P, in one request")
         if name == "load":
-            c.add_argument("file", metavar="FILE")
+            c.add_argument("files", nargs="+", metavar="FILE",
+                           help="a safetensors file, several, a folder of shards, or an index "
+                                "(model.safetensors.index.json)")
             c.add_argument("--prefix", default="", metavar="P",
                            help="put each tensor as P + its name in the file")
         if name == "save":
             c.add_argument("prefix", metavar="PREFIX")
-            c.add_argument("file", metavar="FILE")
+            c.add_argument("file", metavar="PATH",
+                           help="the file to write; with --max-shard-size, the folder")
+            c.add_argument("--max-shard-size", type=_commands.size, default=None, metavar="SIZE",
+                           help="write shards of at most SIZE (5GB, 500MiB) into the folder PATH, "
+                                "and model.safetensors.index.json, as save_pretrained does")
         if name == "wait":
             c.add_argument("--timeout", type=_commands.seconds, default=30.0, metavar="S",
                            help="give up after S seconds (default 30)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._defaults import ENV_TOKEN, default_url
@@ -301,16 +301,18 @@ class AsyncClient:
         return await self._drive(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- files -----------------------------------------------------------------------------------
-    async def load_file(self, path: str | os.PathLike[str], prefix: str = "", *,
-                        ttl: float | None = None,
+    async def load_file(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                        prefix: str = "", *, ttl: float | None = None,
                         progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """As ``Client.load_file``; the copy runs off the event loop."""
         return await self._drive(_files.load_file(self._core, path, prefix, ttl, progress))
 
     async def save_file(self, prefix: str, path: str | os.PathLike[str], *,
-                        progress: Callable[[int, int], None] | None = None) -> int:
-        """As ``Client.save_file``; the file is written off the event loop."""
-        return await self._drive(_files.save_file(self._core, prefix, path, progress))
+                        progress: Callable[[int, int], None] | None = None,
+                        max_shard_size: int | str | None = None) -> int:
+        """As ``Client.save_file``; the files are written off the event loop."""
+        return await self._drive(_files.save_file(self._core, prefix, path, progress,
+                                                  max_shard_size))
 
     # -- names -----------------------------------------------------------------------------------
     async def delete(self, name: str | None = None, *,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._defaults import ENV_TOKEN, default_url
@@ -209,24 +209,29 @@ class Client:
         return self._run(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- files ---------------------------------------------------------------
-    def load_file(self, path: str | os.PathLike[str], prefix: str = "", *,
-                  ttl: float | None = None,
+    def load_file(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                  prefix: str = "", *, ttl: float | None = None,
                   progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
         """Put every tensor of the safetensors file ``path`` as ``prefix`` +
         its name, in one batch (all of them, or none), each copied once from
         the file; its metadata is kept as ``prefix + "__metadata__"``.
+        ``path`` may also be a sharded checkpoint: its folder, its index
+        (``model.safetensors.index.json``) or a list of its files.
         ``progress(done, total)`` hears the bytes copied as the copy goes.
         Returns the versions.  Raises ``InvalidRequest`` for a file it cannot
         read, saying why."""
         return self._run(_files.load_file(self._core, path, prefix, ttl, progress))
 
     def save_file(self, prefix: str, path: str | os.PathLike[str], *,
-                  progress: Callable[[int, int], None] | None = None) -> int:
+                  progress: Callable[[int, int], None] | None = None,
+                  max_shard_size: int | str | None = None) -> int:
         """Write every published tensor whose name starts with ``prefix`` to
         the safetensors file ``path``, named without the prefix (a whole file
         or none: it is written beside and renamed), with the metadata
-        ``load_file`` kept.  Returns the bytes of tensors written."""
-        return self._run(_files.save_file(self._core, prefix, path, progress))
+        ``load_file`` kept.  With ``max_shard_size`` (bytes, or ``"5GB"``), ``path`` is a
+        folder that gets shards and ``model.safetensors.index.json``, as
+        ``save_pretrained`` writes them.  Returns the bytes of tensors written."""
+        return self._run(_files.save_file(self._core, prefix, path, progress, max_shard_size))
 
     # -- names ---------------------------------------------------------------
     def delete(self, name: str | None = None, *, prefix: str | None = None) -> builtins.list[str]:

@@ -28,3 +28,15 @@ def default_socket_path() -> str:
 def default_url() -> str:
     """``$TENSORDEPOT_URL``, else the default socket as a ``unix://`` URL."""
     return os.environ.get(ENV_URL) or "unix://" + default_socket_path()
+
+
+def parse_size(text: str | int) -> int:
+    """``"8GiB"`` -> 8589934592, through pydantic's ``ByteSize``: decimal units
+    (k, kb, M, MB, ...), binary ones (KiB, MiB, GiB, ...), case-insensitive,
+    fractions (``"1.5GiB"``); plain numbers are bytes.  ValueError otherwise."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB, 1000000)") from None

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from .._defaults import parse_size
 from .._version import __version__
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
@@ -22,7 +23,7 @@ from ._gate import Gate
 from ._lane import Lane
 from ._metrics import Metrics
 from ._routes import openapi_routes
-from .config import Settings, get_settings, parse_size
+from .config import Settings, get_settings
 
 log = logging.getLogger("tensordepot.broker")
 

@@ -11,26 +11,14 @@ import os
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated
 
-from pydantic import AfterValidator, ByteSize, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import AfterValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .._defaults import default_socket_path
+from .._defaults import default_socket_path, parse_size
 from .._ids import group_id
 
 if TYPE_CHECKING:  # the broker loads only where limits() is called: the CLI reads Settings
     from ._broker import Limits
-
-_SIZE = TypeAdapter(ByteSize)
-
-
-def parse_size(text: str | int) -> int:
-    """``"8GiB"`` -> 8589934592, through pydantic's ``ByteSize``: decimal units
-    (k, kb, M, MB, ...), binary ones (KiB, MiB, GiB, ...), case-insensitive,
-    fractions (``"1.5GiB"``); plain numbers are bytes.  ValueError otherwise."""
-    try:
-        return int(_SIZE.validate_python(text))
-    except ValidationError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB, 1000000)") from None
 
 
 def _size(text: str) -> str:

@@ -117,7 +117,12 @@ def _run_all(buckets: list[list[tuple[Any, Any]]]) -> None:
 
 
 class FileChanged(OSError):
-    """A file read as a copy's source ended before the bytes it was to hold."""
+    """A file read as a copy's source ended before the bytes it was to hold;
+    ``fd`` is the file's descriptor."""
+
+    def __init__(self, fd: int, why: str) -> None:
+        super().__init__(why)
+        self.fd = fd
 
 
 class FileSpan:
@@ -151,9 +156,9 @@ class FileSpan:
         while done < self.nbytes:
             n = os.preadv(self.fd, [view[done:]], self.offset + done)
             if n == 0:
-                raise FileChanged(f"the file ended {self.offset + done} bytes in, before the "
-                                  f"{self.nbytes} bytes from {self.offset}: it shrank while "
-                                  f"it was read")
+                raise FileChanged(self.fd, f"the file ended {self.offset + done} bytes in, "
+                                           f"before the {self.nbytes} bytes from {self.offset}: "
+                                           f"it shrank while it was read")
             done += n
 
     def tobytes(self) -> bytes:

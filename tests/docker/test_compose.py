@@ -33,9 +33,8 @@ import jsonschema
 import pytest
 import yaml
 from _harness import free_port, shm_entries, wait_for
-from tensordepot._defaults import ENV_TOKEN, ENV_URL
+from tensordepot._defaults import ENV_TOKEN, ENV_URL, parse_size
 from tensordepot.service import Settings
-from tensordepot.service.config import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

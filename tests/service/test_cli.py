@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from _harness import ROOT, TENSORDEPOT, TEST_PREFIX, BrokerProc, cli, ok, shm_entries
 from tensordepot import __version__
+from tensordepot._defaults import parse_size
 from tensordepot.cli import build_parser, format_size
-from tensordepot.service.config import Settings, parse_size
+from tensordepot.service.config import Settings
 
 HEAVY = ("fastapi", "uvicorn", "starlette", "prometheus_client")
 
