@@ -378,10 +378,10 @@ class CudaMemory:
             why = (f" ({held} bytes of it are blocks a client process may still map: they "
                    f"come back once its client reports them unmapped, within seconds when "
                    f"idle, or its session ends)" if held else "")
-            raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}{why}; "
-                f"free tensors with delete(), or start the broker with a larger --cuda-memory"
-            ) from None
+            fix = exc.fix("--cuda-memory", "--cuda-segment-size",
+                          f"GPU {dev.uuid} (nvidia-smi shows who holds it)")
+            raise OutOfMemory(f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: "
+                              f"{exc}{why}; {fix}") from None
         self._write[block] = self._write_event(session.id, dev)
         self._mapped(dev, block.segment, session.id)
         return block

@@ -119,7 +119,7 @@ class Memory:
             if dedicated or self._growing is None:
                 break
             await asyncio.shield(self._growing)
-        self.pool.reserve(size)
+        self.pool.reserve(size, nbytes)
         loop = asyncio.get_running_loop()
         growing = None if dedicated else loop.create_future()
         if growing is not None:
@@ -152,13 +152,12 @@ class Memory:
         else:
             self._unlinker.submit(seg.unlink)
 
-    def refused(self, name: str, nbytes: int, exc: Exception) -> OutOfMemory:
-        """The 507 for an allocation no pool could place."""
+    def refused(self, name: str, nbytes: int, exc: PoolExhausted) -> OutOfMemory:
+        """The 507 for an allocation no pool could place, with the fix for its cause."""
         self._count("quota_refusals")
-        return OutOfMemory(
-            f"cannot place {name!r} ({nbytes} bytes): {exc}; free tensors with delete(), "
-            f"or start the broker with a larger --max-memory"
-        )
+        fix = exc.fix("--max-memory", "--segment-size",
+                      "/dev/shm (`df -h /dev/shm`; in docker compose, shm_size)")
+        return OutOfMemory(f"cannot place {name!r} ({nbytes} bytes): {exc}; {fix}")
 
     def placed(self, v: Version) -> None:
         """``v`` now owns its block: it counts as in use (its quota charge is

@@ -47,6 +47,9 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         pool = Pool(prefix, max_memory=cfg.max_memory_bytes(),
                     segment_size=parse_size(cfg.segment_size),
                     warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
+        if pool.segment_size != parse_size(cfg.segment_size):
+            log.warning("--segment-size %s is more than --max-memory %s: segments are %d bytes "
+                        "instead", cfg.segment_size, cfg.max_memory, pool.segment_size)
         # nothing on a GPU until used
         gpus = CudaMemory(prefix + "cuda-", max_memory=cfg.cuda_memory_bytes(),
                           segment_size=parse_size(cfg.cuda_segment_size))

@@ -29,6 +29,7 @@ thread); ``add`` hands it to the pool and ``take`` places the block in it.
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,13 +43,43 @@ _HUGE = 2 * MiB
 
 
 class PoolExhausted(MemoryError):
-    """An allocation does not fit in the pool's memory limit."""
+    """An allocation does not fit in the pool's memory limit.  ``cause`` says
+    which fix applies: ``"limit"`` (the tensor alone is larger than the
+    limit), ``"in_use"`` (live tensors fill the limit), ``"segment"`` (the
+    tensor would fit, a whole new pooled segment does not), ``"device"``
+    (the memory itself is full: /dev/shm, the GPU) or ``"other"``."""
+
+    def __init__(self, why: str, cause: str = "other") -> None:
+        super().__init__(why)
+        self.cause = cause
+
+    def fix(self, limit: str, segment: str, device: str) -> str:
+        """What to do, for this cause: ``limit`` and ``segment`` are the flags
+        that set the pool's limit and its segment size, ``device`` says
+        where its memory comes from."""
+        return {
+            "limit": f"the tensor alone is larger than the limit: start the broker with a larger "
+                     f"{limit}, or split the tensor",
+            "segment": f"free tensors with delete(), or start the broker with a smaller {segment} "
+                       f"(or a larger {limit})",
+            "device": f"{device} itself is full (other programs use it too): free memory there, "
+                      f"or make it larger, or start the broker with a {limit} that fits in it",
+        }.get(self.cause, f"free tensors with delete(), or start the broker with a larger {limit}")
 
 
 def _describe(factory: Callable[..., Segment]) -> str:
     """What a factory's segments are, for messages: "shared-memory", "CUDA", ..."""
     kind = getattr(factory, "kind", "")
     return {"posix": "shared-memory ", "cuda": "CUDA "}.get(kind, "")
+
+
+def fitted_segment_size(segment_size: int, max_memory: int) -> int:
+    """``segment_size``, or where that is more than ``max_memory`` (a pool
+    that could make no segment at all), a quarter of ``max_memory`` in whole
+    pages: room for several segments and for tensors placed on their own."""
+    if segment_size <= max_memory:
+        return segment_size
+    return max(_PAGE, max_memory // 4 // _PAGE * _PAGE)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -107,7 +138,7 @@ class Pool:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
         self.max_memory = max_memory
-        self.segment_size = segment_size
+        self.segment_size = fitted_segment_size(segment_size, max_memory)
         self.dedicated_threshold = segment_size // 2
         self.warm_bytes = max_memory if warm_bytes is None else warm_bytes
         self.align = align
@@ -150,7 +181,7 @@ class Pool:
         if blk is not None:
             return blk
         size, dedicated = self.plan(nbytes)
-        self.reserve(size)
+        self.reserve(size, nbytes)
         try:
             seg = self.create(size)
         except BaseException:
@@ -207,21 +238,27 @@ class Pool:
             return _round_up(nbytes, _HUGE), True
         return self.segment_size, False
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, need: int | None = None) -> None:
         """Count a segment of ``size`` against ``max_memory`` before it exists,
-        unlinking warm free segments if that makes room.  Raises PoolExhausted."""
+        unlinking warm free segments if that makes room; ``need``: the bytes
+        of the tensor it is for.  Raises PoolExhausted."""
+        need = size if need is None else need
         if size > self.max_memory:
             raise PoolExhausted(
                 f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} "
-                "bytes)"
-            )
+                "bytes)", "segment" if size == self.segment_size else "limit")
         if self.reserved + size > self.max_memory:
             self._shrink(self.max_memory - size, keep_one=False)
         if self.reserved + size > self.max_memory:
+            room = self.max_memory - self.used - self.pending
+            if size == self.segment_size and self._size(need) <= room:
+                raise PoolExhausted(
+                    f"{room} bytes are left under the limit, but a new segment takes {size} "
+                    f"bytes (the segment size)", "segment")
             raise PoolExhausted(
                 f"need {size} more bytes but {self.used} of {self.max_memory} bytes are in use "
-                f"by live tensors" + (f" and {self.retired} are retired" if self.retired else "")
-            )
+                f"by live tensors" + (f" and {self.retired} are retired" if self.retired else ""),
+                "in_use")
         self.reserved += size
         self.pending += size
 
@@ -236,9 +273,10 @@ class Pool:
             return self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
                                  prefault=self._prefault)
         except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.ENOMEM)
             raise PoolExhausted(
-                f"could not create a {size} byte {_describe(self._factory)}segment: {exc}"
-            ) from exc
+                f"could not create a {size} byte {_describe(self._factory)}segment: {exc}",
+                "device" if full else "other") from exc
 
     def add(self, seg: Segment, dedicated: bool) -> _Seg:
         """Hand a segment made by ``create`` (after ``reserve``) to the pool."""

@@ -320,3 +320,11 @@ def test_close_unlinks_everything(make_pool: Callable[..., Pool], prefix: str) -
     assert shm_entries(prefix) == []
     assert (pool.reserved, pool.used, pool.segments) == (0, 0, 0)
     pool.close()  # idempotent
+
+
+def test_a_segment_size_above_the_limit_is_cut_to_fit(make_pool: Callable[..., Pool]) -> None:
+    pool = make_pool(max_memory=4 * MiB, segment_size=16 * MiB)
+    assert pool.segment_size == MiB  # a quarter of the limit: several segments fit
+    blocks = [pool.alloc(100) for _ in range(3)]
+    check_invariants(pool, blocks)
+    assert make_pool("tiny", max_memory=5000, segment_size=SEG).segment_size == 4096
