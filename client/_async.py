@@ -269,16 +269,18 @@ class AsyncClient:
 
     # -- reading ---------------------------------------------------------------------------------
     async def get(
-        self, name: str, timeout: float | None = 0.0, *, newer_than: int = 0
+        self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+        version: int | None = None,
     ) -> SharedTensor:
         """Lease the newest published version of ``name`` (read-only, zero copy),
         as ``Client.get``: ``timeout=0`` (the default) raises ``TensorNotFound``
         at once, a number waits up to that many seconds, ``None`` waits
-        forever; ``newer_than=v`` waits for a version newer than ``v``.
+        forever; ``newer_than=v`` waits for a version newer than ``v``;
+        ``version=v`` leases exactly ``v`` while it lives.
 
         Cancelled while it waits, it hangs up, and a lease granted in the race
         is released."""
-        return await self._drive(_ops.get(self._core, name, timeout, newer_than))
+        return await self._drive(_ops.get(self._core, name, timeout, newer_than, version))
 
     async def get_many(
         self,

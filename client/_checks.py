@@ -72,8 +72,11 @@ def check_ttl(ttl: Any) -> float | None:
 
 
 def check_version(v: Any, what: str = "newer_than") -> int:
+    """A version number >= 0; None is 0 (any version, the newest)."""
     if type(v) is int and v >= 0:  # the common case, without the ABCs
         return v
+    if v is None:
+        return 0
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} "
                           f"{shown(v)}")

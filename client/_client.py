@@ -170,17 +170,20 @@ class Client:
         return self._run(_batch.put_many(self._core, tensors, ttl, device))
 
     # -- reading -----------------------------------------------------------
-    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int = 0) -> SharedTensor:
+    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+            version: int | None = None) -> SharedTensor:
         """Lease the newest published version of ``name`` (read-only, zero copy).
 
         ``timeout=0`` (the default) raises ``TensorNotFound`` at once if there is
         none; a number waits up to that many seconds; ``None`` (or ``inf``)
         waits forever.  ``newer_than=v`` waits for a version newer than ``v``.
+        ``version=v`` leases exactly ``v``, now, while it lives: the newest, or
+        an older one that some lease still keeps (a sender's, say).
         The lease ends when the returned ``SharedTensor`` and every view made
         from it are gone.  Raises ``TensorNotFound`` when nothing (newer) was
         published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
         timeout or version."""
-        return self._run(_ops.get(self._core, name, timeout, newer_than))
+        return self._run(_ops.get(self._core, name, timeout, newer_than, version))
 
     def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
                  newer_than: int | Mapping[str, int] = 0,

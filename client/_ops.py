@@ -167,12 +167,19 @@ def share(core: Core, name: str, x: Any, ttl: Any, stream: Any,
 # -- reading ---------------------------------------------------------------------------------
 
 
-def get(core: Core, name: str, timeout: Any, newer_than: Any) -> Op[SharedTensor]:
+def get(core: Core, name: str, timeout: Any, newer_than: Any,
+        version: Any = None) -> Op[SharedTensor]:
     check_name(name)
     wait = check_timeout(timeout)
     path = f"/v1/tensors/{path_name(name)}?newer_than={check_version(newer_than)}"
     io: float | bool | None = False  # the transport's own timeout
-    if wait is None:
+    exact = check_version(version, "version")
+    if exact:
+        if wait != 0 or path[-2:] != "=0":
+            raise InvalidRequest(f"get({name!r}, version={exact}) names one version, now: "
+                                 f"give it without timeout or newer_than")
+        path = f"/v1/tensors/{path_name(name)}?version={exact}"
+    elif wait is None:
         path, io = path + "&timeout=inf", None
     elif wait > 0:
         path, io = path + f"&timeout={wait!r}", wait + core.timeout

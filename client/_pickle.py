@@ -7,10 +7,13 @@
   another process it is got again there, through that process's own client
   for that broker (a ``Client`` of the same configuration, if one is open;
   else one made on first use and kept): zero copy, under a lease of its own.
-  If that version is no longer the one the broker serves (a newer one was
-  published, the name was deleted, or the broker restarted), unpickling
-  raises ``TensorNotFound`` naming it.  An ``empty()`` tensor not yet published is refused: nothing
-  else may read it.
+  That exact version is got (``get(name, version=v)``), newest or not,
+  while any lease keeps it, as the sender's does while it holds the tensor:
+  the sender keeps it alive, as with torch.multiprocessing.  If nothing
+  holds it any more and a newer one was published, or the name was deleted,
+  or the broker restarted, unpickling raises ``TensorNotFound`` naming it.
+  An ``empty()`` tensor not yet published is refused: nothing else may
+  read it.
 * A Client (or AsyncClient) pickles to its configuration and unpickles as a
   fresh one, which opens its own session on its first call.
 
@@ -95,19 +98,14 @@ def client_for(config: Config) -> Any:
 def _rebuild_tensor(config: Config, name: str, version: int, instance: str = "") -> Any:
     c = client_for(config)
     try:
-        t = c.get(name)
+        t = c.get(name, version=version)
     except TensorNotFound as exc:
         raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone from the broker "
-                             f"({exc})") from None
+                             f"({exc}); the sender must hold it (keep the SharedTensor or a "
+                             f"view of it) until the receiver has it") from None
     if instance and t._instance != instance:  # versions start again at 1 in a new broker
         t.release()
         raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone: the broker that "
                              f"served it has restarted since, and its {name!r} is another "
                              f"tensor; send it again from the new broker")
-    if t.version != version:
-        newest = t.version
-        t.release()
-        raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is no longer served: the "
-                             f"broker has v{newest} now; send tensors whose versions the "
-                             f"receiver may still get, or send the name and get the newest")
     return t

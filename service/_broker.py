@@ -81,7 +81,7 @@ class Broker:
     ``abandon``, ``put_inline``, ``try_put_inline``, ``put_many``,
     ``try_put_many`` and ``link``; its
     reading side is ``Reads`` (``_reads``): ``try_get``, ``try_get_many``,
-    ``get`` and ``get_many``.
+    ``get``, ``get_many`` and ``get_version``.
     ``ready(name, newer_than)`` (also ``_ready``): the newest ready version
     of ``name`` newer than ``newer_than``, or None."""
 
@@ -113,9 +113,11 @@ class Broker:
         self.lending.abandoned = w.abandon
         self.quotas.evict = self._evict
         self.reads = r = Reads(sessions=self.sessions, records=self.records, lending=self.lending,
-                               waits=self.waits, count=self._count)
+                               waits=self.waits, count=self._count,
+                               superseded=self.memory.superseded)
         self.try_get, self.try_get_many, self.get, self.get_many = (
             r.try_get, r.try_get_many, r.get, r.get_many)
+        self.get_version = r.get_version
         self.entries = self.records.entries  # name -> Entry
         self.leases = self.lending.table  # lease id -> Lease
         self.ready = self._ready = self.records.ready

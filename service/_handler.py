@@ -182,17 +182,21 @@ def parse_framed(model: type[M], data: bytes, content_type: bytes | None
     return parse_body(model, head, None), rest
 
 
-def get_params(q: Mapping[str, str]) -> tuple[float | None, int]:
-    """(seconds to wait or None for forever, newer_than) of a get's query."""
+def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:
+    """(seconds to wait or None for forever, newer_than, version) of a get's
+    query; ``version`` (0: the newest) names one version, and waits for none."""
     try:
         timeout = float(q.get("timeout", 0.0))
         newer_than = int(q.get("newer_than", 0))
+        version = int(q.get("version", 0))
     except ValueError:
-        raise bad_query("timeout must be a number of seconds (or inf), newer_than an "
-                        "integer") from None
-    if not timeout >= 0 or newer_than < 0:  # `not >=` also catches NaN
-        raise bad_query("timeout and newer_than must be >= 0")
-    return (None if timeout > MAX_WAIT else timeout), newer_than
+        raise bad_query("timeout must be a number of seconds (or inf), newer_than and version "
+                        "integers") from None
+    if not timeout >= 0 or newer_than < 0 or version < 0:  # `not >=` also catches NaN
+        raise bad_query("timeout, newer_than and version must be >= 0")
+    if version and (timeout or newer_than):
+        raise bad_query("version names one version, now: give it without timeout or newer_than")
+    return (None if timeout > MAX_WAIT else timeout), newer_than, version
 
 
 def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:

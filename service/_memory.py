@@ -93,6 +93,10 @@ class Memory:
         self._growing: asyncio.Future[None] | None = None  # a pool segment being made
         self._closed = False
         self.reader_of: Callable[[Version], Session | None] | None = None  # set by the broker
+        # Published versions their name no longer refers to, kept by leases:
+        # (name, number) -> version, so that a get of that exact version
+        # finds it while it lives (numbers never repeat within a run).
+        self.superseded: dict[tuple[str, int], Version] = {}
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -178,6 +182,7 @@ class Memory:
         """Free ``v``'s memory if nothing can reach it: its name no longer
         refers to it and no lease holds it.  The only way back to a pool."""
         if not v.current and v.readers == 0 and v.block is not None:
+            self.superseded.pop((v.name, v.number), None)
             block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
             self.quotas.uncharge(v)
@@ -195,6 +200,8 @@ class Memory:
         Until then what a reader pins is charged to the reader (``Quotas.repin``)."""
         v.current = False
         self.free_if_unreachable(v)
+        if v.block is not None and v.state == "ready":
+            self.superseded[(v.name, v.number)] = v
         if v.block is not None and v.readers and self.reader_of is not None:
             holder = self.reader_of(v)
             if holder is not None:

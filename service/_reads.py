@@ -32,7 +32,9 @@ class Reads:
     """The reading side of the registry."""
 
     def __init__(self, *, sessions: Sessions, records: Records, lending: Leases, waits: Waits,
-                 count: Callable[..., None]) -> None:
+                 count: Callable[..., None],
+                 superseded: dict[tuple[str, int], Version] | None = None) -> None:
+        self.superseded = {} if superseded is None else superseded  # Memory.superseded
         self.sessions = sessions
         self.records = records
         self.lending = lending
@@ -49,6 +51,22 @@ class Reads:
         v = self.records.ready(name, newer_than)
         if v is None or self.peers is not None:
             return None
+        return v, self.lending.take(s, v, request)
+
+    def get_version(self, sid: str | None, caller: Caller, name: str, number: int, *,
+                    request: str | None = None) -> tuple[Version, int]:
+        """Lease version ``number`` of ``name`` exactly, while it lives: the
+        newest, or an older one that a lease still keeps (a sender's, for
+        the receiver of a pickle).  Never waits, never asks a peer."""
+        s = self.sessions.admit(sid, caller)
+        e = self.records.entries.get(name)
+        v = e.ready if e is not None and e.ready is not None and e.ready.number == number \
+            else self.superseded.get((name, number))
+        if v is None or v.block is None or v.state != "ready":
+            now = "" if e is None or e.ready is None else f"; the broker has v{e.ready.number} now"
+            raise TensorNotFound(f"tensor {name!r} v{number} is not kept: no lease holds it "
+                                 f"and a newer version replaced it, or it was deleted, or it "
+                                 f"was never published{now}")
         return v, self.lending.take(s, v, request)
 
     def try_get_many(self, sid: str | None, caller: Caller, names: list[str],

@@ -61,6 +61,9 @@ _GET_DOCS = {"parameters": [
     {"name": "newer_than", "in": "query", "required": False,
      "schema": {"type": "integer", "minimum": 0, "default": 0},
      "description": "only a version newer than this"},
+    {"name": "version", "in": "query", "required": False,
+     "schema": {"type": "integer", "minimum": 0, "default": 0},
+     "description": "exactly this version, while a lease keeps it (0: the newest); no wait"},
     SESSION_PARAM,
 ]}
 _PUT_DOCS = {
@@ -87,8 +90,10 @@ _PUT_DOCS = {
        summary="Lease the newest published version, waiting up to `timeout` seconds")
 def get_tensor(call: Call[Any]) -> Reply:
     name = call.params["name"]
-    wait, newer_than = get_params(call.query)
+    wait, newer_than, version = get_params(call.query)
     broker, sid, rid, who = call.broker, call.session, call.request_id, call.who
+    if version:
+        return 200, handle_json(broker, *broker.get_version(sid, who, name, version, request=rid))
     got = broker.try_get(sid, who, name, newer_than, request=rid)
     if got is not None:
         return 200, handle_json(broker, *got)

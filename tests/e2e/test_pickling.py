@@ -91,8 +91,11 @@ def _receiver(q: Any, back: Any, prefix: str) -> None:
            "torch_zero_copy": in_segment(theirs.untyped_storage().data_ptr(), prefix)}
     client.put("from-child", np.arange(3, dtype=np.float32))  # the client works there too
     back.put("read")
+    older = q.get()  # an older version, which its sender still holds
+    out["older"] = (older.version, float(np.from_dlpack(older).sum()))
+    del older
     try:
-        q.get()  # a stale one: a newer version was published meanwhile
+        pickle.loads(q.get())  # an older version nobody holds any more
     except TensorNotFound as exc:
         out["stale"] = str(exc)
     back.put(out)
@@ -112,20 +115,29 @@ def test_a_torch_queue_carries_shared_tensors_and_a_client(broker: BrokerProc) -
         q.put((c, list(got.values()), torch_view))
         old = c.get("b")
         assert back.get(timeout=120) == "read"
-        c.put("b", np.zeros(8, np.float32))  # b's version sent next is no longer served
-        q.put(old)
+        c.put("b", np.zeros(8, np.float32))  # v2: the v1 sent next is no longer the newest
+        q.put(old)  # ...but this process holds it: the child gets v1
+        c.put("g", np.ones(4, np.float32))
+        gone = c.get("g")
+        blob = pickle.dumps(gone)
+        del gone
+        c.put("g", np.zeros(4, np.float32))  # v2, and nothing holds v1 any more
+        wait_for(lambda: c.list(prefix="g")[0].readers == 0, 30, what="g v1 to be let go")
+        q.put(blob)
         out = back.get(timeout=120)
         p.join(60)
         assert p.exitcode == 0
         assert out["client"] == "Client"
         assert out["read"] == {"w": 256.0, "b": 16.0} and out["zero_copy"], out
         assert out["torch_copy_ok"] == 256.0 and not out["torch_zero_copy"], out
-        assert "'b' v1, is no longer served: the broker has v2" in out["stale"], out
+        assert out["older"] == (1, 16.0), out
+        assert "'g' v1, is gone from the broker" in out["stale"], out
+        assert "the broker has v2 now" in out["stale"], out
         assert np.from_dlpack(c.get("from-child")).tolist() == [0.0, 1.0, 2.0]
         del got, torch_view, old
         wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
                  what="the child's session and every lease to end")
-        c.delete_many(["w", "b", "from-child"])
+        c.delete_many(["w", "b", "g", "from-child"])
 
 
 def test_pickles_name_what_they_carry_and_refuse_what_they_cannot(broker: BrokerProc) -> None:
@@ -147,9 +159,14 @@ def test_pickles_name_what_they_carry_and_refuse_what_they_cannot(broker: Broker
             pickle.dumps(w)
         w.publish()
         c.delete("x")
+        blob = pickle.dumps(t)
+        kept = pickle.loads(blob)  # deleted, but held here: that version still lives
+        assert np.from_dlpack(kept).tolist() == [0, 1, 2, 3]
+        del t, again, kept
+        wait_for(lambda: c.stat().leases == 1, 10, what="x's leases to go")  # w's hold stays
         with pytest.raises(TensorNotFound, match="'x' v1, is gone from the broker"):
-            pickle.loads(pickle.dumps(t))
-        del t, again, w
+            pickle.loads(blob)
+        del w
         c.delete("y")
         wait_for(lambda: c.stat().leases == 0, 10, what="the leases to go")
 
@@ -174,3 +191,48 @@ def test_a_pickle_from_before_a_broker_restart_never_names_the_new_tensor(
         del fresh
         c.delete("w")
         wait_for(lambda: c.stat().leases == 0, 10, what="the leases to go")
+
+
+def _drain(q: Any, back: Any, n: int) -> None:
+    """A spawned process: reads ``n`` SharedTensors off ``q``, answers what each held."""
+    seen = []
+    for _ in range(n):
+        try:
+            t = q.get()
+        except TensorNotFound as exc:
+            seen.append(("lost", str(exc)))
+            continue
+        seen.append((t.version, float(np.from_dlpack(t)[0])))
+        del t
+    back.put(seen)
+
+
+def test_a_queue_of_200_tensors_loses_none_while_new_versions_are_published(
+        broker: BrokerProc) -> None:
+    """The sender holds what it sent, as with torch.multiprocessing: each
+    arrives, though a newer version of its name was published right after."""
+    ctx = tmp.get_context("spawn")
+    q, back = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_drain, args=(q, back, 200))
+    p.start()
+    with broker.client() as c:
+        sent = []
+        for i in range(200):
+            c.put("step", np.full(16, i, np.float32))
+            t = c.get("step")
+            q.put(t)
+            sent.append(t)  # held until the receiver is done
+        seen = back.get(timeout=120)
+        p.join(60)
+        assert p.exitcode == 0
+        assert seen == [(i + 1, float(i)) for i in range(200)], [x for x in seen if x[0] == "lost"]
+        del sent, t
+        wait_for(lambda: c.stat().leases == 0 and c.stat().sessions == 1, 30,
+                 what="every lease and the child's session to end")
+        assert c.stat().versions == 1
+        with pytest.raises(TensorNotFound, match="'step' v3 is not kept"):
+            c.get("step", version=3)
+        assert c.get("step", version=200).version == 200
+        with pytest.raises(InvalidRequest, match="names one version"):
+            c.get("step", 1.0, version=200)
+        c.delete("step")
