@@ -20,8 +20,11 @@ the plans are made.  The Python hooks only make plans and set up the child's
 Clients; an interruption in one Client's part still lets the others take
 theirs.
 
-At a normal exit (``atexit``), each live Client ends its session on the way
-out, so that the broker counts an exit, not a crash.
+At a normal exit, each live Client ends its session on the way out (with
+views alive: once the process is gone), so that the broker counts an exit,
+not a crash.  A normal exit is ``atexit``, and the end of a
+``multiprocessing`` child (a DataLoader worker, a forked Process), which
+leaves with ``os._exit`` after its own finalizers, never running ``atexit``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import functools
 import importlib
 import os
 import signal
+import sys
 import threading
 import weakref
 from typing import Any, Protocol
@@ -57,6 +61,34 @@ _plans: dict[int, tuple[Forkable, Any]] = {}
 
 def register(client: Forkable) -> None:
     _clients.add(client)
+    _arm()
+
+
+class _Token:
+    """What multiprocessing's after-fork registry keeps a weak reference to."""
+
+
+_TOKEN = _Token()
+_armed = False
+_exited = False
+
+
+def _arm() -> None:
+    """Once ``multiprocessing`` is in use: have each process it starts run
+    ``_at_exit`` among its finalizers (registered in the child, after the
+    finalizers it inherited are cleared)."""
+    global _armed
+    util = sys.modules.get("multiprocessing.util")
+    if _armed or util is None:
+        return
+    _armed = True
+    util.register_after_fork(_TOKEN, _in_child)
+
+
+def _in_child(_: object) -> None:
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
 
 
 def gate_is_free() -> bool:
@@ -102,6 +134,9 @@ def _before() -> None:
 
 
 def _after_in_child() -> None:
+    global _exited
+    _exited = False
+    _arm()
     # Every client, planned or not: a hook cut short before it planned them
     # must not leave a child using its parent's connections and threads.
     plans = dict(_plans)
@@ -109,6 +144,10 @@ def _after_in_child() -> None:
 
 
 def _at_exit() -> None:
+    global _exited
+    if _exited:  # a multiprocessing child that exits with sys.exit runs both
+        return
+    _exited = True
     for c in list(_clients):
         try:
             c._at_exit()
@@ -132,3 +171,4 @@ os.register_at_fork(before=_plans.clear, after_in_parent=_plans.clear,
 os.register_at_fork(before=GATE.acquire, after_in_parent=GATE.release,
                     after_in_child=GATE.release)
 atexit.register(_at_exit)
+_arm()

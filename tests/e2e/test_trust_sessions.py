@@ -307,6 +307,51 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
         drained(c)
 
 
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
+def test_five_normal_exits_with_views_past_close_are_no_crash_and_a_kill_is_one(
+        broker: BrokerProc) -> None:
+    """The ordinary ``with Client() as c:`` with a view kept past it, in a
+    script and in the children multiprocessing and a DataLoader start (which
+    leave with os._exit, never running atexit): 0 reaped, all exited; then a
+    SIGKILL is 1 reaped."""
+    with broker.client() as c:
+        c.put("x", np.full(N, 2.0, dtype=np.float32))
+        before = metrics(broker.url)
+        res = subprocess.run([sys.executable, str(WORKERS / "exits.py"), broker.url],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and res.stdout == "done\n", res.stderr[-3000:]
+        stat_when(c, lambda s: s.sessions == 1 and s.leases == 0, "the sessions to end")
+        after = metrics(broker.url)
+        reaped = after.get(REAPED, 0) - before.get(REAPED, 0)
+        exited = after.get(EXITED, 0) - before.get(EXITED, 0)
+        # 5 sessions of their own, and 2 forked children's copies of the
+        # script's leases (its view lives across both forks): 7 exits, 0 crashes
+        assert (reaped, exited) == (0, 7), (reaped, exited, broker.log()[-2000:])
+        assert "is gone; reclaiming" not in broker.log()
+        killed = subprocess.Popen([sys.executable, "-c", KEEP_AND_WAIT, broker.url],
+                                  stdout=subprocess.PIPE, text=True)
+        assert killed.stdout is not None and killed.stdout.readline() == "holding\n"
+        killed.kill()
+        killed.wait(30)
+        killed.stdout.close()
+        stat_when(c, lambda s: s.sessions == 1 and s.leases == 0, "the killed session to end")
+        last = metrics(broker.url)
+        assert last.get(REAPED, 0) - after.get(REAPED, 0) == 1
+        assert last.get(EXITED, 0) == after.get(EXITED, 0)
+        c.delete("x")
+        drained(c)
+
+
+KEEP_AND_WAIT = """
+import sys, time
+from tensordepot import Client
+with Client(sys.argv[1]) as c:
+    t = c.get("x")
+print("holding", flush=True)
+time.sleep(3600)
+"""
+
+
 # -- 5. what a reader pins is the reader's ------------------------------------------------
 
 
