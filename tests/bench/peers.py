@@ -57,6 +57,18 @@ for _p in (str(HERE), str(HERE.parent)):
         sys.path.insert(0, _p)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# Every /dev/shm name this run makes starts with this (children inherit it):
+# a test of the run looks at its own names only, never at other programs'.
+SHM_ENV = "TENSORDEPOT_PEERS_SHM_PREFIX"
+
+
+def _shm_name() -> str:
+    import os
+    import secrets
+
+    return os.environ.get(SHM_ENV, "tdpeers-") + secrets.token_hex(8)
+
+
 SYSTEMS = ("tensordepot", "ray", "shm_pipe", "torch_mp", "pipe_pickle")
 OWN_MEMORY = ("shm_pipe", "torch_mp", "pipe_pickle")  # the peers that give each handoff its own
 
@@ -215,7 +227,7 @@ def _holder(system: str, a: np.ndarray, conns: list[Any], ack: Any) -> None:
 
         payload: Any = torch.from_numpy(a.copy()).share_memory_()
     elif system == "shm_pipe":
-        s = shared_memory.SharedMemory(create=True, size=a.nbytes)
+        s = shared_memory.SharedMemory(_shm_name(), create=True, size=a.nbytes)
         np.ndarray(a.shape, a.dtype, s.buf)[:] = a
         payload = s.name
     else:
@@ -396,7 +408,7 @@ class PipePeer(_Peer):
         from multiprocessing import shared_memory
 
         total = sum(a.nbytes for a in arrays)
-        s = shared_memory.SharedMemory(create=True, size=total)
+        s = shared_memory.SharedMemory(_shm_name(), create=True, size=total)
         try:
             layout, off = [], 0
             for a in arrays:
@@ -684,7 +696,11 @@ def main(argv: list[str] | None = None) -> int:
         known = {c["id"] for c in cases(args.quick) + rate_cases(args.quick)}
         if not only <= known:
             ap.error(f"unknown case ids {sorted(only - known)}; the cases: {sorted(known)}")
-    broker = BrokerProc("--max-memory", "8GiB", "--warm-memory", "6GiB", max_memory="8GiB")
+    import os
+
+    prefix = os.environ.setdefault(SHM_ENV, f"tdpeers-{os.getpid()}-")
+    broker = BrokerProc("--max-memory", "8GiB", "--warm-memory", "6GiB", max_memory="8GiB",
+                        prefix=prefix + "broker-")
     try:
         result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps,
                      only=only)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -66,14 +67,16 @@ def test_peers_runs_the_cases_asked_for_and_refuses_unknown_ones(tmp_path: Path)
                          timeout=60, check=False)
     assert bad.returncode == 2 and "unknown case ids ['nope']" in bad.stderr, bad.stderr
     out = tmp_path / "peers.json"
-    before = set(os.listdir("/dev/shm"))
+    prefix = f"tdpeers-test-{secrets.token_hex(4)}-"  # the run's own names, and only those
     res = subprocess.run([*peers, "--quick", "--reps", "1", "--cases", "4KiB,gets1",
                           "--systems", "tensordepot,shm_pipe,pipe_pickle", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, check=False)
+                         capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "TENSORDEPOT_PEERS_SHM_PREFIX": prefix})
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(out.read_text())
     assert set(got["cases"]) == {"4KiB", "gets1"}, list(got["cases"])
     for case in got["cases"].values():
         assert set(case["systems"]) == {"tensordepot", "shm_pipe", "pipe_pickle"}
         assert all(v["median"] > 0 for v in case["systems"].values())
-    assert set(os.listdir("/dev/shm")) <= before, "the run left shared memory behind"
+    made = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+    assert made == [], f"the run left shared memory behind: {made}"

@@ -334,9 +334,10 @@ def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
                                                workers: Callable[..., Worker]) -> None:
     w = workers(broker.url)
     w.send("waitget later")
-    w.expect("waiting")
+    w.expect("waiting")  # said just before the call: the get may not be parked yet
     with broker.client() as c:
-        stat_when(c, lambda s: s.sessions == 2, "the worker's session")
+        # the broker's count of parked gets says the worker is inside its get
+        stat_when(c, lambda s: s.sessions == 2 and s.waiting == 1, "the worker's parked get")
         os.kill(w.pid, signal.SIGINT)
         w.expect("interrupted")
         c.put("later", np.zeros(4, dtype=np.float32))  # published after the client gave up
