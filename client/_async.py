@@ -37,12 +37,12 @@ import asyncio
 import builtins
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import InvalidRequest
 from .._wire import Stat, TensorInfo
-from . import _batch, _files, _ops, _pickle, _push
+from . import _batch, _files, _into, _ops, _pickle, _push
 from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
@@ -51,6 +51,8 @@ from ._transport import Transport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+_T = TypeVar("_T")  # the buffer get(out=) fills and returns
 
 
 class AsyncClient:
@@ -268,18 +270,26 @@ class AsyncClient:
         return await self._drive(_ops.share(self._core, name, tensor, ttl, stream, wait_on_close))
 
     # -- reading ---------------------------------------------------------------------------------
-    async def get(
-        self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-        version: int | None = None,
-    ) -> SharedTensor:
+    @overload
+    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+                  version: int | None = None, out: None = None) -> SharedTensor: ...
+    @overload
+    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+                  version: int | None = None, out: _T) -> _T: ...
+    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+                  version: int | None = None, out: Any = None) -> Any:
         """Lease the newest published version of ``name`` (read-only, zero copy),
         as ``Client.get``: ``timeout=0`` (the default) raises ``TensorNotFound``
         at once, a number waits up to that many seconds, ``None`` waits
         forever; ``newer_than=v`` waits for a version newer than ``v``;
-        ``version=v`` leases exactly ``v`` while it lives.
+        ``version=v`` leases exactly ``v`` while it lives; ``out=buffer``
+        copies into ``buffer`` (off the event loop) and returns it.
 
         Cancelled while it waits, it hangs up, and a lease granted in the race
         is released."""
+        if out is not None:
+            return await self._drive(_into.get_into(self._core, name, timeout, newer_than,
+                                                    version, out))
         return await self._drive(_ops.get(self._core, name, timeout, newer_than, version))
 
     async def get_many(
@@ -289,10 +299,14 @@ class AsyncClient:
         *,
         newer_than: int | Mapping[str, int] = 0,
         wait: str = "all",
-    ) -> dict[str, SharedTensor]:
+        out: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Lease many tensors in one round trip, under one deadline (all of them,
-        or an error and none), as ``Client.get_many``; ``newer_than`` and
-        ``wait`` too."""
+        or an error and none), as ``Client.get_many``; ``newer_than``,
+        ``wait`` and ``out`` too."""
+        if out is not None:
+            return await self._drive(_into.get_many_into(self._core, names, timeout,
+                                                         newer_than, wait, out))
         return await self._drive(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
     async def push(self, name: str, to: str, *, token: str | None = None,

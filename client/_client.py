@@ -11,11 +11,11 @@ from __future__ import annotations
 import builtins
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .._defaults import ENV_TOKEN, default_url
 from .._wire import SessionInfo, Stat, TensorInfo
-from . import _batch, _files, _ops, _pickle, _push
+from . import _batch, _files, _into, _ops, _pickle, _push
 from ._background import Background
 from ._core import Core
 from ._tensor import SharedTensor
@@ -23,6 +23,8 @@ from ._transport import Transport
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+_T = TypeVar("_T")  # the buffer get(out=) fills and returns
 
 
 class Client:
@@ -170,8 +172,14 @@ class Client:
         return self._run(_batch.put_many(self._core, tensors, ttl, device))
 
     # -- reading -----------------------------------------------------------
+    @overload
     def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-            version: int | None = None) -> SharedTensor:
+            version: int | None = None, out: None = None) -> SharedTensor: ...
+    @overload
+    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+            version: int | None = None, out: _T) -> _T: ...
+    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
+            version: int | None = None, out: Any = None) -> Any:
         """Lease the newest published version of ``name`` (read-only, zero copy).
 
         ``timeout=0`` (the default) raises ``TensorNotFound`` at once if there is
@@ -182,12 +190,19 @@ class Client:
         The lease ends when the returned ``SharedTensor`` and every view made
         from it are gone.  Raises ``TensorNotFound`` when nothing (newer) was
         published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
-        timeout or version."""
+        timeout or version.
+
+        ``out=buffer`` (a numpy array, a torch tensor on any device, a cupy
+        array) copies the version into ``buffer`` instead, gives the lease
+        back, and returns ``buffer``; its dtype and shape must match exactly
+        (``InvalidRequest``, and nothing written, if not)."""
+        if out is not None:
+            return self._run(_into.get_into(self._core, name, timeout, newer_than, version, out))
         return self._run(_ops.get(self._core, name, timeout, newer_than, version))
 
     def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
-                 newer_than: int | Mapping[str, int] = 0,
-                 wait: str = "all") -> dict[str, SharedTensor]:
+                 newer_than: int | Mapping[str, int] = 0, wait: str = "all",
+                 out: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none).
 
@@ -200,7 +215,14 @@ class Client:
         has, and then returns the newest version of every name (compare
         ``.version`` to see which are new).  Returns a dict from name to
         ``SharedTensor``.  Raises ``TensorNotFound`` naming every name that
-        was missing when the deadline passed."""
+        was missing when the deadline passed.
+
+        ``out={name: buffer}`` copies those names into the buffers, as
+        ``get(out=)`` does (every buffer is checked before any is written),
+        and maps them to their buffers in the answer."""
+        if out is not None:
+            return self._run(_into.get_many_into(self._core, names, timeout, newer_than, wait,
+                                                 out))
         return self._run(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
     def push(self, name: str, to: str, *, token: str | None = None,
