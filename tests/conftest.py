@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from _both import Api
 from _harness import TEST_PREFIX, BrokerProc, shm_entries
 
 REQUIRE_CUDA = "TENSORDEPOT_REQUIRE_CUDA"  # =1 on a GPU machine: a missing GPU fails the run
@@ -96,6 +97,16 @@ def broker_factory() -> Iterator[Callable[..., BrokerProc]]:
 @pytest.fixture
 def broker(broker_factory: Callable[..., BrokerProc]) -> BrokerProc:
     return broker_factory()
+
+
+@pytest.fixture(params=[pytest.param("sync", id="Client"), pytest.param("async", id="AsyncClient")])
+def api(request: pytest.FixtureRequest, broker: BrokerProc) -> Iterator[Api]:
+    """One test's calls made through a Client, then through an AsyncClient."""
+    a = Api(broker.url, request.param)
+    try:
+        yield a
+    finally:
+        a.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -6,23 +6,12 @@ a buffer of another dtype or shape is refused and nothing is written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 from _both import Api
-from _harness import BrokerProc, wait_for
+from _harness import wait_for
 from tensordepot import InvalidRequest, InvalidType, SharedTensor
-
-
-@pytest.fixture(params=["sync", "async"])
-def api(request: pytest.FixtureRequest, broker: BrokerProc) -> Iterator[Api]:
-    a = Api(broker.url, request.param)
-    try:
-        yield a
-    finally:
-        a.close()
 
 
 def _no_leases(api: Api) -> None:

@@ -9,7 +9,6 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,17 +18,6 @@ from _both import Api
 from _harness import BrokerProc, cli, free_port, ok, wait_for
 from _rawhttp import Session
 from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
-
-KINDS = [pytest.param("sync", id="Client"), pytest.param("async", id="AsyncClient")]
-
-
-@pytest.fixture(params=KINDS)
-def api(request: pytest.FixtureRequest, broker: BrokerProc) -> Iterator[Api]:
-    a = Api(broker.url, request.param)
-    try:
-        yield a
-    finally:
-        a.close()
 
 
 def _names(items: list[Any]) -> list[str]:
