@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import InvalidRequest
 from .._wire import Stat, TensorInfo
-from . import _batch, _files, _into, _ops, _pickle, _push
+from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
@@ -268,6 +268,15 @@ class AsyncClient:
         withdrawn when this client's session ends).  It runs whole in a
         worker thread, and completes."""
         return await self._drive(_ops.share(self._core, name, tensor, ttl, stream, wait_on_close))
+
+    async def put_state_dict(self, prefix: str, state_dict: Any, *,
+                             ttl: float | None = None) -> int:
+        """As ``Client.put_state_dict``: a nested state dict under ``prefix``."""
+        return await self._drive(_state.put_state_dict(self._core, prefix, state_dict, ttl))
+
+    async def get_state_dict(self, prefix: str, timeout: float | None = 0.0) -> Any:
+        """As ``Client.get_state_dict``: the state dict under ``prefix``, rebuilt."""
+        return await self._drive(_state.get_state_dict(self._core, prefix, timeout))
 
     # -- reading ---------------------------------------------------------------------------------
     @overload

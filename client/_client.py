@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .._defaults import ENV_TOKEN, default_url
 from .._wire import SessionInfo, Stat, TensorInfo
-from . import _batch, _files, _into, _ops, _pickle, _push
+from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._background import Background
 from ._core import Core
 from ._tensor import SharedTensor
@@ -170,6 +170,22 @@ class Client:
         says otherwise.  Raises ``InvalidType`` if ``tensors`` is not a
         mapping, and what ``put`` raises for any of its items."""
         return self._run(_batch.put_many(self._core, tensors, ttl, device))
+
+    def put_state_dict(self, prefix: str, state_dict: Any, *, ttl: float | None = None) -> int:
+        """Put a nested state dict (an optimizer's: dicts with int keys,
+        lists, tuples, numbers, strings, None, tensors) under ``prefix`` in
+        one batch: each tensor as ``prefix`` + its path (``state.0.exp_avg``),
+        the rest as ``prefix + "__structure__"``.  A reader gets all of one
+        put or none of it; names the previous put used and this one does not
+        are deleted.  Returns the structure's version."""
+        return self._run(_state.put_state_dict(self._core, prefix, state_dict, ttl))
+
+    def get_state_dict(self, prefix: str, timeout: float | None = 0.0) -> Any:
+        """The state dict ``put_state_dict`` put under ``prefix``, rebuilt:
+        tensors zero copy, as the kind they were put as (torch, numpy; others
+        as ``SharedTensor``), so ``optimizer.load_state_dict`` takes it.
+        ``timeout`` is as for ``get``."""
+        return self._run(_state.get_state_dict(self._core, prefix, timeout))
 
     # -- reading -----------------------------------------------------------
     @overload
