@@ -53,6 +53,15 @@ def file_position(ptr: int) -> tuple[str, int]:
     raise AssertionError(f"{ptr:#x} is in no mapping")
 
 
+def in_segment(address: int, prefix: str) -> bool:
+    """Whether ``address`` lies in a mapping of one of the broker's segments
+    (/dev/shm/<prefix>...): zero copy, not a copy of it."""
+    try:
+        return file_position(address)[0].startswith(f"/dev/shm/{prefix}")
+    except AssertionError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
     with socket.socket() as s:

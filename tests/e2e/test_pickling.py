@@ -15,20 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, in_segment, wait_for
 from tensordepot import AsyncClient, Client, InvalidRequest, SharedTensor, TensorNotFound
-
-
-def in_segment(address: int, prefix: str) -> bool:
-    """Whether ``address`` lies in a mapping of one of the broker's segments
-    (/dev/shm/<prefix>...): zero copy, not a copy of it."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return len(fields) > 5 and fields[5].startswith(f"/dev/shm/{prefix}")
-    return False
 
 
 def address_of(t: SharedTensor) -> int:

@@ -13,18 +13,8 @@ import numpy as np
 import pytest
 import torch
 from _both import Api
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, in_segment, wait_for
 from tensordepot import InvalidRequest, InvalidType, TensorNotFound
-
-
-def _in_segment(address: int, prefix: str) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return len(fields) > 5 and fields[5].startswith(f"/dev/shm/{prefix}")
-    return False
 
 
 def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -69,7 +59,7 @@ def test_an_adamw_state_round_trips_bit_exact_and_zero_copy(api: Api,
     _same(sd, back)
     for state in back["state"].values():
         for t in state.values():
-            assert _in_segment(t.data_ptr(), broker.prefix), "zero copy"
+            assert in_segment(t.data_ptr(), broker.prefix), "zero copy"
     _, fresh = _trained(0)
     fresh.load_state_dict(back)
     _same(sd, fresh.state_dict())
