@@ -1,5 +1,5 @@
-"""The client commands: ``ls``, ``stat``, ``rm``, ``wait``, ``load``, ``save``
-and ``push``.
+"""The client commands: ``ls``, ``stat``, ``who``, ``rm``, ``wait``, ``load``,
+``save`` and ``push``.
 
 They import only the client (numpy, pydantic), never the broker's FastAPI
 and uvicorn, so ``tensordepot ls`` costs little more than ``import
@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .._defaults import ENV_TOKEN, default_url
@@ -55,13 +56,18 @@ def ls(args: argparse.Namespace) -> int:
              str(i.nbytes) if args.bytes else format_size(i.nbytes), str(i.readers), i.state)
             for i in items]
     head = ("NAME", "VER", "DTYPE", "SHAPE", "BYTES" if args.bytes else "SIZE", "READERS", "STATE")
+    _table(head, rows, right={1, 4, 5})
+    return 0
+
+
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]], right: set[int]) -> None:
+    """Print rows under a head, in columns; the columns ``right`` (numbers)
+    line up on the right."""
     widths = [max([len(head[k])] + [len(r[k]) for r in rows]) for k in range(len(head))]
-    right = {1, 4, 5}  # numbers line up on the right
     for row in [head, *rows]:
         cells = [cell.rjust(w) if k in right else cell.ljust(w)
                  for k, (cell, w) in enumerate(zip(row, widths, strict=True))]
         print("  ".join(cells).rstrip())
-    return 0
 
 
 def stat(args: argparse.Namespace) -> int:
@@ -81,6 +87,27 @@ def stat(args: argparse.Namespace) -> int:
         print(f"{dev['device']}: in use {size(dev['bytes_in_use'])}, reserved "
               f"{size(dev['bytes_reserved'])}, pending {size(dev['bytes_pending'])}, shared "
               f"{size(dev['bytes_shared'])}, max {size(dev['max_memory'])}, context {ctx}")
+    return 0
+
+
+def who(args: argparse.Namespace) -> int:
+    """``tensordepot who``: which process holds leases on which names."""
+    with connect(args) as c:
+        me = c._core.sid  # this command's own session holds nothing: left out
+        holders = [h for h in c.who() if not me.startswith(h.session)]
+    if args.json:
+        _print_json([h.model_dump() for h in holders])
+        return 0
+    size = (lambda n: str(n)) if args.bytes else format_size
+    rows = []
+    for h in holders:
+        held = ", ".join(f"{n.name} v{','.join(map(str, n.versions))}" for n in h.names[:8])
+        held += f", ... ({len(h.names)} names)" if len(h.names) > 8 else ""
+        rows.append((str(h.pid or "-"), h.session, h.label or "-", h.identity, str(h.leases),
+                     size(h.nbytes), held + (" (exiting)" if h.exiting else "")))
+    head = ("PID", "SESSION", "LABEL", "IDENTITY", "LEASES", "BYTES" if args.bytes else "SIZE",
+            "HOLDS")
+    _table(head, rows, right={0, 4, 5})
     return 0
 
 

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = (
         ("ls", _commands.ls, "list tensors"),
         ("stat", _commands.stat, "show memory and lifetime accounting"),
+        ("who", _commands.who, "show which process holds leases on which names and versions"),
         ("rm", _commands.rm, "delete tensors (names, or --prefix); goes on past missing "
                              "names (exit 1 if any)"),
         ("wait", _commands.wait, "wait until the broker answers (exit 0), or time out (exit 1)"),
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--token", default=None,
                        help="bearer token for TCP (default $TENSORDEPOT_TOKEN)")
         c.add_argument("--json", action="store_true", help="print JSON")
-        if name in ("ls", "stat"):
+        if name in ("ls", "stat", "who"):
             c.add_argument("--bytes", action="store_true", help="sizes as byte counts, not 1.5 GiB")
         if name == "ls":
             c.add_argument("--prefix", default="", metavar="P",

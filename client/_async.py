@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .._defaults import ENV_TOKEN, default_url
 from .._errors import InvalidRequest
-from .._wire import Stat, TensorInfo
+from .._wire import Holder, Stat, TensorInfo
 from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._aio import AsyncTransport
 from ._core import Core
@@ -357,6 +357,10 @@ class AsyncClient:
     async def stat(self) -> Stat:
         """The broker's accounting (``Stat``)."""
         return await self._drive(_ops.stat(self._core))
+
+    async def who(self) -> builtins.list[Holder]:
+        """Which process holds what, as ``Client.who``."""
+        return await self._drive(_ops.who(self._core))
 
     @property
     def round_trips(self) -> int:

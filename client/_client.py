@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from .._defaults import ENV_TOKEN, default_url
-from .._wire import SessionInfo, Stat, TensorInfo
+from .._wire import Holder, SessionInfo, Stat, TensorInfo
 from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._background import Background
 from ._core import Core
@@ -296,6 +296,12 @@ class Client:
     def stat(self) -> Stat:
         """The broker's accounting: memory, names, versions, leases, sessions (``Stat``)."""
         return self._run(_ops.stat(self._core))
+
+    def who(self) -> builtins.list[Holder]:
+        """Which process holds what: a ``Holder`` per session (pid, label,
+        leases, bytes, and the versions it holds by name).  Your own
+        sessions; an admin token (or the socket's owner) sees every one."""
+        return self._run(_ops.who(self._core))
 
     @property
     def round_trips(self) -> int:

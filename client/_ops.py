@@ -28,6 +28,8 @@ from .._wire import (
     AllocRequest,
     Deleted,
     Handle,
+    Holder,
+    HolderList,
     ManyDelete,
     Stat,
     TensorInfo,
@@ -227,3 +229,7 @@ def names(core: Core, prefix: str = "") -> Op[builtins.list[TensorInfo]]:
 
 def stat(core: Core) -> Op[Stat]:
     return Stat.model_validate_json((yield from core.call("GET", "/v1/stat", raw=True)))
+
+
+def who(core: Core) -> Op[builtins.list[Holder]]:
+    return HolderList.model_validate_json((yield from core.call("GET", "/v1/who", raw=True))).items

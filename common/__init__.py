@@ -10,7 +10,8 @@ jax and cupy import through DLPack without a copy::
         t = c.get("w", timeout=5.0)
 
 ``Client.list()`` answers with ``TensorInfo``, ``Client.stat()`` with
-``Stat`` (one ``DeviceStat`` per GPU in use).  Everything raised for bad
+``Stat`` (one ``DeviceStat`` per GPU in use), ``Client.who()`` with a
+``Holder`` per session (a ``HeldName`` per name it holds).  Everything raised for bad
 input or a broker in trouble is a ``DepotError``; each subclass below says
 when it is raised.  ``InvalidRequest`` is also a ``ValueError``,
 ``InvalidType`` also a ``TypeError`` and ``TensorNotFound`` also a
@@ -41,6 +42,8 @@ from ._errors import UntrustedBroker as UntrustedBroker
 from ._lazy import lazy_names as _lazy_names
 from ._version import __version__ as __version__
 from ._wire import DeviceStat as DeviceStat
+from ._wire import HeldName as HeldName
+from ._wire import Holder as Holder
 from ._wire import Stat as Stat
 from ._wire import TensorInfo as TensorInfo
 
@@ -58,6 +61,8 @@ __all__ = [
     "DepotError",
     "DeviceStat",
     "Forbidden",
+    "HeldName",
+    "Holder",
     "InvalidRequest",
     "InvalidType",
     "LimitExceeded",

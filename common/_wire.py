@@ -454,6 +454,36 @@ class TensorList(_Answer):
     items: list[TensorInfo]
 
 
+class HeldName(_Answer, metaclass=_Described):
+    """One name whose versions a session's leases hold (``Holder.names``)."""
+
+    name: str = Field(description="the tensor's name")
+    versions: list[int] = Field(description="the versions its leases hold, oldest first")
+    leases: int = Field(description="leases on them")
+    nbytes: int = Field(description="bytes of those versions")
+
+
+class Holder(_Answer, metaclass=_Described):
+    """One client session and what its leases hold, as ``Client.who()`` and
+    ``tensordepot who`` show it: which process pins which versions.
+
+    A frozen pydantic model: ``model_dump()`` gives a dict."""
+
+    session: str = Field(description="the session id's first 8 characters, as the log shows it")
+    pid: int | None = Field(description="its process (None over TCP)")
+    label: str | None = Field(description="the label its client was made with")
+    identity: str = Field(description="who opened it: uid:N on the socket, token:NAME over TCP")
+    leases: int = Field(description="leases it holds (of the names shown)")
+    nbytes: int = Field(description="bytes of the versions they hold, each version once")
+    writing: int = Field(description="versions it allocated and has not published")
+    exiting: bool = Field(description="its process said it exits: ended once it is gone")
+    names: list[HeldName] = Field(description="what its leases hold, by name")
+
+
+class HolderList(_Answer):
+    items: list[Holder]
+
+
 class FlightMeta(_Frozen):
     """What an Arrow Flight stream of a tensor carries in its schema metadata
     (key ``tensordepot``), as JSON.  The stream itself is one ``uint8``

@@ -51,6 +51,7 @@ The invariants, and the functions that keep them:
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import secrets
@@ -59,7 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import BrokerUnavailable, DepotError, Forbidden, InvalidRequest, TensorNotFound
-from .._wire import ForkInfo, Handle, SessionInfo, Stat, TensorInfo
+from .._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo
 from ..shm._pool import Pool
 from ._cuda import CudaMemory
 from ._leases import Leases
@@ -422,6 +423,28 @@ class Broker:
                     versions=self.memory.versions_live, leases=len(self.leases),
                     sessions=len(self.sessions), segments=pool.segments,
                     waiting=self.waits.waiting, devices=self.cuda.stat())
+
+    def who(self, identity: str | None, may_use: Callable[[str], bool]) -> builtins.list[Holder]:
+        """Each client session (of ``identity``; None: every one) and what its
+        leases hold, of the names ``may_use`` lets the caller see."""
+        out = []
+        for s in self.sessions.values():
+            if s.own or (identity is not None and s.owner != identity):
+                continue
+            held: dict[str, dict[int, list[int]]] = {}  # name -> version -> [leases, nbytes]
+            for lid in s.leases:
+                v = self.leases[lid].version
+                if may_use(v.name):
+                    per = held.setdefault(v.name, {}).setdefault(v.number, [0, v.nbytes])
+                    per[0] += 1
+            names = [HeldName(name=n, versions=sorted(vs), leases=sum(c for c, _ in vs.values()),
+                              nbytes=sum(b for _, b in vs.values()))
+                     for n, vs in sorted(held.items())]
+            out.append(Holder(session=s.id[:8], pid=s.pid, label=s.label, identity=s.owner,
+                              leases=sum(h.leases for h in names),
+                              nbytes=sum(h.nbytes for h in names), writing=len(s.writing),
+                              exiting=s.exiting, names=names))
+        return sorted(out, key=lambda h: (h.pid or 0, h.session))
 
     # -- shutdown ------------------------------------------------------------
     def begin_shutdown(self) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..._version import __version__
-from ..._wire import Health, Stat
-from .._auth import READ
+from ..._wire import Health, HolderList, Stat
+from .._auth import ADMIN, READ
 from .._handler import Call, Reply, Route, route, routes_of
 from .._metrics import CONTENT_TYPE
 
@@ -26,6 +26,15 @@ def stat(call: Call[Any]) -> Reply:
     return 200, call.broker.stat().model_dump_json().encode()
 
 
+@route("GET", "/v1/who", READ, "who", tag=TAG, answers=HolderList,
+       note="the caller's own sessions (admin: every session), and only names it may use",
+       summary="Which process holds leases on which names and versions")
+def who(call: Call[Any]) -> Reply:
+    p = call.principal
+    items = call.broker.who(None if p.has(ADMIN) else call.who.identity, p.may_use)
+    return 200, HolderList(items=items).model_dump_json().encode()
+
+
 @route("GET", "/metrics", READ, "metrics", tag=TAG, media=CONTENT_TYPE,
        note="totals only: no names, no sessions", summary="Prometheus metrics",
        docs={"responses": {"200": {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}}})
@@ -40,4 +49,4 @@ DOCUMENTS = [Route("GET", path, READ, op, None, tag=TAG)
                               ("/docs/oauth2-redirect", "docs_oauth2_redirect"),
                               ("/redoc", "redoc"))]
 
-ROUTES = [*routes_of(healthz, stat, metrics), *DOCUMENTS]
+ROUTES = [*routes_of(healthz, stat, who, metrics), *DOCUMENTS]

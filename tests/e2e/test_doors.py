@@ -547,12 +547,21 @@ R_MANY_PUT = ("POST", "/v1/many/put")
 R_MANY_GET = ("POST", "/v1/many/get")
 R_MANY_DELETE = ("POST", "/v1/many/delete")
 R_STAT = ("GET", "/v1/stat")
+R_WHO = ("GET", "/v1/who")
 R_HEALTH = ("GET", "/healthz")
 R_METRICS = ("GET", "/metrics")
 R_SHARE = ("POST", "/v1/cuda/share")
 R_LIVE = ("POST", "/v1/cuda/live")
 R_OPENAPI = ("GET", "/openapi.json")
 R_NONE = ("GET", "/nope")
+
+
+def _exact(env: Env, later: int) -> Req:
+    """A get of the version just put (``later``: of one never published)."""
+    name = env.put()
+    items = env.call("GET", "/v1/tensors").json()["items"]
+    version = next(i["version"] for i in items if i["name"] == name) + later
+    return env.req("GET", f"/v1/tensors/{quote(name)}?version={version}")
 
 
 def _put_target(name: str, extra: str = "") -> str:
@@ -581,6 +590,13 @@ GOOD = [
                       422, "invalid_request"), id="tensors-get-timeout-nan"),
     pytest.param(Case(R_GET, lambda e: e.req("GET", "/v1/tensors/"), (400, 422), ANY),
                  id="tensors-get-empty-name"),
+    pytest.param(Case(R_GET, lambda e: _exact(e, 0), 200, delta={"leases": 1}),
+                 id="tensors-get-version"),
+    pytest.param(Case(R_GET, lambda e: _exact(e, 1), 404, "not_found"),
+                 id="tensors-get-version-gone"),
+    pytest.param(Case(R_GET, lambda e: e.req(
+        "GET", f"/v1/tensors/{quote(e.put())}?version=1&timeout=1"), 422, "invalid_request"),
+        id="tensors-get-version-and-timeout"),
     pytest.param(Case(R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}"), 204,
                       delta={"bytes_in_use": -NBYTES, "versions": -1, "tensors": -1},
                       deleted=frozenset({"w"})), id="tensors-delete"),
@@ -659,6 +675,7 @@ GOOD = [
         id="many-delete-both"),
     pytest.param(Case(R_STAT, lambda e: e.req("GET", "/v1/stat", session=False), 200),
                  id="stat"),
+    pytest.param(Case(R_WHO, lambda e: e.req("GET", "/v1/who", session=False), 200), id="who"),
     pytest.param(Case(R_HEALTH, lambda e: e.req("GET", "/healthz", who=None), 200,
                       check=_health), id="healthz"),
     pytest.param(Case(R_METRICS, lambda e: e.req("GET", "/metrics", session=False), 200,
