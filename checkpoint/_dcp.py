@@ -18,8 +18,8 @@ Each rank writes its items in one ``put_many`` (tensors two names share, as
 tied weights, stored once), and reads its items in one ``get_many``.
 ``load`` copies into the destination tensors, as DCP's planners expect,
 unless the planner is a ``ZeroCopyLoadPlanner``: then each destination that
-an item covers whole (same shape, dtype and device) is replaced by a view
-of the broker's bytes, read-only in effect (a stray write stays in the
+an item covers whole (same shape, dtype and device; a DTensor's local shard)
+is replaced by a view of the broker's bytes, read-only in effect (a stray write stays in the
 loading process), which ``load_state_dict(..., assign=True)`` then adopts.
 
 Metadata is unpickled with only the classes a DCP ``Metadata`` holds (DCP's
@@ -57,6 +57,7 @@ try:
         WriteItemType,
     )
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+    from torch.distributed.tensor import DTensor
     from torch.futures import Future
     from torch.utils.dlpack import from_dlpack
 except ImportError as exc:  # pragma: no cover - the message is the point
@@ -403,19 +404,27 @@ def _narrowed(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -
 class ZeroCopyLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that a destination tensor which a
     checkpoint item covers whole (same shape, dtype, CPU) is replaced in the
-    state dict by the broker's own bytes instead of being copied into.  Load
-    a model with ``model.load_state_dict(state["model"], assign=True)``
-    afterwards to keep them.  The tensors are read-only in effect: a write
-    through them stays in this process."""
+    state dict by the broker's own bytes instead of being copied into; for a
+    DTensor, its local shard (the DTensor is rebuilt around it, with its mesh
+    and placements).  Load a model with
+    ``model.load_state_dict(state["model"], assign=True)`` afterwards to keep
+    them.  The tensors are read-only in effect: a write through them stays in
+    this process.  What an item covers only in part (a checkpoint saved with
+    another sharding) is copied, as DCP does."""
 
     def adopt(self, req: ReadItem, src: torch.Tensor) -> bool:
         """Put ``src`` in the state dict for ``req``'s destination, if it covers it whole."""
         fqn = req.dest_index.fqn
         dest = self.state_dict.get(fqn)
-        if (not isinstance(dest, torch.Tensor)
-                or type(dest) not in (torch.Tensor, torch.nn.Parameter) or any(req.dest_offsets)
-                or dest.shape != src.shape or dest.dtype != src.dtype
-                or dest.device != src.device):
+        if not isinstance(dest, torch.Tensor) or any(req.dest_offsets):
+            return False
+        if type(dest) is DTensor:
+            local = dest.to_local()
+            if not _same(local, src):
+                return False
+            src = DTensor.from_local(src, dest.device_mesh, dest.placements, run_check=False,
+                                     shape=dest.shape, stride=dest.stride())
+        elif type(dest) not in (torch.Tensor, torch.nn.Parameter) or not _same(dest, src):
             return False
         self.state_dict[fqn] = src
         if self.flatten_state_dict and fqn in self.mappings:
@@ -423,6 +432,10 @@ class ZeroCopyLoadPlanner(DefaultLoadPlanner):
         elif fqn in self.original_state_dict:
             self.original_state_dict[fqn] = src
         return True
+
+
+def _same(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    return dest.shape == src.shape and dest.dtype == src.dtype and dest.device == src.device
 
 
 def push(checkpoint_id: str, to: str, *, client: Client | None = None, url: str | None = None,

@@ -122,8 +122,8 @@ def test_a_checkpoint_outlives_both_ranks_and_loads_bit_exact_in_new_ones(
         # The model is replicated: written once, by one rank; the DTensor by both.
         assert len(names) == 1 + 4 + 2 + 2, names
     assert _loaded(broker, jobs, "run1/step-100") == [want, want]
-    # Zero copy: every model tensor of every rank is the broker's own bytes.
-    assert _loaded(broker, jobs, "run1/step-100", "--zero-copy") == [want, want, "4", "4"]
+    # Zero copy: every model tensor of every rank, and its DTensor shard, is the broker's bytes.
+    assert _loaded(broker, jobs, "run1/step-100", "--zero-copy") == [want, want, "5", "5"]
     listed = ok("ls", "--prefix", "run1/", "--url", broker.url)
     assert "run1/step-100/.metadata" in listed and len(listed.splitlines()) == 1 + len(names)
     ok("rm", "--prefix", "run1/step-100/", "--url", broker.url)

@@ -106,8 +106,9 @@ else:
     assert isinstance(sd["sharded"], DTensor) and sd["sharded"].to_local().shape == (4, 6)
     print("digest", after, flush=True)
     if planner is not None:
-        print("adopted", sum(in_shared_memory(t.data_ptr()) for t in sd["model"].values()),
-              flush=True)
+        shard = sd["sharded"].to_local()  # the DTensor's local shard: adopted too
+        print("adopted", sum(in_shared_memory(t.data_ptr()) for t in sd["model"].values())
+              + in_shared_memory(shard.data_ptr()), flush=True)
     dist.barrier()
     del sd
 dist.destroy_process_group()
