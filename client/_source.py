@@ -120,6 +120,9 @@ def typed(x: Any, dtype: Any, what: str = "x") -> Any:
 
 
 def dtype_name(dtype: Any) -> str:
+    if dtype is None:  # numpy reads None as float64: never guess
+        raise InvalidType("dtype is None: name one, such as 'float32' or 'bfloat16', or pass a "
+                          "numpy/torch dtype")
     try:
         return dtype_from_name(str(dtype)).name
     except AmbiguousDType as exc:  # numpy would read it one way: never guess

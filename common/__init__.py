@@ -14,8 +14,9 @@ jax and cupy import through DLPack without a copy::
 ``Holder`` per session (a ``HeldName`` per name it holds).  Everything raised for bad
 input or a broker in trouble is a ``DepotError``; each subclass below says
 when it is raised.  ``InvalidRequest`` is also a ``ValueError``,
-``InvalidType`` also a ``TypeError`` and ``TensorNotFound`` also a
-``KeyError``.
+``InvalidType`` also a ``TypeError``, ``TensorNotFound`` also a
+``KeyError``, and ``WaitTimedOut`` (a get's wait that ran out) both a
+``TensorNotFound`` and a ``TimeoutError``.
 
 ``Client``, ``AsyncClient`` and ``SharedTensor`` load on first use (PEP 562),
 so that ``tensordepot.shm`` and ``tensordepot.service``, which import this
@@ -39,6 +40,7 @@ from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
 from ._errors import UntrustedBroker as UntrustedBroker
+from ._errors import WaitTimedOut as WaitTimedOut
 from ._lazy import lazy_names as _lazy_names
 from ._version import __version__ as __version__
 from ._wire import DeviceStat as DeviceStat
@@ -74,6 +76,7 @@ __all__ = [
     "TensorNotFound",
     "TensorReleased",
     "UntrustedBroker",
+    "WaitTimedOut",
     "__version__",
 ]
 

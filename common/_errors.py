@@ -3,6 +3,7 @@
     DepotError
      ├── BrokerUnavailable      the broker cannot be reached (not running, killed, shutting down)
      ├── TensorNotFound         no such name (or no ready version of it)
+     │    └── WaitTimedOut      a get waited and nothing (newer) came in time; also a TimeoutError
      ├── OutOfMemory            the allocation does not fit in --max-memory (HTTP 507)
      ├── AuthError              missing or unknown credentials (HTTP 401)
      │    ├── Forbidden         known credentials, but not allowed to do that (HTTP 403)
@@ -46,6 +47,14 @@ class TensorNotFound(DepotError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class WaitTimedOut(TensorNotFound, TimeoutError):
+    """A get that waited (``timeout`` > 0) and saw nothing (newer) published
+    in time: a ``TensorNotFound`` (a ``KeyError``) and a ``TimeoutError``."""
+
+    code = "timed_out"
+    status = 404
 
 
 class OutOfMemory(DepotError, MemoryError):
@@ -120,6 +129,7 @@ class TensorBroken(DepotError):
 
 ERRORS_BY_CODE: dict[str, type[DepotError]] = {
     cls.code: cls
-    for cls in (DepotError, BrokerUnavailable, TensorNotFound, OutOfMemory, AuthError, Forbidden,
-                InvalidRequest, Conflict, LimitExceeded, TensorReleased, TensorBroken)
+    for cls in (DepotError, BrokerUnavailable, TensorNotFound, WaitTimedOut, OutOfMemory,
+                AuthError, Forbidden, InvalidRequest, Conflict, LimitExceeded, TensorReleased,
+                TensorBroken)
 }

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .._errors import InvalidRequest, TensorNotFound
+from .._errors import InvalidRequest, TensorNotFound, WaitTimedOut
 from .._wire import TensorInfo
 from ..shm import UnsupportedDType, dtype_from_name
 
@@ -240,18 +240,20 @@ class Records:
         what = (f"none of the {len(names)} tensors got a newer version{within}" if any_of
                 else f"{len(miss)} of the {len(names)} tensors "
                      f"{'were not published' + within if waited else 'are not ready'}")
-        wait = "" if waited else "; pass timeout= to wait for them"
-        return TensorNotFound(f"{what}: {shown} ({self.known(prefix)}){wait}")
+        if waited:
+            return WaitTimedOut(f"{what}: {shown} ({self.known(prefix)})")
+        return TensorNotFound(f"{what}: {shown} ({self.known(prefix)}); pass timeout= to wait "
+                              f"for them")
 
     def timed_out(self, name: str, newer_than: int, timeout: float | None,
-                  hook: PeerHook | None, prefix: str | None = None) -> TensorNotFound:
+                  hook: PeerHook | None, prefix: str | None = None) -> WaitTimedOut:
         e = self.entries.get(name)
         within = f"within {timeout:g} s" if timeout is not None else "in time"
         if newer_than and e is not None and e.ready is not None:
-            return TensorNotFound(
+            return WaitTimedOut(
                 f"no version of {name!r} newer than v{newer_than} was published {within} "
                 f"(the newest is v{e.ready.number})"
             )
         peers = "" if hook is None else hook.explain(name)
-        return TensorNotFound(f"tensor {name!r} was not published {within} "
-                              f"({self.known(prefix)}){peers}")
+        return WaitTimedOut(f"tensor {name!r} was not published {within} "
+                            f"({self.known(prefix)}){peers}")

@@ -17,6 +17,11 @@ One process saves and loads a state dict of 1 GiB (64 float32 tensors of
   the tmpfs reader.
 * **D3.** ``dcp.load`` with ``ZeroCopyLoadPlanner``: the state dict gets
   the broker's bytes themselves.  Goal: at most 0.1x the tmpfs reader.
+* **D4, D5.** The first ``dcp.save`` and the first ``dcp.load`` of a new
+  process (cold: its client connects and maps the broker's segments for the
+  first time; torch and the state dict are made before the clock starts),
+  against ``FileSystemWriter`` and ``FileSystemReader`` on a tmpfs, each in
+  a new process too.  The broker is running.  Goal: at most 1.0x.
 
 Every repetition runs each system once, in rotating order; medians.
 """
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +127,48 @@ def run_all(cfg: Config, c: Client, tmpfs: Path, disk: Path) -> dict[str, list[f
     return samples
 
 
+COLD = ("cold_depot_save", "cold_tmpfs_save", "cold_depot_load", "cold_tmpfs_load")
+
+
+def run_cold(cfg: Config, url: str, tmpfs: Path) -> dict[str, list[float]]:
+    """D4, D5: each measurement in a process of its own, made for it."""
+    samples: dict[str, list[float]] = {k: [] for k in COLD}
+    for rep in range(cfg.reps):
+        for group in (COLD[:2], COLD[2:]):
+            order = list(group)[rep % 2:] + list(group)[:rep % 2]
+            for name in order:
+                res = subprocess.run([sys.executable, __file__, "--child", name, "--url", url,
+                                      "--path", str(tmpfs / "cold"), "--tensors",
+                                      str(cfg.tensors), "--tensor-bytes", str(cfg.tensor_bytes)],
+                                     capture_output=True, text=True, timeout=600, check=False,
+                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                if res.returncode != 0:
+                    raise RuntimeError(f"{name} failed:\n{res.stderr[-3000:]}")
+                samples[name].append(float(res.stdout.split()[-1]))
+    return samples
+
+
+def child(name: str, url: str, path: str, tensors: int, tensor_bytes: int) -> float:
+    """One cold measurement, in this new process: seconds."""
+    n = tensor_bytes // 4
+    sd = {"model": {f"layer{i}.weight": torch.full((n // 1024, 1024), float(i))
+                    for i in range(tensors)}}
+    if name.endswith("_load"):
+        sd = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
+    ops: dict[str, Callable[[], Any]] = {
+        "cold_depot_save": lambda: dcp.save(sd, storage_writer=DepotWriter(
+            "bench/cold", url=url, overwrite=True)),
+        "cold_tmpfs_save": lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)),
+        "cold_depot_load": lambda: dcp.load(sd, storage_reader=DepotReader("bench/cold",
+                                                                           url=url)),
+        "cold_tmpfs_load": lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)),
+    }
+    took = timed(ops[name])
+    if name.endswith("_load"):
+        assert float(sd["model"]["layer1.weight"][0, 0]) == 1.0, "loaded"
+    return took
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The README's table for this run."""
     return suite.table(result, f"torch {result['versions'].get('torch')}", digits=1)
@@ -136,6 +185,10 @@ def checks(cfg: Config, s: dict[str, list[float]]) -> tuple[dict[str, Any], list
         "zero_copy_load": "dcp.load, DepotReader + ZeroCopyLoadPlanner",
         "tmpfs_load": "FileSystemReader on tmpfs",
         "disk_load": "FileSystemReader on disk, page cache warm",
+        "cold_depot_save": f"first dcp.save of a new process, DepotWriter, {what}",
+        "cold_tmpfs_save": "first save of a new process, FileSystemWriter on tmpfs",
+        "cold_depot_load": f"first dcp.load of a new process, DepotReader, {what}",
+        "cold_tmpfs_load": "first load of a new process, FileSystemReader on tmpfs",
     }
     data = {k: suite.series(labels[k], v, "ms", 1e3) for k, v in s.items()}
 
@@ -158,6 +211,14 @@ def checks(cfg: Config, s: dict[str, list[float]]) -> tuple[dict[str, Any], list
         suite.check("D3", "D3", f"DCP zero-copy load of {size} / FileSystemReader on tmpfs",
                     data["zero_copy_load"], data["tmpfs_load"],
                     ratio("zero_copy_load", "tmpfs_load"), "<=", 0.1),
+        suite.check("D4", "D4", f"cold: first DCP save of {size} in a new process: DepotWriter "
+                    f"/ FileSystemWriter on tmpfs", data["cold_depot_save"],
+                    data["cold_tmpfs_save"], ratio("cold_depot_save", "cold_tmpfs_save"),
+                    "<=", 1.0),
+        suite.check("D5", "D5", f"cold: first DCP load of {size} in a new process: DepotReader "
+                    f"/ FileSystemReader on tmpfs", data["cold_depot_load"],
+                    data["cold_tmpfs_load"], ratio("cold_depot_load", "cold_tmpfs_load"),
+                    "<=", 1.0),
     ]
     return data, rows
 
@@ -170,7 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk", default=None, help="a folder on the disk (default: a temporary one "
                                                  "beside this repository)")
     ap.add_argument("--report", metavar="JSON", help="print the README table of an earlier run")
+    ap.add_argument("--child", choices=COLD, help=argparse.SUPPRESS)  # one cold measurement
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--tensors", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tensor-bytes", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child:
+        print(child(args.child, args.url, args.path, args.tensors, args.tensor_bytes))
+        return 0
     if args.report:
         print(markdown(json.loads(Path(args.report).read_text())))
         return 0
@@ -185,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with broker.client() as c:
             samples = run_all(cfg, c, tmpfs, disk)
+            samples.update(run_cold(cfg, broker.url, tmpfs))
             c.delete(prefix="bench/")  # teardown counts what is left
         result["benchmarks"], result["checks"] = checks(cfg, samples)
         result["teardown"] = suite.teardown(broker)

@@ -26,11 +26,13 @@ def test_dcp_benchmark_quick(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["mode"] == "quick"
     assert set(r["benchmarks"]) == {"depot_save", "tmpfs_save", "disk_save", "depot_load",
-                                    "zero_copy_load", "tmpfs_load", "disk_load"}
+                                    "zero_copy_load", "tmpfs_load", "disk_load",
+                                    "cold_depot_save", "cold_tmpfs_save", "cold_depot_load",
+                                    "cold_tmpfs_load"}
     for name, s in r["benchmarks"].items():
         assert s["samples"] and all(math.isfinite(x) and x > 0 for x in s["samples"]), name
     rows = {row["id"]: row for row in r["checks"]}
-    assert set(rows) == {"D1", "D1'", "D2", "D2'", "D3"}
+    assert set(rows) == {"D1", "D1'", "D2", "D2'", "D3", "D4", "D5"}
     for row in rows.values():
         assert math.isfinite(row["measured"]) and row["pass"] in (True, False, None), row
         assert row["pass"] is not False or row["reason"], row

@@ -21,6 +21,7 @@ from tensordepot import (
     InvalidRequest,
     InvalidType,
     TensorNotFound,
+    WaitTimedOut,
 )
 
 NAME_RULE = "1 to 512 printable ASCII characters, no spaces"  # as the README states it
@@ -86,9 +87,29 @@ def test_get_with_a_str_timeout(client: Client) -> None:
 def test_a_newer_than_timeout_names_the_newest_version(client: Client) -> None:
     for _ in range(3):
         client.put("w", ARR)
-    message = raises(TensorNotFound, lambda: client.get("w", timeout=0.3, newer_than=3),
+    message = raises(WaitTimedOut, lambda: client.get("w", timeout=0.3, newer_than=3),
                      "no version of 'w' newer than v3", "within 0.3 s", "the newest is v3")
     assert "was not published" not in message
+
+
+def test_a_wait_that_runs_out_is_a_timeout_error_and_a_key_error(client: Client) -> None:
+    """Python code waits for TimeoutError; code that looks a name up, for KeyError."""
+    for call in (lambda: client.get("never", timeout=0.05),
+                 lambda: client.get_many(["never", "nor"], timeout=0.05),
+                 lambda: client.get_many(["never"], timeout=0.05, wait="any")):
+        with pytest.raises(TimeoutError) as info:
+            call()
+        assert isinstance(info.value, TensorNotFound) and isinstance(info.value, KeyError)
+    with pytest.raises(TensorNotFound) as missing:
+        client.get("never")  # no wait: not found, not timed out
+    assert not isinstance(missing.value, TimeoutError)
+    assert client.get("w", newer_than=None) is not None if client.put("w", ARR) else False
+    client.delete("w")
+
+
+def test_a_dtype_of_none_is_refused_not_read_as_float64(client: Client) -> None:
+    raises(InvalidType, lambda: client.empty("x", (2,), None), "dtype is None")
+    assert client.list() == []
 
 
 def test_delete_of_a_missing_name(client: Client) -> None:

@@ -276,7 +276,7 @@ def test_unknown_name_is_404(app: App) -> None:
     assert_error(app.tc.get("/v1/tensors/missing", headers=app.headers()), 404, "not_found",
                  "known: present")
     assert_error(app.tc.get("/v1/tensors/missing?timeout=0.01", headers=app.headers()), 404,
-                 "not_found", "not published within")
+                 "timed_out", "not published within")
     assert_error(app.tc.delete("/v1/tensors/missing"), 404, "not_found")
     r = app.tc.post("/v1/publish", json={"name": "missing", "version": 1}, headers=app.headers())
     assert_error(r, 404, "not_found")
