@@ -1,11 +1,12 @@
 """Turn the suite's JSON into the README's table and a PNG plot.
 
     python tests/bench/report.py bench-results/bench.json [--readme [README.md]]
-        [--plot docs/bench.png | --no-plot]
+        [--plot PNG | --no-plot]
 
 It prints the Markdown (the command, date and machine, a table with one row
 per goal, the plot, and the JSON medians) and saves the plot, which needs
-matplotlib (``pip install -e '.[bench]'``).  Only with ``--readme`` does the
+matplotlib (``pip install -e '.[bench]'``): a full run's to ``docs/bench.png``,
+a quick run's beside its JSON (``--plot`` says where).  Only with ``--readme`` does the
 Markdown also replace whatever stands between ``<!-- bench:begin -->`` and
 ``<!-- bench:end -->`` in the README (the repository's, unless a path is
 given).  A missed goal stays in the table with its reason.
@@ -225,10 +226,17 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     b = r["benchmarks"]
-    fig, axes = plt.subplots(3, 3, figsize=(15, 12))
-    (a_goal, a_b1, a_b2), (a_b3, a_b4, a_b5), (a_b7, a_b8, a_b9) = axes
-
     rows = [row for row in r["checks"] if row["goal_op"] != "info" and row["measured"] is not None]
+    # The goals get a panel of their own across the top, a row of height for
+    # each, so that every label stands clear of the next; the cases below it.
+    goal_height = max(2.5, 0.22 * len(rows) + 1.0)
+    fig = plt.figure(figsize=(15, goal_height + 12), layout="constrained")
+    grid = fig.add_gridspec(4, 3, height_ratios=[goal_height, 4, 4, 4])
+    a_goal = fig.add_subplot(grid[0, :])
+    (a_b1, a_b2, a_b3), (a_b4, a_b5, a_b7), (a_b8, a_b9, a_none) = (
+        [fig.add_subplot(grid[i, j]) for j in range(3)] for i in (1, 2, 3))
+    a_none.axis("off")
+
     _bars(
         a_goal,
         "Each goal: margin (>1 meets it; log scale)",
@@ -287,7 +295,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         items = [(lbl, d[k]["median"]) for k, lbl in keys if k in d]
         _bars(
             a_b3,
-            "B3: 4 KiB handoff, producer -> consumer -> ack",
+            "B3: 4 KiB handoff and its ack",
             [k for k, _ in items],
             [v for _, v in items],
             "ms (lower is better)",
@@ -347,7 +355,6 @@ def plot(r: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"tensordepot benchmarks, {r['mode']} mode, {r['date'][:10]}: {machine_line(r)}", fontsize=9
     )
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -366,13 +373,17 @@ def main(argv: list[str] | None = None) -> int:
         "repository's README.md); without this flag the Markdown is only printed",
     )
     ap.add_argument(
-        "--plot", default=str(ROOT / "docs" / "bench.png"), help="where to save the PNG"
+        "--plot", default=None,
+        help="where to save the PNG (default: docs/bench.png for a full run; beside the JSON "
+        "for a quick one, so that a quick run never replaces the committed plot)",
     )
     ap.add_argument("--no-plot", action="store_true", help="no PNG (and no matplotlib needed)")
     args = ap.parse_args(argv)
     r = json.loads(Path(args.json).read_text())
     readme = Path(args.readme) if args.readme else None
-    png = None if args.no_plot else Path(args.plot)
+    default = (ROOT / "docs" / "bench.png" if r.get("mode") == "full"
+               else Path(args.json).with_suffix(".png"))
+    png = None if args.no_plot else Path(args.plot) if args.plot else default
     if png is not None:
         plot(r, png)
     base = (readme or ROOT / "README.md").resolve().parent  # the plot's link is relative to it

@@ -80,3 +80,16 @@ def test_peers_runs_the_cases_asked_for_and_refuses_unknown_ones(tmp_path: Path)
         assert all(v["median"] > 0 for v in case["systems"].values())
     made = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
     assert made == [], f"the run left shared memory behind: {made}"
+
+
+def test_a_quick_run_never_replaces_the_committed_plot(repo: Path) -> None:
+    pytest.importorskip("matplotlib")
+    quick = json.loads((repo / "docs" / "bench.json").read_text()) | {"mode": "quick"}
+    (repo / "quick.json").write_text(json.dumps(quick))
+    (repo / "docs" / "bench.png").write_bytes(b"the committed plot")
+    res = subprocess.run([sys.executable, "tests/bench/report.py", "quick.json"],
+                         capture_output=True, text=True, timeout=120, cwd=repo, check=False)
+    assert res.returncode == 0, res.stderr
+    assert (repo / "docs" / "bench.png").read_bytes() == b"the committed plot"
+    assert (repo / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot: " in res.stderr and "quick.png" in res.stderr
