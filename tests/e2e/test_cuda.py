@@ -192,6 +192,28 @@ def test_put_many_and_get_many_of_a_gpu_state_dict(gpu_broker: BrokerProc) -> No
         del got, x
 
 
+def test_gets_into_buffers_on_the_gpu_and_across_devices(gpu_broker: BrokerProc) -> None:
+    """get(out=) where the source is on a GPU, into a GPU buffer and a host
+    one, and from a host source into a GPU buffer; a mismatch writes nothing."""
+    src = torch.arange(4096, device="cuda", dtype=torch.float32).reshape(64, 64)
+    with gpu_broker.client() as c:
+        c.put_many({"g": src, "h": src.cpu()})
+        on_gpu, on_host = torch.zeros_like(src), torch.zeros(64, 64)
+        assert c.get("g", out=on_gpu) is on_gpu and torch.equal(on_gpu, src)
+        c.get("g", out=on_host)
+        assert torch.equal(on_host, src.cpu())
+        into_gpu = torch.zeros_like(src)
+        got = c.get_many(["g", "h"], out={"h": into_gpu})
+        assert got["h"] is into_gpu and torch.equal(into_gpu, src)
+        wrong = torch.zeros(64, 64, device="cuda", dtype=torch.float16)
+        with pytest.raises(Exception, match="float16"):
+            c.get("g", out=wrong)
+        assert not wrong.any()
+        del got
+        wait_for(lambda: c.stat().leases == 0, 30, what="the leases given back")
+        c.delete_many(["g", "h"])
+
+
 def test_empty_filled_on_a_stream_then_published(gpu_broker: BrokerProc,
                                                  workers: Callable[..., Worker]) -> None:
     n = 1 << 20
