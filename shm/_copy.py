@@ -105,7 +105,9 @@ def in_parallel(fn: Callable[[int, int], None], address: int, size: int) -> None
     parts, one per copy thread, for at least ``_MIN_PARALLEL`` bytes: a new
     mapping's page tables are built by ``MADV_POPULATE_WRITE`` at about
     3 GiB/s a thread, so a cold 1 GiB window costs half as long on two.
-    Every part has ended when it returns, or raises."""
+    Every part has ended when it returns.  It is bookkeeping, not a wait: a
+    Ctrl-C meanwhile is deferred (``_sigint``), as it was while one thread
+    did it all in one C call."""
     if size < _MIN_PARALLEL or _threads == 1:
         fn(address, size)
         return
@@ -113,23 +115,8 @@ def in_parallel(fn: Callable[[int, int], None], address: int, size: int) -> None
     step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN
     futures = [_pool().submit(fn, address + at, min(step, size - at))
                for at in range(0, size, step)]
-    _wait_all(futures)
-
-
-@interruptible
-def _wait_all(futures: list[Any]) -> None:
-    first: BaseException | None = None
-    for f in futures:
-        while True:
-            try:
-                f.result()
-                break
-            except BaseException as exc:  # a Ctrl-C: the others still run; wait for them too
-                first = first or exc
-                if f.done():
-                    break
-    if first is not None:
-        raise first
+    for f in futures:  # not a wait a Ctrl-C may cut: it lands after, in the caller's next wait
+        f.result()
 
 
 @interruptible
