@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .._errors import DepotError
-from .._proto import CANCEL_HEADER, RELEASE_HEADER, UNKNOWN_SESSION
+from .._errors import DepotError, UnknownSession
+from .._proto import CANCEL_HEADER, RELEASE_HEADER
 from .._wire import ReleaseRequest
 
 log = logging.getLogger("tensordepot.client")
@@ -293,7 +293,7 @@ class Background:
         try:
             client.call_now("POST", path, background=True)
         except DepotError as exc:
-            if getattr(exc, "code", "") == UNKNOWN_SESSION:
+            if isinstance(exc, UnknownSession):
                 # It lapsed while this process was paused: open the next
                 # one now, naming it while views still hold its leases.
                 try:

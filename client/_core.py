@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._proto import REQUEST_HEADER, SESSION_HEADER, UNKNOWN_SESSION
+from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound, UnknownSession
+from .._proto import REQUEST_HEADER, SESSION_HEADER
 from .._wire import ForkInfo, Handle, LinkRequest, PublishRequest, SessionInfo, SessionOpen
 from ..shm import _sigint
 from ._background import Background
@@ -208,7 +208,7 @@ class Core:
         except DepotError as exc:
             if not getattr(exc, "answered", False) and self.bg is not None:
                 self.bg.unanswered(sid, ids, rids, rid if grants else None)
-            if getattr(exc, "code", "") != UNKNOWN_SESSION or background:
+            if not isinstance(exc, UnknownSession) or background:
                 raise
         except BaseException:  # Ctrl-C or a cancel mid-call: the answer will never be read
             if self.bg is not None:

@@ -46,26 +46,15 @@ import httptools
 from pydantic import BaseModel
 
 from .._errors import (
-    ERRORS_BY_CODE,
-    AuthError,
     BrokerUnavailable,
-    Conflict,
     DepotError,
-    Forbidden,
     InvalidRequest,
-    LimitExceeded,
-    OutOfMemory,
-    TensorNotFound,
+    error_class,
 )
 from .._proto import MAX_WAIT, SERVER_HEADER
 
 T = TypeVar("T")
 
-_BY_STATUS: dict[int, type[DepotError]] = {
-    400: InvalidRequest, 401: AuthError, 403: Forbidden, 404: TensorNotFound, 409: Conflict,
-    413: InvalidRequest, 422: InvalidRequest, 429: LimitExceeded, 431: InvalidRequest,
-    503: BrokerUnavailable, 507: OutOfMemory,
-}
 _MAX_HEAD = 64 * 1024
 _SERVER = SERVER_HEADER.encode()
 
@@ -244,10 +233,7 @@ def error(status: int, payload: bytes) -> DepotError:
         code, message = str(err["code"]), str(err["message"])
     except (ValueError, KeyError, TypeError):
         message = f"the broker answered HTTP {status} without an error body"
-    cls = ERRORS_BY_CODE.get(code) or _BY_STATUS.get(status, DepotError)
-    exc = cls(message)
-    if code:
-        exc.code = code
+    exc = error_class(status, code)(message)
     exc.answered = True  # type: ignore[attr-defined]
     return exc
 

@@ -45,10 +45,9 @@ def _error(to: str, name: str, exc: Exception) -> DepotError:
     """What the broker at ``to`` answered, as our error (``shm/_arrow.py`` reads its code)."""
     code, msg = flight_code(exc), flight_message(exc)
     if code in AUTH_CODES:
-        err = AuthError(f"the broker at {to} refused the push of {name!r}: {msg}; "
-                        f"pass token= (or --to-token, $TENSORDEPOT_PEER_TOKEN) with write scope")
-        err.status = 403 if code == Forbidden.code else 401
-        return err
+        cls = Forbidden if code == Forbidden.code else AuthError
+        return cls(f"the broker at {to} refused the push of {name!r}: {msg}; pass token= (or "
+                   f"--to-token, $TENSORDEPOT_PEER_TOKEN) with write scope")
     if code == InvalidRequest.code:
         return InvalidRequest(f"the broker at {to} refused {name!r}: {msg}")
     if code == TensorNotFound.code:

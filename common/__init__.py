@@ -29,16 +29,23 @@ import typing
 
 from ._errors import AuthError as AuthError
 from ._errors import BrokerUnavailable as BrokerUnavailable
+from ._errors import Cancelled as Cancelled
 from ._errors import Conflict as Conflict
 from ._errors import DepotError as DepotError
 from ._errors import Forbidden as Forbidden
+from ._errors import HeadersTooLarge as HeadersTooLarge
 from ._errors import InvalidRequest as InvalidRequest
 from ._errors import InvalidType as InvalidType
 from ._errors import LimitExceeded as LimitExceeded
+from ._errors import MethodNotAllowed as MethodNotAllowed
+from ._errors import NoRoute as NoRoute
 from ._errors import OutOfMemory as OutOfMemory
+from ._errors import RequestTooLarge as RequestTooLarge
 from ._errors import TensorBroken as TensorBroken
 from ._errors import TensorNotFound as TensorNotFound
 from ._errors import TensorReleased as TensorReleased
+from ._errors import UnknownSession as UnknownSession
+from ._errors import Unprocessable as Unprocessable
 from ._errors import UntrustedBroker as UntrustedBroker
 from ._errors import WaitTimedOut as WaitTimedOut
 from ._lazy import lazy_names as _lazy_names
@@ -58,23 +65,30 @@ __all__ = [
     "AsyncClient",
     "AuthError",
     "BrokerUnavailable",
+    "Cancelled",
     "Client",
     "Conflict",
     "DepotError",
     "DeviceStat",
     "Forbidden",
+    "HeadersTooLarge",
     "HeldName",
     "Holder",
     "InvalidRequest",
     "InvalidType",
     "LimitExceeded",
+    "MethodNotAllowed",
+    "NoRoute",
     "OutOfMemory",
+    "RequestTooLarge",
     "SharedTensor",
     "Stat",
     "TensorBroken",
     "TensorInfo",
     "TensorNotFound",
     "TensorReleased",
+    "UnknownSession",
+    "Unprocessable",
     "UntrustedBroker",
     "WaitTimedOut",
     "__version__",

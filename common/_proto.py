@@ -25,7 +25,6 @@ REQUEST_HEADER = "x-tensordepot-request"
 SERVER_HEADER = "x-tensordepot-broker"
 
 # -- error codes the client acts on ----------------------------------------
-UNKNOWN_SESSION = "unknown_session"
 
 # -- limits (the broker enforces them; the client stays within them) --------
 MAX_HEADER_BYTES = 64 * 1024  # a request's head; beyond it: 431
@@ -83,3 +82,11 @@ def unframe(data: bytes) -> tuple[bytes, memoryview]:
                          f"but only {len(data) - _FRAME_HEAD} follow them")
     view = memoryview(data)
     return bytes(view[_FRAME_HEAD:_FRAME_HEAD + n]), view[_FRAME_HEAD + n:]
+
+# Reason phrases of the statuses the broker answers with (RFC 9110).
+REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
+           403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+           410: "Gone", 413: "Content Too Large", 422: "Unprocessable Content",
+           429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error", 503: "Service Unavailable",
+           507: "Insufficient Storage"}

@@ -24,17 +24,17 @@ one ``too_large`` error; the head limit (431) is the HTTP protocol's
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._errors import DepotError, InvalidRequest
+from .._errors import Cancelled, DepotError, InvalidRequest, MethodNotAllowed, NoRoute, error_body
 from .._proto import (
     CANCEL_HEADER,
     MAX_RELEASE_IDS,
+    REASONS,
     RELEASE_HEADER,
     REQUEST_HEADER,
     SERVER_HEADER,
@@ -58,20 +58,9 @@ _SESSION = SESSION_HEADER.encode()
 _REQUEST = REQUEST_HEADER.encode()
 _RELEASE = RELEASE_HEADER.encode()
 _CANCEL = CANCEL_HEADER.encode()
-CANCELLED: Answer = (409, (
-    b'{"error":{"code":"cancelled","message":"the client hung up or cancelled this request"}}'))
+CANCELLED: Answer = (Cancelled.status,
+                     error_body(Cancelled("the client hung up or cancelled this request")))
 INTERNAL: Answer = (500, b"Internal Server Error")
-
-
-class NoRoute(InvalidRequest):
-    """No route serves this path (404), or not with this method (405)."""
-
-    def __init__(self, method: str, path: str, other_method: bool) -> None:
-        shown = path if len(path) <= 200 else path[:200] + "..."
-        super().__init__(f"{method} {shown}: " + (
-            "Method Not Allowed" if other_method else "Not Found"))
-        self.status, self.code = (405, "method_not_allowed") if other_method \
-            else (404, "no_such_route")
 
 
 class Admitted:
@@ -81,12 +70,6 @@ class Admitted:
 
     def __init__(self, route: Route, params: dict[str, str], principal: Principal) -> None:
         self.route, self.params, self.principal = route, params, principal
-
-
-def error_body(code: str, message: str) -> bytes:
-    """The one error body: ``{"error": {"code", "message"}}``."""
-    return json.dumps({"error": {"code": code, "message": message}}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
 
 
 def caller_of(scope: Any) -> Caller:
@@ -201,7 +184,7 @@ async def run_once(slot: tuple[Session, str] | None,
         try:
             status, body = await run()
         except DepotError as exc:
-            status, body = exc.status, error_body(exc.code, str(exc))
+            status, body = exc.status, error_body(exc)
         except ClientGone:  # nobody got an answer: a resend runs again
             return CANCELLED
         s.remember(key, status, body)
@@ -215,12 +198,6 @@ async def _awaited(reply: Reply) -> Answer:
     return reply if isinstance(reply, tuple) else await reply
 
 
-_REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
-            403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
-            410: "Gone", 413: "Content Too Large", 422: "Unprocessable Content",
-            429: "Too Many Requests", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable",
-            507: "Insufficient Storage"}
 MARK = (SERVER_HEADER.encode(), __version__.encode())
 
 
@@ -248,7 +225,9 @@ class Gate:
         r, params, other = match(method, path)
         if r is None:  # unknown routes need the read scope, then answer 404 (405)
             self.auth.authorize(scope, method, path, READ)
-            raise NoRoute(method, path, other)
+            raise (MethodNotAllowed if other else NoRoute)(
+                f"{method} {path if len(path) <= 200 else path[:200] + '...'}: "
+                + ("Method Not Allowed" if other else "Not Found"))
         principal = self.auth.authorize(scope, method, r.template, r.scope)
         name = params.get("name")
         if name is not None:  # outside the prefix is 403, whatever the name
@@ -300,7 +279,7 @@ class Gate:
         except DepotError as exc:
             if slot is None:
                 raise
-            reply = exc.status, error_body(exc.code, str(exc))
+            reply = exc.status, error_body(exc)
         if isinstance(reply, tuple):
             if slot is not None:
                 slot[0].remember(slot[1], *reply)
@@ -314,7 +293,7 @@ class Gate:
         """The answer for an exception: a DepotError's status and body; a
         hang-up's 409; anything else is a bug, logged, and a bare 500."""
         if isinstance(exc, DepotError):
-            return exc.status, error_body(exc.code, str(exc))
+            return exc.status, error_body(exc)
         if isinstance(exc, ClientGone):
             return CANCELLED
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -342,7 +321,7 @@ class Gate:
 
     @staticmethod
     def reason(status: int) -> str:
-        return _REASONS.get(status, "")
+        return REASONS.get(status, "")
 
     def observe(self, method: str, r: Route | None, status: int, started: float) -> None:
         self.metrics.observe_route(method, UNMATCHED if r is None else r.template, status,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .._errors import InvalidRequest
+from .._errors import InvalidRequest, RequestTooLarge, Unprocessable
 from .._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER, unframe
 from .._wire import INLINE_MAX, MAX_NDIM, AllocRequest
 
@@ -121,17 +121,13 @@ def routes_of(*handlers: Handler) -> list[Route]:
 
 # -- parsing: the same rules at every door -------------------------------------------------
 
-def bad_query(message: str) -> InvalidRequest:
-    exc = InvalidRequest(f"invalid request: {message}")
-    exc.status = 422
-    return exc
+def bad_query(message: str) -> Unprocessable:
+    return Unprocessable(f"invalid request: {message}")
 
 
-def too_large() -> InvalidRequest:
-    exc = InvalidRequest(f"the request body is over {MAX_BODY_BYTES} bytes; send large tensors "
-                         f"through /v1/alloc and shared memory, and batches in parts")
-    exc.status, exc.code = 413, "too_large"
-    return exc
+def too_large() -> RequestTooLarge:
+    return RequestTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes; send large "
+                           f"tensors through /v1/alloc and shared memory, and batches in parts")
 
 
 def invalid(exc: ValidationError) -> InvalidRequest:
@@ -146,9 +142,7 @@ def invalid(exc: ValidationError) -> InvalidRequest:
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err.get("loc", ()))
         parts.append(f"{where or 'request'}: {err.get('msg', 'invalid')}")
-    out = InvalidRequest("invalid request: " + "; ".join(parts))
-    out.status = 422
-    return out
+    return Unprocessable("invalid request: " + "; ".join(parts))
 
 
 def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:

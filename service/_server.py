@@ -25,7 +25,6 @@ import contextlib
 import errno
 import gc
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -42,8 +41,15 @@ from urllib.parse import urlsplit
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .._errors import (
+    BrokerUnavailable,
+    DepotError,
+    HeadersTooLarge,
+    InvalidRequest,
+    error_body,
+)
 from .._ids import describe_uid
-from .._proto import MAX_HEADER_BYTES, SERVER_HEADER
+from .._proto import MAX_HEADER_BYTES, REASONS, SERVER_HEADER
 from .._version import __version__
 from ._auth import AuthPolicy
 from ._lane import Lane, LaneRequest
@@ -236,9 +242,10 @@ def _peer_groups(sock: Any) -> tuple[int, ...]:
     return ()
 
 
-def _raw_error(status: int, reason: str, code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+def _raw_error(exc: DepotError) -> bytes:
+    """A whole HTTP answer for ``exc``, for a connection closed after it."""
+    body = error_body(exc)
+    return (f"HTTP/1.1 {exc.status} {REASONS[exc.status]}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n{SERVER_HEADER}: {__version__}\r\n"
             f"connection: close\r\n\r\n").encode() + body
 
@@ -279,9 +286,9 @@ class PeerCredProtocol(HttpToolsProtocol):
         self.app_state = {**self.app_state, "peercred": cred, "peergroups": groups, "unix": unix,
                           "connection": {}}
         if len(self.connections) > self.max_connections and not self._evict_idle():
-            transport.write(_raw_error(503, "Service Unavailable", "broker_unavailable",
-                                       f"the broker has {self.max_connections} connections "
-                                       f"open (--max-connections) and none is idle; retry later"))
+            transport.write(_raw_error(BrokerUnavailable(
+                f"the broker has {self.max_connections} connections open (--max-connections) "
+                f"and none is idle; retry later")))
             transport.close()
 
     def _evict_idle(self) -> bool:
@@ -312,9 +319,8 @@ class PeerCredProtocol(HttpToolsProtocol):
         """A request the HTTP parser cannot read: the one error body, marked
         as every answer of the broker, instead of uvicorn's plain text."""
         if not self.transport.is_closing():
-            self.transport.write(_raw_error(400, "Bad Request", "invalid_request",
-                                            f"{msg} Send HTTP/1.1 with an ASCII request line and "
-                                            f"headers."))
+            self.transport.write(_raw_error(InvalidRequest(
+                f"{msg} Send HTTP/1.1 with an ASCII request line and headers.")))
             self.transport.close()
 
     _refused = False  # answered 431: what the parser still hands over is dropped
@@ -322,8 +328,8 @@ class PeerCredProtocol(HttpToolsProtocol):
     def _refuse_head(self) -> None:
         self._refused = True
         if not self.transport.is_closing():
-            self.transport.write(_raw_error(431, "Request Header Fields Too Large", "too_large",
-                                            f"the request head is over {MAX_HEADER_BYTES} bytes"))
+            self.transport.write(_raw_error(HeadersTooLarge(
+                f"the request head is over {MAX_HEADER_BYTES} bytes")))
             self.transport.close()
         self._lane_req = None
 

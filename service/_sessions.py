@@ -31,8 +31,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BrokerUnavailable, Conflict, Forbidden, InvalidRequest, LimitExceeded
-from .._proto import REQUEST_CACHE, UNKNOWN_SESSION, proc_stat
+from .._errors import (
+    BrokerUnavailable,
+    Conflict,
+    Forbidden,
+    InvalidRequest,
+    LimitExceeded,
+    UnknownSession,
+)
+from .._proto import REQUEST_CACHE, proc_stat
 
 if TYPE_CHECKING:
     import asyncio
@@ -199,12 +206,10 @@ class Sessions:
             )
         s = self.table.get(sid)
         if s is None:
-            exc = Conflict(
+            raise UnknownSession(
                 f"session {sid[:8]}... is unknown: it ended (process exit, missed heartbeats) "
                 f"or the broker restarted; open a new one"
             )
-            exc.code = UNKNOWN_SESSION
-            raise exc
         why = self.foreign(s, caller)
         if why is not None:
             raise Forbidden(why)

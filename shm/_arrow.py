@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._errors import (
-    ERRORS_BY_CODE,
+    CODES,
     AuthError,
     BrokerUnavailable,
     DepotError,
@@ -162,7 +162,7 @@ def flight_code(exc: BaseException) -> str:
     fl = import_flight()
     info = getattr(exc, "extra_info", None)
     code = info.decode("ascii", "replace") if isinstance(info, bytes) else ""
-    if code in ERRORS_BY_CODE:
+    if code in CODES:
         return code
     if isinstance(exc, fl.FlightUnauthenticatedError):
         return AuthError.code
