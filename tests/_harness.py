@@ -42,6 +42,16 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
     raise AssertionError(f"timed out after {timeout} s waiting for {what or cond} (last: {last!r})")
 
 
+def stat_when(c: Any, pred: Callable[[Any], Any], what: str, timeout: float = 10.0) -> Any:
+    """The broker's ``Stat`` (through client ``c``) once ``pred`` holds for it;
+    fails after ``timeout`` seconds, saying ``what`` it waited for."""
+    def check() -> Any:
+        st = c.stat()
+        return st if pred(st) else None
+
+    return wait_for(check, timeout, what=what)
+
+
 def file_position(ptr: int) -> tuple[str, int]:
     """(file, offset in it) of the memory at ``ptr`` in this process, from /proc/self/maps."""
     with open("/proc/self/maps") as f:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from _both import Api
 from _harness import TEST_PREFIX, BrokerProc, shm_entries
+from _workerio import Worker
 
 REQUIRE_CUDA = "TENSORDEPOT_REQUIRE_CUDA"  # =1 on a GPU machine: a missing GPU fails the run
 
@@ -97,6 +98,27 @@ def broker_factory() -> Iterator[Callable[..., BrokerProc]]:
 @pytest.fixture
 def broker(broker_factory: Callable[..., BrokerProc]) -> BrokerProc:
     return broker_factory()
+
+
+@pytest.fixture
+def workers(broker_factory: Callable[..., BrokerProc]) -> Iterator[Callable[..., Worker]]:
+    """Start driven workers (``_workerio.Worker``): ``workers(script, *args,
+    ready=PREFIX, **kw)`` waits for a line starting with ``ready`` when
+    given.  Every one is killed and reaped at the end, stopped ones too,
+    before the brokers are checked (this fixture is set up after theirs)."""
+    started: list[Worker] = []
+
+    def start(script: str, *args: str, ready: str | None = None, ready_timeout: float = 30.0,
+              **kw: Any) -> Worker:
+        w = Worker(script, *args, **kw)
+        started.append(w)
+        if ready is not None:
+            w.expect(ready, ready_timeout)
+        return w
+
+    yield start
+    for w in started:
+        w.close()
 
 
 @pytest.fixture(params=[pytest.param("sync", id="Client"), pytest.param("async", id="AsyncClient")])

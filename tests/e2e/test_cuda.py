@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +47,10 @@ def gpu_broker(broker_factory: Callable[..., BrokerProc]) -> BrokerProc:
 
 
 @pytest.fixture
-def workers() -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(url: str, env: dict[str, str] | None = None) -> Worker:
-        w = Worker("cuda_worker", url, env=env)
-        started.append(w)
-        w.expect("ready", timeout=120)
-        return w
-
-    yield start
-    for w in started:
-        w.close()
+def cuda_worker(workers: Callable[..., Worker]) -> Callable[..., Worker]:
+    """A ``cuda_worker`` of a broker, once it says it is ready."""
+    return lambda url, env=None: workers("cuda_worker", url, env=env, ready="ready",
+                                         ready_timeout=120)
 
 
 def ask(w: Worker, command: str, prefix: str, timeout: float = 120) -> str:
@@ -89,15 +81,15 @@ def names(b: BrokerProc) -> set[str]:
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=d) for d in DTYPES])
 def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(gpu_broker: BrokerProc,
-                                                             workers: Callable[..., Worker],
+                                                             cuda_worker: Callable[..., Worker],
                                                              dtype: str) -> None:
-    producer = workers(gpu_broker.url)
+    producer = cuda_worker(gpu_broker.url)
     big = 20_000_000  # over half a 64 MiB segment for every dtype: a dedicated block
     ask(producer, f"put t {dtype} 100003 7", "put 1")
     ask(producer, f"put big {dtype} {big} 8", "put 1")
     ask(producer, "exit", "bye")
     producer.wait()  # gone, CUDA context and all, before anyone reads
-    consumer = workers(gpu_broker.url)
+    consumer = cuda_worker(gpu_broker.url)
     for lib in ("torch", "cupy", "both"):
         ask(consumer, f"check t {dtype} 100003 7 {lib}", "ok t v1")
         ask(consumer, f"check big {dtype} {big} 8 {lib}", "ok big v1")
@@ -108,21 +100,21 @@ def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(gpu_broker: Broker
 
 
 def test_the_bytes_survive_their_producer(gpu_broker: BrokerProc,
-                                          workers: Callable[..., Worker]) -> None:
-    producer = workers(gpu_broker.url)
+                                          cuda_worker: Callable[..., Worker]) -> None:
+    producer = cuda_worker(gpu_broker.url)
     ask(producer, f"put w float32 {(128 * MiB) // 4} 3", "put 1")
     producer.kill()  # SIGKILL right after put returned: the copy was complete before publish
     producer.wait()
-    consumer = workers(gpu_broker.url)
+    consumer = cuda_worker(gpu_broker.url)
     ask(consumer, f"check w float32 {(128 * MiB) // 4} 3 torch", "ok w v1")
 
 
 def test_cuda_visible_devices_as_uuid_and_as_index(broker_factory: Callable[..., BrokerProc],
-                                                  workers: Callable[..., Worker]) -> None:
+                                                  cuda_worker: Callable[..., Worker]) -> None:
     uuid = gpu_uuid()
     b = broker_factory(*BROKER_ARGS, env={"CUDA_VISIBLE_DEVICES": uuid})
-    by_uuid = workers(b.url, env={"CUDA_VISIBLE_DEVICES": uuid})
-    by_index = workers(b.url, env={"CUDA_VISIBLE_DEVICES": "0"})
+    by_uuid = cuda_worker(b.url, env={"CUDA_VISIBLE_DEVICES": uuid})
+    by_index = cuda_worker(b.url, env={"CUDA_VISIBLE_DEVICES": "0"})
     for w in (by_uuid, by_index):
         seen = json.loads(ask(w, "devices", "devices ").split(" ", 1)[1])
         assert seen["uuids"] == [uuid] and seen["torch"] == 1
@@ -215,7 +207,7 @@ def test_gets_into_buffers_on_the_gpu_and_across_devices(gpu_broker: BrokerProc)
 
 
 def test_empty_filled_on_a_stream_then_published(gpu_broker: BrokerProc,
-                                                 workers: Callable[..., Worker]) -> None:
+                                                 cuda_worker: Callable[..., Worker]) -> None:
     n = 1 << 20
     want = expected("float16", n, 4).cuda()
     with gpu_broker.client() as c:
@@ -227,18 +219,18 @@ def test_empty_filled_on_a_stream_then_published(gpu_broker: BrokerProc,
             view.copy_(want)
         out.publish()  # waits for s's writes (not for the device)
         del view, out
-    reader = workers(gpu_broker.url)
+    reader = cuda_worker(gpu_broker.url)
     ask(reader, f"check filled float16 {n} 4 both", "ok filled v1")
 
 
 # -- lifetime on the GPU ---------------------------------------------------------------------
 
 
-def test_sigkill_of_a_reader_then_its_block_is_reclaimed(gpu_broker: BrokerProc,
-                                                         workers: Callable[..., Worker]) -> None:
+def test_sigkill_of_a_reader_then_its_block_is_reclaimed(
+        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
     with gpu_broker.client() as c:
         c.put("w", torch.ones(8 * MiB // 4, device="cuda"))
-        reader = workers(gpu_broker.url)
+        reader = cuda_worker(gpu_broker.url)
         ask(reader, "hold w", "held 1")
         ask(reader, "export", "ok")
         c.put("w", torch.zeros(8 * MiB // 4, device="cuda"))  # v1 lives on for the reader only
@@ -255,12 +247,12 @@ def test_sigkill_of_a_reader_then_its_block_is_reclaimed(gpu_broker: BrokerProc,
 
 
 def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(
-        gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
     n = 4 * MiB // 4
     before = metrics(gpu_broker.url).get("tensordepot_cuda_frees_deferred_total", 0)
     with gpu_broker.client() as c:
         c.put("w", torch.full((n,), 1.0, device="cuda"))
-        reader = workers(gpu_broker.url)
+        reader = cuda_worker(gpu_broker.url)
         ask(reader, "longread w 3000000000", "queued 1")  # ~1.5 s of sleep, then the sum
         c.put("w", torch.full((n,), 2.0, device="cuda"))  # v1 is retired; only the reader holds it
         wait_for(lambda: metrics(gpu_broker.url).get(
@@ -273,9 +265,9 @@ def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(
 
 
 def test_share_with_the_producer_alive_then_killed(gpu_broker: BrokerProc,
-                                                   workers: Callable[..., Worker]) -> None:
-    producer = workers(gpu_broker.url)
-    reader = workers(gpu_broker.url)
+                                                   cuda_worker: Callable[..., Worker]) -> None:
+    producer = cuda_worker(gpu_broker.url)
+    reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s bfloat16 70001 5", "shared 1")
     ask(reader, "check s bfloat16 70001 5 both", "ok s v1")
     ask(reader, "hold s", "held 1")
@@ -292,9 +284,9 @@ def test_share_with_the_producer_alive_then_killed(gpu_broker: BrokerProc,
 
 
 def test_share_close_waits_for_readers(gpu_broker: BrokerProc,
-                                       workers: Callable[..., Worker]) -> None:
-    producer = workers(gpu_broker.url)
-    reader = workers(gpu_broker.url)
+                                       cuda_worker: Callable[..., Worker]) -> None:
+    producer = cuda_worker(gpu_broker.url)
+    reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s float32 4096 9", "shared 1")
     ask(reader, "hold s", "held 1")
     producer.send("close")
@@ -323,7 +315,7 @@ def test_nothing_on_the_gpu_until_used_and_stat_reports_it(
         assert m[f'tensordepot_memory_in_use_bytes{{device="cuda:{gpu_uuid()}"}}'] == 40 * MiB
 
 
-def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
     jax = pytest.importorskip("jax")
     try:
         has_gpu = bool(jax.devices("gpu"))
@@ -331,9 +323,9 @@ def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, workers: Callable[..., W
         has_gpu = False
     if not has_gpu:
         pytest.skip("jax has no GPU backend here")
-    producer = workers(gpu_broker.url)
+    producer = cuda_worker(gpu_broker.url)
     ask(producer, "put j float32 4096 11", "put 1")
-    reader = workers(gpu_broker.url, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    reader = cuda_worker(gpu_broker.url, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     ask(reader, "check j float32 4096 11 jax", "ok j v1")
 
 
@@ -367,9 +359,9 @@ def test_torch_from_dlpack_to_the_cpu(gpu_broker: BrokerProc) -> None:
 
 
 def test_a_producer_that_closes_but_lives_on_leaves_its_readers_broken_not_wrong(
-        gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
-    producer = workers(gpu_broker.url)
-    reader = workers(gpu_broker.url)
+        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
+    producer = cuda_worker(gpu_broker.url)
+    reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s float32 1000000 5 0.5", "shared 1")
     ask(reader, "hold s", "held 1")
     ask(reader, "export", "ok")
@@ -381,11 +373,11 @@ def test_a_producer_that_closes_but_lives_on_leaves_its_readers_broken_not_wrong
 
 
 def test_close_with_a_long_kernel_still_queued_keeps_the_memory_mapped(
-        gpu_broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
     n = 4 * MiB // 4
     with gpu_broker.client() as c:
         c.put("w", torch.full((n,), 1.0, device="cuda"))
-        reader = workers(gpu_broker.url)
+        reader = cuda_worker(gpu_broker.url)
         ask(reader, "longread w 3000000000", "queued 1")  # ~1.5 s of sleep, then the sum
         ask(reader, "close", "closed")  # drops the cache's hold on every block it opened
         c.put("w", torch.full((n,), 2.0, device="cuda"))

@@ -63,10 +63,9 @@ class Net:
         return host, self._brokers(*args, env=ENV, launcher=host.launcher, shm_dir=host.shm_dir)
 
     @staticmethod
-    def reader(host: Host, broker: BrokerProc) -> Worker:
-        w = Worker("flight_reader", broker.url, launcher=host.launcher)
-        w.expect("ready", 60)
-        return w
+    def reader(workers: Callable[..., Worker], host: Host, broker: BrokerProc) -> Worker:
+        return workers("flight_reader", broker.url, launcher=host.launcher, ready="ready",
+                       ready_timeout=60)
 
 
 @pytest.fixture
@@ -91,13 +90,6 @@ def net(host_factory: Callable[[], Host], broker_factory: Callable[..., BrokerPr
     return Net(host_factory, broker_factory)
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        w.close()
-
 
 def got(line: str) -> dict[str, Any]:
     """A reader's ``ok`` line."""
@@ -119,20 +111,19 @@ def served(url: str, name: str) -> float:
 # -- pulling ------------------------------------------------------------------------
 
 
-def test_eight_consumers_on_another_host_share_one_transfer(net: Net,
-                                                            workers: list[Worker]) -> None:
+def test_eight_consumers_on_another_host_share_one_transfer(
+        net: Net, workers: Callable[..., Worker]) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a))
     x, digest = tensor(64 * MiB, 1)
     with a.client() as c:
         c.put("weights", x)
-    for _ in range(8):
-        workers.append(Worker("flight_reader", b.url, launcher=host.launcher))
-    for w in workers:
+    readers = [workers("flight_reader", b.url, launcher=host.launcher) for _ in range(8)]
+    for w in readers:
         w.expect("ready", 60)
-    for w in workers:  # all at once: the first miss starts the transfer, the rest wait on it
+    for w in readers:  # all at once: the first miss starts the transfer, the rest wait on it
         w.send("get weights 60")
-    answers = [got(w.line(120)) for w in workers]
+    answers = [got(w.line(120)) for w in readers]
     assert all(g["sha"] == digest for g in answers), "a consumer read different bytes"
     assert {(g["version"], g["origin"], g["origin_version"])
             for g in answers} == {(1, flight_url(a), 1)}
@@ -149,10 +140,10 @@ def test_eight_consumers_on_another_host_share_one_transfer(net: Net,
 
 @pytest.mark.parametrize("refresh", [pytest.param(0.0, id="every-get"), pytest.param(1.0, id="1s")])
 def test_supersede_on_origin_reaches_the_replica_within_the_refresh_setting(
-        net: Net, workers: list[Worker], refresh: float) -> None:
+        net: Net, workers: Callable[..., Worker], refresh: float) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", str(refresh))
-    workers.append(r := net.reader(host, b))
+    r = net.reader(workers, host, b)
     x1, d1 = tensor(4 * MiB, 2)
     x2, d2 = tensor(4 * MiB, 3)
     with a.client() as c:
@@ -179,10 +170,10 @@ def test_supersede_on_origin_reaches_the_replica_within_the_refresh_setting(
 
 
 def test_a_get_on_another_host_waits_for_a_name_that_exists_nowhere_yet(
-        net: Net, workers: list[Worker]) -> None:
+        net: Net, workers: Callable[..., Worker]) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", "0.2")
-    workers.append(r := net.reader(host, b))
+    r = net.reader(workers, host, b)
     r.send("get later 60")
     wait_for(lambda: peer_metric(b.url, "peer_checks_total", flight_url(a)) >= 2, 30,
              what="B to ask A again while the get waits")
@@ -198,14 +189,14 @@ def test_a_get_on_another_host_waits_for_a_name_that_exists_nowhere_yet(
     assert peer_metric(b.url, "peer_transfers_total", flight_url(a)) == 3
 
 
-def test_peers_chain(net: Net, workers: list[Worker]) -> None:
+def test_peers_chain(net: Net, workers: Callable[..., Worker]) -> None:
     a = net.origin()
     _, b = net.remote("--flight", "grpc://127.0.0.1:0", "--peer", flight_url(a))
     host_c, c = net.remote("--peer", flight_url(b))
     x, digest = tensor(8 * MiB, 5)
     with a.client() as ca:
         ca.put("emb", x)
-    workers.append(r := net.reader(host_c, c))
+    r = net.reader(workers, host_c, c)
     g = got(r.ask("get emb 30", "ok"))
     # C's replica names where the tensor was published, not the hop it came through.
     assert (g["sha"], g["origin"], g["origin_version"]) == (digest, flight_url(a), 1)
@@ -222,12 +213,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_brokers_that_peer_with_each_other_do_not_loop(net: Net, workers: list[Worker]) -> None:
+def test_brokers_that_peer_with_each_other_do_not_loop(
+        net: Net, workers: Callable[..., Worker]) -> None:
     b_url = f"grpc://127.0.0.1:{free_port()}"
     a = net.origin("--peer", b_url, "--peer-refresh", "0")
     host, b = net.remote("--flight", b_url, "--peer", flight_url(a), "--peer-refresh", "0")
     # A asks B for what it lacks, and B asks A: a name on neither ends at once, on both.
-    workers.append(r := net.reader(host, b))
+    r = net.reader(workers, host, b)
     line = r.ask("get nowhere 0", "error")
     assert "TensorNotFound" in line and "no peer holds it" in line, line
     with a.client() as c:
@@ -241,10 +233,10 @@ def test_brokers_that_peer_with_each_other_do_not_loop(net: Net, workers: list[W
 
 
 def test_a_replica_is_served_as_it_is_while_its_origin_is_unreachable(
-        net: Net, workers: list[Worker]) -> None:
+        net: Net, workers: Callable[..., Worker]) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", "0", "--peer-timeout", "2")
-    workers.append(r := net.reader(host, b))
+    r = net.reader(workers, host, b)
     x, digest = tensor(2 * MiB, 12)
     with a.client() as c:
         c.put("w", x)
@@ -268,7 +260,7 @@ class Paused:
 
 
 @pytest.fixture
-def paused(net: Net, workers: list[Worker]) -> Iterator[Callable[..., Paused]]:
+def paused(net: Net, workers: Callable[..., Worker]) -> Iterator[Callable[..., Paused]]:
     """A pull of NAME (NBYTES) from A by B on another host, held part way: B
     reaches A through a relay that stops forwarding after a quarter of it."""
     relays: list[Relay] = []
@@ -280,7 +272,7 @@ def paused(net: Net, workers: list[Worker]) -> Iterator[Callable[..., Paused]]:
         x, digest = tensor(nbytes, 6)
         with a.client() as c:
             c.put(name, x)
-        workers.append(r := net.reader(host, b))
+        r = net.reader(workers, host, b)
         relay.hold_after(nbytes // 4)
         r.send(f"get {name} 30")
         assert relay.held.wait(60), "the transfer never started"
@@ -372,7 +364,7 @@ def test_unreachable_peers_answer_within_the_timeout(
 # -- pushing ----------------------------------------------------------------------------
 
 
-def test_push_sends_a_version_to_another_host(net: Net, workers: list[Worker]) -> None:
+def test_push_sends_a_version_to_another_host(net: Net, workers: Callable[..., Worker]) -> None:
     a = net.origin()
     host, b = net.remote("--flight", "grpc://127.0.0.1:0")
     x, digest = tensor(16 * MiB, 8)
@@ -384,7 +376,7 @@ def test_push_sends_a_version_to_another_host(net: Net, workers: list[Worker]) -
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"ckpt: version 1 at {flight_url(b)}"
-    workers.append(r := net.reader(host, b))
+    r = net.reader(workers, host, b)
     g = got(r.ask("get ckpt 0", "ok"))
     assert (g["sha"], g["version"], g["origin"]) == (digest, 1, "None")  # pushed: B's own now
     assert served(b.url, "bytes_pushed_total") == 16 * MiB

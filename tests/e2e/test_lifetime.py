@@ -7,6 +7,7 @@ condition with a deadline; killed workers say they are ready first.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import secrets
@@ -15,18 +16,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from _harness import TEST_PREFIX, BrokerProc, wait_for
+from _harness import stat_when as _stat_when
 from _workerio import Worker, metrics, proc_state
 from tensordepot import (
     BrokerUnavailable,
     Client,
     InvalidRequest,
-    Stat,
     TensorBroken,
     TensorInfo,
     TensorNotFound,
@@ -37,21 +38,9 @@ from tensordepot.client._transport import Transport
 N = 1 << 18  # float64 elements: 2 MiB, so puts take the alloc + publish path
 NBYTES = N * 8
 RECLAIM_S = 5.0  # the issue's bound for reclaim after SIGKILL
+stat_when = functools.partial(_stat_when, timeout=RECLAIM_S)  # the bound, for every wait here
 
 
-@pytest.fixture
-def workers(broker_factory: Callable[..., BrokerProc]) -> Iterator[Callable[..., Worker]]:
-    """Start driven workers; all are killed and reaped before the brokers are checked."""
-    started: list[Worker] = []
-
-    def start(script: str, *args: str) -> Worker:
-        w = Worker(script, *args)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.close()
 
 
 def names(c: Client) -> set[str]:
@@ -68,14 +57,6 @@ def readers(c: Client, name: str) -> int:
     return i.readers
 
 
-def stat_when(
-    c: Client, pred: Callable[[Stat], bool], what: str, timeout: float = RECLAIM_S
-) -> Stat:
-    def check() -> Stat | None:
-        st = c.stat()
-        return st if pred(st) else None
-
-    return wait_for(check, timeout, what=what)  # type: ignore[no-any-return]
 
 
 def churn(c: Client, n: int = 6, fill: float = 9.0) -> None:

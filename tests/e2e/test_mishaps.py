@@ -17,15 +17,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, run_worker, wait_for
+from _harness import BrokerProc, run_worker, stat_when, wait_for
 from _interrupt import interrupt_at
 from _workerio import Worker
 from pydantic import BaseModel
-from tensordepot import Client, Stat, TensorNotFound
+from tensordepot import Client, TensorNotFound
 from tensordepot._wire import Handle, HandleColumns
 
 MiB = 1 << 20
@@ -33,20 +33,9 @@ N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
 
 
 @pytest.fixture
-def workers() -> Iterator[Callable[..., Worker]]:
-    started: list[Worker] = []
-
-    def start(*args: str) -> Worker:
-        w = Worker("mishap", *args)
-        started.append(w)
-        w.expect("ready")
-        return w
-
-    yield start
-    for w in started:
-        if w.proc.poll() is None:
-            os.kill(w.pid, signal.SIGCONT)
-        w.close()
+def mishap(workers: Callable[..., Worker]) -> Callable[..., Worker]:
+    """A ``mishap`` worker of a broker, once it says it is ready."""
+    return lambda *args: workers("mishap", *args, ready="ready")
 
 
 def churn(c: Client, name: str, n: int, fill: float) -> np.ndarray:
@@ -61,12 +50,6 @@ def same(view: np.ndarray, fill: float) -> bool:
     return bool(view.tobytes() == np.full(view.shape, fill, dtype=np.float32).tobytes())
 
 
-def stat_when(c: Client, pred: Callable[[Stat], bool], what: str, timeout: float = 10) -> Stat:
-    def check() -> Stat | None:
-        st = c.stat()
-        return st if pred(st) else None
-
-    return wait_for(check, timeout, what=what)  # type: ignore[no-any-return]
 
 
 def free_port() -> int:
@@ -80,9 +63,9 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("how", ["supersede", "delete", "ttl"])
-def test_writer_views_never_reach_another_tensor(broker: BrokerProc, workers: Callable[..., Worker],
+def test_writer_views_never_reach_another_tensor(broker: BrokerProc, mishap: Callable[..., Worker],
                                                  how: str) -> None:
-    w = workers(broker.url)
+    w = mishap(broker.url)
     w.ask(f"empty a {N} 1.0" + (" 0.5" if how == "ttl" else ""), "ok")
     with broker.client() as c:
         if how == "supersede":
@@ -102,8 +85,8 @@ def test_writer_views_never_reach_another_tensor(broker: BrokerProc, workers: Ca
 
 
 def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc,
-                                                     workers: Callable[..., Worker]) -> None:
-    w = workers(broker.url)
+                                                     mishap: Callable[..., Worker]) -> None:
+    w = mishap(broker.url)
     w.ask(f"empty a {N} 1.0", "ok")
     with broker.client() as c:
         held = np.from_dlpack(c.get("a"))
@@ -190,9 +173,9 @@ def _children(pid: int) -> list[int]:
 
 
 def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., BrokerProc],
-                                                workers: Callable[..., Worker]) -> None:
+                                                mishap: Callable[..., Worker]) -> None:
     b = broker_factory(max_memory="4GiB")
-    w = workers(b.url)
+    w = mishap(b.url)
     w.ask("bigput warm 512", "putting")
     w.expect("done", timeout=120)  # the segment now exists and stays warm
     with b.client() as c:
@@ -253,11 +236,11 @@ def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: Broke
 
 
 def test_fork_child_client_works_and_inherited_views_hold(
-        broker: BrokerProc, workers: Callable[..., Worker],
+        broker: BrokerProc, mishap: Callable[..., Worker],
         tmp_path_factory: pytest.TempPathFactory) -> None:
     fifo = str(tmp_path_factory.mktemp("fork") / "cmds")
     os.mkfifo(fifo)
-    w = workers(broker.url)
+    w = mishap(broker.url)
     w.ask("bigput warm 64", "putting")  # the copy threads exist in the parent
     w.expect("done")
     with broker.client() as c:
@@ -306,18 +289,18 @@ def test_ctrl_c_during_fork_leaves_every_client_working(broker: BrokerProc, wher
 # -- M3: versions only grow ------------------------------------------------------------------------
 
 
-def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., Worker]) -> None:
+def test_versions_never_go_backwards(broker: BrokerProc, mishap: Callable[..., Worker]) -> None:
     with broker.client() as c:
         for i in range(3):
             c.put("v", np.full(4, float(i), dtype=np.float32))
         assert c.get("v").version == 3
         c.delete("v")
-        w = workers(broker.url)
+        w = mishap(broker.url)
         w.ask("hold v 4 1.0", "ok")  # an empty() of the same name, never published...
         w.kill()
         w.wait()  # ...and reclaimed when its writer dies
         stat_when(c, lambda s: s.versions == 0, "the dead writer's version to be reclaimed")
-        waiter = workers(broker.url)
+        waiter = mishap(broker.url)
         waiter.send("waitget v")
         waiter.expect("waiting")
         v = c.put("v", np.full(4, 9.0, dtype=np.float32))
@@ -331,8 +314,8 @@ def test_versions_never_go_backwards(broker: BrokerProc, workers: Callable[..., 
 
 
 def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
-                                               workers: Callable[..., Worker]) -> None:
-    w = workers(broker.url)
+                                               mishap: Callable[..., Worker]) -> None:
+    w = mishap(broker.url)
     w.send("waitget later")
     w.expect("waiting")  # said just before the call: the get may not be parked yet
     with broker.client() as c:

@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _harness import WORKERS, BrokerProc, free_port, wait_for
+from _harness import WORKERS, BrokerProc, free_port, stat_when, wait_for
 from _rawhttp import Answer, encode, exchange
 from _workerio import Worker, metrics
 from tensordepot import Client, OutOfMemory, Stat
@@ -32,21 +32,8 @@ MiB = 1 << 20
 N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
 
 
-@pytest.fixture
-def workers() -> Iterator[Callable[..., Worker]]:
-    """Driven workers (``_workerio``), killed, even when stopped, at the end."""
-    started: list[Worker] = []
-    yield lambda script, *args, **kw: started.append(Worker(script, *args, **kw)) or started[-1]
-    for w in started:
-        w.close()
 
 
-def stat_when(c: Client, pred: Callable[[Stat], bool], what: str, timeout: float = 10) -> Stat:
-    def check() -> Stat | None:
-        st = c.stat()
-        return st if pred(st) else None
-
-    return wait_for(check, timeout, what=what)  # type: ignore[no-any-return]
 
 
 def drained(c: Client) -> Stat:
