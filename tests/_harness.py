@@ -52,6 +52,17 @@ def stat_when(c: Any, pred: Callable[[Any], Any], what: str, timeout: float = 10
     return wait_for(check, timeout, what=what)
 
 
+def drained(source: Any, *fields: str, sessions: int | None = None,
+            timeout: float = 10.0) -> Any:
+    """The ``Stat`` of ``source`` (a client or a ``BrokerProc``) once each of
+    ``fields`` is 0, and ``sessions`` (if given) is that many: releases go in
+    the background, so this polls."""
+    said = [f"{f} 0" for f in fields] + [f"{sessions} sessions"] * (sessions is not None)
+    want = " and ".join(said)
+    return stat_when(source, lambda st: all(getattr(st, f) == 0 for f in fields)
+                     and (sessions is None or st.sessions == sessions), want, timeout)
+
+
 def file_position(ptr: int) -> tuple[str, int]:
     """(file, offset in it) of the memory at ``ptr`` in this process, from /proc/self/maps."""
     with open("/proc/self/maps") as f:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 import torch
-from _harness import BrokerProc, free_port, run_worker, wait_for
+from _harness import BrokerProc, drained, free_port, run_worker, wait_for
 from _users import User, other_user
 from _workerio import Worker
 from tensordepot import (
@@ -46,16 +46,6 @@ MiB = 1 << 20
 
 def run(main: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(main())  # type: ignore[arg-type]
-
-
-def drained(b: BrokerProc, timeout: float = 10) -> None:
-    """No lease and nobody waiting at the broker (polled; releases go in the background)."""
-
-    def idle() -> bool:
-        st = b.stat()
-        return st.leases == 0 and st.waiting == 0
-
-    wait_for(idle, timeout, what="no leases and no waiting gets at the broker")
 
 
 async def until(
@@ -101,7 +91,7 @@ def test_put_and_get_numpy_and_torch(broker: BrokerProc, n: int) -> None:
             assert np.array_equal(np.from_dlpack(sync.get("np")), arr[::-1])
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_put_many_get_many_and_names(broker: BrokerProc) -> None:
@@ -132,7 +122,7 @@ def test_put_many_get_many_and_names(broker: BrokerProc) -> None:
             assert np.array_equal(np.from_dlpack(await c.get("alias")), sd["layer.5.w"])
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
@@ -155,7 +145,7 @@ def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
                 await c.get_many(["a"], newer_than={"a": 2})
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_empty_and_publish(broker: BrokerProc) -> None:
@@ -189,7 +179,7 @@ def test_empty_and_publish(broker: BrokerProc) -> None:
             del got, mine, small, big
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_errors_are_the_clients(broker: BrokerProc, tmp_path: Any) -> None:
@@ -270,7 +260,7 @@ def test_tcp_with_a_token(broker_factory: Callable[..., BrokerProc], tmp_path: A
             assert np.array_equal(np.from_dlpack(await c.get("w")), np.arange(MiB, dtype=np.uint8))
 
     run(main)
-    drained(b)
+    drained(b, "leases", "waiting")
 
 
 def test_a_restarted_broker_gets_a_new_session(broker_factory: Callable[..., BrokerProc]) -> None:
@@ -297,7 +287,7 @@ def test_a_restarted_broker_gets_a_new_session(broker_factory: Callable[..., Bro
             del old, got
 
     run(main)
-    drained(b)
+    drained(b, "leases", "waiting")
 
 
 FAKE_BROKER = """
@@ -363,7 +353,7 @@ def test_trust_checks_are_the_clients(
         run(tampered)
     finally:
         os.chmod(f"/dev/shm/{seg}", 0o600)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 # -- concurrency, cancellation, the event loop --------------------------------------------------
@@ -385,7 +375,7 @@ def test_concurrent_gets_wait_for_a_publish(broker: BrokerProc) -> None:
             assert all(np.array_equal(np.from_dlpack(t), np.full(10, 5.0)) for t in got)
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_a_cancelled_get_leaves_no_lease(broker: BrokerProc) -> None:
@@ -403,7 +393,8 @@ def test_a_cancelled_get_leaves_no_lease(broker: BrokerProc) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.get_running_loop().run_in_executor(None, drained, broker)
+            await asyncio.get_running_loop().run_in_executor(None, drained, broker, "leases",
+                                                             "waiting")
             # Races: the publish lands while gets are being cancelled.
             with Client(broker.url) as producer:
                 for i in range(15):
@@ -426,7 +417,7 @@ def test_a_cancelled_get_leaves_no_lease(broker: BrokerProc) -> None:
             assert (await c.stat()).tensors == 1  # the client still works
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_a_cancelled_put_gives_its_allocation_back(
@@ -480,7 +471,7 @@ def test_a_cancelled_put_gives_its_allocation_back(
         run(main)
     finally:
         other.close()
-    drained(b)
+    drained(b, "leases", "waiting")
 
 
 def test_a_cancelled_empty_gives_its_allocation_back(broker: BrokerProc) -> None:
@@ -496,7 +487,7 @@ def test_a_cancelled_empty_gives_its_allocation_back(broker: BrokerProc) -> None
         assert (st.versions, st.bytes_in_use) == (0, 0), st
 
     run(main)
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 def test_the_event_loop_never_waits_for_a_copy(broker_factory: Callable[..., BrokerProc]) -> None:
@@ -532,7 +523,7 @@ def test_the_event_loop_never_waits_for_a_copy(broker_factory: Callable[..., Bro
 def test_fork_gives_the_child_a_working_client(broker: BrokerProc) -> None:
     res = run_worker("async_fork", broker.url)
     assert res.stdout.strip() == "ok", res.stderr
-    drained(broker)
+    drained(broker, "leases", "waiting")
 
 
 # -- end to end: an asyncio server --------------------------------------------------------------
@@ -605,7 +596,7 @@ def test_server_answers_concurrent_gets(server: tuple[Server, BrokerProc]) -> No
     for target, answer in zip(targets, answers, strict=True):
         name = target.split("/")[2].split("?")[0]
         assert answer == {"version": 1, "digest": expect[name]}, target
-    drained(b)
+    drained(b, "leases", "waiting")
 
 
 def test_server_stays_responsive_during_a_big_put(server: tuple[Server, BrokerProc]) -> None:
@@ -636,7 +627,7 @@ def test_server_stays_responsive_during_a_big_put(server: tuple[Server, BrokerPr
         f"the server's event loop stalled {lag:.3f} s in a {took:.2f} s put"
     )
     assert srv.get("/sum/w")["digest"] == digest
-    drained(b)
+    drained(b, "leases", "waiting")
 
 
 def test_server_cancelled_gets_leave_no_lease(server: tuple[Server, BrokerProc]) -> None:
@@ -678,8 +669,8 @@ def test_server_cancelled_gets_leave_no_lease(server: tuple[Server, BrokerProc])
             (200, {"version": 1, "digest": blake(data)}),
         ), (status, body)
     assert sum(status == 200 for status, _ in outcomes) >= 1
-    drained(b)
+    drained(b, "leases", "waiting")
     assert srv.get("/lag")["cancelled"] >= 22
     assert srv.get("/sum/x")["digest"] == blake(data)  # the server keeps working
     assert srv.get("/stat")["tensors"] == 1
-    drained(b)
+    drained(b, "leases", "waiting")

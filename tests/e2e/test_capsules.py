@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _capsules import OneCapsule, is_capsule, managed
-from _harness import BrokerProc, run_worker, wait_for
+from _harness import BrokerProc, drained, run_worker, wait_for
 from tensordepot import Client, SharedTensor
 from tensordepot.shm import FLAG_IS_COPIED, FLAG_READ_ONLY
 
@@ -31,13 +31,8 @@ def pointer(t: SharedTensor) -> int:
     return t._address
 
 
-def drained(c: Client) -> None:
-    wait_for(lambda: c.stat().leases == 0, 10, what="every lease to be released")
-
-
 def freed(c: Client) -> None:
     wait_for(lambda: c.stat().bytes_in_use == 0, 10, what="the broker to free the bytes")
-
 
 
 def raw_bytes(x: Any) -> bytes:
@@ -63,7 +58,7 @@ def test_legacy_torch_utils_path(broker: BrokerProc, dtype: str, get: Any) -> No
         y = torch.from_dlpack(t)  # the modern path
         assert raw_bytes(y) == raw_bytes(src) and y.data_ptr() == pointer(t)
         del x, y, cap, t
-        drained(c)
+        drained(c, "leases")
 
 
 def test_versioned_capsule_consumed_twice_raises(broker: BrokerProc) -> None:
@@ -77,7 +72,7 @@ def test_versioned_capsule_consumed_twice_raises(broker: BrokerProc) -> None:
             torch.utils.dlpack.from_dlpack(cap)
         assert x.tolist() == list(np.arange(10.0))
         del x, cap, t
-        drained(c)
+        drained(c, "leases")
 
 
 # -- capsules that nobody consumes, or that a consumer rejects ----------------------
@@ -93,7 +88,7 @@ def test_dropped_capsule_leaks_nothing(broker: BrokerProc,
         st = c.stat()
         assert st.leases == 1 and st.bytes_in_use > 0, "the unconsumed capsule must hold the lease"
         del cap  # consumed by nobody
-        drained(c)
+        drained(c, "leases")
         freed(c)
 
 
@@ -114,7 +109,7 @@ def test_rejected_capsule_leaks_nothing(broker: BrokerProc,
         assert (type(got.value), str(got.value)) == (type(want.value), str(want.value))
         assert got.value.__cause__ is None and got.value.__context__ is None
         del t, producer, got
-        drained(c)
+        drained(c, "leases")
         freed(c)
 
 
@@ -134,7 +129,7 @@ def test_copy_true_is_independent_and_flagged(broker: BrokerProc) -> None:
         a[...] = -1
         assert np.array_equal(t.numpy(), want), "writing the copy changed the shared tensor"
         del t
-        drained(c)  # the copy holds no lease
+        drained(c, "leases")  # the copy holds no lease
         assert (a == -1).all()
 
 
@@ -152,7 +147,7 @@ def test_copy_false_and_none_never_copy(broker: BrokerProc, get: Any) -> None:
         a = np.from_dlpack(t, copy=False)
         assert a.ctypes.data == pointer(t)
         del a, t
-        drained(c)
+        drained(c, "leases")
 
 
 @pytest.mark.parametrize("dl_device,ok", [
@@ -176,7 +171,7 @@ def test_dl_device(broker: BrokerProc, dl_device: tuple[int, int], ok: bool) -> 
                 with pytest.raises(BufferError, match="cannot be exported to DLPack device"):
                     t.__dlpack__(max_version=(1, 0), dl_device=dl_device, copy=copy)
         del t
-        drained(c)
+        drained(c, "leases")
 
 
 def test_stream_must_be_none_on_cpu(broker: BrokerProc) -> None:
@@ -186,7 +181,7 @@ def test_stream_must_be_none_on_cpu(broker: BrokerProc) -> None:
         with pytest.raises(BufferError, match="stream"):
             t.__dlpack__(stream=7)
         del t
-        drained(c)
+        drained(c, "leases")
 
 
 @pytest.mark.parametrize("max_version", VERSIONS)
@@ -199,7 +194,7 @@ def test_strides_always_filled(broker: BrokerProc, max_version: tuple[int, int] 
         assert dl.ndim == 3 and dl.strides, "strides must be filled in, even for C order"
         assert [dl.strides[i] for i in range(3)] == [15, 5, 1] == list(t.strides)
         del dl, cap, t
-        drained(c)
+        drained(c, "leases")
 
 
 # -- read-only views ------------------------------------------------------------------
@@ -216,7 +211,7 @@ def test_numpy_views_of_published_tensors_are_read_only(broker: BrokerProc, get:
             with pytest.raises(ValueError):
                 view.flags.writeable = True  # numpy will not lift it either
         del view, f, bf
-        drained(c)
+        drained(c, "leases")
 
 
 def test_numpy_views_of_empty_are_writable(broker: BrokerProc) -> None:
@@ -236,7 +231,7 @@ def test_numpy_views_of_empty_are_writable(broker: BrokerProc) -> None:
         bf.publish()
         assert torch.from_dlpack(c.get("z")).tolist() == [1.5] * 3
         del a, b, got, out, bf, v
-        drained(c)
+        drained(c, "leases")
 
 
 # -- lifetimes across consumers -------------------------------------------------------
@@ -266,7 +261,7 @@ def test_views_outlive_their_shared_tensor(broker: BrokerProc,
             assert not changed, f"{changed} changed after the views before {name} were dropped"
             assert c.stat().leases == 1
             del views[name]
-        drained(c)
+        drained(c, "leases")
 
 
 def test_numpy_without_ml_dtypes(broker: BrokerProc) -> None:

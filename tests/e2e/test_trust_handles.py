@@ -26,31 +26,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _harness import TEST_PREFIX, WORKERS, BrokerProc, shm_entries, wait_for
+from _harness import TEST_PREFIX, WORKERS, BrokerProc, drained, shm_entries
 from tensordepot import AsyncClient, InvalidRequest
 from tensordepot.shm._posix import PosixSegment
 
 MiB = 1 << 20
-
-
-def drained_of_leases(b: BrokerProc) -> None:
-    """No lease and no waiting get at the broker (releases go in the background)."""
-
-    def idle() -> bool:
-        st = b.stat()
-        return st.leases == 0 and st.waiting == 0
-
-    wait_for(idle, 10, what="no leases and no waiting gets at the broker")
-
-
-def drained(b: BrokerProc) -> None:
-    """No lease, no version, no byte in use at the broker (releases go in the background)."""
-
-    def idle() -> bool:
-        st = b.stat()
-        return st.leases == 0 and st.versions == 0 and st.bytes_in_use == 0
-
-    wait_for(idle, 10, what="no leases, versions or bytes at the broker")
 
 
 # -- handles that reach outside their bytes ----------------------------------------------------
@@ -284,7 +264,7 @@ def test_a_tensor_held_from_a_killed_broker_is_copied_by_the_first_put(
             del got, held, t
 
     asyncio.run(main())
-    drained_of_leases(broker)
+    drained(broker, "leases", "waiting")
 
 
 # -- masked arrays ------------------------------------------------------------------------------
@@ -326,4 +306,4 @@ def test_a_masked_array_is_refused_by_put_and_put_many(broker: BrokerProc, n: in
                     await ac.delete(name)
 
         asyncio.run(main())
-    drained(broker)
+    drained(broker, "leases", "versions", "bytes_in_use")

@@ -22,24 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _harness import WORKERS, BrokerProc, free_port, stat_when, wait_for
+from _harness import WORKERS, BrokerProc, drained, free_port, stat_when, wait_for
 from _rawhttp import Answer, encode, exchange
 from _workerio import Worker, metrics
-from tensordepot import Client, OutOfMemory, Stat
+from tensordepot import Client, OutOfMemory
 from tensordepot._proto import SESSION_HEADER
 
 MiB = 1 << 20
 N = MiB // 4  # float32 elements of a 1 MiB tensor (a pooled block)
-
-
-
-
-
-
-def drained(c: Client) -> Stat:
-    """Nothing left but the probe's own session: no lease, no byte, nothing retired."""
-    return stat_when(c, lambda s: (s.sessions, s.leases, s.bytes_in_use, s.bytes_retired)
-                     == (1, 0, 0, 0), "the broker to drain")
 
 
 # -- 1. a session id works only from the process that opened it ------------------------------
@@ -75,7 +65,7 @@ def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
         for i in range(4):
             owner.delete(f"c{i}")
         del t, view
-        drained(owner)
+        drained(owner, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 # -- 2. retired memory comes back --------------------------------------------------------------
@@ -119,7 +109,7 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
                   GRACE + 10)
         assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
         c.delete("keep")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 @pytest.mark.parametrize("closed", [False, True], ids=["carries_on", "closed_its_client"])
@@ -161,7 +151,7 @@ def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
         names = ["keep", *{f"churn{j % 4}" for j in range(i)}] + ([] if closed else ["mine"])
         for name in names:
             c.delete(name)
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at_once(
@@ -191,7 +181,7 @@ def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at
         assert (st.bytes_retired, st.retired_total) == (0, 0), st
         assert time.monotonic() - killed < 2, "slower than --reap-interval allows"
         c.delete("keep")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
@@ -223,7 +213,7 @@ def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
         assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
         assert st.retired_total >= MiB, st  # it was retired, then came back
         c.delete("keep")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 # -- 3. an empty() past --alloc-ttl ------------------------------------------------------------
@@ -254,7 +244,7 @@ def test_an_expired_empty_comes_back_once_its_hold_ends(
             w.send("exit")
             assert w.wait() == 0, w.stderr()
         c.delete("keep")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 # -- 4. a clean exit is not a crash --------------------------------------------------------------
@@ -291,7 +281,7 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
         else:
             assert (reaped, exited, len(crash_lines)) == (1, 0, 1), (reaped, exited, crash_lines)
         c.delete("x")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
@@ -326,7 +316,7 @@ def test_five_normal_exits_with_views_past_close_are_no_crash_and_a_kill_is_one(
         assert last.get(REAPED, 0) - after.get(REAPED, 0) == 1
         assert last.get(EXITED, 0) == after.get(EXITED, 0)
         c.delete("x")
-        drained(c)
+        drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
 
 
 KEEP_AND_WAIT = """
