@@ -389,7 +389,7 @@ def test_a_cancelled_get_leaves_no_lease(broker: BrokerProc) -> None:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(c.get_many(["x", "y"], timeout=None), 0.3)
             task = asyncio.ensure_future(c.get("x", timeout=60))
-            await asyncio.sleep(0.2)
+            await until(c, lambda s: s.waiting == 1, "the get to be parked at the broker")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
