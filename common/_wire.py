@@ -1,7 +1,7 @@
 """What crosses HTTP: frozen pydantic models imported by both the broker and
 the client, so nothing is defined twice.  Handles describe memory and never
-carry the tensor's bytes (except ``PutRequest.data``, the inline fast path
-for small tensors).
+carry the tensor's bytes (a small tensor's bytes ride in the body of
+``POST /v1/put/{name}`` and ``/v1/many/put``, never in a model).
 
 It is over 500 lines, on purpose: every model that crosses HTTP is here, and
 only here, so that the broker and the client can never disagree on one."""

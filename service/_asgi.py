@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from .._proto import MAX_BODY_BYTES
-from ._broker import ClientGone
 from ._gate import MARK, Gate
 from ._handler import too_large
+from ._waits import ClientGone
 
 
 async def _read_body(receive: Any, headers: dict[bytes, bytes]) -> bytes:

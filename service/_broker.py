@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import BrokerUnavailable, DepotError, Forbidden, InvalidRequest, TensorNotFound
+from .._errors import BrokerUnavailable, Forbidden, InvalidRequest, TensorNotFound
 from .._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo
 from ..shm._pool import Pool
 from ._cuda import CudaMemory
@@ -67,9 +67,9 @@ from ._leases import Leases
 from ._memory import Memory
 from ._quotas import Limits, Quotas
 from ._reads import Reads
-from ._records import PeerHook, Records, Replica, Version, c_strides
+from ._records import PeerHook, Records, Version, c_strides
 from ._sessions import LOCAL, Caller, Session, Sessions
-from ._waits import ClientGone, Waits
+from ._waits import Waits
 from ._writes import Writes
 
 log = logging.getLogger("tensordepot.broker")
@@ -83,7 +83,7 @@ class Broker:
     ``try_put_many`` and ``link``; its
     reading side is ``Reads`` (``_reads``): ``try_get``, ``try_get_many``,
     ``get``, ``get_many`` and ``get_version``.
-    ``ready(name, newer_than)`` (also ``_ready``): the newest ready version
+    ``ready(name, newer_than)``: the newest ready version
     of ``name`` newer than ``newer_than``, or None."""
 
     def __init__(self, pool: Pool, *, limits: Limits | None = None,
@@ -121,7 +121,7 @@ class Broker:
         self.get_version = r.get_version
         self.entries = self.records.entries  # name -> Entry
         self.leases = self.lending.table  # lease id -> Lease
-        self.ready = self._ready = self.records.ready
+        self.ready = self.records.ready
         # The writing side answers as the broker's own methods, at no extra call.
         self.alloc, self.try_alloc, self.alloc_many, self.try_alloc_many = (
             w.alloc, w.try_alloc, w.alloc_many, w.try_alloc_many)
@@ -458,10 +458,4 @@ class Broker:
         log.info("unlinked all shared memory (pid %d)", os.getpid())
 
 
-def local_session(broker: Broker, label: str = "broker") -> str:
-    """A session owned by the broker itself (internal work and tests)."""
-    return broker.open_session(LOCAL, label).session
-
-
-__all__ = ["Broker", "Caller", "ClientGone", "DepotError", "Limits", "Replica", "Version",
-           "local_session"]
+__all__ = ["Broker"]

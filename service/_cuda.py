@@ -14,7 +14,7 @@ event loop, except event queries, which a task runs in a worker thread.
   writer records after its copy or fill and waits for before it publishes;
   readers make their stream wait on it.  One event serves a whole batch:
   allocations of one session on one GPU in one pass of the event loop (a
-  ``/v1/batch/alloc``) share it.
+  batch's) share it.
 * **Release events, and deferred reuse.**  Every lease of a CUDA version
   gets its own event.  The reader records it, at release, on each stream
   that used the tensor, and sends the release without waiting.  A block

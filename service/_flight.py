@@ -54,8 +54,9 @@ from ..shm._arrow import (
     to_flight,
 )
 from ._auth import AuthPolicy
-from ._broker import Broker, Version
+from ._broker import Broker
 from ._peers import PEER_HEADER, VIA, VIA_HEADER
+from ._records import Version
 from ._scopes import Scopes
 from ._server import ListenError
 from ._sessions import LOCAL, Caller

@@ -43,11 +43,12 @@ from .._proto import (
 from .._version import __version__
 from .._wire import check_name
 from ._auth import READ, Authorizer, AuthPolicy, Principal, require_name, require_names
-from ._broker import Broker, ClientGone
+from ._broker import Broker
 from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed
 from ._metrics import UNMATCHED, Metrics
 from ._routes import match
 from ._sessions import Caller
+from ._waits import ClientGone
 
 if TYPE_CHECKING:
     from ._sessions import Session

@@ -1,14 +1,15 @@
 """Batches as columns: ``/v1/many/alloc``, ``/v1/many/publish``, ``/v1/many/put``
 and ``/v1/many/get`` (``/v1/many/delete`` answers names only: routers/many.py).
 
-A state dict is hundreds or thousands of tensors, and per tensor the older
-``/v1/batch`` routes validate, build and serialise a whole ``Handle`` model
-in the broker and again in the client.  These routes carry the same facts
-as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
+A state dict is hundreds or thousands of tensors; a whole ``Handle`` model
+per tensor, validated, built and serialised in the broker and again in the
+client, would cost more than the tensors' bytes.  These routes carry the
+facts as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
 ``HandleColumns`` out), so a batch costs a few list operations per tensor.
-The routers (routers/batch.py) and the fast lane (service/_lane.py) both
-call the functions here; ``*_now`` answers without awaiting, or returns
-None when the request must wait (a new segment, an unpublished version).
+The routers (routers/many.py; routers/batch.py for ``/v1/batch/get``) and
+the fast lane (service/_lane.py) call the functions here; ``*_now``
+answers without awaiting, or returns None when the request must wait (a
+new segment, an unpublished version).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ from ..shm._arrow import (
     parse_flight_url,
     read_into,
 )
-from ._broker import Broker, Replica, Version
-from ._records import check_item
+from ._broker import Broker
+from ._records import Replica, Version, check_item
 from ._sessions import LOCAL, Caller
 from ._traffic import PEER_METRICS, Traffic
 

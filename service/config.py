@@ -18,7 +18,7 @@ from .._defaults import default_socket_path, parse_size
 from .._ids import group_id
 
 if TYPE_CHECKING:  # the broker loads only where limits() is called: the CLI reads Settings
-    from ._broker import Limits
+    from ._quotas import Limits
 
 
 def _size(text: str) -> str:
@@ -143,7 +143,7 @@ class Settings(BaseSettings):
         return parse_size(self.warm_memory)
 
     def limits(self) -> Limits:
-        from ._broker import Limits
+        from ._quotas import Limits
 
         return Limits(session_ttl=self.session_ttl, alloc_ttl=self.alloc_ttl,
                       lapse_grace=self.lapse_grace,
@@ -170,5 +170,6 @@ class Settings(BaseSettings):
 
 @lru_cache
 def get_settings() -> Settings:
-    """The settings dependency; tests override it with app.dependency_overrides."""
+    """The settings of the environment, read once (``create_app`` uses them
+    when given none)."""
     return Settings()

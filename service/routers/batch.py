@@ -1,14 +1,16 @@
 """Batches as lists of handles (``/v1/batch/*``), the first batch routes.
-``/v1/many/*`` carries the same facts as columns, for less work per tensor;
-both clients use those."""
+``/v1/many/*`` carries the same facts as columns, for less work per tensor:
+both clients use those, except ``put_many`` where a GPU is involved
+(``client/_cuda_ops.py``), which still allocates and publishes here."""
 
 from __future__ import annotations
 
 from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
 from .. import _many
 from .._auth import READ, WRITE
-from .._broker import Broker, Version
+from .._broker import Broker
 from .._handler import Answer, Call, Reply, route, routes_of
+from .._records import Version
 
 TAG = "batch"
 
