@@ -50,9 +50,9 @@ def serve(args: argparse.Namespace) -> int:
 
     from .._errors import DepotError
     from ..service._auth import AuthConfigError, load_policy
-    from ..service._server import ListenError, PeerCredProtocol, Server, bind_all, close_all
+    from ..service._http._server import PeerCredProtocol, Server, bind_all, close_all
     from ..service.app import create_app
-    from ..service.config import shm_capacity
+    from ..service.config import ListenError, shm_capacity
     from ..shm import PrefixLock, PrefixLockError
 
     try:
@@ -139,7 +139,7 @@ def _raise_fd_limit() -> None:
 def _bind_hosts(settings: Any, policy: Any) -> Any:
     """The Flight endpoint, listening (or None), after checking the peer
     settings, so that a bad address fails here and not in the running broker."""
-    from ..service._server import ListenError
+    from ..service.config import ListenError
 
     if not (settings.flight or settings.peer):
         return None
@@ -147,7 +147,7 @@ def _bind_hosts(settings: Any, policy: Any) -> Any:
         from ..shm._arrow import import_flight, parse_flight_url
 
         import_flight()
-        from ..service._flight import bind_flight
+        from ..service._hosts._flight import bind_flight
 
         for url in settings.peer:
             parse_flight_url(url, flag("peer"))

@@ -75,7 +75,7 @@ def _valid_names(names: list[str]) -> list[str]:
 
 # A name in a model checks itself with ``check_name``: the broker answers a
 # bad one with that InvalidRequest (400), as for a name in a path
-# (service/_handler.py ``invalid``).  The schema shows the same rule.
+# (service/_http/_handler.py ``invalid``).  The schema shows the same rule.
 Name = Annotated[str, AfterValidator(_valid_name),
                  Field(json_schema_extra={"pattern": NAME_PATTERN},
                        examples=["model.layers.0.weight"])]

@@ -1,7 +1,7 @@
 """Who may do what: the broker's one authorization layer.
 
 ``Authorizer`` runs first for every request, at both doors (the gate,
-service/_gate.py, calls it before anything else).  It resolves each request
+service/_http/_gate.py, calls it before anything else).  It resolves each request
 to a ``Principal`` and stores it in ``scope["state"]["principal"]``:
 
 * **unix socket, allowed uid**: the peer's uid comes from SO_PEERCRED, which
@@ -17,7 +17,7 @@ to a ``Principal`` and stores it in ``scope["state"]["principal"]``:
   warning on every connection's first request.
 
 Anything else is answered here: 401 (no or unknown credentials) or 403
-(known, but not allowed).  The route table (service/_routes.py) gives each
+(known, but not allowed).  The route table (service/_http/_routes.py) gives each
 route the scope it needs; the gate checks every name of a request, in its
 path or its body, against the principal's prefix with ``require_names``.
 """
@@ -320,7 +320,7 @@ def _missing_scope(principal: Principal, needed: str, method: str, template: str
 
 class Authorizer:
     """Resolve each request's principal and check the scope of its route.
-    The gate (service/_gate.py) calls it for both doors, before anything
+    The gate (service/_http/_gate.py) calls it for both doors, before anything
     else happens: no body is read, no rider released, before it passes."""
 
     def __init__(self, policy: AuthPolicy) -> None:

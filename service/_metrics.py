@@ -4,7 +4,7 @@ Each app owns a ``CollectorRegistry`` of its own (never prometheus_client's
 global default), so several brokers in one process (tests, embedding) do
 not clash.  Two sources fill it:
 
-* ``Metrics.observe_route``, which the gate (service/_gate.py) calls for
+* ``Metrics.observe_route``, which the gate (service/_http/_gate.py) calls for
   each HTTP request at either door, refused ones included, labelled with
   the method, the *template* of the route the path matches
   (``/v1/tensors/{name}``, never the raw path, so tensor names cannot
@@ -33,7 +33,7 @@ from .._version import __version__
 from .._wire import DeviceStat
 
 if TYPE_CHECKING:
-    from ._broker import Broker
+    from ._registry._broker import Broker
 
 Family = TypeVar("Family", CounterMetricFamily, GaugeMetricFamily)
 

@@ -15,14 +15,14 @@ from .._defaults import parse_size
 from .._version import __version__
 from ..shm import PrefixLock, sweep
 from ..shm._pool import Pool
-from ._asgi import AsgiDoor
 from ._auth import AuthPolicy, load_policy
-from ._broker import Broker
-from ._cuda import CudaMemory
-from ._gate import Gate
-from ._lane import Lane
+from ._http._asgi import AsgiDoor
+from ._http._gate import Gate
+from ._http._lane import Lane
+from ._http._routes import openapi_routes
 from ._metrics import Metrics
-from ._routes import openapi_routes
+from ._registry._broker import Broker
+from ._registry._cuda import CudaMemory
 from .config import Settings, get_settings
 
 log = logging.getLogger("tensordepot.broker")
@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             pool.prewarm(parse_size(cfg.prealloc))
             hosts = None
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
-                from ._hosts import connect  # imports pyarrow
+                from ._hosts._connect import connect  # imports pyarrow
 
                 hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None),
                                 app.state.metrics)
@@ -91,7 +91,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     app.state.auth_policy = policy = policy or load_policy(settings)
     app.state.metrics = Metrics(lambda: getattr(app.state, "broker", None))
     # One gate, two doors: the real server's protocol answers every route it
-    # can itself (service/_lane.py); everything else takes the ASGI door, the
+    # can itself (service/_http/_lane.py); everything else takes the ASGI door, the
     # one middleware, which hands FastAPI only the API documents.
     gate = Gate(app.state, policy, app.state.metrics)
     app.add_middleware(AsgiDoor, gate=gate)

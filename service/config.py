@@ -18,7 +18,12 @@ from .._defaults import default_socket_path, parse_size
 from .._ids import group_id
 
 if TYPE_CHECKING:  # the broker loads only where limits() is called: the CLI reads Settings
-    from ._quotas import Limits
+    from ._registry._quotas import Limits
+
+
+class ListenError(RuntimeError):
+    """A listener (``--listen``, ``--flight``) cannot be set up; the message
+    says what to do."""
 
 
 def _size(text: str) -> str:
@@ -98,7 +103,7 @@ class Settings(BaseSettings):
                                  "longest-idle one is closed")
     log_level: str = Field("info", description="debug, info, warning or error")
 
-    # -- across hosts: Arrow Flight (service/_flight.py, service/_peers.py) ---------------
+    # -- across hosts: Arrow Flight (service/_hosts/_flight.py, service/_hosts/_peers.py) -----
     flight: str = Field("", description="serve tensors to other hosts: grpc://HOST:PORT or "
                                         "grpc+tls://HOST:PORT")
     flight_tls_cert: str = Field("", description="PEM certificate file for a grpc+tls:// --flight")
@@ -143,7 +148,7 @@ class Settings(BaseSettings):
         return parse_size(self.warm_memory)
 
     def limits(self) -> Limits:
-        from ._quotas import Limits
+        from ._registry._quotas import Limits
 
         return Limits(session_ttl=self.session_ttl, alloc_ttl=self.alloc_ttl,
                       lapse_grace=self.lapse_grace,

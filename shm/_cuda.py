@@ -262,7 +262,7 @@ class IpcEvent:
 
 
 class Gpu:
-    """What the broker needs from CUDA for one device (see ``service/_cuda.py``).
+    """What the broker needs from CUDA for one device (see ``service/_registry/_cuda.py``).
 
     Tests of the broker's bookkeeping substitute an object with the same
     methods; this one talks to the GPU."""

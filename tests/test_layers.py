@@ -20,6 +20,11 @@ CASES = [
     pytest.param("tensordepot.service.app", ("tensordepot.client", "tensordepot.cli"),
                  id="service"),
     pytest.param("tensordepot.client", ("tensordepot.service", "tensordepot.cli"), id="client"),
+    pytest.param("tensordepot.service._registry._broker",
+                 ("tensordepot.service._http", "tensordepot.service._hosts",
+                  "tensordepot.service.app", "tensordepot.service._auth"), id="registry"),
+    pytest.param("tensordepot.service._http._gate",
+                 ("tensordepot.service._hosts", "tensordepot.service.app"), id="http"),
 ]
 
 

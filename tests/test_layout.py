@@ -36,14 +36,14 @@ def test_no_product_module_is_over_500_lines_without_saying_why() -> None:
 
 
 def test_every_route_has_one_handler_and_the_lane_has_none() -> None:
-    """Handlers live in service/routers/ and nowhere else: the doors and the
+    """Handlers live in service/_http/routers/ and nowhere else: the doors and the
     gate dispatch through the route table, never by path."""
-    from tensordepot.service._routes import ROUTES
+    from tensordepot.service._http._routes import ROUTES
 
     handlers = [r.handler for r in ROUTES if r.handler is not None]
     assert len(handlers) == len(set(handlers)), "one handler serves one route"
     for h in handlers:
-        assert h.__module__.startswith("tensordepot.service.routers."), h
-    for door in ("service/_lane.py", "service/_asgi.py", "service/_gate.py"):
+        assert h.__module__.startswith("tensordepot.service._http.routers."), h
+    for door in ("service/_http/_lane.py", "service/_http/_asgi.py", "service/_http/_gate.py"):
         text = (ROOT / door).read_text()
         assert "/v1/" not in text.replace("service/_", ""), f"{door} names a route's path"

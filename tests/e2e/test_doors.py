@@ -1,7 +1,7 @@
 """Both HTTP doors give the same answer and have the same effect, route by route.
 
 The broker has two doors for HTTP: the fast lane inside the HTTP protocol
-(service/_lane.py) and ASGI (FastAPI).  Each case of ``CASES`` is sent through
+(service/_http/_lane.py) and ASGI (FastAPI).  Each case of ``CASES`` is sent through
 every door of ``DOORS`` to one real ``tensordepot serve`` process, over TCP
 with tokens of several scopes (or its unix socket).  At each door the answer
 must be what the case expects, and the same as at the other doors: its

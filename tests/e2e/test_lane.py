@@ -1,4 +1,4 @@
-"""The broker's fast lane (service/_lane.py), spoken to over a raw socket:
+"""The broker's fast lane (service/_http/_lane.py), spoken to over a raw socket:
 its answers are the ASGI routes' answers, in order on a connection whatever
 mix of lane and ASGI requests is pipelined on it, and a client that hangs up
 on a waiting get is granted nothing."""

@@ -26,9 +26,9 @@ from tensordepot.service._auth import (
     load_policy,
     read_token_file,
 )
-from tensordepot.service._gate import Gate, NoRoute
+from tensordepot.service._http._gate import Gate, NoRoute
+from tensordepot.service._http._routes import ROUTES, match
 from tensordepot.service._metrics import Metrics
-from tensordepot.service._routes import ROUTES, match
 
 ROOT = Path(__file__).resolve().parents[2]
 

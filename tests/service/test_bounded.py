@@ -15,7 +15,7 @@ import pytest
 from _harness import TEST_PREFIX, shm_entries
 from tensordepot import TensorNotFound
 from tensordepot.service import Broker
-from tensordepot.service._sessions import Caller
+from tensordepot.service._registry._sessions import Caller
 from tensordepot.shm._pool import Pool
 
 MiB = 1 << 20

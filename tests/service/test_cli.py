@@ -183,7 +183,7 @@ def test_serve_still_loads_the_broker(tmp_path: Path) -> None:
     )
     assert res.stdout.split() == [
         "tensordepot.service.app",
-        "tensordepot.service._broker",
+        "tensordepot.service._registry._broker",
         "tensordepot.service.config",
         "True",
     ]

@@ -31,9 +31,9 @@ from tensordepot._wire import (
     encode_ipc,
 )
 from tensordepot.service import Broker
-from tensordepot.service._cuda import CudaMemory
-from tensordepot.service._quotas import Limits
-from tensordepot.service._sessions import Caller
+from tensordepot.service._registry._cuda import CudaMemory
+from tensordepot.service._registry._quotas import Limits
+from tensordepot.service._registry._sessions import Caller
 from tensordepot.shm._device import DeviceMap
 from tensordepot.shm._pool import Pool
 

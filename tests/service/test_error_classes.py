@@ -11,7 +11,7 @@ import pytest
 import tensordepot
 from tensordepot._errors import DepotError, error_class, error_classes
 from tensordepot.client._http import error
-from tensordepot.service._gate import Gate
+from tensordepot.service._http._gate import Gate
 
 CLASSES = error_classes()
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from tensordepot import OutOfMemory, TensorNotFound, __version__
 from tensordepot.service import Settings, create_app
+from tensordepot.service._http._routes import match
 from tensordepot.service._metrics import UNMATCHED
-from tensordepot.service._routes import match
 
 LATENCY = "tensordepot_http_request_duration_seconds"
 MiB = 1 << 20
@@ -229,7 +229,7 @@ class _TrafficOf:
     """A collector of one ``Traffic``, as ``FlightService`` and ``Peers`` are."""
 
     def __init__(self, metrics: Any) -> None:
-        from tensordepot.service._peers import Traffic
+        from tensordepot.service._hosts._peers import Traffic
 
         self.traffic = Traffic()
         self.metrics = metrics
@@ -242,8 +242,8 @@ def test_peer_metrics_escape_their_labels() -> None:
     """A peer's name (a ``--peer`` URL, or what a caller declares) is a label
     value: a newline, a quote or a backslash in it cannot start a sample of
     its own or end the label early."""
-    from tensordepot.service._flight import FLIGHT_METRICS
-    from tensordepot.service._peers import PEER_METRICS
+    from tensordepot.service._hosts._flight import FLIGHT_METRICS
+    from tensordepot.service._hosts._peers import PEER_METRICS
 
     app = create_app(Settings())
     metrics = app.state.metrics

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordepot.service import Broker, Settings, create_app
-from tensordepot.service._routes import ROUTES
+from tensordepot.service._http._routes import ROUTES
 from tensordepot.shm import DTYPES
 
 MiB = 1 << 20

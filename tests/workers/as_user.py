@@ -25,7 +25,7 @@ import numpy as np  # noqa: F401
 import tensordepot
 import tensordepot.cli
 import tensordepot.client
-import tensordepot.service._server
+import tensordepot.service._http._server
 import tensordepot.service.app  # noqa: F401
 
 

@@ -1,7 +1,7 @@
 """Tensors: allocate, publish, put, get (long poll), release, delete, list.
 
 Each route below is its one and only implementation: both doors (the fast
-lane and ASGI) call these handlers through the gate (service/_gate.py).
+lane and ASGI) call these handlers through the gate (service/_http/_gate.py).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..._proto import MAX_WAIT, SESSION_HEADER
-from ..._wire import (
+from ...._proto import MAX_WAIT, SESSION_HEADER
+from ...._wire import (
     INLINE_MAX,
     NAME_PATTERN,
     AllocRequest,
@@ -22,8 +22,8 @@ from ..._wire import (
     TensorList,
     check_prefix,
 )
-from .._auth import READ, WRITE
-from .._broker import Broker
+from ..._auth import READ, WRITE
+from ..._registry._broker import Broker
 from .._handler import Answer, Call, Reply, get_params, put_params, route, routes_of
 
 TAG = "tensors"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from .._errors import LimitExceeded
+from ..._errors import LimitExceeded
 from ._records import Lease
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The ASGI door: one middleware in front of FastAPI.
 
-It serves every route of the table through the gate (service/_gate.py),
+It serves every route of the table through the gate (service/_http/_gate.py),
 exactly as the fast lane does, and hands FastAPI only the API documents
 (``/openapi.json``, ``/docs``, ``/redoc``), after the gate has admitted
 them.  Requests reach it when the lane declines them (a pipelined request
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._proto import MAX_BODY_BYTES
+from ..._proto import MAX_BODY_BYTES
+from .._registry._waits import ClientGone
 from ._gate import MARK, Gate
 from ._handler import too_large
-from ._waits import ClientGone
 
 
 async def _read_body(receive: Any, headers: dict[bytes, bytes]) -> bytes:

@@ -39,10 +39,10 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 from pydantic import ValidationError
 
-from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._wire import AllocRequest, FlightMeta, check_name, is_name
-from ..shm import array_at
-from ..shm._arrow import (
+from ..._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from ..._wire import AllocRequest, FlightMeta, check_name, is_name
+from ...shm import array_at
+from ...shm._arrow import (
     FlightURL,
     batches,
     flight_message,
@@ -53,13 +53,13 @@ from ..shm._arrow import (
     schema,
     to_flight,
 )
-from ._auth import AuthPolicy
-from ._broker import Broker
+from .._auth import AuthPolicy
+from .._registry._broker import Broker
+from .._registry._records import Version
+from .._registry._sessions import LOCAL, Caller
+from ..config import ListenError
 from ._peers import PEER_HEADER, VIA, VIA_HEADER
-from ._records import Version
 from ._scopes import Scopes
-from ._server import ListenError
-from ._sessions import LOCAL, Caller
 from ._traffic import PeerMetric, Traffic
 
 log = logging.getLogger("tensordepot.flight")

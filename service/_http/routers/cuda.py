@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..._wire import Handle, LiveReply, LiveRequest, ShareRequest
-from .._auth import READ, WRITE
+from ...._wire import Handle, LiveReply, LiveRequest, ShareRequest
+from ..._auth import READ, WRITE
 from .._handler import Answer, Call, Reply, route, routes_of
 
 TAG = "cuda"

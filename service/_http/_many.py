@@ -7,7 +7,7 @@ client, would cost more than the tensors' bytes.  These routes carry the
 facts as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
 ``HandleColumns`` out), so a batch costs a few list operations per tensor.
 The routers (routers/many.py; routers/batch.py for ``/v1/batch/get``) and
-the fast lane (service/_lane.py) call the functions here; ``*_now``
+the fast lane (service/_http/_lane.py) call the functions here; ``*_now``
 answers without awaiting, or returns None when the request must wait (a
 new segment, an unpublished version).
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic_core import to_json
 
-from .._proto import MAX_WAIT
-from .._wire import BatchGet, ManyAlloc, ManyPublish
-from ._broker import Broker
-from ._records import Version
-from ._sessions import Caller
+from ..._proto import MAX_WAIT
+from ..._wire import BatchGet, ManyAlloc, ManyPublish
+from .._registry._broker import Broker
+from .._registry._records import Version
+from .._registry._sessions import Caller
 
 
 def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: str) -> bytes:
@@ -88,7 +88,7 @@ def versions_of(published: Sequence[Version]) -> bytes:
 
 def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> bytes:
     if len(req.names) != len(req.versions):
-        from .._errors import InvalidRequest
+        from ..._errors import InvalidRequest
 
         raise InvalidRequest(f"publish needs one version per name: {len(req.names)} names, "
                              f"{len(req.versions)} versions")

@@ -5,12 +5,12 @@ both clients use those, except ``put_many`` where a GPU is involved
 
 from __future__ import annotations
 
-from ..._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
+from ...._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
+from ..._auth import READ, WRITE
+from ..._registry._broker import Broker
+from ..._registry._records import Version
 from .. import _many
-from .._auth import READ, WRITE
-from .._broker import Broker
 from .._handler import Answer, Call, Reply, route, routes_of
-from .._records import Version
 
 TAG = "batch"
 

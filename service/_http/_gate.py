@@ -1,6 +1,6 @@
 """The gate: everything that happens around a route's handler, for both doors.
 
-The fast lane (service/_lane.py) and the ASGI door (service/_asgi.py) turn
+The fast lane (service/_http/_lane.py) and the ASGI door (service/_http/_asgi.py) turn
 bytes into a request and an answer back into bytes.  Everything between is
 here, as plain function calls, in this order:
 
@@ -18,7 +18,7 @@ here, as plain function calls, in this order:
 
 The body limit (413) is the doors' to enforce while they read, with the
 one ``too_large`` error; the head limit (431) is the HTTP protocol's
-(service/_server.py).
+(service/_http/_server.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._errors import Cancelled, DepotError, InvalidRequest, MethodNotAllowed, NoRoute, error_body
-from .._proto import (
+from ..._errors import Cancelled, DepotError, InvalidRequest, MethodNotAllowed, NoRoute, error_body
+from ..._proto import (
     CANCEL_HEADER,
     MAX_RELEASE_IDS,
     REASONS,
@@ -40,18 +40,18 @@ from .._proto import (
     SERVER_HEADER,
     SESSION_HEADER,
 )
-from .._version import __version__
-from .._wire import check_name
-from ._auth import READ, Authorizer, AuthPolicy, Principal, require_name, require_names
-from ._broker import Broker
+from ..._version import __version__
+from ..._wire import check_name
+from .._auth import READ, Authorizer, AuthPolicy, Principal, require_name, require_names
+from .._metrics import UNMATCHED, Metrics
+from .._registry._broker import Broker
+from .._registry._sessions import Caller
+from .._registry._waits import ClientGone
 from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed
-from ._metrics import UNMATCHED, Metrics
 from ._routes import match
-from ._sessions import Caller
-from ._waits import ClientGone
 
 if TYPE_CHECKING:
-    from ._sessions import Session
+    from .._registry._sessions import Session
 
 log = logging.getLogger("tensordepot.broker")
 

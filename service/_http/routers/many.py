@@ -1,10 +1,10 @@
 """Batches as columns: a state dict in one round trip per step, cheap per
-tensor (service/_many.py)."""
+tensor (service/_http/_many.py)."""
 
 from __future__ import annotations
 
-from ..._proto import INLINE_BATCH_MAX
-from ..._wire import (
+from ...._proto import INLINE_BATCH_MAX
+from ...._wire import (
     BatchGet,
     Deleted,
     HandleColumns,
@@ -13,8 +13,8 @@ from ..._wire import (
     ManyPublish,
     Versions,
 )
+from ..._auth import READ, WRITE
 from .. import _many
-from .._auth import READ, WRITE
 from .._handler import Answer, Call, Reply, route, routes_of
 
 TAG = "batch"

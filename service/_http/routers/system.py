@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._version import __version__
-from ..._wire import Health, HolderList, Stat
-from .._auth import ADMIN, READ
+from ...._version import __version__
+from ...._wire import Health, HolderList, Stat
+from ..._auth import ADMIN, READ
+from ..._metrics import CONTENT_TYPE
 from .._handler import Call, Reply, Route, route, routes_of
-from .._metrics import CONTENT_TYPE
 
 TAG = "system"
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import OutOfMemory
+from ..._errors import OutOfMemory
 
 if TYPE_CHECKING:
     from ._records import Version

@@ -59,9 +59,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import BrokerUnavailable, Forbidden, InvalidRequest, TensorNotFound
-from .._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo
-from ..shm._pool import Pool
+from ..._errors import BrokerUnavailable, Forbidden, InvalidRequest, TensorNotFound
+from ..._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo
+from ...shm._pool import Pool
 from ._cuda import CudaMemory
 from ._leases import Leases
 from ._memory import Memory

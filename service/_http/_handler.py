@@ -1,13 +1,13 @@
 """What a route's handler is, and what it is handed.
 
 Every HTTP route of the broker has exactly one handler, a plain function
-declared with ``@route(...)`` in one module of ``service/routers/``.  The
+declared with ``@route(...)`` in one module of ``service/_http/routers/``.  The
 declaration says everything else about the route, once: its method and
 path template, the scope it needs, its short OpenAPI operation id, its body
 model, what it answers, and whether a request id makes it idempotent.  The
-route table (``service/_routes.py``) collects the declarations; the gate
-(``service/_gate.py``) runs everything around a handler; the two doors
-(``service/_lane.py`` inside the HTTP protocol, ``service/_asgi.py`` for
+route table (``service/_http/_routes.py``) collects the declarations; the gate
+(``service/_http/_gate.py``) runs everything around a handler; the two doors
+(``service/_http/_lane.py`` inside the HTTP protocol, ``service/_http/_asgi.py`` for
 ASGI) hand it requests.
 
 A handler takes a ``Call`` and returns an answer, ``(status, body)``, or an
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
-from .._errors import InvalidRequest, RequestTooLarge, Unprocessable
-from .._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER, unframe
-from .._wire import INLINE_MAX, MAX_NDIM, AllocRequest
+from ..._errors import InvalidRequest, RequestTooLarge, Unprocessable
+from ..._proto import MAX_BODY_BYTES, MAX_WAIT, REQUEST_HEADER, SESSION_HEADER, unframe
+from ..._wire import INLINE_MAX, MAX_NDIM, AllocRequest
 
 if TYPE_CHECKING:
-    from ._auth import Principal
-    from ._broker import Broker
-    from ._sessions import Caller
+    from .._auth import Principal
+    from .._registry._broker import Broker
+    from .._registry._sessions import Caller
 
 Answer = tuple[int, bytes]  # status, body (JSON unless the route says otherwise)
 Reply = Union[Answer, Awaitable[Answer]]  # noqa: UP007  (a runtime alias: Python 3.10)

@@ -50,9 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import InvalidRequest, OutOfMemory
-from .._proto import proc_stat
-from .._wire import (
+from ..._errors import InvalidRequest, OutOfMemory
+from ..._proto import proc_stat
+from ..._wire import (
     AllocRequest,
     CudaHandle,
     DeviceStat,
@@ -63,9 +63,9 @@ from .._wire import (
     decode_ipc,
     encode_ipc,
 )
-from ..shm import dtype_from_name
-from ..shm._device import DeviceError, DeviceMap, parse_device, uuid_key
-from ..shm._pool import Block, Pool, PoolExhausted
+from ...shm import dtype_from_name
+from ...shm._device import DeviceError, DeviceMap, parse_device, uuid_key
+from ...shm._pool import Block, Pool, PoolExhausted
 
 if TYPE_CHECKING:
     from ._records import Entry, Lease, Version
@@ -229,7 +229,7 @@ class CudaMemory:
     @property
     def gpus(self) -> Gpus:
         if self._gpus is None:
-            from ..shm._cuda import Gpus as CudaGpus  # imports no CUDA until used
+            from ...shm._cuda import Gpus as CudaGpus  # imports no CUDA until used
 
             self._gpus = CudaGpus()
         return self._gpus

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import (
+from ..._errors import (
     BrokerUnavailable,
     Conflict,
     Forbidden,
@@ -39,7 +39,7 @@ from .._errors import (
     LimitExceeded,
     UnknownSession,
 )
-from .._proto import REQUEST_CACHE, proc_stat
+from ..._proto import REQUEST_CACHE, proc_stat
 
 if TYPE_CHECKING:
     import asyncio

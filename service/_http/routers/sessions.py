@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._wire import ForkInfo, SessionInfo, SessionOpen
-from .._auth import READ
+from ...._wire import ForkInfo, SessionInfo, SessionOpen
+from ..._auth import READ
 from .._handler import Call, Reply, route, routes_of
 
 TAG = "sessions"

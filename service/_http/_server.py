@@ -41,25 +41,21 @@ from urllib.parse import urlsplit
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .._errors import (
+from ..._errors import (
     BrokerUnavailable,
     DepotError,
     HeadersTooLarge,
     InvalidRequest,
     error_body,
 )
-from .._ids import describe_uid
-from .._proto import MAX_HEADER_BYTES, REASONS, SERVER_HEADER
-from .._version import __version__
-from ._auth import AuthPolicy
+from ..._ids import describe_uid
+from ..._proto import MAX_HEADER_BYTES, REASONS, SERVER_HEADER
+from ..._version import __version__
+from .._auth import AuthPolicy
+from ..config import ListenError, Settings
 from ._lane import Lane, LaneRequest
-from .config import Settings
 
 log = logging.getLogger("tensordepot.broker")
-
-
-class ListenError(RuntimeError):
-    """A listener cannot be set up; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +333,7 @@ class PeerCredProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
 
-    # The fast lane (service/_lane.py) takes the hottest routes here; every
+    # The fast lane (service/_http/_lane.py) takes the hottest routes here; every
     # other request goes through ASGI as uvicorn runs it.
     _lane: Lane | None = None
     _lane_req: LaneRequest | None = None

@@ -14,11 +14,11 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import AuthError, Forbidden
-from ._sessions import Caller
+from ..._errors import AuthError, Forbidden
+from .._registry._sessions import Caller
 
 if TYPE_CHECKING:
-    from ._auth import AuthPolicy
+    from .._auth import AuthPolicy
 
 SCOPES = ("read", "write", "admin")  # each includes the ones before it
 

@@ -20,14 +20,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from .._errors import InvalidRequest, TensorNotFound, WaitTimedOut
-from .._wire import TensorInfo
-from ..shm import UnsupportedDType, dtype_from_name
+from ..._errors import InvalidRequest, TensorNotFound, WaitTimedOut
+from ..._wire import TensorInfo
+from ...shm import UnsupportedDType, dtype_from_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ..shm._pool import Block
+    from ...shm._pool import Block
 
 MAX_NBYTES = 1 << 62
 CPU = ("cpu", "cpu:0")  # how a request names host memory
@@ -37,7 +37,7 @@ Checked = tuple[tuple[int, ...], str, int, int]  # (shape, dtype name, item size
 
 @dataclass(eq=False)
 class Replica:
-    """Where a version pulled from a peer came from (set by service/_peers.py)."""
+    """Where a version pulled from a peer came from (set by service/_hosts/_peers.py)."""
 
     peer: str  # the peer's Flight URL it was copied from
     origin: str  # Flight URL of the broker that published it
@@ -47,7 +47,7 @@ class Replica:
 
 
 class PeerHook(Protocol):
-    """Pull-through from brokers on other hosts (service/_peers.py)."""
+    """Pull-through from brokers on other hosts (service/_hosts/_peers.py)."""
 
     poll_interval: float  # how often a waiting get asks the peers again
 

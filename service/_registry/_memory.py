@@ -43,10 +43,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BrokerUnavailable, OutOfMemory
-from ..shm import PosixMapping, byte_view
-from ..shm._base import Segment
-from ..shm._pool import Block, Pool, PoolExhausted
+from ..._errors import BrokerUnavailable, OutOfMemory
+from ...shm import PosixMapping, byte_view
+from ...shm._base import Segment
+from ...shm._pool import Block, Pool, PoolExhausted
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory

@@ -10,10 +10,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ._auth import AuthPolicy
-from ._broker import Broker
-from ._metrics import Metrics
-from .config import Settings
+from .._auth import AuthPolicy
+from .._metrics import Metrics
+from .._registry._broker import Broker
+from ..config import Settings
 
 log = logging.getLogger("tensordepot.broker")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters

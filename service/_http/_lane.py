@@ -4,7 +4,7 @@ A request served through ASGI costs the broker a task, a request-response
 cycle, two socket writes (head, then body) and a walk through the
 middleware; on a machine where the broker, its clients and their copies
 share two cores, that is most of a small get's cost.  ``PeerCredProtocol``
-(service/_server.py) therefore hands every request to this module as soon
+(service/_http/_server.py) therefore hands every request to this module as soon
 as its head is parsed, and the lane is a protocol adapter:
 
 * **parse**: method, path, query and headers, from uvicorn's parser;
@@ -34,14 +34,14 @@ from typing import Any, Protocol
 
 import httptools
 
-from .._proto import MAX_BODY_BYTES
+from ..._proto import MAX_BODY_BYTES
 from ._gate import Admitted, Gate
 from ._handler import Answer, Reply, too_large
 
 
 class PeerCredProtocol(Protocol):
     """What the lane uses of the HTTP protocol that hands it requests
-    (service/_server.py ``PeerCredProtocol``, a uvicorn protocol)."""
+    (service/_http/_server.py ``PeerCredProtocol``, a uvicorn protocol)."""
 
     parser: Any
     cycle: Any

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import InvalidRequest, TensorNotFound
+from ..._errors import InvalidRequest, TensorNotFound
 from ._sessions import Caller
 from ._waits import ClientGone
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
-from .._proto import INLINE_BATCH_MAX
-from .._wire import INLINE_MAX, AllocRequest, ManyAlloc
-from ..shm._pool import Block, PoolExhausted
+from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
+from ..._proto import INLINE_BATCH_MAX
+from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
+from ...shm._pool import Block, PoolExhausted
 from ._records import CPU, Checked, Version, check_item
 
 if TYPE_CHECKING:
-    from ..shm._pool import Pool
+    from ...shm._pool import Pool
     from ._cuda import CudaMemory
     from ._leases import Leases
     from ._memory import Memory

@@ -44,9 +44,9 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
-from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
-from .._wire import AllocRequest, FlightMeta, check_name
-from ..shm._arrow import (
+from ..._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorNotFound
+from ..._wire import AllocRequest, FlightMeta, check_name
+from ...shm._arrow import (
     AUTH_CODES,
     flight_code,
     flight_message,
@@ -55,9 +55,9 @@ from ..shm._arrow import (
     parse_flight_url,
     read_into,
 )
-from ._broker import Broker
-from ._records import Replica, Version, check_item
-from ._sessions import LOCAL, Caller
+from .._registry._broker import Broker
+from .._registry._records import Replica, Version, check_item
+from .._registry._sessions import LOCAL, Caller
 from ._traffic import PEER_METRICS, Traffic
 
 log = logging.getLogger("tensordepot.peers")

@@ -3,7 +3,7 @@
 It feeds the doors' dispatch (``match``), the scopes the gate checks, the
 metric labels (``Route.template``), SECURITY.md's scope table and the
 OpenAPI document (``openapi_routes``).  A route is declared once, beside
-its handler, in ``service/routers/``.
+its handler, in ``service/_http/routers/``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from .._wire import ErrorBody
+from ..._wire import ErrorBody
 from ._handler import JSON, Route
 from .routers import batch, cuda, many, sessions, system, tensors
 

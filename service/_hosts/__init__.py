@@ -1,0 +1,1 @@
+"""Across hosts: Arrow Flight, peers, what a peer's token may touch, traffic."""

@@ -1,0 +1,1 @@
+"""The registry: names, versions, leases, sessions, memory, quotas, waits, the broker."""
