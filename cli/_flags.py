@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-ENV_PREFIX = "TENSORDEPOT_"
+from .._defaults import ENV_PREFIX
+
 # Placeholders in the help: S for every float (seconds), N for every int, these
 # for the rest (a setting missing here shows its name, as MAX_MEMORY).
 METAVARS = {

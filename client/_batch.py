@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorBroken
 from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
-from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish
+from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish, c_strides
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._posix import byte_view
@@ -50,7 +50,6 @@ from ._source import Source
 from ._tensor import Publisher, SharedTensor, _Lease
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
-_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> C strides in elements
 _STEP = 256 << 20  # bytes copied between two progress reports
 
 
@@ -70,19 +69,6 @@ def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]
     src = Source(x, f"tensors[{name!r}]")
     opened.append(src)
     return src.array, src.dtype
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = _STRIDES.get(shape)
-    if strides is None:
-        acc, out = 1, []
-        for d in reversed(shape):
-            out.append(acc)
-            acc *= max(d, 1)
-        strides = tuple(reversed(out))
-        if len(_STRIDES) < 4096:  # state dicts repeat a few shapes; bound the cache anyway
-            _STRIDES[shape] = strides
-    return strides
 
 
 def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> Op[dict[str, int]]:
@@ -314,7 +300,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
                 lease = _Lease(lid, release)
                 bg.track(sid, lid)  # type: ignore[union-attr]
             shape = tuple(cols.shapes[i])
-            t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, _strides(shape),
+            t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, c_strides(shape),
                                  dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
                                  window, flats, cols.offsets[i] - base, lease)
             t._lease_session, t._instance = sid, instance

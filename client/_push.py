@@ -14,6 +14,7 @@ import json
 import os
 from typing import Any
 
+from .._defaults import ENV_PREFIX
 from .._errors import (
     AuthError,
     BrokerUnavailable,
@@ -38,7 +39,7 @@ from . import _ops
 from ._core import Core
 from ._http import Offload, Op
 
-ENV_PEER_TOKEN = "TENSORDEPOT_PEER_TOKEN"
+ENV_PEER_TOKEN = ENV_PREFIX + "PEER_TOKEN"
 
 
 def _error(to: str, name: str, exc: Exception) -> DepotError:

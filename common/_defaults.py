@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
-ENV_URL = "TENSORDEPOT_URL"
-ENV_TOKEN = "TENSORDEPOT_TOKEN"
-ENV_TRUST_UID = "TENSORDEPOT_TRUST_UID"  # uids (or names) whose broker and segments a client trusts
+# Every variable of ours starts with it (--max-memory is TENSORDEPOT_MAX_MEMORY).
+ENV_PREFIX = "TENSORDEPOT_"
+ENV_URL = ENV_PREFIX + "URL"
+ENV_TOKEN = ENV_PREFIX + "TOKEN"
+# uids (or names) whose broker and segments a client trusts
+ENV_TRUST_UID = ENV_PREFIX + "TRUST_UID"
 SYSTEM_SOCKET = "/run/tensordepot/broker.sock"
 
 

@@ -87,6 +87,25 @@ Names = Annotated[list[Annotated[str, Field(json_schema_extra={"pattern": NAME_P
 INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
 
 
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a C-ordered tensor of ``shape`` (a
+    handle's ``strides``): what the broker sends and the client builds views
+    with.  State dicts repeat a few shapes: kept, up to a bound."""
+    strides = _STRIDES.get(shape)
+    if strides is None:
+        acc, out = 1, []
+        for dim in reversed(shape):
+            out.append(acc)
+            acc *= max(dim, 1)
+        strides = tuple(reversed(out))
+        if len(_STRIDES) < 4096:
+            _STRIDES[shape] = strides
+    return strides
+
+
 class _Frozen(BaseModel):
     """What a client sends: unknown fields are refused (422), never ignored."""
 

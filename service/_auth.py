@@ -30,13 +30,15 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .._errors import AuthError, Forbidden
 from .._ids import describe_gid, describe_uid, group_id, user_id
 from .config import Settings
+
+T = TypeVar("T")
 
 log = logging.getLogger("tensordepot.broker")
 
@@ -222,13 +224,20 @@ class AuthPolicy:
                                           or not self.allow_gids.isdisjoint(groups))
 
     def match(self, presented: bytes) -> Token | None:
-        """The token equal to ``presented``.  Every token is compared, each in
-        constant time, so the time taken says nothing about which came close."""
-        found = None
-        for t in self.tokens:
-            if hmac.compare_digest(presented, t.secret):
-                found = t
-        return found
+        """The token equal to ``presented`` (``matching``)."""
+        return matching(presented, self.tokens, lambda t: t.secret)
+
+
+def matching(presented: bytes, items: Sequence[T], secret: Callable[[T], bytes]) -> T | None:
+    """The first of ``items`` whose ``secret`` equals ``presented``: every one
+    is compared, each in constant time, so the time taken says nothing about
+    which came close.  The one token match of the broker (its tokens, and
+    the peers' grants)."""
+    found = None
+    for item in items:  # no early exit
+        if hmac.compare_digest(presented, secret(item)):
+            found = found or item
+    return found
 
 
 def load_policy(settings: Settings) -> AuthPolicy:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import AfterValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .._defaults import default_socket_path, parse_size
+from .._defaults import ENV_PREFIX, default_socket_path, parse_size
 from .._ids import group_id
 
 if TYPE_CHECKING:  # the broker loads only where limits() is called: the CLI reads Settings
@@ -46,7 +46,7 @@ def shm_capacity() -> int:
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TENSORDEPOT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     # Each description is the help of its flag: ``tensordepot serve`` generates
     # --<name> (and $TENSORDEPOT_<NAME>) from these fields.

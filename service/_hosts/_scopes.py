@@ -10,11 +10,11 @@ error messages name the missing scope, never the token.  With
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..._errors import AuthError, Forbidden
+from .._auth import matching
 from .._registry._sessions import Caller
 
 if TYPE_CHECKING:
@@ -53,12 +53,7 @@ class Scopes:
     def _grant(self, token: str | None) -> Grant | None:
         if token is None:
             return None
-        raw = token.encode()
-        found = None
-        for g in self.grants:  # no early exit: the time taken does not depend on which one matches
-            if hmac.compare_digest(raw, g.token):
-                found = found or g
-        return found
+        return matching(token.encode(), self.grants, lambda g: g.token)
 
     def authorize(self, token: str | None, scope: str, name: str | None) -> None:
         """Raise AuthError (401) for a missing or unknown token, ``Forbidden``

@@ -60,14 +60,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import BrokerUnavailable, Forbidden, InvalidRequest, TensorNotFound
-from ..._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo
+from ..._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo, c_strides
 from ...shm._pool import Pool
 from ._cuda import CudaMemory
 from ._leases import Leases
 from ._memory import Memory
 from ._quotas import Limits, Quotas
 from ._reads import Reads
-from ._records import PeerHook, Records, Version, c_strides
+from ._records import PeerHook, Records, Version
 from ._sessions import LOCAL, Caller, Session, Sessions
 from ._waits import Waits
 from ._writes import Writes
@@ -167,14 +167,14 @@ class Broker:
 
     def handle(self, v: Version, lease: int | None = None) -> Handle:
         if v.block.device != "cpu":
-            return self.cuda.handle(v, lease, c_strides(v.shape))
+            return self.cuda.handle(v, lease, list(c_strides(v.shape)))
         # model_validate, though valid by construction: pydantic validates a
         # dict in Rust in half the time model_construct takes in Python.
         return Handle.model_validate({
             "name": v.name, "version": v.number, "kind": "posix", "segment": v.block.segment,
             "offset": v.block.offset, "nbytes": v.block.nbytes, "shape": list(v.shape),
-            "strides": c_strides(v.shape), "dtype": v.dtype, "device": "cpu", "state": v.state,
-            "lease": lease, "cuda": None})
+            "strides": list(c_strides(v.shape)), "dtype": v.dtype, "device": "cpu",
+            "state": v.state, "lease": lease, "cuda": None})
 
     # -- sessions ----------------------------------------------------------
     def open_session(self, caller: Caller, label: str | None = None,

@@ -112,14 +112,6 @@ class Lease:
     doubt: bool = False  # its block was distrusted while it lived: trusted again when it ends
 
 
-def c_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= max(dim, 1)
-    return strides[::-1]
-
-
 def check_item(dtype: str, dims: list[int]) -> Checked:
     """(shape, dtype name, item size, bytes) of an allocation; raises InvalidRequest."""
     try:
