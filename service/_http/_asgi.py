@@ -13,18 +13,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..._proto import MAX_BODY_BYTES
 from .._registry._waits import ClientGone
 from ._gate import MARK, Gate
-from ._handler import too_large
+from ._handler import body_refused
 
 
 async def _read_body(receive: Any, headers: dict[bytes, bytes]) -> bytes:
     """The whole body, or ``too_large`` as soon as it is over the limit,
     announced (Content-Length) or streamed (chunked)."""
-    length = headers.get(b"content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise too_large()
+    refused = body_refused(headers.get(b"content-length"))
+    if refused is not None:
+        raise refused
     chunks, seen = [], 0
     while True:
         message = await receive()
@@ -32,8 +31,9 @@ async def _read_body(receive: Any, headers: dict[bytes, bytes]) -> bytes:
             raise ClientGone("the client hung up before its request's body arrived")
         chunk = message.get("body", b"")
         seen += len(chunk)
-        if seen > MAX_BODY_BYTES:
-            raise too_large()
+        refused = body_refused(None, seen)
+        if refused is not None:
+            raise refused
         chunks.append(chunk)
         if not message.get("more_body", False):
             break

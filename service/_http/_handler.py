@@ -125,6 +125,16 @@ def bad_query(message: str) -> Unprocessable:
     return Unprocessable(f"invalid request: {message}")
 
 
+def body_refused(length: bytes | None, seen: int = 0) -> RequestTooLarge | None:
+    """The one body limit, for both doors: the error for a body announced
+    (``length``, its Content-Length) or read so far (``seen`` bytes) over
+    ``MAX_BODY_BYTES``, or None."""
+    if (length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES)) \
+            or seen > MAX_BODY_BYTES:
+        return too_large()
+    return None
+
+
 def too_large() -> RequestTooLarge:
     return RequestTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes; send large "
                            f"tensors through /v1/alloc and shared memory, and batches in parts")

@@ -34,9 +34,8 @@ from typing import Any, Protocol
 
 import httptools
 
-from ..._proto import MAX_BODY_BYTES
 from ._gate import Admitted, Gate
-from ._handler import Answer, Reply, too_large
+from ._handler import Answer, Reply, body_refused
 
 
 class PeerCredProtocol(Protocol):
@@ -145,9 +144,7 @@ class Lane:
         else:
             if req.admitted.route.handler is None:
                 return None  # an API document: FastAPI's own, through ASGI
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-                req.error = too_large()
+            req.error = body_refused(headers.get(b"content-length"))
         return req
 
     def refuse_now(self, proto: PeerCredProtocol, req: LaneRequest) -> bool:
@@ -172,8 +169,8 @@ class Lane:
     def body(self, req: LaneRequest, chunk: bytes) -> None:
         if req.error is not None:
             return
-        if len(req.body) + len(chunk) > MAX_BODY_BYTES:
-            req.error = too_large()
+        req.error = body_refused(None, len(req.body) + len(chunk))
+        if req.error is not None:
             req.body = bytearray()
         else:
             req.body += chunk
