@@ -19,7 +19,7 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from ._http import Answer, Endpoint, Request, failed
-from ._trust import check_broker_socket
+from ._trust import connected
 
 T = TypeVar("T")
 _MAX_IDLE = 64  # idle connections kept; more are closed when they come back
@@ -129,13 +129,7 @@ class AsyncTransport:
             try:
                 sock.setblocking(False)
                 await _within(deadline, loop.sock_connect(sock, addr))
-                if family == socket.AF_UNIX:
-                    check_broker_socket(
-                        sock, addr, self._trust
-                    )  # who listens there?  (UntrustedBroker)
-                else:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
+                return connected(sock, addr, self._trust)
             except OSError as exc:
                 sock.close()
                 error = exc

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..shm._sigint import interruptible
 from ._http import Answer, Endpoint, Request, decode, drive, exchange, failed, io_timeout
-from ._trust import check_broker_socket
+from ._trust import connected
 
 # A connection idle this long is checked before use (one poll(2)); the broker
 # closes idle ones only after its keep-alive timeout (120 s), or when it stops.
@@ -124,15 +124,13 @@ class Transport:
                 except OSError:
                     sock.close()
                     raise
-                check_broker_socket(sock, path, trust)  # who listens there?  (UntrustedBroker)
-                return sock
+                return connected(sock, path, trust)
         else:
             host, port = ep.host, ep.port
 
             def connect(timeout: float | None) -> socket.socket:
                 sock = socket.create_connection((host, port), timeout=timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
+                return connected(sock, (host, port), None)
 
         self._connect = connect
         self.endpoint = ep

@@ -56,3 +56,15 @@ def check_broker_socket(sock: socket.socket, path: str,
         f"not trust (trusted: {names}); another user may have taken over its directory "
         f"(ls -ld {os.path.dirname(path)}). If that user really runs your broker, pass "
         f"Client(trust_uid={uid}) or set ${ENV_TRUST_UID}={uid}")
+
+
+def connected(sock: socket.socket, addr: object, trust: frozenset[int] | None) -> socket.socket:
+    """A socket just connected to the broker, made ready for requests, for
+    both transports: on a unix socket, who listens there is checked
+    (``UntrustedBroker``); over TCP, small requests go out at once
+    (TCP_NODELAY)."""
+    if sock.family == socket.AF_UNIX:
+        check_broker_socket(sock, str(addr), trust)
+    else:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
