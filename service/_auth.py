@@ -49,6 +49,20 @@ SCOPES: dict[str, frozenset[str]] = {
     WRITE: frozenset({READ, WRITE}),
     ADMIN: frozenset({READ, WRITE, ADMIN}),
 }
+
+
+def allows(held: str, needed: str) -> bool:
+    """Whether a token of scope ``held`` may do what needs ``needed``: the
+    one scope order, for HTTP and Flight."""
+    return needed in SCOPES.get(held, frozenset())
+
+
+def within(prefix: str | None, name: str | None) -> bool:
+    """Whether a token limited to ``prefix`` (None or "": no limit) may use
+    ``name`` (None: every name): the one prefix rule, for HTTP and Flight."""
+    return not prefix or (name is not None and name.startswith(prefix))
+
+
 MIN_TOKEN_LENGTH = 16
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII: it travels in an HTTP header
 _LABEL_RE = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
@@ -83,7 +97,7 @@ class Principal:
         return next((s for s in (ADMIN, WRITE, READ) if s in self.scopes), "")
 
     def may_use(self, name: str) -> bool:
-        return self.prefix is None or name.startswith(self.prefix)
+        return within(self.prefix, name)
 
 
 ANONYMOUS = Principal("anonymous", "tcp", frozenset())

@@ -14,14 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..._errors import AuthError, Forbidden
-from .._auth import matching
+from .._auth import allows, matching, within
 from .._registry._sessions import Caller
 
 if TYPE_CHECKING:
     from .._auth import AuthPolicy
-
-SCOPES = ("read", "write", "admin")  # each includes the ones before it
-
 
 @dataclass(frozen=True)
 class Grant:
@@ -63,9 +60,9 @@ class Scopes:
         g = self._grant(token)
         if g is None:
             raise AuthError("missing or unknown token: send 'authorization: Bearer <token>'")
-        if SCOPES.index(g.scope) < SCOPES.index(scope):
+        if not allows(g.scope, scope):
             raise Forbidden(f"this token has scope {g.scope!r}; this call needs {scope!r}")
-        if g.prefix and (name is None or not name.startswith(g.prefix)):
+        if not within(g.prefix, name):
             what = "every name" if name is None else f"{name!r}"
             raise Forbidden(
                 f"this token's {scope!r} scope is limited to names starting with {g.prefix!r}, "
