@@ -37,11 +37,24 @@ def _raw(path: str, data: bytes, timeout: float = 10) -> bytes:
             pass  # it answered and closed while we were still sending: read the answer
         out = b""
         try:
-            while chunk := s.recv(65536):
+            while not _whole(out) and (chunk := s.recv(65536)):
                 out += chunk
         except (ConnectionResetError, TimeoutError):
             pass
         return out
+
+
+def _whole(answer: bytes) -> bool:
+    """Whether ``answer`` holds a whole response (its head and the body its
+    Content-Length announces): a connection kept alive is not closed after it."""
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
 
 
 def test_timed_out_waits_leave_nothing_behind(broker: BrokerProc) -> None:
