@@ -6,7 +6,7 @@ per tensor, validated, built and serialised in the broker and again in the
 client, would cost more than the tensors' bytes.  These routes carry the
 facts as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
 ``HandleColumns`` out), so a batch costs a few list operations per tensor.
-The routers (routers/many.py; routers/batch.py for ``/v1/batch/get``) and
+The routers (routers/many.py) and
 the fast lane (service/_http/_lane.py) call the functions here; ``*_now``
 answers without awaiting, or returns None when the request must wait (a
 new segment, an unpublished version).

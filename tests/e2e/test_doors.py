@@ -540,7 +540,6 @@ R_LINK = ("POST", "/v1/link")
 R_RELEASE = ("POST", "/v1/release")
 R_BATCH_ALLOC = ("POST", "/v1/batch/alloc")
 R_BATCH_PUBLISH = ("POST", "/v1/batch/publish")
-R_BATCH_GET = ("POST", "/v1/batch/get")
 R_MANY_ALLOC = ("POST", "/v1/many/alloc")
 R_MANY_PUBLISH = ("POST", "/v1/many/publish")
 R_MANY_PUT = ("POST", "/v1/many/put")
@@ -623,8 +622,6 @@ GOOD = [
                  id="batch-alloc"),
     pytest.param(Case(R_BATCH_PUBLISH, _batch_publish, 200, delta={"tensors": 2}),
                  id="batch-publish"),
-    pytest.param(Case(R_BATCH_GET, lambda e: e.req("POST", "/v1/batch/get", {
-        "names": [e.put("a"), e.put("b")]}), 200, delta={"leases": 2}), id="batch-get"),
     pytest.param(Case(R_MANY_ALLOC, lambda e: e.req("POST", "/v1/many/alloc",
                                                     _many_alloc_body(e)),
                       200, delta=TWO, created=frozenset("ab")), id="many-alloc"),
@@ -722,8 +719,6 @@ def _control_cases() -> Iterator[Any]:
             id=f"name-{label}-alloc-body")
         yield pytest.param(Case(R_MANY_GET, lambda e, c=c: e.req("POST", "/v1/many/get", {
             "names": [_bad(e, c)]}), 400, "invalid_request"), id=f"name-{label}-many-get-body")
-        yield pytest.param(Case(R_BATCH_GET, lambda e, c=c: e.req("POST", "/v1/batch/get", {
-            "names": [_bad(e, c)]}), 400, "invalid_request"), id=f"name-{label}-batch-get-body")
         yield pytest.param(Case(R_MANY_ALLOC, lambda e, c=c: e.req("POST", "/v1/many/alloc", {
             "names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]}), 400,
             "invalid_request"), id=f"name-{label}-many-alloc-body")
@@ -813,8 +808,6 @@ def _json_routes() -> dict[str, tuple[tuple[str, str], Callable[[Env], bytes], M
                      {"leases": 1}),
         "alloc": (R_ALLOC, lambda e: json.dumps({"shape": [NBYTES], "name": e.name(),
                                                  "dtype": "uint8"}).encode(), NEW),
-        "batch-get": (R_BATCH_GET, lambda e: json.dumps({"names": [e.put()]}).encode(),
-                      {"leases": 1}),
     }
 
 
@@ -899,8 +892,6 @@ def _scope_cases() -> Iterator[Any]:
         "many-put-head": (R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put", _framed({
             "names": [e.name("ok", team=True), e.name()], "shapes": [[NBYTES], [NBYTES]],
             "dtypes": ["uint8", "uint8"]}, b"\0" * 2 * NBYTES), who="team", ctype=OCTETS)),
-        "batch-get-body": (R_BATCH_GET, lambda e: e.req("POST", "/v1/batch/get", {
-            "names": [e.put()]}, who="team")),
         "publish-body": (R_PUBLISH, lambda e: e.req("POST", "/v1/publish", _written(e),
                                                     who="team")),
         "link-body": (R_LINK, lambda e: e.req("POST", "/v1/link", {

@@ -66,8 +66,7 @@ def test_a_prefix_token_is_told_only_of_names_within_its_prefix(
                 for t in (team, admin)}
     for method, path, body in (("GET", "/v1/tensors/team-a/nothing", None),
                                ("DELETE", "/v1/tensors/team-a/nothing", None),
-                               ("POST", "/v1/many/get", {"names": ["team-a/nothing"]}),
-                               ("POST", "/v1/batch/get", {"names": ["team-a/nothing"]})):
+                               ("POST", "/v1/many/get", {"names": ["team-a/nothing"]})):
         status, answer = request(port, method, path, team, body, sessions[team])
         assert status == 404, (path, answer)
         assert "team-b" not in answer["error"]["message"], (path, answer)

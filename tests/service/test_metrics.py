@@ -212,7 +212,7 @@ def test_each_app_has_a_registry_of_its_own() -> None:
     pytest.param("/v1/put/w", "/v1/put/{name}", id="put"),
     pytest.param("/v1/sessions/abc", "/v1/sessions/{session}", id="session"),
     pytest.param("/v1/sessions/abc/heartbeat", "/v1/sessions/{session}/heartbeat", id="heartbeat"),
-    pytest.param("/v1/batch/get", "/v1/batch/get", id="batch"),
+    pytest.param("/v1/batch/alloc", "/v1/batch/alloc", id="batch"),
     pytest.param("/metrics", "/metrics", id="metrics"),
     pytest.param("/wp-login.php", "unmatched", id="unmatched"),
 ])

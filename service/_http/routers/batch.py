@@ -1,15 +1,15 @@
-"""Batches as lists of handles (``/v1/batch/*``), the first batch routes.
-``/v1/many/*`` carries the same facts as columns, for less work per tensor:
-both clients use those, except ``put_many`` where a GPU is involved
-(``client/_cuda_ops.py``), which still allocates and publishes here."""
+"""Batches as lists of handles (``/v1/batch/alloc`` and ``/publish``), the
+first batch routes.  ``/v1/many/*`` carries the same facts as columns, for
+less work per tensor: both clients use those, except ``put_many`` where a
+GPU is involved (``client/_cuda_ops.py``), which still allocates and
+publishes here.  (``/v1/batch/get``, which no client called, is gone.)"""
 
 from __future__ import annotations
 
-from ...._wire import BatchAlloc, BatchGet, BatchPublish, HandleList
-from ..._auth import READ, WRITE
+from ...._wire import BatchAlloc, BatchPublish, HandleList
+from ..._auth import WRITE
 from ..._registry._broker import Broker
 from ..._registry._records import Version
-from .. import _many
 from .._handler import Answer, Call, Reply, route, routes_of
 
 TAG = "batch"
@@ -55,21 +55,4 @@ def batch_publish(call: Call[BatchPublish]) -> Reply:
     return 200, _handles(broker, [(v, None) for v in versions])
 
 
-@route("POST", "/v1/batch/get", READ, "get_batch", tag=TAG, body=BatchGet, answers=HandleList,
-       once=True, note="every name within the prefix",
-       summary="Lease many tensors at once, under one deadline (all of them, or none)")
-def batch_get(call: Call[BatchGet]) -> Reply:
-    assert call.body is not None
-    broker, req = call.broker, call.body
-    timeout = _many.wait_of(req)
-
-    async def later() -> Answer:
-        got = await broker.get_many(call.session, call.who, req.names, timeout,
-                                    newer_than=req.newer_than or 0, request=call.request_id,
-                                    gone=None if timeout == 0 else call.gone, wait=req.wait)
-        return 200, _handles(broker, list(got))
-
-    return later()
-
-
-ROUTES = routes_of(batch_alloc, batch_publish, batch_get)
+ROUTES = routes_of(batch_alloc, batch_publish)
