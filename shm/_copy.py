@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -98,25 +97,6 @@ class _Gate:
                 return
             except BaseException:  # a second Ctrl-C: keep waiting, the threads still write
                 continue
-
-
-def in_parallel(fn: Callable[[int, int], None], address: int, size: int) -> None:
-    """``fn(start, length)`` over ``[address, address + size)`` in page-aligned
-    parts, one per copy thread, for at least ``_MIN_PARALLEL`` bytes: a new
-    mapping's page tables are built by ``MADV_POPULATE_WRITE`` at about
-    3 GiB/s a thread, so a cold 1 GiB window costs half as long on two.
-    Every part has ended when it returns.  It is bookkeeping, not a wait: a
-    Ctrl-C meanwhile is deferred (``_sigint``), as it was while one thread
-    did it all in one C call."""
-    if size < _MIN_PARALLEL or _threads == 1:
-        fn(address, size)
-        return
-    step = -(-size // _threads)
-    step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN
-    futures = [_pool().submit(fn, address + at, min(step, size - at))
-               for at in range(0, size, step)]
-    for f in futures:  # not a wait a Ctrl-C may cut: it lands after, in the caller's next wait
-        f.result()
 
 
 @interruptible

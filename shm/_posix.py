@@ -27,7 +27,6 @@ from typing import Any
 
 from .._errors import UntrustedBroker
 from .._ids import describe_uid
-from ._copy import in_parallel
 
 SHM_DIR = "/dev/shm"
 KIND = "posix"
@@ -263,7 +262,7 @@ class Window:
         self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file._fd, start,
                            file.name)
         if populate and writable:
-            in_parallel(_populate, self._base, self._len)
+            _populate(self._base, self._len)
         self.address = self._base + offset - start
         self.size = nbytes
 
@@ -320,7 +319,7 @@ class PosixMapping:
             prot = _PROT_READ | (_PROT_WRITE if writable else 0)
             addr = _mmap(None, size, prot, _MAP_SHARED, fd, 0, name)
             if populate and writable:
-                in_parallel(_populate, addr, size)
+                _populate(addr, size)
         finally:
             # The mapping keeps the memory alive; the fd is not needed after mmap.
             os.close(fd)
