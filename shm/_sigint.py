@@ -18,9 +18,9 @@ first frame that decides is either
   would, and the operation's clean-up runs as before; or
 * any other code of the client or of ``shm``: bookkeeping, which runs in
   microseconds.  The handler has the signal marked as due again (by a
-  thread of its own, with ``_thread.interrupt_main``) and returns, so it is
-  handled at the next check, until the code that checks is a wait or the
-  application's own.
+  thread of its own, with ``_thread.interrupt_main``, told through a pipe)
+  and returns, so it is handled at the next check, until the code that
+  checks is a wait or the application's own.
 
 Only the main thread runs signal handlers; other threads are never
 interrupted.  ``SharedTensor`` finalizers that run in other threads are
@@ -64,9 +64,16 @@ def _in_bookkeeping(frame: FrameType | None) -> bool:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _in_bookkeeping(frame):
-        _due.set()  # the re-arming thread marks it due again, once this returns
+    global _busy
+    if _busy:  # run nested in the handler itself (a storm): the outer one decides
         return
+    _busy = True
+    try:
+        if _in_bookkeeping(frame):
+            _mark_due()  # the re-arming thread marks it due again, once this returns
+            return
+    finally:
+        _busy = False
     raise KeyboardInterrupt
 
 
@@ -74,26 +81,47 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 # handler, it would run the handler again at the handler's own next check,
 # nested, without end.  A handler that runs nested all the same (the mark
 # landed before it returned) finds its own frame, ours, and defers again.
-_due = threading.Event()
+# The handler tells that thread through a pipe, never through a lock: a
+# handler nested inside another's ``Event.set`` (a storm of Ctrl-C) would
+# wait forever on the lock the outer one holds.  A handler nested in the
+# handler returns at once: the outer one has marked the signal due, or
+# raises, and nesting without end would exhaust the stack.
+_busy = False
+_pipe: tuple[int, int] | None = None
 _rearmer: threading.Thread | None = None
 
 
-def _rearm() -> None:
+def _mark_due() -> None:
+    if _pipe is None:
+        return
+    try:
+        os.write(_pipe[1], b"\0")
+    except OSError:  # full (it is due already), or closed
+        pass
+
+
+def _rearm(r: int) -> None:
     while True:
-        _due.wait()
-        _due.clear()
+        try:
+            if not os.read(r, 4096):
+                return
+        except OSError:
+            return
         _thread.interrupt_main(signal.SIGINT)
 
 
 def _start_rearmer() -> None:
-    global _rearmer
-    _rearmer = threading.Thread(target=_rearm, name="tensordepot-sigint", daemon=True)
+    global _pipe, _rearmer
+    old, _pipe = _pipe, os.pipe()
+    os.set_blocking(_pipe[1], False)
+    for fd in old or ():  # a forked child's copy of its parent's pipe
+        os.close(fd)
+    _rearmer = threading.Thread(target=_rearm, args=(_pipe[0],), name="tensordepot-sigint",
+                                daemon=True)
     _rearmer.start()
 
 
 def _after_fork() -> None:
-    global _due
-    _due = threading.Event()
     if _installed and signal.getsignal(signal.SIGINT) is _handler:
         _start_rearmer()  # the parent's is not in the child
 
