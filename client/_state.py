@@ -37,7 +37,6 @@ _TRIES = 8  # reads of a structure that keeps changing under get_state_dict
 def _flatten(prefix: str, sd: Any) -> tuple[Any, dict[str, Any]]:
     """(the structure as JSON-able data, {tensor name: tensor})."""
     tensors: dict[str, Any] = {}
-    seen: set[str] = set()
 
     def enc(x: Any, path: list[str]) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -56,9 +55,8 @@ def _flatten(prefix: str, sd: Any) -> tuple[Any, dict[str, Any]]:
             return {"$l" if isinstance(x, list) else "$u": items}
         if hasattr(x, "__dlpack__") or type(x).__module__ == "numpy":
             name = prefix + ".".join(path)
-            if not path or name in seen or not is_name(name) or name == prefix + STRUCTURE:
+            if not path or name in tensors or not is_name(name) or name == prefix + STRUCTURE:
                 name = f"{prefix}#{len(tensors)}"
-            seen.add(name)
             tensors[name] = x
             kind = type(x).__module__.split(".")[0]
             return {"$t": name, "k": kind if kind in ("torch", "numpy") else "shared"}
