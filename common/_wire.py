@@ -3,7 +3,7 @@ the client, so nothing is defined twice.  Handles describe memory and never
 carry the tensor's bytes (a small tensor's bytes ride in the body of
 ``POST /v1/put/{name}`` and ``/v1/many/put``, never in a model).
 
-It is over 500 lines, on purpose: every model that crosses HTTP is here, and
+It is long, on purpose: every model that crosses HTTP is here, and
 only here, so that the broker and the client can never disagree on one."""
 
 from __future__ import annotations

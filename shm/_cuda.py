@@ -36,7 +36,7 @@ CUDA invariants this module relies on:
   call, so an event can be re-recorded once nobody will wait on the old
   record.  The broker owns every event it hands out.
 
-Why one module of over 500 lines: it is the one place that imports cupy
+Why one long module: it is the one place that imports cupy
 and talks to CUDA, for the broker and the client alike, and both halves
 share its device switching, its lazy imports and its one lock; split, the
 client's mappings and the broker's blocks would each import the other's

@@ -2,7 +2,12 @@
 every route handled once.
 
 A product module over ``MAX_LINES`` lines must say why in its docstring
-(the words "over 500 lines"), so that a long file is a decision, not drift.
+(the words "over 600 lines"), so that a long file is a decision, not drift.
+
+Lines are counted as ``ruff format`` lays them out: one argument per line
+wherever a call does not fit, which adds 13% to the product code as a whole
+(36% to the densest module) without adding anything to read.  600 formatted
+lines hold what 500 hand-wrapped ones did before the formatter ran.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import subprocess
 
 from _harness import ROOT
 
-MAX_LINES = 500
+MAX_LINES = 600
 PRODUCT = ("common", "client", "service", "shm", "cli", "checkpoint")
 
 
@@ -22,7 +27,7 @@ def _modules() -> list[str]:
     return [p for p in out.decode().split("\0") if p.endswith(".py")]
 
 
-def test_no_product_module_is_over_500_lines_without_saying_why() -> None:
+def test_no_product_module_is_over_600_lines_without_saying_why() -> None:
     files = _modules()
     assert len(files) > 30
     long = []
@@ -30,7 +35,7 @@ def test_no_product_module_is_over_500_lines_without_saying_why() -> None:
         text = (ROOT / rel).read_text()
         lines = text.count("\n")
         doc = ast.get_docstring(ast.parse(text)) or ""
-        if lines > MAX_LINES and "over 500 lines" not in doc:
+        if lines > MAX_LINES and f"over {MAX_LINES} lines" not in doc:
             long.append(f"{rel}: {lines} lines")
     assert not long, f"modules over {MAX_LINES} lines that do not say why: {long}"
 

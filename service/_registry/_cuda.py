@@ -32,7 +32,7 @@ event loop, except event queries, which a task runs in a worker thread.
   memory), and counted against --cuda-memory until each such session says
   (``live``) that its process no longer maps it, or ends.
 
-Why one module of over 500 lines: its parts share three tables, the live
+Why one module of over 600 lines: its parts share three tables, the live
 leases' release events, the blocks waiting for them, and the sessions each
 block was handed to, and each part changes them; split, each file would
 import the others' private state.
