@@ -61,8 +61,9 @@ try:
     from torch.futures import Future
     from torch.utils.dlpack import from_dlpack
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError(f"tensordepot.checkpoint needs torch with torch.distributed ({exc}); "
-                      f"pip install torch") from exc
+    raise ImportError(
+        f"tensordepot.checkpoint needs torch with torch.distributed ({exc}); pip install torch"
+    ) from exc
 
 import numpy as np
 
@@ -109,8 +110,10 @@ class _Broker:
 def _checked_id(checkpoint_id: Any) -> str:
     cid = str(checkpoint_id) if checkpoint_id is not None else ""
     if not cid:
-        raise InvalidRequest("a checkpoint needs an id, a name prefix such as 'run1/step-100': "
-                             "DepotWriter('run1/step-100'), or dcp.save(..., checkpoint_id=)")
+        raise InvalidRequest(
+            "a checkpoint needs an id, a name prefix such as 'run1/step-100': "
+            "DepotWriter('run1/step-100'), or dcp.save(..., checkpoint_id=)"
+        )
     check_name(f"{cid.rstrip('/')}/{_META}", "checkpoint id")
     return cid.rstrip("/")
 
@@ -129,9 +132,16 @@ class DepotWriter(StorageWriter):
     id (default: refuse, ``InvalidRequest``).  ``ttl``: delete the
     checkpoint's tensors this many seconds after they are put."""
 
-    def __init__(self, checkpoint_id: str | None = None, *, client: Client | None = None,
-                 url: str | None = None, token: str | None = None, overwrite: bool = False,
-                 ttl: float | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint_id: str | None = None,
+        *,
+        client: Client | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        overwrite: bool = False,
+        ttl: float | None = None,
+    ) -> None:
         super().__init__()
         self.checkpoint_id = _checked_id(checkpoint_id) if checkpoint_id else ""
         self.overwrite, self.ttl = overwrite, ttl
@@ -169,15 +179,19 @@ class DepotWriter(StorageWriter):
             return
         name = _meta_name(self._id(), rank)
         if any(i.name == name for i in self._broker.client().list(prefix=name)):
-            raise InvalidRequest(f"checkpoint {self.checkpoint_id!r} exists already ({name!r}); "
-                                 f"save under a new id, delete it (tensordepot rm --prefix "
-                                 f"{self.checkpoint_id}/), or pass DepotWriter(..., "
-                                 f"overwrite=True)")
+            raise InvalidRequest(
+                f"checkpoint {self.checkpoint_id!r} exists already ({name!r}); "
+                f"save under a new id, delete it (tensordepot rm --prefix "
+                f"{self.checkpoint_id}/), or pass DepotWriter(..., "
+                f"overwrite=True)"
+            )
 
     def _id(self) -> str:
         if not self.checkpoint_id:
-            raise InvalidRequest("DepotWriter has no checkpoint id: DepotWriter('run1/step-100')"
-                                 ", or dcp.save(..., checkpoint_id=)")
+            raise InvalidRequest(
+                "DepotWriter has no checkpoint id: DepotWriter('run1/step-100')"
+                ", or dcp.save(..., checkpoint_id=)"
+            )
         return self.checkpoint_id
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -192,8 +206,12 @@ class DepotWriter(StorageWriter):
         and give each rank's tensors their names' prefix."""
         if self.use_collectives:
             self._refuse_existing(None)
-        return [p if p.storage_data is not None else
-                dataclasses.replace(p, storage_data=self._prefix(i)) for i, p in enumerate(plans)]
+        return [
+            p
+            if p.storage_data is not None
+            else dataclasses.replace(p, storage_data=self._prefix(i))
+            for i, p in enumerate(plans)
+        ]
 
     def _prefix(self, rank: int) -> str:
         return f"{self._id()}/{self.save_id}/{rank}"
@@ -202,8 +220,10 @@ class DepotWriter(StorageWriter):
         """Put every item of this rank's plan, in one ``put_many``."""
         prefix = plan.storage_data
         if not isinstance(prefix, str):
-            raise InvalidRequest("DepotWriter.write_data needs the plan its prepare_global_plan "
-                                 "(or prepare_local_plan) made")
+            raise InvalidRequest(
+                "DepotWriter.write_data needs the plan its prepare_global_plan "
+                "(or prepare_local_plan) made"
+            )
         tensors: dict[str, Any] = {}
         results = []
         for k, item in enumerate(plan.items):
@@ -217,8 +237,11 @@ class DepotWriter(StorageWriter):
                 value = data.detach()
                 nbytes = value.nbytes
             tensors[name] = value
-            results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
-                                       storage_data=Stored(name, nbytes)))
+            results.append(
+                WriteResult(
+                    index=item.index, size_in_bytes=nbytes, storage_data=Stored(name, nbytes)
+                )
+            )
         if tensors:
             self._broker.client().put_many(tensors, ttl=self.ttl, device="cpu")
         fut: Future[list[WriteResult]] = Future()
@@ -241,10 +264,14 @@ class DepotWriter(StorageWriter):
         of another save id under ``cid/`` (``rank``: of that rank only)."""
         old = set()
         for info in c.list(prefix=f"{cid}/"):
-            parts = info.name[len(cid) + 1:].split("/")
-            if (len(parts) == 3 and _SAVE.fullmatch(parts[0]) and parts[0] != self.save_id
-                    and (rank is None or parts[1] == str(rank))):
-                old.add("/".join([cid, *parts[:1 if rank is None else 2]]) + "/")
+            parts = info.name[len(cid) + 1 :].split("/")
+            if (
+                len(parts) == 3
+                and _SAVE.fullmatch(parts[0])
+                and parts[0] != self.save_id
+                and (rank is None or parts[1] == str(rank))
+            ):
+                old.add("/".join([cid, *parts[: 1 if rank is None else 2]]) + "/")
         for prefix in sorted(old):  # one request each, which another save may have beaten
             c.delete(prefix=prefix)
 
@@ -258,18 +285,32 @@ class _MetadataUnpickler(pickle.Unpickler):
     lookup, and no module is allowed as a whole: a module's attributes
     include what it imported (``os``, ``pickle``, ``builtins``)."""
 
-    _ALLOWED = frozenset({
-        *(("torch.distributed.checkpoint.metadata", n) for n in (
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-            "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-        (__name__, "Stored"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
-        ("copyreg", "_reconstructor"),
-        ("collections", "OrderedDict"),
-        *(("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "slice",
-                                    "object")),
-    })
+    _ALLOWED = frozenset(
+        {
+            *(
+                ("torch.distributed.checkpoint.metadata", n)
+                for n in (
+                    "Metadata",
+                    "MetadataIndex",
+                    "StorageMeta",
+                    "TensorProperties",
+                    "TensorStorageMetadata",
+                    "BytesStorageMetadata",
+                    "ChunkStorageMetadata",
+                    "_MEM_FORMAT_ENCODING",
+                )
+            ),
+            (__name__, "Stored"),
+            ("torch", "Size"),
+            ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
+            ("copyreg", "_reconstructor"),
+            ("collections", "OrderedDict"),
+            *(
+                ("builtins", n)
+                for n in ("dict", "list", "tuple", "set", "frozenset", "slice", "object")
+            ),
+        }
+    )
 
     def find_class(self, module: str, name: str) -> Any:
         if "." not in name:
@@ -279,8 +320,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                 found = torch.__dict__.get(name)
                 if isinstance(found, torch.dtype | torch.layout | torch.memory_format):
                     return found
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP checkpoint's "
-                                     f"metadata; refused")
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not part of a DCP checkpoint's metadata; refused"
+        )
 
 
 class DepotReader(StorageReader):
@@ -291,9 +333,15 @@ class DepotReader(StorageReader):
     this many seconds for the checkpoint to appear (its metadata; default 0:
     it must be there; None waits for ever)."""
 
-    def __init__(self, checkpoint_id: str | None = None, *, client: Client | None = None,
-                 url: str | None = None, token: str | None = None,
-                 timeout: float | None = 0.0) -> None:
+    def __init__(
+        self,
+        checkpoint_id: str | None = None,
+        *,
+        client: Client | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float | None = 0.0,
+    ) -> None:
         super().__init__()
         self.checkpoint_id = _checked_id(checkpoint_id) if checkpoint_id else ""
         self.timeout = timeout
@@ -316,8 +364,10 @@ class DepotReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (waiting up to ``timeout`` for it to appear)."""
         if not self.checkpoint_id:
-            raise InvalidRequest("DepotReader has no checkpoint id: DepotReader('run1/step-100')"
-                                 ", or dcp.load(..., checkpoint_id=)")
+            raise InvalidRequest(
+                "DepotReader has no checkpoint id: DepotReader('run1/step-100')"
+                ", or dcp.load(..., checkpoint_id=)"
+            )
         name = _meta_name(self.checkpoint_id, kwargs.get("rank"))
         c = self._broker.client()
         try:
@@ -326,7 +376,8 @@ class DepotReader(StorageReader):
             raise TensorNotFound(
                 f"no checkpoint {self.checkpoint_id!r} in the broker: its metadata {name!r} "
                 f"is not there (a save that never finished puts none); tensordepot ls "
-                f"--prefix {self.checkpoint_id}/ lists what is") from None
+                f"--prefix {self.checkpoint_id}/ lists what is"
+            ) from None
         try:
             blob = t.numpy().tobytes()
         finally:
@@ -336,15 +387,18 @@ class DepotReader(StorageReader):
         except Exception as exc:
             raise TensorBroken(f"{name!r} is not a DCP checkpoint's metadata ({exc})") from None
         if not isinstance(metadata, Metadata):
-            raise TensorBroken(f"{name!r} is not a DCP checkpoint's metadata (it holds a "
-                               f"{type(metadata).__name__})")
+            raise TensorBroken(
+                f"{name!r} is not a DCP checkpoint's metadata (it holds a "
+                f"{type(metadata).__name__})"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         """Where each item lives, from the metadata (a DepotWriter's, or refused)."""
         data = metadata.storage_data
         if not isinstance(data, dict) or not all(isinstance(v, Stored) for v in data.values()):
@@ -366,17 +420,21 @@ class DepotReader(StorageReader):
         try:
             got = c.get_many(names) if names else {}
         except TensorNotFound as exc:
-            raise TensorNotFound(f"checkpoint {self.checkpoint_id!r} lacks tensors its "
-                                 f"metadata names (deleted, or replaced by a later save "
-                                 f"while this load ran): {exc}") from None
+            raise TensorNotFound(
+                f"checkpoint {self.checkpoint_id!r} lacks tensors its "
+                f"metadata names (deleted, or replaced by a later save "
+                f"while this load ran): {exc}"
+            ) from None
         adopt = planner.adopt if isinstance(planner, ZeroCopyLoadPlanner) else None
         for req in plan.items:
             stored = self.storage_data[req.storage_index]
             t = got[stored.name]
             if t.nbytes != stored.nbytes:
-                raise TensorBroken(f"{stored.name!r} holds {t.nbytes} bytes, not the "
-                                   f"{stored.nbytes} checkpoint {self.checkpoint_id!r} "
-                                   f"saved")
+                raise TensorBroken(
+                    f"{stored.name!r} holds {t.nbytes} bytes, not the "
+                    f"{stored.nbytes} checkpoint {self.checkpoint_id!r} "
+                    f"saved"
+                )
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(t.numpy().tobytes()))
                 continue
@@ -385,8 +443,10 @@ class DepotReader(StorageReader):
                 continue
             target = planner.resolve_tensor(req).detach()
             if target.size() != src.size():
-                raise TensorBroken(f"{stored.name!r} is {tuple(src.size())} where the plan "
-                                   f"expects {tuple(target.size())}")
+                raise TensorBroken(
+                    f"{stored.name!r} is {tuple(src.size())} where the plan "
+                    f"expects {tuple(target.size())}"
+                )
             target.copy_(src)
             planner.commit_tensor(req, target)
         fut: Future[None] = Future()
@@ -422,8 +482,14 @@ class ZeroCopyLoadPlanner(DefaultLoadPlanner):
             local = dest.to_local()
             if not _same(local, src):
                 return False
-            src = DTensor.from_local(src, dest.device_mesh, dest.placements, run_check=False,
-                                     shape=dest.shape, stride=dest.stride())
+            src = DTensor.from_local(
+                src,
+                dest.device_mesh,
+                dest.placements,
+                run_check=False,
+                shape=dest.shape,
+                stride=dest.stride(),
+            )
         elif type(dest) not in (torch.Tensor, torch.nn.Parameter) or not _same(dest, src):
             return False
         self.state_dict[fqn] = src
@@ -438,8 +504,15 @@ def _same(dest: torch.Tensor, src: torch.Tensor) -> bool:
     return dest.shape == src.shape and dest.dtype == src.dtype and dest.device == src.device
 
 
-def push(checkpoint_id: str, to: str, *, client: Client | None = None, url: str | None = None,
-         token: str | None = None, tls_ca: str | bytes | None = None) -> int:
+def push(
+    checkpoint_id: str,
+    to: str,
+    *,
+    client: Client | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    tls_ca: str | bytes | None = None,
+) -> int:
     """Send checkpoint ``checkpoint_id`` from this host's broker (``client``,
     or ``url``) to the broker on another host whose Flight endpoint is ``to``
     (``grpc://HOST:PORT``), its metadata last, so that ``DepotReader`` on

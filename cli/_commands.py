@@ -40,8 +40,11 @@ def connect(args: argparse.Namespace) -> Any:
     from ..client import Client
 
     if args.token is not None:
-        print("tensordepot: --token is visible to every local user in the process list; "
-              "prefer $TENSORDEPOT_TOKEN", file=sys.stderr)
+        print(
+            "tensordepot: --token is visible to every local user in the process list; "
+            "prefer $TENSORDEPOT_TOKEN",
+            file=sys.stderr,
+        )
     return Client(args.url, token=args.token)
 
 
@@ -52,9 +55,18 @@ def ls(args: argparse.Namespace) -> int:
     if args.json:
         _print_json([i.model_dump() for i in items])
         return 0
-    rows = [(i.name, str(i.version), i.dtype, str(tuple(i.shape)),
-             str(i.nbytes) if args.bytes else format_size(i.nbytes), str(i.readers), i.state)
-            for i in items]
+    rows = [
+        (
+            i.name,
+            str(i.version),
+            i.dtype,
+            str(tuple(i.shape)),
+            str(i.nbytes) if args.bytes else format_size(i.nbytes),
+            str(i.readers),
+            i.state,
+        )
+        for i in items
+    ]
     head = ("NAME", "VER", "DTYPE", "SHAPE", "BYTES" if args.bytes else "SIZE", "READERS", "STATE")
     _table(head, rows, right={1, 4, 5})
     return 0
@@ -65,8 +77,10 @@ def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]], right: set[in
     line up on the right."""
     widths = [max([len(head[k])] + [len(r[k]) for r in rows]) for k in range(len(head))]
     for row in [head, *rows]:
-        cells = [cell.rjust(w) if k in right else cell.ljust(w)
-                 for k, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        cells = [
+            cell.rjust(w) if k in right else cell.ljust(w)
+            for k, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
         print("  ".join(cells).rstrip())
 
 
@@ -84,9 +98,11 @@ def stat(args: argparse.Namespace) -> int:
     for dev in devices:
         size = (lambda n: str(n)) if args.bytes else format_size
         ctx = "unknown" if dev["context_bytes"] is None else size(dev["context_bytes"])
-        print(f"{dev['device']}: in use {size(dev['bytes_in_use'])}, reserved "
-              f"{size(dev['bytes_reserved'])}, pending {size(dev['bytes_pending'])}, shared "
-              f"{size(dev['bytes_shared'])}, max {size(dev['max_memory'])}, context {ctx}")
+        print(
+            f"{dev['device']}: in use {size(dev['bytes_in_use'])}, reserved "
+            f"{size(dev['bytes_reserved'])}, pending {size(dev['bytes_pending'])}, shared "
+            f"{size(dev['bytes_shared'])}, max {size(dev['max_memory'])}, context {ctx}"
+        )
     return 0
 
 
@@ -103,10 +119,26 @@ def who(args: argparse.Namespace) -> int:
     for h in holders:
         held = ", ".join(f"{n.name} v{','.join(map(str, n.versions))}" for n in h.names[:8])
         held += f", ... ({len(h.names)} names)" if len(h.names) > 8 else ""
-        rows.append((str(h.pid or "-"), h.session, h.label or "-", h.identity, str(h.leases),
-                     size(h.nbytes), held + (" (exiting)" if h.exiting else "")))
-    head = ("PID", "SESSION", "LABEL", "IDENTITY", "LEASES", "BYTES" if args.bytes else "SIZE",
-            "HOLDS")
+        rows.append(
+            (
+                str(h.pid or "-"),
+                h.session,
+                h.label or "-",
+                h.identity,
+                str(h.leases),
+                size(h.nbytes),
+                held + (" (exiting)" if h.exiting else ""),
+            )
+        )
+    head = (
+        "PID",
+        "SESSION",
+        "LABEL",
+        "IDENTITY",
+        "LEASES",
+        "BYTES" if args.bytes else "SIZE",
+        "HOLDS",
+    )
     _table(head, rows, right={0, 4, 5})
     return 0
 
@@ -128,12 +160,16 @@ def rm(args: argparse.Namespace) -> int:
                 deleted += c.delete(prefix=args.prefix)
             except InvalidRequest as exc:
                 refused[args.prefix] = str(exc)
-                print(f"tensordepot rm: cannot remove --prefix {args.prefix!r}: {exc}",
-                      file=sys.stderr)
+                print(
+                    f"tensordepot rm: cannot remove --prefix {args.prefix!r}: {exc}",
+                    file=sys.stderr,
+                )
             else:
                 if not deleted:
-                    print(f"tensordepot rm: no tensor name starts with {args.prefix!r}",
-                          file=sys.stderr)
+                    print(
+                        f"tensordepot rm: no tensor name starts with {args.prefix!r}",
+                        file=sys.stderr,
+                    )
         rest = list(args.names)
         if len(rest) > 1:
             try:
@@ -172,19 +208,28 @@ def wait(args: argparse.Namespace) -> int:
             try:
                 # /healthz needs no session and no token; it says "ok" once the
                 # broker serves, and "shutting_down" while an old one exits.
-                health = transport.request("GET", "/healthz",
-                                           timeout=max(deadline - time.monotonic(), 0.05))
+                health = transport.request(
+                    "GET", "/healthz", timeout=max(deadline - time.monotonic(), 0.05)
+                )
             except BrokerUnavailable as exc:
                 why = str(exc)
             else:
                 if isinstance(health, dict) and health.get("status") == "ok":
                     waited = time.monotonic() - start
                     if args.json:
-                        _print_json({"url": url, "status": "ok", "version": health.get("version"),
-                                     "waited": round(waited, 3)})
+                        _print_json(
+                            {
+                                "url": url,
+                                "status": "ok",
+                                "version": health.get("version"),
+                                "waited": round(waited, 3),
+                            }
+                        )
                     else:
-                        print(f"broker ready at {url} (tensordepot {health.get('version')}, "
-                              f"waited {waited:.2f} s)")
+                        print(
+                            f"broker ready at {url} (tensordepot {health.get('version')}, "
+                            f"waited {waited:.2f} s)"
+                        )
                     return 0
                 why = f"the broker answered {health!r}"
             if time.monotonic() >= deadline:
@@ -192,18 +237,25 @@ def wait(args: argparse.Namespace) -> int:
             time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
     finally:
         transport.close()
-    print(f"tensordepot wait: no broker answered at {url} within {args.timeout:g} s ({why}); "
-          f"start one with `tensordepot serve`, or point --url (or $TENSORDEPOT_URL) at its socket",
-          file=sys.stderr)
+    print(
+        f"tensordepot wait: no broker answered at {url} within {args.timeout:g} s ({why}); "
+        f"start one with `tensordepot serve`, or point --url (or $TENSORDEPOT_URL) at its socket",
+        file=sys.stderr,
+    )
     return 1
 
 
 def _progress(what: str) -> Any:
     """A progress report on stderr, for files of more than a few seconds' copy."""
+
     def report(done: int, total: int) -> None:
         if total >= 256 << 20:
-            print(f"tensordepot {what}: {format_size(done)} of {format_size(total)} "
-                  f"({100 * done // max(total, 1)}%)", file=sys.stderr)
+            print(
+                f"tensordepot {what}: {format_size(done)} of {format_size(total)} "
+                f"({100 * done // max(total, 1)}%)",
+                file=sys.stderr,
+            )
+
     return report
 
 
@@ -226,8 +278,9 @@ def save(args: argparse.Namespace) -> int:
     """``tensordepot save PREFIX PATH``: the tensors under a prefix, to a
     file, or to shards and an index in the folder PATH (``--max-shard-size``)."""
     with connect(args) as c:
-        written = c.save_file(args.prefix, args.file, progress=_progress("save"),
-                              max_shard_size=args.max_shard_size)
+        written = c.save_file(
+            args.prefix, args.file, progress=_progress("save"), max_shard_size=args.max_shard_size
+        )
     if args.json:
         _print_json({"file": args.file, "bytes": written})
     else:

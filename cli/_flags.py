@@ -22,12 +22,27 @@ from .._defaults import ENV_PREFIX
 # Placeholders in the help: S for every float (seconds), N for every int, these
 # for the rest (a setting missing here shows its name, as MAX_MEMORY).
 METAVARS = {
-    "listen": "URL", "max_memory": "SIZE", "segment_size": "SIZE", "warm_memory": "SIZE",
-    "prealloc": "SIZE", "cuda_memory": "SIZE", "cuda_segment_size": "SIZE",
-    "shm_prefix": "PREFIX", "shm_group": "GROUP", "token": "TOKEN", "token_file": "PATH",
-    "allow_uid": "UID", "allow_gid": "GID", "max_memory_per_session": "SIZE",
-    "max_memory_per_token": "SIZE", "log_level": "LEVEL", "flight": "URL",
-    "flight_tls_cert": "PEM", "flight_tls_key": "PEM", "peer": "URL", "peer_token": "TOKEN",
+    "listen": "URL",
+    "max_memory": "SIZE",
+    "segment_size": "SIZE",
+    "warm_memory": "SIZE",
+    "prealloc": "SIZE",
+    "cuda_memory": "SIZE",
+    "cuda_segment_size": "SIZE",
+    "shm_prefix": "PREFIX",
+    "shm_group": "GROUP",
+    "token": "TOKEN",
+    "token_file": "PATH",
+    "allow_uid": "UID",
+    "allow_gid": "GID",
+    "max_memory_per_session": "SIZE",
+    "max_memory_per_token": "SIZE",
+    "log_level": "LEVEL",
+    "flight": "URL",
+    "flight_tls_cert": "PEM",
+    "flight_tls_key": "PEM",
+    "peer": "URL",
+    "peer_token": "TOKEN",
     "peer_tls_ca": "PEM",
 }
 _NUMBER_METAVARS: dict[Any, str] = {float: "S", int: "N"}
@@ -70,8 +85,7 @@ def add_settings(parser: argparse.ArgumentParser, fields: dict[str, FieldInfo]) 
         where_to = hosts if name.split("_")[0] in HOSTS else parser
         kw: dict[str, Any] = {"dest": name, "help": field.description, **_kind(field)}
         if "action" not in kw or kw["action"] == "append":
-            kw["metavar"] = _NUMBER_METAVARS.get(kw.get("type")) or METAVARS.get(name,
-                                                                                 name.upper())
+            kw["metavar"] = _NUMBER_METAVARS.get(kw.get("type")) or METAVARS.get(name, name.upper())
         where_to.add_argument(flag(name), **kw)
 
 
@@ -88,11 +102,16 @@ class SettingsHelp(argparse.HelpFormatter):
         field = self._fields.get(action.dest)
         if text is None or field is None:
             return text
-        notes = [f"${env_var(action.dest)}" + (", comma separated" if _kind(field).get("action")
-                                                == "append" else "")]
+        notes = [
+            f"${env_var(action.dest)}"
+            + (", comma separated" if _kind(field).get("action") == "append" else "")
+        ]
         default = field.get_default(call_default_factory=False)
-        if isinstance(default, (int, float, str)) and not isinstance(default, bool) \
-                and default != "":
+        if (
+            isinstance(default, (int, float, str))
+            and not isinstance(default, bool)
+            and default != ""
+        ):
             notes.append(f"default {default}")
         # argparse expands %-format in help: a literal % must be doubled.
         return f"{text} [{'; '.join(notes)}]".replace("%", "%%")

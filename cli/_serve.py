@@ -25,8 +25,9 @@ def _settings(args: argparse.Namespace) -> Any:
 
     from ..service.config import Settings
 
-    overrides: dict[str, Any] = {k: v for k, v in vars(args).items()
-                                 if k in Settings.model_fields and v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None
+    }
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
@@ -61,17 +62,24 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tensordepot serve: {exc}", file=sys.stderr)
         return 2
     max_memory = settings.max_memory_bytes()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     capacity = shm_capacity()
     if max_memory > capacity:
-        log.warning("--max-memory %s is more than /dev/shm holds (%s): puts will fail with "
-                    "out of memory once /dev/shm is full; lower --max-memory or enlarge "
-                    "/dev/shm (docker: shm_size)", format_size(max_memory), format_size(capacity))
+        log.warning(
+            "--max-memory %s is more than /dev/shm holds (%s): puts will fail with "
+            "out of memory once /dev/shm is full; lower --max-memory or enlarge "
+            "/dev/shm (docker: shm_size)",
+            format_size(max_memory),
+            format_size(capacity),
+        )
     if args.token is not None:
         logging.getLogger("tensordepot.broker").warning(
             "--token is visible to every local user in the process list (/proc/%d/cmdline); "
-            "use --token-file or TENSORDEPOT_TOKEN", os.getpid())
+            "use --token-file or TENSORDEPOT_TOKEN",
+            os.getpid(),
+        )
     try:
         policy = load_policy(settings)
     except AuthConfigError as exc:
@@ -103,16 +111,25 @@ def serve(args: argparse.Namespace) -> int:
     app.state.on_close = lambda: close_all(listens, socks)
     PeerCredProtocol.max_connections = settings.max_connections
     _raise_fd_limit()
-    config = uvicorn.Config(app, http=PeerCredProtocol, lifespan="on", log_config=None,
-                            access_log=False, timeout_keep_alive=120, timeout_graceful_shutdown=5,
-                            log_level=uvicorn_level)
+    config = uvicorn.Config(
+        app,
+        http=PeerCredProtocol,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=120,
+        timeout_graceful_shutdown=5,
+        log_level=uvicorn_level,
+    )
     urls = ", ".join(ln.url for ln in listens)
     if flight is not None:
         urls += f", flight {flight.url}"
     if settings.peer:
         urls += f", peers {', '.join(settings.peer)}"
-    ready = (f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
-             f"max-memory {max_memory / 2**30:.1f} GiB, prefix {settings.prefix()}")
+    ready = (
+        f"tensordepot ready: pid {os.getpid()}, listening on {urls}, "
+        f"max-memory {max_memory / 2**30:.1f} GiB, prefix {settings.prefix()}"
+    )
     server = Server(config, ready)
     try:
         server.run(sockets=socks)

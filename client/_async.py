@@ -99,12 +99,20 @@ class AsyncClient:
         trust_uid: int | str | Iterable[int | str] | None = None,
     ) -> None:
         token = token or os.environ.get(ENV_TOKEN)
-        core = Core(url or default_url(), token=token, timeout=timeout, label=label,
-                    trust_uid=trust_uid, transport=Transport, open=False)
+        core = Core(
+            url or default_url(),
+            token=token,
+            timeout=timeout,
+            label=label,
+            trust_uid=trust_uid,
+            transport=Transport,
+            open=False,
+        )
         self._core = core
         self.url = core.url
-        self._transport = AsyncTransport(core.url, token=token, timeout=core.timeout,
-                                         trust=core.trust)
+        self._transport = AsyncTransport(
+            core.url, token=token, timeout=core.timeout, trust=core.trust
+        )
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opening: asyncio.Future[Any] | None = None  # the request that opens a session
@@ -219,8 +227,9 @@ class AsyncClient:
         self._pid = os.getpid()
 
     # -- writing ---------------------------------------------------------------------------------
-    async def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None,
-                  dtype: Any = None) -> int:
+    async def put(
+        self, name: str, x: Any, *, ttl: float | None = None, device: Any = None, dtype: Any = None
+    ) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         As ``Client.put``: numpy arrays, ``__dlpack__`` objects (torch, jax,
@@ -261,16 +270,24 @@ class AsyncClient:
         name was deleted meanwhile)."""
         return await self._drive(_ops.publish(self._core, t))
 
-    async def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
-                    wait_on_close: float = 30.0) -> int:
+    async def share(
+        self,
+        name: str,
+        tensor: Any,
+        *,
+        ttl: float | None = None,
+        stream: Any = None,
+        wait_on_close: float = 30.0,
+    ) -> int:
         """Publish a GPU tensor's own memory as the next version of ``name``,
         without a copy, as ``Client.share`` (the same lifetime: the name is
         withdrawn when this client's session ends).  It runs whole in a
         worker thread, and completes."""
         return await self._drive(_ops.share(self._core, name, tensor, ttl, stream, wait_on_close))
 
-    async def put_state_dict(self, prefix: str, state_dict: Any, *,
-                             ttl: float | None = None) -> int:
+    async def put_state_dict(
+        self, prefix: str, state_dict: Any, *, ttl: float | None = None
+    ) -> int:
         """As ``Client.put_state_dict``: a nested state dict under ``prefix``."""
         return await self._drive(_state.put_state_dict(self._core, prefix, state_dict, ttl))
 
@@ -280,13 +297,34 @@ class AsyncClient:
 
     # -- reading ---------------------------------------------------------------------------------
     @overload
-    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-                  version: int | None = None, out: None = None) -> SharedTensor: ...
+    async def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: None = None,
+    ) -> SharedTensor: ...
     @overload
-    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-                  version: int | None = None, out: _T) -> _T: ...
-    async def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-                  version: int | None = None, out: Any = None) -> Any:
+    async def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: _T,
+    ) -> _T: ...
+    async def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: Any = None,
+    ) -> Any:
         """Lease the newest published version of ``name`` (read-only, zero copy),
         as ``Client.get``: ``timeout=0`` (the default) raises ``TensorNotFound``
         at once, a number waits up to that many seconds, ``None`` waits
@@ -297,8 +335,9 @@ class AsyncClient:
         Cancelled while it waits, it hangs up, and a lease granted in the race
         is released."""
         if out is not None:
-            return await self._drive(_into.get_into(self._core, name, timeout, newer_than,
-                                                    version, out))
+            return await self._drive(
+                _into.get_into(self._core, name, timeout, newer_than, version, out)
+            )
         return await self._drive(_ops.get(self._core, name, timeout, newer_than, version))
 
     async def get_many(
@@ -314,34 +353,54 @@ class AsyncClient:
         or an error and none), as ``Client.get_many``; ``newer_than``,
         ``wait`` and ``out`` too."""
         if out is not None:
-            return await self._drive(_into.get_many_into(self._core, names, timeout,
-                                                         newer_than, wait, out))
+            return await self._drive(
+                _into.get_many_into(self._core, names, timeout, newer_than, wait, out)
+            )
         return await self._drive(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
-    async def push(self, name: str, to: str, *, token: str | None = None,
-                   tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
+    async def push(
+        self,
+        name: str,
+        to: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> int:
         """Send the newest version of ``name`` to the broker on another host whose
         Flight endpoint is ``to``, as ``Client.push``; returns its version
         there.  It runs whole in a worker thread, and completes."""
         return await self._drive(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- files -----------------------------------------------------------------------------------
-    async def load_file(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                        prefix: str = "", *, ttl: float | None = None,
-                        progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+    async def load_file(
+        self,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        prefix: str = "",
+        *,
+        ttl: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, int]:
         """As ``Client.load_file``; the copy runs off the event loop."""
         return await self._drive(_files.load_file(self._core, path, prefix, ttl, progress))
 
-    async def save_file(self, prefix: str, path: str | os.PathLike[str], *,
-                        progress: Callable[[int, int], None] | None = None,
-                        max_shard_size: int | str | None = None) -> int:
+    async def save_file(
+        self,
+        prefix: str,
+        path: str | os.PathLike[str],
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        max_shard_size: int | str | None = None,
+    ) -> int:
         """As ``Client.save_file``; the files are written off the event loop."""
-        return await self._drive(_files.save_file(self._core, prefix, path, progress,
-                                                  max_shard_size))
+        return await self._drive(
+            _files.save_file(self._core, prefix, path, progress, max_shard_size)
+        )
 
     # -- names -----------------------------------------------------------------------------------
-    async def delete(self, name: str | None = None, *,
-                     prefix: str | None = None) -> builtins.list[str]:
+    async def delete(
+        self, name: str | None = None, *, prefix: str | None = None
+    ) -> builtins.list[str]:
         """Remove ``name``, or every name that starts with ``prefix``, as
         ``Client.delete``; returns the names deleted."""
         return await self._drive(_ops.delete(self._core, name, prefix))

@@ -216,8 +216,9 @@ class Background:
             try:
                 # Releasing twice is harmless (ids are never reused): with a
                 # request id, it is resent on a fresh connection if need be.
-                self._client.call_now("POST", "/v1/release", body, background=True,
-                                      rid=self._client.rid())
+                self._client.call_now(
+                    "POST", "/v1/release", body, background=True, rid=self._client.rid()
+                )
             except DepotError as exc:  # the broker is gone: its leases are gone with it
                 log.debug("release of %d lease(s) failed: %s", len(ids), exc)
 
@@ -255,8 +256,10 @@ class Background:
                     chore()
                 except Exception:
                     calm_until = time.monotonic() + _CALM
-                    log.exception("tensordepot client: the background thread's %s failed; "
-                                  "it tries again", getattr(chore, "__name__", chore))
+                    log.exception(
+                        "tensordepot client: the background thread's %s failed; it tries again",
+                        getattr(chore, "__name__", chore),
+                    )
 
     def _releases(self) -> None:
         """A forked child's claim first, then the releases nothing carried."""
@@ -270,8 +273,9 @@ class Background:
         # wakes us; one queued before it is seen below.
         self._armed = False
         busy = self._busy_until > now
-        if self.stale or ((self.pending or self.cancels) and now - self._since >= _COALESCE
-                           and not busy):
+        if self.stale or (
+            (self.pending or self.cancels) and now - self._since >= _COALESCE and not busy
+        ):
             self.flush()  # nothing carried them for _COALESCE seconds
         if self.pending or self.cancels or busy:
             self._armed = True  # we wake on our own in time: finalizers need not

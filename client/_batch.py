@@ -89,8 +89,11 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
             arrays.append(a)
             dtypes.append(d)
         shapes = [list(a.shape) for a in arrays]
-        return (yield from put_arrays(core, names, arrays, shapes, dtypes, ttl,
-                                      same=_same(arrays, dtypes)))
+        return (
+            yield from put_arrays(
+                core, names, arrays, shapes, dtypes, ttl, same=_same(arrays, dtypes)
+            )
+        )
     finally:
         for src in opened:
             src.close()
@@ -109,18 +112,27 @@ def _same(arrays: list[Any], dtypes: list[str]) -> list[int] | None:
     owners = all(a.flags.owndata for a in arrays if a.nbytes)
     for i, a in enumerate(arrays):
         if a.nbytes:
-            key = id(a) if owners else (a.__array_interface__["data"][0], a.shape, a.strides,
-                                         dtypes[i])
+            key = (
+                id(a)
+                if owners
+                else (a.__array_interface__["data"][0], a.shape, a.strides, dtypes[i])
+            )
             same[i] = seen.setdefault(key, i)
             if same[i] == i:
                 same[i] = -1
     return same if max(same, default=-1) >= 0 else None
 
 
-def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[list[int]],
-               dtypes: list[str], ttl: float | None,
-               progress: Callable[[int, int], None] | None = None,
-               same: list[int] | None = None) -> Op[dict[str, int]]:
+def put_arrays(
+    core: Core,
+    names: list[str],
+    arrays: list[Any],
+    shapes: list[list[int]],
+    dtypes: list[str],
+    ttl: float | None,
+    progress: Callable[[int, int], None] | None = None,
+    same: list[int] | None = None,
+) -> Op[dict[str, int]]:
     """put_many's steps for host arrays: each array holds its tensor's bytes
     (C-ordered, of ``dtypes``; a flat uint8 array of them will do).
     ``progress(done, total)``: bytes copied so far, called as the copy goes.
@@ -140,27 +152,38 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
 
         for part in _parts(same, len(names)):
             local = {i: k for k, i in enumerate(part)}
-            psame = None if same is None else [local[same[i]] if same[i] >= 0 else -1
-                                               for i in part]
-            placed.update((yield from put_arrays(
-                core, [names[i] for i in part], [arrays[i] for i in part],
-                [shapes[i] for i in part], [dtypes[i] for i in part], ttl,
-                None if progress is None else told, psame)))
+            psame = None if same is None else [local[same[i]] if same[i] >= 0 else -1 for i in part]
+            placed.update(
+                (
+                    yield from put_arrays(
+                        core,
+                        [names[i] for i in part],
+                        [arrays[i] for i in part],
+                        [shapes[i] for i in part],
+                        [dtypes[i] for i in part],
+                        ttl,
+                        None if progress is None else told,
+                        psame,
+                    )
+                )
+            )
             done += sum(arrays[i].nbytes for i in part if same is None or same[i] < 0)
         return {n: placed[n] for n in names}
-    body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl,
-                                     same=same)
+    body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl, same=same)
     own = [a for i, a in enumerate(arrays) if same is None or same[i] < 0]
     carried = sum(a.nbytes for a in own)
     if progress is None and carried <= min(INLINE_BATCH_MAX, INLINE_BATCH_MEAN * len(own)):
         # Many small tensors ride in the request: one round trip, no mapping to fill.
         head = body.__pydantic_serializer__.to_json(body)
-        got = yield from core.call("POST", "/v1/many/put",
-                                   frame(head, [a.tobytes() for a in own]), rid=core.rid())
+        got = yield from core.call(
+            "POST", "/v1/many/put", frame(head, [a.tobytes() for a in own]), rid=core.rid()
+        )
         versions = got.get("versions") if isinstance(got, dict) else None
         if not isinstance(versions, list) or len(versions) != len(names):
-            raise TensorBroken(f"the broker's answer to a put_many of {len(names)} tensor(s) does "
-                               f"not give one version per tensor: {str(got)[:200]}")
+            raise TensorBroken(
+                f"the broker's answer to a put_many of {len(names)} tensor(s) does "
+                f"not give one version per tensor: {str(got)[:200]}"
+            )
         return dict(zip(names, versions, strict=True))
     cols = yield from core.alloc(body, HandleColumns, "/v1/many/alloc")
     try:
@@ -170,9 +193,14 @@ def put_arrays(core: Core, names: list[str], arrays: list[Any], shapes: list[lis
         yield from _abort(core, cols)
         raise
     try:
-        yield from core.call("POST", "/v1/many/publish",
-                             ManyPublish.model_construct(names=cols.names, versions=cols.versions),
-                             rid=core.rid(), raw=True, keep=True)
+        yield from core.call(
+            "POST",
+            "/v1/many/publish",
+            ManyPublish.model_construct(names=cols.names, versions=cols.versions),
+            rid=core.rid(),
+            raw=True,
+            keep=True,
+        )
     except BaseException:
         yield from _abort(core, cols)  # if the broker published them, it finds nothing to abort
         raise
@@ -189,30 +217,38 @@ def _parts(same: list[int] | None, n: int) -> list[list[int]]:
     parts: list[list[int]] = [[]]
     for group in groups.values():
         if len(group) > MAX_BATCH:
-            raise InvalidRequest(f"{len(group)} names share one tensor's bytes; a batch holds at "
-                                 f"most {MAX_BATCH}")
+            raise InvalidRequest(
+                f"{len(group)} names share one tensor's bytes; a batch holds at most {MAX_BATCH}"
+            )
         if len(parts[-1]) + len(group) > MAX_BATCH:
             parts.append([])
         parts[-1].extend(group)
     return parts
 
 
-def _fill(core: Core, cols: HandleColumns, arrays: list[Any], shapes: list[list[int]],
-          dtypes: list[str], progress: Callable[[int, int], None] | None = None,
-          same: list[int] | None = None) -> None:
+def _fill(
+    core: Core,
+    cols: HandleColumns,
+    arrays: list[Any],
+    shapes: list[list[int]],
+    dtypes: list[str],
+    progress: Callable[[int, int], None] | None = None,
+    same: list[int] | None = None,
+) -> None:
     check_columns(cols)
     if cols.others or len(cols.names) != len(arrays):
         raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
     flats = [core.segments.fill_flat(seg) for seg in cols.segments]
     check_allocations(cols, [f.size for f in flats], shapes, dtypes, [a.nbytes for a in arrays])
     pairs = []
-    for i, (a, seg, off, n) in enumerate(zip(arrays, cols.segment, cols.offsets, cols.nbytes,
-                                             strict=True)):
+    for i, (a, seg, off, n) in enumerate(
+        zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True)
+    ):
         j = -1 if same is None else same[i]
         if j >= 0 and (cols.segment[j], cols.offsets[j]) == (seg, off):
             continue  # the bytes of tensor j, copied there
         if n:
-            pairs.append((flats[seg][off:off + n].view(a.dtype).reshape(a.shape), a))
+            pairs.append((flats[seg][off : off + n].view(a.dtype).reshape(a.shape), a))
     if progress is None:
         copy_many(pairs)
         return
@@ -232,8 +268,9 @@ def _abort(core: Core, cols: HandleColumns) -> Op[None]:
         yield from core.abort(name, version)
 
 
-def get_many(core: Core, names: Iterable[str], timeout: Any,
-             newer_than: Any, until: Any = "all") -> Op[dict[str, SharedTensor]]:
+def get_many(
+    core: Core, names: Iterable[str], timeout: Any, newer_than: Any, until: Any = "all"
+) -> Op[dict[str, SharedTensor]]:
     """One request, one window per segment, a tensor per name; ``until``:
     get_many's ``wait`` ("all" or "any").  More than ``MAX_BATCH`` names
     (the most one request carries) go as several requests under the one
@@ -245,20 +282,35 @@ def get_many(core: Core, names: Iterable[str], timeout: Any,
     if len(names) <= MAX_BATCH:
         return (yield from _get_batch(core, names, wait, floors, how))
     if how == "any":
-        raise InvalidRequest(f"get_many(wait='any') waits on at most {MAX_BATCH} names; this "
-                             f"asks for {len(names)}: wait on fewer, or wait='all'")
+        raise InvalidRequest(
+            f"get_many(wait='any') waits on at most {MAX_BATCH} names; this "
+            f"asks for {len(names)}: wait on fewer, or wait='all'"
+        )
     deadline = None if wait is None else time.monotonic() + wait
     got: dict[str, SharedTensor] = {}  # dropped, with its leases, if a later part fails
     for k in range(0, len(names), MAX_BATCH):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        got.update((yield from _get_batch(core, names[k:k + MAX_BATCH], left,
-                                          None if floors is None else floors[k:k + MAX_BATCH],
-                                          how)))
+        got.update(
+            (
+                yield from _get_batch(
+                    core,
+                    names[k : k + MAX_BATCH],
+                    left,
+                    None if floors is None else floors[k : k + MAX_BATCH],
+                    how,
+                )
+            )
+        )
     return got
 
 
-def _get_batch(core: Core, names: list[str], wait: float | None, floors: list[int] | None,
-               until: Literal["all", "any"]) -> Op[dict[str, SharedTensor]]:
+def _get_batch(
+    core: Core,
+    names: list[str],
+    wait: float | None,
+    floors: list[int] | None,
+    until: Literal["all", "any"],
+) -> Op[dict[str, SharedTensor]]:
     body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
@@ -300,9 +352,19 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
                 lease = _Lease(lid, release)
                 bg.track(sid, lid)  # type: ignore[union-attr]
             shape = tuple(cols.shapes[i])
-            t = SharedTensor._of(ref, cols.names[i], cols.versions[i], shape, c_strides(shape),
-                                 dtype_of(cols.names[i], cols.dtypes[i]), cols.nbytes[i],
-                                 window, flats, cols.offsets[i] - base, lease)
+            t = SharedTensor._of(
+                ref,
+                cols.names[i],
+                cols.versions[i],
+                shape,
+                c_strides(shape),
+                dtype_of(cols.names[i], cols.dtypes[i]),
+                cols.nbytes[i],
+                window,
+                flats,
+                cols.offsets[i] - base,
+                lease,
+            )
             t._lease_session, t._instance = sid, instance
             tensors[i] = t
     for i, h in cols.others.items():
@@ -347,8 +409,9 @@ def _window(client: Core, segment: str, lo: int, n: int) -> tuple[Any, Any, int]
     return w, (flat, byte_view(w, 0, n, writable=False)), lo
 
 
-def _layout(members: list[int], offsets: list[int],
-            nbytes: list[int]) -> tuple[list[int], list[list[int]]]:
+def _layout(
+    members: list[int], offsets: list[int], nbytes: list[int]
+) -> tuple[list[int], list[list[int]]]:
     """The tensors of one segment that may share a window, and the groups
     that each need one of their own: the tensors of one range of bytes (tied
     weights, a name given twice) are one; ranges that overlap without being

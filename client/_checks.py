@@ -28,15 +28,19 @@ def shown(value: Any, limit: int = 60) -> str:
 def check_names(names: Any, one: str = "get()") -> list[str]:
     """A batch's names; ``one``: what takes a single name instead."""
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-        raise InvalidType(f"names must be a list of tensor names, not {type(names).__name__} "
-                          f"{shown(names)}; for one name use {one}")
+        raise InvalidType(
+            f"names must be a list of tensor names, not {type(names).__name__} "
+            f"{shown(names)}; for one name use {one}"
+        )
     return [check_name(n, "each name") for n in names]
 
 
 def check_mapping(tensors: Any) -> Mapping[str, Any]:
     if not isinstance(tensors, Mapping):
-        raise InvalidType(f"tensors must be a mapping of name -> tensor (a state dict), not "
-                          f"{type(tensors).__name__} {shown(tensors)}")
+        raise InvalidType(
+            f"tensors must be a mapping of name -> tensor (a state dict), not "
+            f"{type(tensors).__name__} {shown(tensors)}"
+        )
     for name in tensors:
         check_name(name, "each name")
     return tensors
@@ -51,8 +55,10 @@ def check_timeout(timeout: Any, what: str = "timeout") -> float | None:
         if 0 <= t <= MAX_WAIT:  # NaN is neither
             return t
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise InvalidType(f"{what} must be a number of seconds or None (wait forever), not "
-                          f"{type(timeout).__name__} {shown(timeout)}")
+        raise InvalidType(
+            f"{what} must be a number of seconds or None (wait forever), not "
+            f"{type(timeout).__name__} {shown(timeout)}"
+        )
     t = float(timeout)
     if math.isnan(t) or t < 0:
         raise InvalidRequest(f"{what} must be >= 0 seconds, or None to wait forever; got {t}")
@@ -63,8 +69,9 @@ def check_ttl(ttl: Any) -> float | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
-        raise InvalidType(f"ttl must be a number of seconds or None, not {type(ttl).__name__} "
-                          f"{shown(ttl)}")
+        raise InvalidType(
+            f"ttl must be a number of seconds or None, not {type(ttl).__name__} {shown(ttl)}"
+        )
     t = float(ttl)
     if not 0 < t < math.inf:
         raise InvalidRequest(f"ttl must be a finite number of seconds > 0, or None; got {t}")
@@ -78,8 +85,9 @@ def check_version(v: Any, what: str = "newer_than") -> int:
     if v is None:
         return 0
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise InvalidType(f"{what} must be an int version number, not {type(v).__name__} "
-                          f"{shown(v)}")
+        raise InvalidType(
+            f"{what} must be an int version number, not {type(v).__name__} {shown(v)}"
+        )
     if v < 0:
         raise InvalidRequest(f"{what} must be >= 0, got {v}")
     return int(v)
@@ -89,8 +97,9 @@ def check_shape(shape: Any) -> list[int]:
     try:
         dims = list(shape)
     except TypeError:
-        raise InvalidType(f"shape must be a sequence of ints, not {type(shape).__name__} "
-                          f"{shown(shape)}") from None
+        raise InvalidType(
+            f"shape must be a sequence of ints, not {type(shape).__name__} {shown(shape)}"
+        ) from None
     for d in dims:
         if isinstance(d, bool) or not isinstance(d, numbers.Integral):
             raise InvalidType(f"shape must hold ints, not {shown(d)} in {shown(shape)}")
@@ -105,14 +114,17 @@ def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
     if isinstance(newer_than, Mapping):
         for key in newer_than:
             if not isinstance(key, str):
-                raise InvalidType(f"newer_than maps tensor names to versions; {shown(key)} is "
-                                  "not a name")
+                raise InvalidType(
+                    f"newer_than maps tensor names to versions; {shown(key)} is not a name"
+                )
         asked = set(names)
         strays = [k for k in newer_than if k not in asked]
         if strays:
-            raise InvalidRequest(f"newer_than names {len(strays)} tensor(s) that names does not: "
-                                 f"{', '.join(map(repr, strays[:10]))}; give versions only for "
-                                 f"the names asked for")
+            raise InvalidRequest(
+                f"newer_than names {len(strays)} tensor(s) that names does not: "
+                f"{', '.join(map(repr, strays[:10]))}; give versions only for "
+                f"the names asked for"
+            )
         floors = [check_version(newer_than.get(n, 0), f"newer_than[{n!r}]") for n in names]
     else:
         floors = [check_version(newer_than)] * len(names)
@@ -125,5 +137,7 @@ def check_wait(wait: Any) -> Literal["all", "any"]:
         return "all"
     if wait == "any" and isinstance(wait, str):
         return "any"
-    raise InvalidRequest(f"wait must be 'all' (until every name has a newer version) or "
-                         f"'any' (until one has), not {shown(wait)}")
+    raise InvalidRequest(
+        f"wait must be 'all' (until every name has a newer version) or "
+        f"'any' (until one has), not {shown(wait)}"
+    )

@@ -53,22 +53,44 @@ class Client:
 
     _core: Core
 
-    def __init__(self, url: str | None = None, *, token: str | None = None, timeout: float = 30.0,
-                 label: str | None = None,
-                 trust_uid: int | str | Iterable[int | str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        label: str | None = None,
+        trust_uid: int | str | Iterable[int | str] | None = None,
+    ) -> None:
         self._setup(url, token, timeout, label, trust_uid, open=True)
 
-    def _setup(self, url: str | None, token: str | None, timeout: float, label: str | None,
-               trust_uid: Any, *, open: bool) -> None:
+    def _setup(
+        self,
+        url: str | None,
+        token: str | None,
+        timeout: float,
+        label: str | None,
+        trust_uid: Any,
+        *,
+        open: bool,
+    ) -> None:
         self.url = url or default_url()
-        self._core = Core(self.url, token=token or os.environ.get(ENV_TOKEN), timeout=timeout,
-                          label=label, trust_uid=trust_uid, transport=Transport, open=open)
+        self._core = Core(
+            self.url,
+            token=token or os.environ.get(ENV_TOKEN),
+            timeout=timeout,
+            label=label,
+            trust_uid=trust_uid,
+            transport=Transport,
+            open=open,
+        )
         self._run = self._core.run
         _pickle.track(self)
 
     @classmethod
-    def _unopened(cls, url: str, *, token: str | None, timeout: float, label: str | None,
-                  trust_uid: Any) -> Client:
+    def _unopened(
+        cls, url: str, *, token: str | None, timeout: float, label: str | None, trust_uid: Any
+    ) -> Client:
         """A Client whose session opens on its first call (one unpickled)."""
         c = cls.__new__(cls)
         c._setup(url, token, timeout, label, trust_uid, open=False)
@@ -113,8 +135,9 @@ class Client:
         return self._core.closing
 
     # -- writing -----------------------------------------------------------
-    def put(self, name: str, x: Any, *, ttl: float | None = None, device: Any = None,
-            dtype: Any = None) -> int:
+    def put(
+        self, name: str, x: Any, *, ttl: float | None = None, device: Any = None, dtype: Any = None
+    ) -> int:
         """Copy ``x`` into broker memory as the next version of ``name``; returns the version.
 
         ``x`` may be a numpy array or scalar, any ``__dlpack__`` object
@@ -134,8 +157,15 @@ class Client:
         broker's memory limit cannot fit it."""
         return self._run(_ops.put(self._core, name, x, ttl, device, dtype))
 
-    def empty(self, name: str, shape: Iterable[int], dtype: Any = "float32", *, device: str = "cpu",
-              ttl: float | None = None) -> SharedTensor:
+    def empty(
+        self,
+        name: str,
+        shape: Iterable[int],
+        dtype: Any = "float32",
+        *,
+        device: str = "cpu",
+        ttl: float | None = None,
+    ) -> SharedTensor:
         """A writable tensor in broker memory: fill it in place, then ``publish()``.
 
         No copy is ever made.  ``shape`` is a sequence of ints, ``dtype`` a
@@ -148,8 +178,15 @@ class Client:
         when it does not fit."""
         return self._run(_ops.empty(self._core, name, shape, dtype, device, ttl))
 
-    def share(self, name: str, tensor: Any, *, ttl: float | None = None, stream: Any = None,
-              wait_on_close: float = 30.0) -> int:
+    def share(
+        self,
+        name: str,
+        tensor: Any,
+        *,
+        ttl: float | None = None,
+        stream: Any = None,
+        wait_on_close: float = 30.0,
+    ) -> int:
         """Publish a GPU tensor's own memory as the next version of ``name``, without a copy.
 
         The name is withdrawn when this Client's session ends, and CUDA keeps
@@ -160,8 +197,9 @@ class Client:
         ``put`` (a copy the broker owns) is the safer default."""
         return self._run(_ops.share(self._core, name, tensor, ttl, stream, wait_on_close))
 
-    def put_many(self, tensors: Mapping[str, Any], *, ttl: float | None = None,
-                 device: Any = None) -> dict[str, int]:
+    def put_many(
+        self, tensors: Mapping[str, Any], *, ttl: float | None = None, device: Any = None
+    ) -> dict[str, int]:
         """Put a whole state dict: one round trip to allocate, one to publish.
 
         ``tensors`` maps names to what ``put`` accepts; returns each name's
@@ -189,13 +227,34 @@ class Client:
 
     # -- reading -----------------------------------------------------------
     @overload
-    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-            version: int | None = None, out: None = None) -> SharedTensor: ...
+    def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: None = None,
+    ) -> SharedTensor: ...
     @overload
-    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-            version: int | None = None, out: _T) -> _T: ...
-    def get(self, name: str, timeout: float | None = 0.0, *, newer_than: int | None = 0,
-            version: int | None = None, out: Any = None) -> Any:
+    def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: _T,
+    ) -> _T: ...
+    def get(
+        self,
+        name: str,
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | None = 0,
+        version: int | None = None,
+        out: Any = None,
+    ) -> Any:
         """Lease the newest published version of ``name`` (read-only, zero copy).
 
         ``timeout=0`` (the default) raises ``TensorNotFound`` at once if there is
@@ -216,9 +275,15 @@ class Client:
             return self._run(_into.get_into(self._core, name, timeout, newer_than, version, out))
         return self._run(_ops.get(self._core, name, timeout, newer_than, version))
 
-    def get_many(self, names: Iterable[str], timeout: float | None = 0.0, *,
-                 newer_than: int | Mapping[str, int] = 0, wait: str = "all",
-                 out: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def get_many(
+        self,
+        names: Iterable[str],
+        timeout: float | None = 0.0,
+        *,
+        newer_than: int | Mapping[str, int] = 0,
+        wait: str = "all",
+        out: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none).
 
@@ -237,12 +302,18 @@ class Client:
         ``get(out=)`` does (every buffer is checked before any is written),
         and maps them to their buffers in the answer."""
         if out is not None:
-            return self._run(_into.get_many_into(self._core, names, timeout, newer_than, wait,
-                                                 out))
+            return self._run(_into.get_many_into(self._core, names, timeout, newer_than, wait, out))
         return self._run(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
-    def push(self, name: str, to: str, *, token: str | None = None,
-             tls_ca: str | bytes | None = None, timeout: float | None = None) -> int:
+    def push(
+        self,
+        name: str,
+        to: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> int:
         """Send the newest version of ``name`` to the broker on another host whose
         Flight endpoint is ``to`` (``grpc://HOST:PORT``, ``grpc+tls://``); returns
         its version there.  ``token`` (default ``$TENSORDEPOT_PEER_TOKEN``) needs
@@ -250,9 +321,14 @@ class Client:
         return self._run(_push.push(self._core, name, to, token, tls_ca, timeout))
 
     # -- files ---------------------------------------------------------------
-    def load_file(self, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                  prefix: str = "", *, ttl: float | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
+    def load_file(
+        self,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        prefix: str = "",
+        *,
+        ttl: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, int]:
         """Put every tensor of the safetensors file ``path`` as ``prefix`` +
         its name, in one batch (all of them, or none), each copied once from
         the file; its metadata is kept as ``prefix + "__metadata__"``.
@@ -263,9 +339,14 @@ class Client:
         read, saying why."""
         return self._run(_files.load_file(self._core, path, prefix, ttl, progress))
 
-    def save_file(self, prefix: str, path: str | os.PathLike[str], *,
-                  progress: Callable[[int, int], None] | None = None,
-                  max_shard_size: int | str | None = None) -> int:
+    def save_file(
+        self,
+        prefix: str,
+        path: str | os.PathLike[str],
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        max_shard_size: int | str | None = None,
+    ) -> int:
         """Write every published tensor whose name starts with ``prefix`` to
         the safetensors file ``path``, named without the prefix (a whole file
         or none: it is written beside and renamed), with the metadata

@@ -90,8 +90,17 @@ class Core:
     session: SessionInfo | None = None
     gpu: Extension | None = None  # set by the CUDA code on first use
 
-    def __init__(self, url: str, *, token: str | None, timeout: float, label: str | None,
-                 trust_uid: Any, transport: Callable[..., Blocking], open: bool) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout: float,
+        label: str | None,
+        trust_uid: Any,
+        transport: Callable[..., Blocking],
+        open: bool,
+    ) -> None:
         _sigint.install()  # Ctrl-C lands in waits, never in bookkeeping
         self.url = url
         self.pid = os.getpid()
@@ -129,22 +138,43 @@ class Core:
         return drive(op, self.transport.roundtrip)
 
     # -- requests ----------------------------------------------------------------------------
-    def exchange(self, method: str, path: str, body: Any = None,
-                 headers: dict[str, str] | None = None, *, timeout: float | bool | None = False,
-                 resend: bool = True, keep: bool = False,
-                 opens: bool = False) -> Op[tuple[int, bytes]]:
+    def exchange(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | bool | None = False,
+        resend: bool = True,
+        keep: bool = False,
+        opens: bool = False,
+    ) -> Op[tuple[int, bytes]]:
         """One request as it is, outside ``call``'s rules: ``(status, body)``."""
         self.round_trips += 1
-        return (yield from exchange(self.endpoint, method, path, body, headers,
-                                    timeout=io_timeout(timeout, self.timeout), resend=resend,
-                                    keep=keep, opens=opens))
+        return (
+            yield from exchange(
+                self.endpoint,
+                method,
+                path,
+                body,
+                headers,
+                timeout=io_timeout(timeout, self.timeout),
+                resend=resend,
+                keep=keep,
+                opens=opens,
+            )
+        )
 
     def open_session(self, stale: str) -> Op[None]:
         """Open a session, unless one other than ``stale`` is open already."""
         if self.sid != stale:
             return
-        body = SessionOpen(pid=os.getpid(), label=self.label,
-                           holding=[] if self.bg is None else self.bg.holding(stale))
+        body = SessionOpen(
+            pid=os.getpid(),
+            label=self.label,
+            holding=[] if self.bg is None else self.bg.holding(stale),
+        )
         answer = yield from self.exchange("POST", "/v1/sessions", body, keep=True, opens=True)
         if self.sid == stale:  # concurrent callers share one answer
             self.set_session(SessionInfo.model_validate(decode(*answer)))
@@ -177,10 +207,20 @@ class Core:
         if self.bg is not None:
             self.bg.heartbeat = info.heartbeat_interval
 
-    def call(self, method: str, path: str, body: Any = None, *,
-             timeout: float | bool | None = False, rid: str | None = None, grants: bool = False,
-             raw: bool = False, keep: bool = False, background: bool = False,
-             bound: bool = False) -> Op[Any]:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | bool | None = False,
+        rid: str | None = None,
+        grants: bool = False,
+        raw: bool = False,
+        keep: bool = False,
+        background: bool = False,
+        bound: bool = False,
+    ) -> Op[Any]:
         """One request under this session: its decoded JSON (``raw``: its bytes).
 
         ``rid``: a request id, which makes it safe to resend; ``grants``: it
@@ -202,8 +242,9 @@ class Core:
         io = io_timeout(timeout, self.timeout)
         self.round_trips += 1
         try:
-            status, payload = yield from exchange(self.endpoint, method, path, body, headers,
-                                                  timeout=io, resend=resend, keep=keep)
+            status, payload = yield from exchange(
+                self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep
+            )
             return decode(status, payload, raw)
         except DepotError as exc:
             if not getattr(exc, "answered", False) and self.bg is not None:
@@ -220,16 +261,18 @@ class Core:
             raise _SessionEnded(sid)
         headers, _, _ = self.headers(rid, carry=False)
         self.round_trips += 1
-        status, payload = yield from exchange(self.endpoint, method, path, body, headers,
-                                              timeout=io, resend=resend, keep=keep)
+        status, payload = yield from exchange(
+            self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep
+        )
         return decode(status, payload, raw)
 
     def call_now(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
         """``call``, run here (blocking)."""
         return self.run(self.call(method, path, body, **kw))
 
-    def headers(self, rid: str | None, *,
-                carry: bool) -> tuple[dict[str, str], list[int], list[str]]:
+    def headers(
+        self, rid: str | None, *, carry: bool
+    ) -> tuple[dict[str, str], list[int], list[str]]:
         """A request's session headers, and (``carry``) the queued releases and
         cancels riding on it (``Background.riders``)."""
         headers = {SESSION_HEADER: self.sid}
@@ -242,15 +285,24 @@ class Core:
     rid = staticmethod(request_id)
 
     # -- allocations -------------------------------------------------------------------------
-    def granted(self, model: type[M], method: str, path: str, body: Any = None, *,
-                timeout: float | bool | None = False, keep: bool = False) -> Op[M]:
+    def granted(
+        self,
+        model: type[M],
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | bool | None = False,
+        keep: bool = False,
+    ) -> Op[M]:
         """A request that takes leases or memory (a get, an allocation): its
         answer as ``model``.  An answer that is not one (a broken or impostor
         broker) raises ``TensorBroken``, and what the request was granted is
         cancelled: the broker gives it back."""
         rid = self.rid()
-        raw = yield from self.call(method, path, body, timeout=timeout, rid=rid, grants=True,
-                                   raw=True, keep=keep)
+        raw = yield from self.call(
+            method, path, body, timeout=timeout, rid=rid, grants=True, raw=True, keep=keep
+        )
         try:
             return model.model_validate_json(raw)
         except BaseException as exc:  # Ctrl-C too: nobody holds what was granted
@@ -259,8 +311,10 @@ class Core:
             if not isinstance(exc, ValueError):  # pydantic's ValidationError, JSON that is not JSON
                 raise
             first = exc.errors()[0] if isinstance(exc, ValidationError) and exc.errors() else exc
-            raise broken(f"{method} {path.split('?')[0]}",
-                         f"its answer is not a {model.__name__} ({shown(first, 200)})") from None
+            raise broken(
+                f"{method} {path.split('?')[0]}",
+                f"its answer is not a {model.__name__} ({shown(first, 200)})",
+            ) from None
 
     def alloc(self, body: Any, model: type[M], path: str = "/v1/alloc") -> Op[M]:
         """An allocation (``keep``: an asyncio caller cancelled meanwhile still
@@ -271,8 +325,9 @@ class Core:
         """Give back an allocation that will not be published (best effort: if
         the broker is gone, so is the allocation)."""
         try:
-            yield from self.call("POST", "/v1/abort", PublishRequest(name=name, version=version),
-                                 rid=self.rid())
+            yield from self.call(
+                "POST", "/v1/abort", PublishRequest(name=name, version=version), rid=self.rid()
+            )
         except DepotError:
             pass
 
@@ -301,8 +356,13 @@ class Core:
         return int(answer["version"])
 
     def publish(self, name: str, version: int) -> Op[None]:
-        yield from self.call("POST", "/v1/publish", PublishRequest(name=name, version=version),
-                             rid=self.rid(), keep=True)
+        yield from self.call(
+            "POST",
+            "/v1/publish",
+            PublishRequest(name=name, version=version),
+            rid=self.rid(),
+            keep=True,
+        )
 
     def publish_tensor(self, t: SharedTensor) -> Op[SharedTensor]:
         """Publish an ``empty()`` tensor of this Core's (checked by the caller):
@@ -332,8 +392,11 @@ class Core:
             f = self.segments.file(h.segment, writable)
             check_extent(h, f.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype)
             # A reader's view is private, lent from a kept mapping; a writer's is shared.
-            w = (f.window(h.offset, h.nbytes, writable=True) if writable
-                 else self.segments.reader(h.segment, h.offset, h.nbytes))
+            w = (
+                f.window(h.offset, h.nbytes, writable=True)
+                if writable
+                else self.segments.reader(h.segment, h.offset, h.nbytes)
+            )
         except OSError as exc:  # the operation gives back what the broker handed out
             raise BrokerUnavailable(f"cannot map segment {h.segment}: {exc}") from exc
         lease = None
@@ -375,8 +438,10 @@ class Core:
             return None
         try:
             return ForkInfo.model_validate(
-                self.call_now("POST", f"/v1/sessions/{self.sid}/fork", background=True,
-                              rid=self.rid()))
+                self.call_now(
+                    "POST", f"/v1/sessions/{self.sid}/fork", background=True, rid=self.rid()
+                )
+            )
         except DepotError:
             return None  # the child's inherited views stay readable; see below
 
@@ -394,8 +459,9 @@ class Core:
             return
         renamed = {}
         if plan is not None:
-            renamed = {(self.sid, int(old)): (plan.session, new)
-                       for old, new in plan.leases.items()}
+            renamed = {
+                (self.sid, int(old)): (plan.session, new) for old, new in plan.leases.items()
+            }
             self.sid = plan.session
             self._fork_claim = plan.session
         else:
@@ -413,8 +479,11 @@ class Core:
                 return
             self._fork_claim = None
             try:
-                answer = self.run(self.exchange("POST", f"/v1/sessions/{sid}/claim",
-                                                headers={SESSION_HEADER: sid}))
+                answer = self.run(
+                    self.exchange(
+                        "POST", f"/v1/sessions/{sid}/claim", headers={SESSION_HEADER: sid}
+                    )
+                )
                 self.set_session(SessionInfo.model_validate(decode(*answer)))
             except DepotError:
                 self.sid = ""  # gone (the broker restarted, or the claim came too late)
@@ -462,8 +531,11 @@ class Core:
         if not self.sid:
             return
         try:
-            self.run(self.exchange("DELETE", f"/v1/sessions/{self.sid}{query}",
-                                   headers={SESSION_HEADER: self.sid}))
+            self.run(
+                self.exchange(
+                    "DELETE", f"/v1/sessions/{self.sid}{query}", headers={SESSION_HEADER: self.sid}
+                )
+            )
         except DepotError:
             pass
 

@@ -114,9 +114,6 @@ def wire_device(device: object) -> str:
     return f"cuda:{_resolve(d)[1]}"
 
 
-
-
-
 def open_block(client: Core, h: Handle, ordinal: int) -> Any:
     """This process's mapping of the block ``h`` is in (opened once per process)."""
     cuda = _cuda()
@@ -148,7 +145,7 @@ def _alive(pid: int, start: int | None) -> bool:
             data = f.read()
     except OSError:
         return False
-    rest = data[data.rfind(b")") + 2:].split()  # comm may hold spaces and parentheses
+    rest = data[data.rfind(b")") + 2 :].split()  # comm may hold spaces and parentheses
     return len(rest) > 19 and rest[0] not in (b"Z", b"X") and rest[19] == str(start).encode()
 
 
@@ -184,26 +181,37 @@ def tensor(client: Core, h: Handle, *, writable: bool) -> CudaSharedTensor:
     gone = None
     # If this raises, the operation gives back what the broker handed out.
     if h.cuda is None:
-        raise BrokerUnavailable(f"the broker sent a CUDA handle for {h.name!r} without its "
-                                "CUDA fields")
+        raise BrokerUnavailable(
+            f"the broker sent a CUDA handle for {h.name!r} without its CUDA fields"
+        )
     cuda = _cuda()
     ordinal = _resolve(Device("cuda", uuid=h.cuda.uuid))[0]
     if h.cuda.owner_pid is not None or h.segment.startswith("share-"):
         gone = _producer_check(client, h)
         if gone():
-            raise TensorBroken(f"tensor {h.name!r} v{h.version} was shared by a producer that "
-                               f"has exited or withdrawn it; CUDA keeps no promise about its "
-                               f"memory now")
+            raise TensorBroken(
+                f"tensor {h.name!r} v{h.version} was shared by a producer that "
+                f"has exited or withdrawn it; CUDA keeps no promise about its "
+                f"memory now"
+            )
     m = open_block(client, h, ordinal)
-    wev = (cuda.opened_event(decode_ipc(h.cuda.event_handle), ordinal)
-           if h.cuda.event_handle is not None else None)
-    rev = (cuda.opened_event(decode_ipc(h.cuda.release_event_handle), ordinal)
-           if h.cuda.release_event_handle is not None else None)
+    wev = (
+        cuda.opened_event(decode_ipc(h.cuda.event_handle), ordinal)
+        if h.cuda.event_handle is not None
+        else None
+    )
+    rev = (
+        cuda.opened_event(decode_ipc(h.cuda.release_event_handle), ordinal)
+        if h.cuda.release_event_handle is not None
+        else None
+    )
     streams = Streams(ordinal, wev, rev)
-    lease = None if h.lease is None else gpu_lease(client, h.lease, streams,
-                                                   getattr(m, "uses", None))
-    return CudaSharedTensor(client, h, m, lease, writable=writable, ordinal=ordinal,
-                            streams=streams, producer_gone=gone)
+    lease = (
+        None if h.lease is None else gpu_lease(client, h.lease, streams, getattr(m, "uses", None))
+    )
+    return CudaSharedTensor(
+        client, h, m, lease, writable=writable, ordinal=ordinal, streams=streams, producer_gone=gone
+    )
 
 
 def gpu_lease(client: Core, lease_id: int, streams: Streams, uses: Any = None) -> _Lease | None:
@@ -218,9 +226,12 @@ def gpu_lease(client: Core, lease_id: int, streams: Streams, uses: Any = None) -
     bg.track(client.sid, lease_id)
     if uses is not None:
         uses.unrecorded.add(lease_id)
-    return _Lease(lease_id, functools.partial(bg.release_after,
-                                              functools.partial(_record, streams, uses, lease_id),
-                                              client.sid))
+    return _Lease(
+        lease_id,
+        functools.partial(
+            bg.release_after, functools.partial(_record, streams, uses, lease_id), client.sid
+        ),
+    )
 
 
 def _record(streams: Streams, uses: Any, lease_id: int) -> None:
@@ -292,8 +303,11 @@ def before_close(client: Core) -> None:
         if not reply.busy:
             break
         if time.monotonic() >= deadline:
-            log.warning("closing with %d shared allocation(s) still read by other processes; they "
-                        "will be told TensorBroken", len(reply.busy))
+            log.warning(
+                "closing with %d shared allocation(s) still read by other processes; they "
+                "will be told TensorBroken",
+                len(reply.busy),
+            )
             break
         time.sleep(0.02)
     st.shared.clear()

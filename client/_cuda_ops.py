@@ -210,8 +210,9 @@ def put(client: Core, name: str, x: Any, *, device: object, ttl: float | None) -
         return int((yield from client.call("POST", "/v1/link", link, rid=client.rid()))["version"])
     with _Inputs() as inputs:
         src, shape, dtype, _ = inputs.take(x)
-        body = AllocRequest.model_construct(name=name, shape=list(shape), dtype=dtype,
-                                            device=target, ttl=ttl, hold=False)
+        body = AllocRequest.model_construct(
+            name=name, shape=list(shape), dtype=dtype, device=target, ttl=ttl, hold=False
+        )
         h = yield from client.alloc(body, Handle)
         try:
             _fill(client, h, src, cuda)
@@ -236,8 +237,9 @@ def _wire_of(t: SharedTensor) -> str:
     return "cpu" if uuid is None else f"cuda:{uuid}"
 
 
-def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
-             ttl: float | None) -> Op[dict[str, int]]:
+def put_many(
+    client: Core, tensors: Mapping[str, Any], *, device: object, ttl: float | None
+) -> Op[dict[str, int]]:
     """``put_many`` where a GPU is involved: one round trip to allocate,
     the copies, one write event per GPU, one round trip to publish."""
     from ..shm._copy import copy_many
@@ -250,11 +252,21 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
         for name, x in tensors.items():
             src, shape, dtype, cuda_source = inputs.take(x)
             sources[name] = src
-            items.append(AllocRequest.model_construct(
-                name=name, shape=list(shape), dtype=dtype,
-                device=_target(x, device, cuda_source), ttl=ttl, hold=False))
-        handles = (yield from client.alloc(BatchAlloc.model_construct(items=items), HandleList,
-                                           "/v1/batch/alloc")).items
+            items.append(
+                AllocRequest.model_construct(
+                    name=name,
+                    shape=list(shape),
+                    dtype=dtype,
+                    device=_target(x, device, cuda_source),
+                    ttl=ttl,
+                    hold=False,
+                )
+            )
+        handles = (
+            yield from client.alloc(
+                BatchAlloc.model_construct(items=items), HandleList, "/v1/batch/alloc"
+            )
+        ).items
         try:
             host_pairs = []
             cross: set[int] = set()
@@ -263,8 +275,19 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
                 if h.kind != "cuda" and not isinstance(src, Borrowed):
                     if h.nbytes:
                         m = client.segments.fill_map(h.segment)
-                        host_pairs.append((array_at(m.address + h.offset, tuple(h.shape), None,
-                                                    src.dtype, writable=True, owner=m), src))
+                        host_pairs.append(
+                            (
+                                array_at(
+                                    m.address + h.offset,
+                                    tuple(h.shape),
+                                    None,
+                                    src.dtype,
+                                    writable=True,
+                                    owner=m,
+                                ),
+                                src,
+                            )
+                        )
                     continue
                 _fill(client, h, src, cuda)
                 cross |= _crossing(cuda, h, src)
@@ -275,9 +298,13 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
             raise
     done = [PublishRequest.model_construct(name=h.name, version=h.version) for h in handles]
     try:
-        yield from client.call("POST", "/v1/batch/publish",
-                               BatchPublish.model_construct(items=done), rid=client.rid(),
-                               keep=True)
+        yield from client.call(
+            "POST",
+            "/v1/batch/publish",
+            BatchPublish.model_construct(items=done),
+            rid=client.rid(),
+            keep=True,
+        )
     except BaseException:
         # If the broker published them, or gave them back itself, it finds nothing to abort.
         yield from client.give_back(handles)
@@ -288,26 +315,31 @@ def put_many(client: Core, tensors: Mapping[str, Any], *, device: object,
 # -- share -------------------------------------------------------------------------------
 
 
-def share(client: Core, name: str, x: Any, *, ttl: float | None, stream: Any,
-          wait_on_close: float) -> Op[int]:
+def share(
+    client: Core, name: str, x: Any, *, ttl: float | None, stream: Any, wait_on_close: float
+) -> Op[int]:
     """``share``: publish ``x``'s own GPU memory, without a copy."""
     if not on_gpu(x):
-        raise InvalidRequest(f"share({name!r}) publishes GPU memory without a copy; this tensor is "
-                             f"not on a GPU: use put()")
+        raise InvalidRequest(
+            f"share({name!r}) publishes GPU memory without a copy; this tensor is "
+            f"not on a GPU: use put()"
+        )
     lazy = [bit for bit in ("conj", "neg") if getattr(x, f"is_{bit}", lambda: False)()]
     if lazy:  # torch would export a resolved copy, freed when this returns
         raise InvalidRequest(
             f"share({name!r}): this tensor carries a lazy {' and '.join(lazy)} bit, so its memory "
             f"does not hold its values: share x.resolve_conj().resolve_neg() (and keep it), or "
-            f"put() it")
+            f"put() it"
+        )
     cuda = _cuda()
     with _Inputs() as inputs:
         b, _, _, _ = inputs.take(x)
         ordinal = int(b.device[1])
         uuid = cuda.local_devices().uuid(ordinal)
         if not b.contiguous:
-            raise InvalidRequest(f"share({name!r}) needs a contiguous tensor (x.contiguous()), or "
-                                 "put()")
+            raise InvalidRequest(
+                f"share({name!r}) needs a contiguous tensor (x.contiguous()), or put()"
+            )
         if b.nbytes == 0:
             raise InvalidRequest(f"share({name!r}) of an empty tensor: put() it instead")
         try:
@@ -328,10 +360,18 @@ def share(client: Core, name: str, x: Any, *, ttl: float | None, stream: Any,
                 cuda.synchronize_stream(s, ordinal)
         cuda.stream(ordinal).synchronize()
         body = ShareRequest.model_construct(
-            name=name, shape=list(b.shape), dtype=b.dtype.name, device=f"cuda:{uuid}",
-            ipc_handle=encode_ipc(raw), offset=b.address - base, alloc_size=size, ttl=ttl)
+            name=name,
+            shape=list(b.shape),
+            dtype=b.dtype.name,
+            device=f"cuda:{uuid}",
+            ipc_handle=encode_ipc(raw),
+            offset=b.address - base,
+            alloc_size=size,
+            ttl=ttl,
+        )
         h = Handle.model_validate(
-            (yield from client.call("POST", "/v1/cuda/share", body, rid=client.rid())))
+            (yield from client.call("POST", "/v1/cuda/share", body, rid=client.rid()))
+        )
     st = state(client)
     st.shared.setdefault(h.segment, []).append(x)  # the memory must outlive every reader
     st.wait_on_close = max(st.wait_on_close, wait_on_close)

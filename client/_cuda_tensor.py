@@ -88,8 +88,12 @@ class Streams:
 
             _cuda.record(self.release_event, sorted(self.streams), self.ordinal)
         except Exception as exc:  # in a finalizer: report, never raise
-            log.warning("could not record the release event on cuda:%d: %s; the broker may reuse "
-                        "the memory before queued kernels finish reading it", self.ordinal, exc)
+            log.warning(
+                "could not record the release event on cuda:%d: %s; the broker may reuse "
+                "the memory before queued kernels finish reading it",
+                self.ordinal,
+                exc,
+            )
 
 
 class CudaSharedTensor(SharedTensor):
@@ -100,9 +104,18 @@ class CudaSharedTensor(SharedTensor):
     is flagged READ_ONLY in its capsule, but a consumer that writes through
     it changes the published bytes."""
 
-    def __init__(self, client: Publisher, handle: Handle, mapping: Any, lease: _Lease | None, *,
-                 writable: bool, ordinal: int, streams: Streams,
-                 producer_gone: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        client: Publisher,
+        handle: Handle,
+        mapping: Any,
+        lease: _Lease | None,
+        *,
+        writable: bool,
+        ordinal: int,
+        streams: Streams,
+        producer_gone: Callable[[], bool] | None = None,
+    ) -> None:
         super().__init__(client, handle, mapping, lease, writable=writable)
         self._address = mapping.address + handle.offset  # the block is mapped whole
         assert handle.cuda is not None
@@ -125,8 +138,14 @@ class CudaSharedTensor(SharedTensor):
     def __dlpack_device__(self) -> tuple[int, int]:
         return (kDLCUDA, self._ordinal)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
         """A capsule on this GPU, ordered after the write on ``stream``.
 
         ``dl_device=(kDLCPU, 0)`` copies the bytes to host memory (it needs
@@ -163,8 +182,16 @@ class CudaSharedTensor(SharedTensor):
             self._streams.streams.add(_for_release(s))  # nothing written yet
         else:
             self._streams.consumed_on(s)
-        return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
-                              read_only=not self.writable, max_version=max_version, device=here)
+        return export_capsule(
+            self._address,
+            self.shape,
+            self.strides,
+            self._dt,
+            owner,
+            read_only=not self.writable,
+            max_version=max_version,
+            device=here,
+        )
 
     def _host_capsule(self, max_version: tuple[int, int] | None, stream: int | None) -> Any:
         """A host copy, made on ``stream`` (None: this process's own stream)."""
@@ -177,8 +204,15 @@ class CudaSharedTensor(SharedTensor):
         self._streams.consumed_on(ptr)
         _cuda.memcpy(host.ctypes.data, self._address, self.nbytes, ptr, self._ordinal)
         _cuda.synchronize_stream(ptr, self._ordinal)  # this one stream: the host must see the bytes
-        cap = export_capsule(host.ctypes.data, self.shape, self.strides, self._dt, host,
-                             read_only=False, max_version=max_version)
+        cap = export_capsule(
+            host.ctypes.data,
+            self.shape,
+            self.strides,
+            self._dt,
+            host,
+            read_only=False,
+            max_version=max_version,
+        )
         patch_capsule(cap, self._dt, (kDLCPU, 0), FLAG_IS_COPIED)
         return cap
 

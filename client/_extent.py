@@ -25,8 +25,10 @@ from .._errors import TensorBroken
 from .._wire import MAX_NDIM, Handle, HandleColumns
 from ..shm import DType, UnsupportedDType, dtype_from_name
 
-_FIX = ("A tensordepot broker never sends that: check who serves the broker's socket, and "
-        "that the client and the broker are of the same version")
+_FIX = (
+    "A tensordepot broker never sends that: check who serves the broker's socket, and "
+    "that the client and the broker are of the same version"
+)
 
 
 # What a handle is, for a message: the handle, its (name, version, segment),
@@ -46,8 +48,10 @@ def broken(where: Where, problem: str) -> TensorBroken:
         cols, i = where
         where = (cols.names[i], cols.versions[i], cols.segments[cols.segment[i]])
     what = where if isinstance(where, str) else f"{where[0]!r} v{where[1]} in segment {where[2]}"
-    return TensorBroken(f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
-                        f"written through it, and what the broker handed out is given back. {_FIX}")
+    return TensorBroken(
+        f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
+        f"written through it, and what the broker handed out is given back. {_FIX}"
+    )
 
 
 _DTYPES: dict[str, DType] = {}  # dtype names seen so far
@@ -68,9 +72,16 @@ def dtype_of(where: Where, name: str) -> DType:
     return dt
 
 
-def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Sequence[int],
-                 strides: Sequence[int] | None, dtype: str,
-                 asked: tuple[tuple[int, ...], str] | None = None) -> DType:
+def check_extent(
+    where: Where,
+    size: int,
+    offset: int,
+    nbytes: int,
+    shape: Sequence[int],
+    strides: Sequence[int] | None,
+    dtype: str,
+    asked: tuple[tuple[int, ...], str] | None = None,
+) -> DType:
     """The dtype of a tensor at ``offset`` of a segment of ``size`` bytes,
     ``nbytes`` long, with ``shape`` and ``strides`` (in elements; None: C
     order), once every byte its elements reach is known to lie within its
@@ -81,11 +92,15 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
     and every tensor of a batch passes here, so the usual case is one loop
     over the dimensions and a few comparisons."""
     if asked is not None and (tuple(shape) != asked[0] or dtype != asked[1]):
-        raise broken(where, f"it is {list(shape)} of {dtype!r}, not the {list(asked[0])} of "
-                            f"{asked[1]!r} asked for")
+        raise broken(
+            where,
+            f"it is {list(shape)} of {dtype!r}, not the {list(asked[0])} of {asked[1]!r} asked for",
+        )
     if offset < 0 or nbytes < 0 or offset + nbytes > size:
-        raise broken(where, f"its bytes [{offset}, {offset}+{nbytes}) are not within its "
-                            f"segment of {size} bytes")
+        raise broken(
+            where,
+            f"its bytes [{offset}, {offset}+{nbytes}) are not within its segment of {size} bytes",
+        )
     key = (nbytes, tuple(shape), None if strides is None else tuple(strides), dtype)
     dt = _GOOD.get(key)
     if dt is not None:  # the same layout passed before: a loop of gets, a state dict's shapes
@@ -110,11 +125,15 @@ def check_extent(where: Where, size: int, offset: int, nbytes: int, shape: Seque
             else:
                 low += step
     if count * item != nbytes:
-        raise broken(where, f"its shape {list(shape)} of {dt.name} is {count * item} "
-                            f"bytes, not its {nbytes}")
+        raise broken(
+            where, f"its shape {list(shape)} of {dt.name} is {count * item} bytes, not its {nbytes}"
+        )
     if count and (low < 0 or (high + 1) * item > nbytes):
-        raise broken(where, f"its strides {list(strides or ())} reach bytes "
-                            f"[{low * item}, {(high + 1) * item}) of its {nbytes}")
+        raise broken(
+            where,
+            f"its strides {list(strides or ())} reach bytes "
+            f"[{low * item}, {(high + 1) * item}) of its {nbytes}",
+        )
     if len(_GOOD) >= 4096:
         _GOOD.clear()
     _GOOD[key] = dt
@@ -128,16 +147,22 @@ def check_segment(cols: HandleColumns, members: list[int], size: int) -> None:
     passed before and every tensor's bytes lie within the segment, they pass
     in bulk; otherwise each goes through ``check_extent``."""
     offsets, nbytes, shapes, dtypes = cols.offsets, cols.nbytes, cols.shapes, cols.dtypes
-    if (all(offsets[i] >= 0 and nbytes[i] >= 0 and offsets[i] + nbytes[i] <= size
-            for i in members)
-            and {(nbytes[i], tuple(shapes[i]), None, dtypes[i]) for i in members} <= _GOOD.keys()):
+    if (
+        all(offsets[i] >= 0 and nbytes[i] >= 0 and offsets[i] + nbytes[i] <= size for i in members)
+        and {(nbytes[i], tuple(shapes[i]), None, dtypes[i]) for i in members} <= _GOOD.keys()
+    ):
         return
     for i in members:
         check_extent((cols, i), size, offsets[i], nbytes[i], shapes[i], None, dtypes[i])
 
 
-def check_allocations(cols: HandleColumns, sizes: Sequence[int], shapes: list[list[int]],
-                      dtypes: list[str], nbytes: list[int]) -> None:
+def check_allocations(
+    cols: HandleColumns,
+    sizes: Sequence[int],
+    shapes: list[list[int]],
+    dtypes: list[str],
+    nbytes: list[int],
+) -> None:
     """``check_extent`` for every allocation of a put_many whose columns
     passed ``check_columns`` and hold every handle: ``sizes`` of its
     segments; ``shapes``, ``dtypes`` and ``nbytes``, what each tensor asked
@@ -146,32 +171,57 @@ def check_allocations(cols: HandleColumns, sizes: Sequence[int], shapes: list[li
     segment, ``check_extent`` passes them all: that is found in a few bulk
     comparisons.  Otherwise each goes through ``check_extent``, which names
     the first that fails."""
-    if (cols.shapes == shapes and cols.dtypes == dtypes and cols.nbytes == nbytes
-            and max(map(len, shapes), default=0) <= MAX_NDIM
-            and all(off >= 0 and off + n <= sizes[seg]
-                    for seg, off, n in zip(cols.segment, cols.offsets, nbytes, strict=True))):
+    if (
+        cols.shapes == shapes
+        and cols.dtypes == dtypes
+        and cols.nbytes == nbytes
+        and max(map(len, shapes), default=0) <= MAX_NDIM
+        and all(
+            off >= 0 and off + n <= sizes[seg]
+            for seg, off, n in zip(cols.segment, cols.offsets, nbytes, strict=True)
+        )
+    ):
         return
     for i, (seg, off, n) in enumerate(zip(cols.segment, cols.offsets, cols.nbytes, strict=True)):
-        check_extent((cols, i), sizes[seg], off, n, cols.shapes[i], None, cols.dtypes[i],
-                     (tuple(shapes[i]), dtypes[i]))
+        check_extent(
+            (cols, i),
+            sizes[seg],
+            off,
+            n,
+            cols.shapes[i],
+            None,
+            cols.dtypes[i],
+            (tuple(shapes[i]), dtypes[i]),
+        )
 
 
 def check_columns(cols: HandleColumns) -> None:
     """The columns of a batch's handles hold one entry per tensor, and each
     names a segment of the batch (or -1: its handle is in ``others``)."""
     n = len(cols.names)
-    lengths = [len(c) for c in (cols.versions, cols.segment, cols.offsets, cols.nbytes,
-                                cols.shapes, cols.dtypes,
-                                cols.names if cols.leases is None else cols.leases)]
+    lengths = [
+        len(c)
+        for c in (
+            cols.versions,
+            cols.segment,
+            cols.offsets,
+            cols.nbytes,
+            cols.shapes,
+            cols.dtypes,
+            cols.names if cols.leases is None else cols.leases,
+        )
+    ]
     what = f"a batch of {n} tensor(s)"
     if any(k != n for k in lengths):
         raise broken(what, f"its columns have {sorted(set(lengths))} entries, not {n} each")
-    if not cols.others and (not n or (min(cols.segment) >= 0
-                                      and max(cols.segment) < len(cols.segments))):
+    if not cols.others and (
+        not n or (min(cols.segment) >= 0 and max(cols.segment) < len(cols.segments))
+    ):
         return  # the usual batch: every handle in the columns, each naming a segment of it
     for i, j in enumerate(cols.segment):
         if not (-1 <= j < len(cols.segments)) or (j == -1) != (i in cols.others):
-            raise broken(what, f"tensor {cols.names[i]!r} names segment {j} of "
-                               f"{len(cols.segments)}")
+            raise broken(
+                what, f"tensor {cols.names[i]!r} names segment {j} of {len(cols.segments)}"
+            )
     if any(not 0 <= i < n for i in cols.others):
         raise broken(what, f"it has handles for positions {sorted(cols.others)} of {n}")

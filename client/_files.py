@@ -39,10 +39,25 @@ from ._source import raw_view
 METADATA = "__metadata__"  # the name, under the prefix, of the file's metadata
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 # safetensors' dtype names -> ours
-DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-          "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
-          "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
 _NAMES = {v: k for k, v in DTYPES.items()}
 Progress = Callable[[int, int], None]
 
@@ -62,8 +77,10 @@ def _pread(path: str, fd: int, n: int, offset: int) -> bytes:
 
 
 def _changed(path: str) -> InvalidRequest:
-    return InvalidRequest(f"{path} changed while it was read (it is shorter than its header "
-                          f"says now); load it again once its writer is done")
+    return InvalidRequest(
+        f"{path} changed while it was read (it is shorter than its header "
+        f"says now); load it again once its writer is done"
+    )
 
 
 def read_header(path: str, fd: int, size: int) -> tuple[dict[str, str] | None, list[Item]]:
@@ -85,8 +102,9 @@ def read_header(path: str, fd: int, size: int) -> tuple[dict[str, str] | None, l
     if not isinstance(header, dict):
         raise _bad(path, "its header is not a JSON object")
     meta = header.pop(METADATA, None)
-    if meta is not None and not (isinstance(meta, dict)
-                                 and all(isinstance(v, str) for v in meta.values())):
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
         raise _bad(path, "its __metadata__ is not a map of strings")
     size, out = size - 8 - n, []
     for name, info in header.items():
@@ -95,19 +113,33 @@ def read_header(path: str, fd: int, size: int) -> tuple[dict[str, str] | None, l
         dtype = info["dtype"]
         ours = DTYPES.get(dtype) if isinstance(dtype, str) else None
         if ours is None:
-            raise _bad(path, f"tensor {name!r} has dtype {str(dtype)[:40]!r}; tensordepot "
-                             f"stores {', '.join(DTYPES)}")
+            raise _bad(
+                path,
+                f"tensor {name!r} has dtype {str(dtype)[:40]!r}; tensordepot "
+                f"stores {', '.join(DTYPES)}",
+            )
         shape, span = info["shape"], info["data_offsets"]
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
-                and all(type(d) is int and d >= 0 for d in shape)
-                and isinstance(span, list) and len(span) == 2
-                and all(type(x) is int for x in span) and 0 <= span[0] <= span[1] <= size):
-            raise _bad(path, f"tensor {name!r} has shape {str(shape)[:100]} and data_offsets "
-                             f"{str(span)[:100]} (at most {MAX_NDIM} dimensions, within the "
-                             f"file)")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= MAX_NDIM
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(span, list)
+            and len(span) == 2
+            and all(type(x) is int for x in span)
+            and 0 <= span[0] <= span[1] <= size
+        ):
+            raise _bad(
+                path,
+                f"tensor {name!r} has shape {str(shape)[:100]} and data_offsets "
+                f"{str(span)[:100]} (at most {MAX_NDIM} dimensions, within the "
+                f"file)",
+            )
         if span[1] - span[0] != math.prod(shape) * dtype_from_name(ours).itemsize:
-            raise _bad(path, f"tensor {name!r} of shape {shape} and dtype {dtype} "
-                             f"spans {span[1] - span[0]} bytes")
+            raise _bad(
+                path,
+                f"tensor {name!r} of shape {shape} and dtype {dtype} "
+                f"spans {span[1] - span[0]} bytes",
+            )
         out.append((name, ours, shape, 8 + n + span[0], 8 + n + span[1]))
     return meta, out
 
@@ -132,15 +164,18 @@ def shard_files(path: Paths) -> tuple[list[str], dict[str, str] | None]:
         listed = sorted(os.listdir(path))
         indexes = [f for f in listed if f.endswith(INDEX)]
         if len(indexes) > 1:
-            raise InvalidRequest(f"{path} holds {len(indexes)} indexes ({', '.join(indexes)}): "
-                                 f"name the one to load")
+            raise InvalidRequest(
+                f"{path} holds {len(indexes)} indexes ({', '.join(indexes)}): name the one to load"
+            )
         if indexes:
             return shard_files(os.path.join(path, indexes[0]))
         files = [os.path.join(path, f) for f in listed if f.endswith(".safetensors")]
         if not files:
-            raise InvalidRequest(f"{path} is a folder with no *.safetensors file and no "
-                                 f"*{INDEX}: name a safetensors file, an index or a folder "
-                                 f"of shards")
+            raise InvalidRequest(
+                f"{path} is a folder with no *.safetensors file and no "
+                f"*{INDEX}: name a safetensors file, an index or a folder "
+                f"of shards"
+            )
         return files, None
     if not path.endswith(".json"):
         return [path], None
@@ -152,18 +187,26 @@ def shard_files(path: Paths) -> tuple[list[str], dict[str, str] | None]:
     except (UnicodeDecodeError, ValueError, RecursionError):
         index = None
     wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not (isinstance(wmap, dict) and wmap and all(
+    if not (
+        isinstance(wmap, dict)
+        and wmap
+        and all(
             isinstance(v, str) and v == os.path.basename(v) and v not in ("", ".", "..")
-            for v in wmap.values())):
-        raise InvalidRequest(f"{path} is not a safetensors index: it needs a \"weight_map\" of "
-                             f"tensor names to shard file names in its folder")
+            for v in wmap.values()
+        )
+    ):
+        raise InvalidRequest(
+            f'{path} is not a safetensors index: it needs a "weight_map" of '
+            f"tensor names to shard file names in its folder"
+        )
     folder = os.path.dirname(path)
     files = [os.path.join(folder, f) for f in dict.fromkeys(wmap.values())]
     return files, {k: os.path.join(folder, v) for k, v in wmap.items()}
 
 
-def load_file(core: Core, path: Paths, prefix: str, ttl: Any,
-              progress: Progress | None) -> Op[dict[str, int]]:
+def load_file(
+    core: Core, path: Paths, prefix: str, ttl: Any, progress: Progress | None
+) -> Op[dict[str, int]]:
     """Every tensor of ``path`` (a file, the shards of a folder or of an
     index, a list of files) as ``prefix + its name``, in one batch: the
     versions.  The files' ``__metadata__`` maps are merged.
@@ -193,8 +236,10 @@ def load_file(core: Core, path: Paths, prefix: str, ttl: Any,
                 meta = {**more, **(meta or {})}
             for name, dtype, shape, start, end in items:
                 if name in seen:
-                    raise InvalidRequest(f"tensor {name!r} is in both {seen[name]} and {p}: "
-                                         f"load them one at a time, under two prefixes")
+                    raise InvalidRequest(
+                        f"tensor {name!r} is in both {seen[name]} and {p}: "
+                        f"load them one at a time, under two prefixes"
+                    )
                 if wmap is not None and wmap.get(name) != p:
                     where = f"puts in {wmap[name]}" if name in wmap else "does not name"
                     raise InvalidRequest(f"{p} holds tensor {name!r}, which its index {where}")
@@ -205,8 +250,9 @@ def load_file(core: Core, path: Paths, prefix: str, ttl: Any,
                 dtypes.append(dtype)
         if wmap is not None and len(seen) != len(wmap):
             lost = next(k for k in wmap if k not in seen)
-            raise InvalidRequest(f"the index names tensor {lost!r} in {wmap[lost]}, which does "
-                                 f"not hold it")
+            raise InvalidRequest(
+                f"the index names tensor {lost!r} in {wmap[lost]}, which does not hold it"
+            )
         if meta is not None:
             names.append(check_name(prefix + METADATA, "prefix + __metadata__"))
             arrays.append(np.frombuffer(json.dumps(meta).encode(), np.uint8))
@@ -219,8 +265,9 @@ def load_file(core: Core, path: Paths, prefix: str, ttl: Any,
         except FileChanged as exc:
             raise _changed(by_fd.get(exc.fd, str(paths))) from None
         except OSError as exc:
-            raise InvalidRequest(f"cannot read {paths[0] if len(paths) == 1 else paths}: "
-                                 f"{exc.strerror}") from None
+            raise InvalidRequest(
+                f"cannot read {paths[0] if len(paths) == 1 else paths}: {exc.strerror}"
+            ) from None
 
 
 def _open(stack: contextlib.ExitStack, path: str) -> int:
@@ -237,8 +284,13 @@ def _open(stack: contextlib.ExitStack, path: str) -> int:
 WEIGHTS = "model"  # shards are model-00001-of-00005.safetensors, as save_pretrained names them
 
 
-def save_file(core: Core, prefix: str, path: Any, progress: Progress | None,
-              max_shard_size: int | str | None = None) -> Op[int]:
+def save_file(
+    core: Core,
+    prefix: str,
+    path: Any,
+    progress: Progress | None,
+    max_shard_size: int | str | None = None,
+) -> Op[int]:
     """The tensors named ``prefix...`` written to ``path`` (names without the
     prefix): the bytes of tensors written.  With ``max_shard_size``, ``path``
     is a folder that gets shards of at most that many bytes (a larger tensor
@@ -251,8 +303,9 @@ def save_file(core: Core, prefix: str, path: Any, progress: Progress | None,
         except ValueError:
             max_shard_size = 0
         if max_shard_size <= 0:
-            raise InvalidRequest(f"max_shard_size must be a size > 0 (5GB, 500MiB, bytes), not "
-                                 f"{max_shard_size!r}")
+            raise InvalidRequest(
+                f"max_shard_size must be a size > 0 (5GB, 500MiB, bytes), not {max_shard_size!r}"
+            )
     listed = [i for i in (yield from list_names(core, prefix)) if i.state == "ready"]
     names = [i.name for i in listed]
     if not names:
@@ -265,8 +318,13 @@ def save_file(core: Core, prefix: str, path: Any, progress: Progress | None,
     return written
 
 
-def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | None,
-           max_shard_size: int | None) -> int:
+def _write(
+    got: dict[str, Any],
+    prefix: str,
+    path: str,
+    progress: Progress | None,
+    max_shard_size: int | None,
+) -> int:
     meta = got.pop(prefix + METADATA, None)
     metadata = None if meta is None else _metadata(prefix, meta)
     shards: list[list[tuple[str, Any]]] = [[]]
@@ -274,11 +332,15 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
     for name in sorted(got):
         t = got[name]
         if t.device != "cpu":
-            raise InvalidRequest(f"tensor {name!r} is on {t.device}: save_file writes CPU "
-                                 f"tensors; put a CPU copy first")
+            raise InvalidRequest(
+                f"tensor {name!r} is on {t.device}: save_file writes CPU "
+                f"tensors; put a CPU copy first"
+            )
         if t.dtype not in _NAMES:
-            raise InvalidRequest(f"tensor {name!r} has dtype {t.dtype}, which safetensors does "
-                                 f"not store (it stores {', '.join(_NAMES)})")
+            raise InvalidRequest(
+                f"tensor {name!r} has dtype {t.dtype}, which safetensors does "
+                f"not store (it stores {', '.join(_NAMES)})"
+            )
         if max_shard_size is not None and shards[-1] and size + t.nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -299,8 +361,10 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
         _write_one(os.path.join(path, file), metadata, shard, progress, done)
         wmap.update(dict.fromkeys((name for name, _ in shard), file))
     index = {"metadata": {"total_size": total}, "weight_map": wmap}
-    _replace(os.path.join(path, WEIGHTS + INDEX),
-             [json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"])
+    _replace(
+        os.path.join(path, WEIGHTS + INDEX),
+        [json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"],
+    )
     stale = re.compile(re.escape(WEIGHTS) + r"-\d{5}-of-\d{5}\.safetensors")
     for old in os.listdir(path):  # the shards of an earlier save, which the index no longer names
         if stale.fullmatch(old) and old not in files:
@@ -309,14 +373,22 @@ def _write(got: dict[str, Any], prefix: str, path: str, progress: Progress | Non
     return total
 
 
-def _write_one(path: str, metadata: dict[str, str] | None, items: list[tuple[str, Any]],
-               progress: Progress | None, done: list[int]) -> None:
+def _write_one(
+    path: str,
+    metadata: dict[str, str] | None,
+    items: list[tuple[str, Any]],
+    progress: Progress | None,
+    done: list[int],
+) -> None:
     """One safetensors file of ``items``; ``done`` is [bytes written, of all]."""
     header: dict[str, Any] = {} if metadata is None else {METADATA: metadata}
     offset = 0
     for name, t in items:
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the bytes start 8-aligned, as the library writes them
@@ -339,8 +411,9 @@ def _replace(path: str, chunks: Any) -> None:
         # The temporary file is made O_EXCL|O_NOFOLLOW under a random name
         # (mkstemp), in the target's directory: in a shared sticky directory
         # another user can plant neither a symlink nor a file where it goes.
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
-                                   suffix=".tmp", dir=os.path.dirname(path) or ".")
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or "."
+        )
         with open(fd, "wb") as f:
             os.fchmod(fd, 0o666 & ~_umask())  # the mode open() would give the file
             for chunk in chunks:
@@ -371,8 +444,10 @@ def _metadata(prefix: str, meta: Any) -> dict[str, str]:
         why = "it nests too deeply"
     except ValueError:  # not UTF-8, not JSON
         pass
-    raise InvalidRequest(f"{prefix + METADATA!r} is not a safetensors file's metadata ({why}): "
-                         f"delete it, or put the metadata as a JSON map of strings (uint8)")
+    raise InvalidRequest(
+        f"{prefix + METADATA!r} is not a safetensors file's metadata ({why}): "
+        f"delete it, or put the metadata as a JSON map of strings (uint8)"
+    )
 
 
 def _umask() -> int:

@@ -166,9 +166,7 @@ os.register_at_fork(before=_before, after_in_child=_after_in_child)
 # nothing to block, does only that: the C one (signal's own is a Python wrapper).
 _sigmask = importlib.import_module("_signal").pthread_sigmask
 os.register_at_fork(before=functools.partial(_sigmask, signal.SIG_BLOCK, ()))
-os.register_at_fork(before=_plans.clear, after_in_parent=_plans.clear,
-                    after_in_child=_plans.clear)
-os.register_at_fork(before=GATE.acquire, after_in_parent=GATE.release,
-                    after_in_child=GATE.release)
+os.register_at_fork(before=_plans.clear, after_in_parent=_plans.clear, after_in_child=_plans.clear)
+os.register_at_fork(before=GATE.acquire, after_in_parent=GATE.release, after_in_child=GATE.release)
 atexit.register(_at_exit)
 _arm()

@@ -150,7 +150,9 @@ class Endpoint:
         if parts.scheme == "unix":
             path = (parts.netloc + parts.path) if parts.netloc else parts.path
             if not path:
-                raise InvalidRequest(f"broker URL {url!r} has no socket path; use unix:///path.sock")
+                raise InvalidRequest(
+                    f"broker URL {url!r} has no socket path; use unix:///path.sock"
+                )
             host, port, host_header = "", 0, "localhost"
         elif parts.scheme == "http":
             if not parts.hostname:
@@ -165,8 +167,9 @@ class Endpoint:
         return cls(url, path, host, port, fixed)
 
 
-def encode(endpoint: Endpoint, method: str, path: str, body: Any,
-           headers: dict[str, str] | None) -> tuple[bytes, bytes]:
+def encode(
+    endpoint: Endpoint, method: str, path: str, body: Any, headers: dict[str, str] | None
+) -> tuple[bytes, bytes]:
     """A request's head and body: ``body`` is a wire model (sent as JSON), bytes
     (sent as they are), or None (no body)."""
     if isinstance(body, (bytes, bytearray)):
@@ -180,8 +183,10 @@ def encode(endpoint: Endpoint, method: str, path: str, body: Any,
         else:  # plain JSON-able values: the tests' raw requests
             data = json.dumps(body, allow_nan=False).encode()
     extra = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) if headers else ""
-    head = (f"{method} {path} HTTP/1.1\r\n{endpoint.fixed}{extra}"
-            f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n").encode("latin-1")
+    head = (
+        f"{method} {path} HTTP/1.1\r\n{endpoint.fixed}{extra}"
+        f"Content-Type: {ctype}\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode("latin-1")
     return head, data
 
 
@@ -252,8 +257,17 @@ class Request:
 
     __slots__ = ("body", "fresh", "head", "keep", "method", "opens", "path", "timeout")
 
-    def __init__(self, method: str, path: str, head: bytes, body: bytes, timeout: float | None,
-                 *, keep: bool = False, opens: bool = False) -> None:
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        head: bytes,
+        body: bytes,
+        timeout: float | None,
+        *,
+        keep: bool = False,
+        opens: bool = False,
+    ) -> None:
         self.method = method
         self.path = path
         self.head = head
@@ -329,9 +343,18 @@ def drive(op: Op[T], roundtrip: Callable[[Request], tuple[int, bytes]]) -> T:
         return stop.value  # type: ignore[no-any-return]
 
 
-def exchange(endpoint: Endpoint, method: str, path: str, body: Any = None,
-             headers: dict[str, str] | None = None, *, timeout: float | None,
-             resend: bool, keep: bool = False, opens: bool = False) -> Op[tuple[int, bytes]]:
+def exchange(
+    endpoint: Endpoint,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    *,
+    timeout: float | None,
+    resend: bool,
+    keep: bool = False,
+    opens: bool = False,
+) -> Op[tuple[int, bytes]]:
     """Send one request: ``(status, body)``.  ``resend``: it may go out a
     second time after a failure (it is idempotent, or carries a request id);
     the resend is the same bytes, on a fresh connection."""

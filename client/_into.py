@@ -34,9 +34,11 @@ def _kind(name: str, dst: Any) -> str:
     for kind in ("numpy", "torch", "cupy"):
         if module == kind or module.startswith(kind + "."):
             return kind
-    raise InvalidType(f"out for {name!r} is a {type(dst).__module__}.{type(dst).__name__}: "
-                      f"get writes into numpy arrays, torch tensors and cupy arrays (jax arrays "
-                      f"cannot be written)")
+    raise InvalidType(
+        f"out for {name!r} is a {type(dst).__module__}.{type(dst).__name__}: "
+        f"get writes into numpy arrays, torch tensors and cupy arrays (jax arrays "
+        f"cannot be written)"
+    )
 
 
 def check_out(names: list[str], out: Any) -> dict[str, Any]:
@@ -45,8 +47,10 @@ def check_out(names: list[str], out: Any) -> dict[str, Any]:
         raise InvalidType(f"out must be a dict from name to tensor, not {type(out).__name__}")
     extra = [k for k in out if k not in set(names)]
     if extra:
-        raise InvalidRequest(f"out names {extra[:5]!r}, which are not among the names asked "
-                             f"for: give out only for names you get")
+        raise InvalidRequest(
+            f"out names {extra[:5]!r}, which are not among the names asked "
+            f"for: give out only for names you get"
+        )
     return dict(out)
 
 
@@ -81,15 +85,19 @@ def _check(name: str, t: SharedTensor, dst: Any) -> Any:
         have = str(dst.dtype)
     shape = tuple(int(d) for d in dst.shape)
     if have != t.dtype or shape != tuple(t.shape):
-        raise InvalidRequest(f"out[{name!r}] is {have} of shape {list(shape)}, and {name!r} "
-                             f"v{t.version} is {t.dtype} of shape {list(t.shape)}: give a buffer "
-                             f"of that dtype and shape (nothing was written)")
+        raise InvalidRequest(
+            f"out[{name!r}] is {have} of shape {list(shape)}, and {name!r} "
+            f"v{t.version} is {t.dtype} of shape {list(t.shape)}: give a buffer "
+            f"of that dtype and shape (nothing was written)"
+        )
     if kind == "numpy" and not dst.flags.writeable:
         raise InvalidRequest(f"out[{name!r}] is a read-only numpy array (nothing was written)")
     if t.device != "cpu":
         if kind == "numpy":
-            raise InvalidRequest(f"{name!r} is on {t.device}: get it into a torch or cupy "
-                                 f"tensor, not numpy (nothing was written)")
+            raise InvalidRequest(
+                f"{name!r} is on {t.device}: get it into a torch or cupy "
+                f"tensor, not numpy (nothing was written)"
+            )
         return None
     if kind == "numpy" and dst.flags.c_contiguous:
         return _Pair(dst.reshape(-1).view("uint8"), raw_view(t))
@@ -128,16 +136,18 @@ def _framework_copy(name: str, t: SharedTensor, dst: Any) -> None:
         dst.view(raw_view(t).dtype)[...] = raw_view(t)
 
 
-def get_into(core: Core, name: str, timeout: Any, newer_than: Any, version: Any,
-             out: Any) -> Op[Any]:
+def get_into(
+    core: Core, name: str, timeout: Any, newer_than: Any, version: Any, out: Any
+) -> Op[Any]:
     """``get(name, out=buffer)``: the buffer, holding the version got."""
     t = yield from _ops.get(core, name, timeout, newer_than, version)
     got: dict[str, Any] = yield Offload(into, {name: t}, {name: out})
     return got[name]
 
 
-def get_many_into(core: Core, names: Any, timeout: Any, newer_than: Any, wait: Any,
-                  out: Any) -> Op[dict[str, Any]]:
+def get_many_into(
+    core: Core, names: Any, timeout: Any, newer_than: Any, wait: Any, out: Any
+) -> Op[dict[str, Any]]:
     """``get_many(names, out={name: buffer})``: the names in ``out`` map to
     their buffers, holding the versions got; the others to SharedTensors."""
     names = check_names(names)

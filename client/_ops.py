@@ -63,8 +63,11 @@ def path_name(name: str) -> str:
 def tensor(core: Core, h: Handle, writable: bool) -> SharedTensor:
     """The tensor of a handle from get, get_many or empty.  If it cannot be
     made, the caller gives back what the broker handed out."""
-    t = (_cuda_handles.tensor(core, h, writable=writable) if h.kind == "cuda"
-         else core.posix_tensor(h, writable=writable))
+    t = (
+        _cuda_handles.tensor(core, h, writable=writable)
+        if h.kind == "cuda"
+        else core.posix_tensor(h, writable=writable)
+    )
     t._instance = core.instance  # the run of the broker it came from (pickles name it)
     return t
 
@@ -97,11 +100,13 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any, dtype: Any = None)
             query = f"dtype={src.dtype}&shape={','.join(map(str, arr.shape))}"
             if ttl is not None:
                 query += f"&ttl={ttl!r}"
-            answer = yield from core.call("POST", f"/v1/put/{path_name(name)}?{query}",
-                                          arr.tobytes(), rid=core.rid())  # C order
+            answer = yield from core.call(
+                "POST", f"/v1/put/{path_name(name)}?{query}", arr.tobytes(), rid=core.rid()
+            )  # C order
             return int(answer["version"])
-        body = AllocRequest.model_construct(name=name, shape=list(arr.shape), dtype=src.dtype,
-                                            device="cpu", ttl=ttl, hold=False)
+        body = AllocRequest.model_construct(
+            name=name, shape=list(arr.shape), dtype=src.dtype, device="cpu", ttl=ttl, hold=False
+        )
         h = yield from core.alloc(body, Handle)
         try:
             # When it raises, no copy thread still writes.
@@ -122,20 +127,24 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any, dtype: Any = None)
 
 def _fill(core: Core, h: Handle, arr: Any, dtype: str) -> None:
     m = core.segments.fill_map(h.segment)
-    check_extent(h, m.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype,
-                 (arr.shape, dtype))
+    check_extent(h, m.size, h.offset, h.nbytes, h.shape, h.strides, h.dtype, (arr.shape, dtype))
     if h.nbytes:
-        dst = array_at(m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True,
-                       owner=m)
+        dst = array_at(
+            m.address + h.offset, tuple(h.shape), None, arr.dtype, writable=True, owner=m
+        )
         copy_into(dst, arr)
 
 
-def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any,
-          ttl: Any) -> Op[SharedTensor]:
+def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any, ttl: Any) -> Op[SharedTensor]:
     check_name(name)
-    body = AllocRequest.model_construct(name=name, shape=check_shape(shape),
-                                        dtype=dtype_name(dtype), ttl=check_ttl(ttl),
-                                        device=_cuda_handles.wire_device(device), hold=True)
+    body = AllocRequest.model_construct(
+        name=name,
+        shape=check_shape(shape),
+        dtype=dtype_name(dtype),
+        ttl=check_ttl(ttl),
+        device=_cuda_handles.wire_device(device),
+        hold=True,
+    )
     h = yield from core.alloc(body, Handle)
     try:
         if core.map_cheaply(h.kind):
@@ -151,26 +160,28 @@ def empty(core: Core, name: str, shape: Any, dtype: Any, device: Any,
 def publish(core: Core, t: SharedTensor) -> Op[SharedTensor]:
     """Publish ``t``, an ``empty()`` tensor of ``core``."""
     if t._publishing() is not core:
-        raise InvalidRequest(f"tensor {t.name!r} came from another client; publish it with that "
-                             "one")
+        raise InvalidRequest(
+            f"tensor {t.name!r} came from another client; publish it with that one"
+        )
     if t.device != "cpu":  # a GPU tensor first waits for its writes, on the host
         return (yield Offload(t.publish))  # type: ignore[no-any-return]
     return (yield from core.publish_tensor(t))
 
 
-def share(core: Core, name: str, x: Any, ttl: Any, stream: Any,
-          wait_on_close: float) -> Op[int]:
+def share(core: Core, name: str, x: Any, ttl: Any, stream: Any, wait_on_close: float) -> Op[int]:
     check_name(name)
-    op = _cuda_ops.share(core, name, x, ttl=check_ttl(ttl), stream=stream,
-                         wait_on_close=wait_on_close)
+    op = _cuda_ops.share(
+        core, name, x, ttl=check_ttl(ttl), stream=stream, wait_on_close=wait_on_close
+    )
     return (yield Offload(core.run, op))  # type: ignore[no-any-return]
 
 
 # -- reading ---------------------------------------------------------------------------------
 
 
-def get(core: Core, name: str, timeout: Any, newer_than: Any,
-        version: Any = None) -> Op[SharedTensor]:
+def get(
+    core: Core, name: str, timeout: Any, newer_than: Any, version: Any = None
+) -> Op[SharedTensor]:
     check_name(name)
     wait = check_timeout(timeout)
     path = f"/v1/tensors/{path_name(name)}?newer_than={check_version(newer_than)}"
@@ -178,8 +189,10 @@ def get(core: Core, name: str, timeout: Any, newer_than: Any,
     exact = check_version(version, "version")
     if exact:
         if wait != 0 or path[-2:] != "=0":
-            raise InvalidRequest(f"get({name!r}, version={exact}) names one version, now: "
-                                 f"give it without timeout or newer_than")
+            raise InvalidRequest(
+                f"get({name!r}, version={exact}) names one version, now: "
+                f"give it without timeout or newer_than"
+            )
         path = f"/v1/tensors/{path_name(name)}?version={exact}"
     elif wait is None:
         path, io = path + "&timeout=inf", None
@@ -202,15 +215,18 @@ def get(core: Core, name: str, timeout: Any, newer_than: Any,
 def delete(core: Core, name: str | None, prefix: str | None = None) -> Op[builtins.list[str]]:
     """One name (``name``) or every name with ``prefix``: the names deleted."""
     if (name is None) == (prefix is None):
-        raise InvalidRequest("delete takes a name or prefix=, one of the two: delete('w'), "
-                             "delete(prefix='run1/'); for many names use delete_many")
+        raise InvalidRequest(
+            "delete takes a name or prefix=, one of the two: delete('w'), "
+            "delete(prefix='run1/'); for many names use delete_many"
+        )
     if name is not None:
         check_name(name)
         yield from core.call("DELETE", f"/v1/tensors/{path_name(name)}", rid=core.rid())
         return [name]
     body = ManyDelete.model_construct(names=None, prefix=check_prefix(prefix))
-    return Deleted.model_validate_json((yield from core.call(
-        "POST", "/v1/many/delete", body, rid=core.rid(), raw=True))).names
+    return Deleted.model_validate_json(
+        (yield from core.call("POST", "/v1/many/delete", body, rid=core.rid(), raw=True))
+    ).names
 
 
 def delete_many(core: Core, names: Any) -> Op[builtins.list[str]]:
@@ -218,8 +234,9 @@ def delete_many(core: Core, names: Any) -> Op[builtins.list[str]]:
     body = ManyDelete.model_construct(names=check_names(names, "delete()"), prefix=None)
     if not body.names:
         return []
-    return Deleted.model_validate_json((yield from core.call(
-        "POST", "/v1/many/delete", body, rid=core.rid(), raw=True))).names
+    return Deleted.model_validate_json(
+        (yield from core.call("POST", "/v1/many/delete", body, rid=core.rid(), raw=True))
+    ).names
 
 
 def names(core: Core, prefix: str = "") -> Op[builtins.list[TensorInfo]]:

@@ -62,12 +62,16 @@ def reduce_tensor(t: Any) -> tuple[Any, tuple[Any, ...]]:
     """``SharedTensor.__reduce__``."""
     core = t._client()
     if t.writable or not t.published:
-        raise InvalidRequest(f"tensor {t.name!r} v{t.version} is not published, so no other "
-                             f"process may read it: publish() it before sending it")
+        raise InvalidRequest(
+            f"tensor {t.name!r} v{t.version} is not published, so no other "
+            f"process may read it: publish() it before sending it"
+        )
     if core is None:
-        raise InvalidRequest(f"tensor {t.name!r} v{t.version} cannot be sent: the client that "
-                             f"got it is gone, so its broker is unknown; send it while that "
-                             f"client lives")
+        raise InvalidRequest(
+            f"tensor {t.name!r} v{t.version} cannot be sent: the client that "
+            f"got it is gone, so its broker is unknown; send it while that "
+            f"client lives"
+        )
     return _rebuild_tensor, (config_of(core), t.name, t.version, t._instance)
 
 
@@ -100,12 +104,16 @@ def _rebuild_tensor(config: Config, name: str, version: int, instance: str = "")
     try:
         t = c.get(name, version=version)
     except TensorNotFound as exc:
-        raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone from the broker "
-                             f"({exc}); the sender must hold it (keep the SharedTensor or a "
-                             f"view of it) until the receiver has it") from None
+        raise TensorNotFound(
+            f"the tensor sent, {name!r} v{version}, is gone from the broker "
+            f"({exc}); the sender must hold it (keep the SharedTensor or a "
+            f"view of it) until the receiver has it"
+        ) from None
     if instance and t._instance != instance:  # versions start again at 1 in a new broker
         t.release()
-        raise TensorNotFound(f"the tensor sent, {name!r} v{version}, is gone: the broker that "
-                             f"served it has restarted since, and its {name!r} is another "
-                             f"tensor; send it again from the new broker")
+        raise TensorNotFound(
+            f"the tensor sent, {name!r} v{version}, is gone: the broker that "
+            f"served it has restarted since, and its {name!r} is another "
+            f"tensor; send it again from the new broker"
+        )
     return t

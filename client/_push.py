@@ -47,8 +47,10 @@ def _error(to: str, name: str, exc: Exception) -> DepotError:
     code, msg = flight_code(exc), flight_message(exc)
     if code in AUTH_CODES:
         cls = Forbidden if code == Forbidden.code else AuthError
-        return cls(f"the broker at {to} refused the push of {name!r}: {msg}; pass token= (or "
-                   f"--to-token, $TENSORDEPOT_PEER_TOKEN) with write scope")
+        return cls(
+            f"the broker at {to} refused the push of {name!r}: {msg}; pass token= (or "
+            f"--to-token, $TENSORDEPOT_PEER_TOKEN) with write scope"
+        )
     if code == InvalidRequest.code:
         return InvalidRequest(f"the broker at {to} refused {name!r}: {msg}")
     if code == TensorNotFound.code:
@@ -58,15 +60,27 @@ def _error(to: str, name: str, exc: Exception) -> DepotError:
     return BrokerUnavailable(f"push of {name!r} to {to} failed: {msg}")
 
 
-def push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes | None,
-         timeout: float | None) -> Op[int]:
+def push(
+    core: Core,
+    name: str,
+    to: str,
+    token: str | None,
+    tls_ca: str | bytes | None,
+    timeout: float | None,
+) -> Op[int]:
     """Send the newest version of ``name`` to the broker whose Flight endpoint
     is ``to``; return the version it has there."""
     return (yield Offload(core.run, _push(core, name, to, token, tls_ca, timeout)))  # type: ignore[no-any-return]
 
 
-def _push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes | None,
-          timeout: float | None) -> Op[int]:
+def _push(
+    core: Core,
+    name: str,
+    to: str,
+    token: str | None,
+    tls_ca: str | bytes | None,
+    timeout: float | None,
+) -> Op[int]:
     import pyarrow as pa
 
     fl = import_flight()
@@ -90,11 +104,21 @@ def _push(core: Core, name: str, to: str, token: str | None, tls_ca: str | bytes
     return answer
 
 
-def _send(fl: Any, pa: Any, t: Any, name: str, to: str, url: Any, token: str | None,
-          tls_ca: str | bytes | None, timeout: float | None) -> int | DepotError:
+def _send(
+    fl: Any,
+    pa: Any,
+    t: Any,
+    name: str,
+    to: str,
+    url: Any,
+    token: str | None,
+    tls_ca: str | bytes | None,
+    timeout: float | None,
+) -> int | DepotError:
     """The DoPut of ``t``: the version it has there, or the error to raise."""
-    meta = FlightMeta(name=name, version=t.version, shape=list(t.shape), dtype=t.dtype,
-                      nbytes=t.nbytes)
+    meta = FlightMeta(
+        name=name, version=t.version, shape=list(t.shape), dtype=t.dtype, nbytes=t.nbytes
+    )
     # The bytes in C order: get() always hands out C-contiguous tensors.  The
     # view holds the lease until the last batch that wraps it is gone.
     flat = array_at(t._address, (t.nbytes,), None, "|u1", writable=False, owner=t._alive())
@@ -118,4 +142,3 @@ def _send(fl: Any, pa: Any, t: Any, name: str, to: str, url: Any, token: str | N
         return _error(to, name, exc)
     finally:
         conn.close()
-

@@ -40,8 +40,9 @@ class Segments:
                 f = self._files.get(key)
                 if f is None:
                     try:
-                        f = self._files[key] = SegmentFile(segment, writable=writable,
-                                                           trust=self._trust)
+                        f = self._files[key] = SegmentFile(
+                            segment, writable=writable, trust=self._trust
+                        )
                     except FileNotFoundError:
                         raise BrokerUnavailable(
                             f"segment {segment} is missing from /dev/shm: the broker restarted or "

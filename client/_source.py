@@ -15,8 +15,10 @@ from ._checks import shown
 if TYPE_CHECKING:
     from ._tensor import SharedTensor
 
-_KINDS = ("a numpy array, a torch/jax/cupy tensor, anything with __dlpack__, or a number or list "
-          "of numbers with dtype=")
+_KINDS = (
+    "a numpy array, a torch/jax/cupy tensor, anything with __dlpack__, or a number or list "
+    "of numbers with dtype="
+)
 _PYTHON = (bool, int, float, complex, list, tuple)  # values whose dtype would be a guess
 
 
@@ -43,10 +45,12 @@ class Source:
             arr = np.asarray(x)
             self.array, self.dtype = arr, _numpy_dtype(arr.dtype, what)
         elif isinstance(x, _PYTHON):
-            raise InvalidType(f"{what} is a Python {type(x).__name__} ({shown(x)}), whose dtype "
-                              f"would be a guess (int64 or int32? float64 or float32?); pass "
-                              f"dtype=, as in put(name, {what}, dtype='float32'), or a numpy "
-                              f"array of the dtype you mean, np.asarray({what}, dtype='float32')")
+            raise InvalidType(
+                f"{what} is a Python {type(x).__name__} ({shown(x)}), whose dtype "
+                f"would be a guess (int64 or int32? float64 or float32?); pass "
+                f"dtype=, as in put(name, {what}, dtype='float32'), or a numpy "
+                f"array of the dtype you mean, np.asarray({what}, dtype='float32')"
+            )
         else:
             raise InvalidType(f"{what} must be {_KINDS}; not {type(x).__name__} {shown(x)}")
 
@@ -61,24 +65,33 @@ def refuse_masked(x: Any, what: str) -> None:
     fill value where masked): refuse it, and say how to pick one."""
     ma = sys.modules.get("numpy.ma")  # not imported: x cannot be a masked array
     if ma is not None and isinstance(x, ma.MaskedArray):
-        raise InvalidType(f"{what} is a numpy masked array, which tensordepot does not store "
-                          f"(the mask would be lost); pass {what}.filled(value) for its values "
-                          f"with masked entries replaced, or {what}.data for its raw values")
+        raise InvalidType(
+            f"{what} is a numpy masked array, which tensordepot does not store "
+            f"(the mask would be lost); pass {what}.filled(value) for its values "
+            f"with masked entries replaced, or {what}.data for its raw values"
+        )
 
 
 def _numpy_dtype(dt: Any, what: str) -> str:
     try:
         return dtype_from_numpy(dt).name
     except UnsupportedDType as exc:
-        raise InvalidRequest(f"{what} has dtype {dt}, which tensordepot cannot store "
-                             f"({exc})") from None
+        raise InvalidRequest(
+            f"{what} has dtype {dt}, which tensordepot cannot store ({exc})"
+        ) from None
 
 
 def raw_view(t: SharedTensor) -> Any:
     """The tensor's bytes as a numpy array of its storage type (no ml_dtypes needed)."""
     owner = t._alive()
-    return array_at(t._address, t.shape, tuple(s * t._dt.itemsize for s in t.strides),
-                    t._dt.storage, writable=False, owner=owner)
+    return array_at(
+        t._address,
+        t.shape,
+        tuple(s * t._dt.itemsize for s in t.strides),
+        t._dt.storage,
+        writable=False,
+        owner=owner,
+    )
 
 
 def _exportable(x: Any) -> Any:
@@ -114,15 +127,18 @@ def typed(x: Any, dtype: Any, what: str = "x") -> Any:
     except InvalidRequest:
         same = False
     if not same:
-        raise InvalidRequest(f"{what} has dtype {have}, not {name}: dtype= types Python numbers "
-                             f"and lists only; convert a tensor first (x.astype, x.to)")
+        raise InvalidRequest(
+            f"{what} has dtype {have}, not {name}: dtype= types Python numbers "
+            f"and lists only; convert a tensor first (x.astype, x.to)"
+        )
     return x
 
 
 def dtype_name(dtype: Any) -> str:
     if dtype is None:  # numpy reads None as float64: never guess
-        raise InvalidType("dtype is None: name one, such as 'float32' or 'bfloat16', or pass a "
-                          "numpy/torch dtype")
+        raise InvalidType(
+            "dtype is None: name one, such as 'float32' or 'bfloat16', or pass a numpy/torch dtype"
+        )
     try:
         return dtype_from_name(str(dtype)).name
     except AmbiguousDType as exc:  # numpy would read it one way: never guess
@@ -132,5 +148,7 @@ def dtype_name(dtype: Any) -> str:
     try:
         return dtype_from_numpy(dtype).name
     except (UnsupportedDType, TypeError):
-        raise InvalidRequest(f"unknown dtype {shown(dtype)}; use a name such as 'float32' or "
-                             f"'bfloat16', or a numpy/torch dtype") from None
+        raise InvalidRequest(
+            f"unknown dtype {shown(dtype)}; use a name such as 'float32' or "
+            f"'bfloat16', or a numpy/torch dtype"
+        ) from None

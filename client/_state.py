@@ -45,9 +45,11 @@ def _flatten(prefix: str, sd: Any) -> tuple[Any, dict[str, Any]]:
             out = []
             for k, v in x.items():
                 if not (k is None or isinstance(k, (bool, int, float, str))):
-                    raise InvalidType(f"state dict key {'.'.join([*path, repr(k)])} is a "
-                                      f"{type(k).__name__}: keys are str, int, float, bool "
-                                      f"or None")
+                    raise InvalidType(
+                        f"state dict key {'.'.join([*path, repr(k)])} is a "
+                        f"{type(k).__name__}: keys are str, int, float, bool "
+                        f"or None"
+                    )
                 out.append([k, enc(v, [*path, str(k)])])
             return {"$d": out}
         if isinstance(x, (list, tuple)):
@@ -60,9 +62,11 @@ def _flatten(prefix: str, sd: Any) -> tuple[Any, dict[str, Any]]:
             tensors[name] = x
             kind = type(x).__module__.split(".")[0]
             return {"$t": name, "k": kind if kind in ("torch", "numpy") else "shared"}
-        raise InvalidType(f"state dict value {'.'.join(path) or '(the root)'} is a "
-                          f"{type(x).__module__}.{type(x).__name__}: a state dict holds tensors, "
-                          f"dicts, lists, tuples, str, int, float, bool and None")
+        raise InvalidType(
+            f"state dict value {'.'.join(path) or '(the root)'} is a "
+            f"{type(x).__module__}.{type(x).__name__}: a state dict holds tensors, "
+            f"dicts, lists, tuples, str, int, float, bool and None"
+        )
 
     return enc(sd, []), tensors
 
@@ -84,14 +88,15 @@ def _names(node: Any) -> list[str]:
                     raise _bad(f"a dict item {str(pair)[:80]}")
                 stack.append(pair[1])
         else:
-            stack.extend(v for key in ("$l", "$u") if isinstance(x.get(key), list)
-                         for v in x[key])
+            stack.extend(v for key in ("$l", "$u") if isinstance(x.get(key), list) for v in x[key])
     return out
 
 
 def _bad(what: str) -> InvalidRequest:
-    return InvalidRequest(f"a state dict's structure holds {what}, which put_state_dict never "
-                          f"writes: put the state dict again")
+    return InvalidRequest(
+        f"a state dict's structure holds {what}, which put_state_dict never "
+        f"writes: put the state dict again"
+    )
 
 
 def put_state_dict(core: Core, prefix: str, sd: Any, ttl: Any) -> Op[int]:
@@ -103,7 +108,8 @@ def put_state_dict(core: Core, prefix: str, sd: Any, ttl: Any) -> Op[int]:
     text = json.dumps(tree, separators=(",", ":")).encode()
     old = yield from _structure_names(core, prefix)
     versions = yield from _batch.put_many(
-        core, {**tensors, prefix + STRUCTURE: np.frombuffer(text, np.uint8)}, ttl, None)
+        core, {**tensors, prefix + STRUCTURE: np.frombuffer(text, np.uint8)}, ttl, None
+    )
     stale = sorted(set(old) - set(tensors))
     if stale:
         try:
@@ -141,8 +147,10 @@ def _parse(prefix: str, t: Any) -> Any:
         why = "it nests too deeply"
     except ValueError:
         pass
-    raise InvalidRequest(f"{prefix + STRUCTURE!r} is not a state dict's structure ({why}): "
-                         f"put the state dict again with put_state_dict")
+    raise InvalidRequest(
+        f"{prefix + STRUCTURE!r} is not a state dict's structure ({why}): "
+        f"put the state dict again with put_state_dict"
+    )
 
 
 def get_state_dict(core: Core, prefix: str, timeout: Any) -> Op[Any]:
@@ -167,8 +175,10 @@ def get_state_dict(core: Core, prefix: str, timeout: Any) -> Op[Any]:
             t.release()
             return _build(tree, got)
         del got  # a new put came in between: read that one
-    raise InvalidRequest(f"the state dict under {prefix!r} changed {_TRIES} times while it was "
-                         f"read; read it once its writer pauses")
+    raise InvalidRequest(
+        f"the state dict under {prefix!r} changed {_TRIES} times while it was "
+        f"read; read it once its writer pauses"
+    )
 
 
 def _build(tree: Any, got: dict[str, Any]) -> Any:

@@ -86,32 +86,87 @@ class SharedTensor:
     page in the writing process only, never what other processes read.
     """
 
-    def __init__(self, client: Publisher, handle: Handle, window: Any, lease: _Lease | None,
-                 *, writable: bool) -> None:
-        self._setup(weakref.ref(client), handle.name, handle.version, tuple(handle.shape),
-                    tuple(handle.strides), dtype_from_name(handle.dtype), handle.device,
-                    handle.nbytes, handle.state == "ready", window, window.address, lease, writable)
+    def __init__(
+        self,
+        client: Publisher,
+        handle: Handle,
+        window: Any,
+        lease: _Lease | None,
+        *,
+        writable: bool,
+    ) -> None:
+        self._setup(
+            weakref.ref(client),
+            handle.name,
+            handle.version,
+            tuple(handle.shape),
+            tuple(handle.strides),
+            dtype_from_name(handle.dtype),
+            handle.device,
+            handle.nbytes,
+            handle.state == "ready",
+            window,
+            window.address,
+            lease,
+            writable,
+        )
 
     _flats: tuple[Any, Any] | None = None  # the window as flat uint8 arrays (export_view) ...
     _flat_offset = 0  # ... and where this tensor starts in it
 
     @classmethod
-    def _of(cls, client: weakref.ref[Publisher], name: str, version: int, shape: tuple[int, ...],
-            strides: tuple[int, ...], dt: DType, nbytes: int, window: Any,
-            flats: tuple[Any, Any], offset: int, lease: _Lease | None) -> SharedTensor:
+    def _of(
+        cls,
+        client: weakref.ref[Publisher],
+        name: str,
+        version: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dt: DType,
+        nbytes: int,
+        window: Any,
+        flats: tuple[Any, Any],
+        offset: int,
+        lease: _Lease | None,
+    ) -> SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
         it may share with the batch's other tensors of the same segment
         (``flats``: the window as flat uint8 arrays, writable and read-only)."""
         t = cls.__new__(cls)
-        t._setup(client, name, version, shape, strides, dt, "cpu", nbytes, True, window,
-                 window.address + offset, lease, False)
+        t._setup(
+            client,
+            name,
+            version,
+            shape,
+            strides,
+            dt,
+            "cpu",
+            nbytes,
+            True,
+            window,
+            window.address + offset,
+            lease,
+            False,
+        )
         t._flats, t._flat_offset = flats, offset
         return t
 
-    def _setup(self, client: weakref.ref[Publisher], name: str, version: int,
-               shape: tuple[int, ...],
-               strides: tuple[int, ...], dt: DType, device: str, nbytes: int, published: bool,
-               window: Any, address: int, lease: _Lease | None, writable: bool) -> None:
+    def _setup(
+        self,
+        client: weakref.ref[Publisher],
+        name: str,
+        version: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dt: DType,
+        device: str,
+        nbytes: int,
+        published: bool,
+        window: Any,
+        address: int,
+        lease: _Lease | None,
+        writable: bool,
+    ) -> None:
         self.name: str = name
         self.version: int = version
         self.shape: tuple[int, ...] = shape
@@ -135,8 +190,14 @@ class SharedTensor:
         """``(kDLCPU, 0)``: the bytes are in host memory."""
         return (kDLCPU, 0)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
-                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
         """A DLPack capsule (legacy when ``max_version`` is None, else versioned).
 
         Read-only tensors set the READ_ONLY flag; ``copy=True`` exports an
@@ -150,11 +211,25 @@ class SharedTensor:
                 f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
             )
         if self._flats is not None and not copy and not self.writable:
-            return export_view(self._flats, self._flat_offset, self.nbytes, self.shape, self._dt,
-                               owner, max_version)
-        return export_capsule(self._address, self.shape, self.strides, self._dt, owner,
-                              read_only=not self.writable, max_version=max_version,
-                              copy=bool(copy))
+            return export_view(
+                self._flats,
+                self._flat_offset,
+                self.nbytes,
+                self.shape,
+                self._dt,
+                owner,
+                max_version,
+            )
+        return export_capsule(
+            self._address,
+            self.shape,
+            self.strides,
+            self._dt,
+            owner,
+            read_only=not self.writable,
+            max_version=max_version,
+            copy=bool(copy),
+        )
 
     def numpy(self) -> Any:
         """A numpy view, no copy (read-only unless from ``empty``).  bfloat16 and
@@ -166,8 +241,9 @@ class SharedTensor:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         byte_strides = tuple(s * self._dt.itemsize for s in self.strides)
-        return array_at(self._address, self.shape, byte_strides, dt, writable=self.writable,
-                        owner=owner)
+        return array_at(
+            self._address, self.shape, byte_strides, dt, writable=self.writable, owner=owner
+        )
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
         """``np.asarray(t)``: the ``numpy()`` view; a copy only for another
@@ -177,8 +253,9 @@ class SharedTensor:
         arr = self.numpy()
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             if copy is False:
-                raise ValueError(f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and "
-                                 "copy=False")
+                raise ValueError(
+                    f"converting {self.dtype} to {np.dtype(dtype)} needs a copy, and copy=False"
+                )
             return arr.astype(dtype)
         return arr.copy() if copy else arr
 
@@ -208,8 +285,9 @@ class SharedTensor:
     def _publishing(self) -> Publisher:
         """The client that publishes this tensor; raises if it cannot be published."""
         if not self._writer:
-            raise InvalidRequest(f"tensor {self.name!r} came from get(); only empty() tensors are "
-                                 "published")
+            raise InvalidRequest(
+                f"tensor {self.name!r} came from get(); only empty() tensors are published"
+            )
         if self.published:
             raise InvalidRequest(f"tensor {self.name!r} v{self.version} is already published")
         client = self._client()
@@ -268,7 +346,10 @@ class SharedTensor:
         return reduce_tensor(self)
 
     def __repr__(self) -> str:
-        state = "released" if self._owner is None else ("writable" if self.writable
-                                                        else "read-only")
-        return (f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, "
-                f"dtype={self.dtype}, device={self.device}, {state})")
+        state = (
+            "released" if self._owner is None else ("writable" if self.writable else "read-only")
+        )
+        return (
+            f"SharedTensor({self.name!r}, v{self.version}, shape={self.shape}, "
+            f"dtype={self.dtype}, device={self.device}, {state})"
+        )

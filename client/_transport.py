@@ -92,7 +92,7 @@ class _Conn:
             sock.sendall(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 sock.sendall(body)
-            while not answer.feed(view[:sock.recv_into(buf)]):
+            while not answer.feed(view[: sock.recv_into(buf)]):
                 pass
         except BlockingIOError as exc:  # SO_RCVTIMEO or SO_SNDTIMEO ran out
             raise TimeoutError("timed out") from exc
@@ -110,8 +110,14 @@ class Transport:
 
     A forked child never uses its parent's connections: it opens its own."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
-                 trust: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        trust: frozenset[int] | None = None,
+    ) -> None:
         ep = Endpoint.parse(url, token)
         if ep.path is not None:
             path = ep.path
@@ -178,13 +184,27 @@ class Transport:
         self._give_back(conn)
         return answer
 
-    def request(self, method: str, path: str, body: Any = None, *,
-                headers: dict[str, str] | None = None, timeout: float | bool | None = False,
-                resend: bool = True) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float | bool | None = False,
+        resend: bool = True,
+    ) -> Any:
         """One request outside any session: its decoded JSON (None for 204).
         Raises DepotError."""
-        op = exchange(self.endpoint, method, path, body, headers,
-                      timeout=io_timeout(timeout, self.timeout), resend=resend)
+        op = exchange(
+            self.endpoint,
+            method,
+            path,
+            body,
+            headers,
+            timeout=io_timeout(timeout, self.timeout),
+            resend=resend,
+        )
         return decode(*drive(op, self.roundtrip))
 
     def close(self) -> None:

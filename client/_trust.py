@@ -38,15 +38,17 @@ def trusted_uids(extra: int | str | Iterable[int | str] | None = None) -> frozen
         raise InvalidRequest(f"trust_uid / ${ENV_TRUST_UID}: {exc}") from None
 
 
-def check_broker_socket(sock: socket.socket, path: str,
-                        trusted: frozenset[int] | None = None) -> None:
+def check_broker_socket(
+    sock: socket.socket, path: str, trusted: frozenset[int] | None = None
+) -> None:
     """Raise UntrustedBroker (closing ``sock``) unless the process listening on
     the connected unix socket ``sock`` runs as a trusted uid (default: ``trusted_uids()``)."""
     if trusted is None:
         trusted = trusted_uids()
     fmt = "3i"
-    _, uid, _ = struct.unpack(fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                   struct.calcsize(fmt)))
+    _, uid, _ = struct.unpack(
+        fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
+    )
     if uid in trusted:
         return
     sock.close()
@@ -55,7 +57,8 @@ def check_broker_socket(sock: socket.socket, path: str,
         f"the broker socket {path} is served by uid {describe_uid(uid)}, which this client does "
         f"not trust (trusted: {names}); another user may have taken over its directory "
         f"(ls -ld {os.path.dirname(path)}). If that user really runs your broker, pass "
-        f"Client(trust_uid={uid}) or set ${ENV_TRUST_UID}={uid}")
+        f"Client(trust_uid={uid}) or set ${ENV_TRUST_UID}={uid}"
+    )
 
 
 def connected(sock: socket.socket, addr: object, trust: frozenset[int] | None) -> socket.socket:

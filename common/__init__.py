@@ -95,4 +95,5 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = _lazy_names(
-    __name__, {"AsyncClient": ".client", "Client": ".client", "SharedTensor": ".client"}, globals())
+    __name__, {"AsyncClient": ".client", "Client": ".client", "SharedTensor": ".client"}, globals()
+)

@@ -205,8 +205,10 @@ def _tables() -> tuple[dict[tuple[int, str], type[DepotError]], dict[int, type[D
     for cls in _classes():
         key = (cls.status, cls.code)
         if by_both.setdefault(key, cls) is not cls:
-            raise TypeError(f"{cls.__name__} and {by_both[key].__name__} share status and "
-                            f"code {key}: give each its own")
+            raise TypeError(
+                f"{cls.__name__} and {by_both[key].__name__} share status and "
+                f"code {key}: give each its own"
+            )
         by_status.setdefault(cls.status, cls)  # the most general class of a status
     return by_both, by_status
 
@@ -230,5 +232,8 @@ CODES = frozenset(code for _, code in _BY_BOTH)  # every code an error answer ma
 
 def error_body(exc: DepotError) -> bytes:
     """The one error body: ``{"error": {"code", "message"}}``, UTF-8 JSON."""
-    return json.dumps({"error": {"code": exc.code, "message": str(exc)}}, ensure_ascii=False,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"error": {"code": exc.code, "message": str(exc)}},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()

@@ -45,5 +45,6 @@ def _number(name: str, lookup: Callable[[str], int], what: str, where: str) -> i
     try:
         return lookup(name)
     except KeyError:
-        raise ValueError(f"no {what} named {name!r} on this host (give a name from {where} or a "
-                         f"number)") from None
+        raise ValueError(
+            f"no {what} named {name!r} on this host (give a name from {where} or a number)"
+        ) from None

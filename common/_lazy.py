@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def lazy_names(package: str, homes: dict[str, str], namespace: dict[str, Any]
-               ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_names(
+    package: str, homes: dict[str, str], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A package's ``__getattr__`` and ``__dir__``: ``homes`` maps each lazy
     name to the module (relative to ``package``) that defines it.  A name,
     once loaded, is bound in ``namespace`` (the package's globals), so later

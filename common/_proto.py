@@ -53,7 +53,7 @@ def proc_stat(pid: int, proc: str = "/proc") -> tuple[int, str] | None:
     except OSError:
         return None
     # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
+    rest = data[data.rfind(b")") + 2 :].split()
     try:
         return int(rest[19]), rest[0].decode()
     except (IndexError, ValueError):
@@ -74,19 +74,36 @@ def unframe(data: bytes) -> tuple[bytes, memoryview]:
     """(the JSON head, the bytes after it) of a framed body; raises ValueError
     that says what is wrong."""
     if len(data) < _FRAME_HEAD:
-        raise ValueError(f"the body has {len(data)} bytes: a framed body starts with the length "
-                         f"of its JSON head in {_FRAME_HEAD} bytes, big-endian")
+        raise ValueError(
+            f"the body has {len(data)} bytes: a framed body starts with the length "
+            f"of its JSON head in {_FRAME_HEAD} bytes, big-endian"
+        )
     n = int.from_bytes(data[:_FRAME_HEAD], "big")
     if _FRAME_HEAD + n > len(data):
-        raise ValueError(f"the body's first {_FRAME_HEAD} bytes say its JSON head has {n} bytes, "
-                         f"but only {len(data) - _FRAME_HEAD} follow them")
+        raise ValueError(
+            f"the body's first {_FRAME_HEAD} bytes say its JSON head has {n} bytes, "
+            f"but only {len(data) - _FRAME_HEAD} follow them"
+        )
     view = memoryview(data)
-    return bytes(view[_FRAME_HEAD:_FRAME_HEAD + n]), view[_FRAME_HEAD + n:]
+    return bytes(view[_FRAME_HEAD : _FRAME_HEAD + n]), view[_FRAME_HEAD + n :]
+
 
 # Reason phrases of the statuses the broker answers with (RFC 9110).
-REASONS = {200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
-           403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
-           410: "Gone", 413: "Content Too Large", 422: "Unprocessable Content",
-           429: "Too Many Requests", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 503: "Service Unavailable",
-           507: "Insufficient Storage"}
+REASONS = {
+    200: "OK",
+    204: "No Content",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    409: "Conflict",
+    410: "Gone",
+    413: "Content Too Large",
+    422: "Unprocessable Content",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    507: "Insufficient Storage",
+}

@@ -48,8 +48,9 @@ def check_name(name: Any, what: str = "name") -> str:
     saying what was given and what is allowed.  Control characters (``\\n``,
     ``\\t``, NUL, ...), spaces and non-ASCII are refused."""
     if not isinstance(name, str):
-        raise InvalidType(f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} "
-                          f"{_shown(name)}")
+        raise InvalidType(
+            f"{what} must be a str ({NAME_RULE}), not {type(name).__name__} {_shown(name)}"
+        )
     if not is_name(name):
         raise InvalidRequest(f"{what} {_shown(name)} is not a valid tensor name: use {NAME_RULE}")
     return name
@@ -76,14 +77,19 @@ def _valid_names(names: list[str]) -> list[str]:
 # A name in a model checks itself with ``check_name``: the broker answers a
 # bad one with that InvalidRequest (400), as for a name in a path
 # (service/_http/_handler.py ``invalid``).  The schema shows the same rule.
-Name = Annotated[str, AfterValidator(_valid_name),
-                 Field(json_schema_extra={"pattern": NAME_PATTERN},
-                       examples=["model.layers.0.weight"])]
+Name = Annotated[
+    str,
+    AfterValidator(_valid_name),
+    Field(json_schema_extra={"pattern": NAME_PATTERN}, examples=["model.layers.0.weight"]),
+]
 MAX_NDIM = 32
 MAX_BATCH = 10_000
 # A batch's column of names: the same check (``check_name``, named by its index).
-Names = Annotated[list[Annotated[str, Field(json_schema_extra={"pattern": NAME_PATTERN})]],
-                  AfterValidator(_valid_names), Field(max_length=MAX_BATCH)]
+Names = Annotated[
+    list[Annotated[str, Field(json_schema_extra={"pattern": NAME_PATTERN})]],
+    AfterValidator(_valid_names),
+    Field(max_length=MAX_BATCH),
+]
 INLINE_MAX = 256 * 1024  # bytes; larger tensors go through alloc + publish
 
 
@@ -120,8 +126,9 @@ class _Answer(BaseModel):
 
 class ErrorDetail(_Answer):
     code: str = Field(examples=["not_found"])
-    message: str = Field(examples=["tensor 'w' not found (known: a, b); did the producer publish "
-                                   "it?"])
+    message: str = Field(
+        examples=["tensor 'w' not found (known: a, b); did the producer publish it?"]
+    )
 
 
 class ErrorBody(_Answer):
@@ -133,19 +140,25 @@ class SessionOpen(_Frozen):
     start_time: int | None = Field(None, ge=0, description="field 22 of /proc/<pid>/stat")
     label: str | None = Field(None, max_length=200)
     holding: list[Annotated[str, Field(max_length=64)]] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="earlier sessions of this process that lapsed (it was paused) and whose "
-                    "leases its views still hold: their memory stays retired while it lives")
+        "leases its views still hold: their memory stays retired while it lives",
+    )
 
 
 class SessionInfo(_Answer):
     session: str
     pid: int | None
-    tracked: bool = Field(description="liveness checked through the pid (SO_PEERCRED); else by "
-                                      "heartbeat")
+    tracked: bool = Field(
+        description="liveness checked through the pid (SO_PEERCRED); else by heartbeat"
+    )
     heartbeat_interval: float | None = Field(description="send heartbeats this often (s), or never")
-    instance: str = Field("", max_length=64, description="this run of the broker: versions start "
-                                                        "again at 1 in another")
+    instance: str = Field(
+        "",
+        max_length=64,
+        description="this run of the broker: versions start again at 1 in another",
+    )
 
 
 class ForkInfo(_Answer):
@@ -164,11 +177,15 @@ class AllocRequest(_Frozen):
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_NDIM)
     dtype: str = Field(max_length=40, examples=["float32", "bfloat16"])
     device: str = Field("cpu", max_length=64)
-    ttl: float | None = Field(None, gt=0, description="delete the tensor this many seconds after "
-                                                      "publish")
-    hold: bool = Field(False, description="also take a lease for the writer's own views, which "
-                                          "keeps the memory theirs after publish, delete or "
-                                          "supersede")
+    ttl: float | None = Field(
+        None, gt=0, description="delete the tensor this many seconds after publish"
+    )
+    hold: bool = Field(
+        False,
+        description="also take a lease for the writer's own views, which "
+        "keeps the memory theirs after publish, delete or "
+        "supersede",
+    )
 
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
@@ -198,11 +215,14 @@ def _valid_ipc(text: str) -> str:
     return text
 
 
-IpcHandle = Annotated[str, AfterValidator(_valid_ipc),
-                      Field(description="a 64-byte CUDA IPC handle, base64", min_length=88,
-                            max_length=88)]
-GpuUuid = Annotated[str, Field(pattern=GPU_UUID,
-                               examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])]
+IpcHandle = Annotated[
+    str,
+    AfterValidator(_valid_ipc),
+    Field(description="a 64-byte CUDA IPC handle, base64", min_length=88, max_length=88),
+]
+GpuUuid = Annotated[
+    str, Field(pattern=GPU_UUID, examples=["GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+]
 
 
 class CudaHandle(_Answer):
@@ -214,13 +234,18 @@ class CudaHandle(_Answer):
     block_size: int = Field(ge=0, description="bytes in the block the handle maps")
     event: int | None = Field(None, description="id of the write event: wait on it before reading")
     event_handle: IpcHandle | None = None
-    release_event: int | None = Field(None, description="id of this lease's event: record it on "
-                                      "every stream that used the tensor, then release")
+    release_event: int | None = Field(
+        None,
+        description="id of this lease's event: record it on "
+        "every stream that used the tensor, then release",
+    )
     release_event_handle: IpcHandle | None = None
-    owner_pid: int | None = Field(None, description="share(): the producer's pid (memory dies with "
-                                                    "it)")
-    owner_start: int | None = Field(None, description="share(): the producer's start time (/proc "
-                                                      "stat 22)")
+    owner_pid: int | None = Field(
+        None, description="share(): the producer's pid (memory dies with it)"
+    )
+    owner_start: int | None = Field(
+        None, description="share(): the producer's start time (/proc stat 22)"
+    )
 
 
 class Handle(_Answer):
@@ -255,13 +280,17 @@ class LinkRequest(_Frozen):
 class ReleaseRequest(_Frozen):
     leases: list[int] = Field(default_factory=list, max_length=MAX_BATCH * 10)
     requests: list[Annotated[str, Field(max_length=64)]] = Field(
-        default_factory=list, max_length=MAX_BATCH,
+        default_factory=list,
+        max_length=MAX_BATCH,
         description="request ids whose answers were never read: their leases are released "
-                    "and their waits cancelled")
+        "and their waits cancelled",
+    )
     stale: dict[Annotated[str, Field(max_length=64)], list[int]] = Field(
-        default_factory=dict, max_length=64,
+        default_factory=dict,
+        max_length=64,
         description="leases of this client's earlier sessions that lapsed (it was paused past "
-                    "--session-ttl), whose views are gone now: their retired memory may be reused")
+        "--session-ttl), whose views are gone now: their retired memory may be reused",
+    )
 
 
 class _Described(type(BaseModel)):  # type: ignore[misc]  # pydantic's ModelMetaclass
@@ -278,8 +307,10 @@ class _Described(type(BaseModel)):  # type: ignore[misc]  # pydantic's ModelMeta
     def __init__(cls, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         hints = cls.__annotations__  # strings (postponed annotations): "int | None"
-        fields = "\n".join(f"- ``{name}`` ({hints.get(name, 'see base class')}): {f.description}"
-                           for name, f in cls.model_fields.items())
+        fields = "\n".join(
+            f"- ``{name}`` ({hints.get(name, 'see base class')}): {f.description}"
+            for name, f in cls.model_fields.items()
+        )
         cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\nFields:\n\n{fields}\n"
 
     def __dir__(cls) -> list[str]:
@@ -298,12 +329,17 @@ class TensorInfo(_Answer, metaclass=_Described):
     nbytes: int = Field(description="bytes of that version")
     device: str = Field(description='where its bytes live: "cpu", or "cuda:GPU-<uuid>"')
     state: Literal["writing", "ready"] = Field(
-        description='"ready" once published; "writing" while only an unpublished version exists')
+        description='"ready" once published; "writing" while only an unpublished version exists'
+    )
     readers: int = Field(description="live leases on this name's versions")
-    expires_in: float | None = Field(None, description="seconds until its ttl deletes the name; "
-                                                       "None without a ttl")
-    origin: str | None = Field(None, description="for a replica pulled from a peer: the Flight URL "
-                               "of the broker where the tensor was published")
+    expires_in: float | None = Field(
+        None, description="seconds until its ttl deletes the name; None without a ttl"
+    )
+    origin: str | None = Field(
+        None,
+        description="for a replica pulled from a peer: the Flight URL "
+        "of the broker where the tensor was published",
+    )
     origin_version: int | None = Field(None, description="for a replica: its version at the origin")
 
 
@@ -312,18 +348,23 @@ class DeviceStat(_Answer, metaclass=_Described):
 
     A frozen pydantic model: ``model_dump()`` gives a dict."""
 
-    device: str = Field(description="the GPU, cuda:GPU-<uuid>",
-                        examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"])
+    device: str = Field(
+        description="the GPU, cuda:GPU-<uuid>",
+        examples=["cuda:GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"],
+    )
     bytes_in_use: int = Field(description="bytes of broker blocks held by tensor versions")
-    bytes_reserved: int = Field(description="device memory the broker allocated, warm free space "
-                                            "included")
+    bytes_reserved: int = Field(
+        description="device memory the broker allocated, warm free space included"
+    )
     bytes_pending: int = Field(description="freed bytes waiting for readers' kernels to finish")
     bytes_shared: int = Field(description="producer-owned bytes published with share()")
     max_memory: int = Field(description="--cuda-memory for this GPU")
     segments: int = Field(description="device allocations (pooled blocks) the broker holds")
     events: int = Field(description="interprocess events the broker created on this GPU")
-    context_bytes: int | None = Field(description="device memory the broker's CUDA context took "
-                                      "(NVML, measured when it was created); None if unknown")
+    context_bytes: int | None = Field(
+        description="device memory the broker's CUDA context took "
+        "(NVML, measured when it was created); None if unknown"
+    )
 
 
 class Stat(_Answer, metaclass=_Described):
@@ -332,23 +373,31 @@ class Stat(_Answer, metaclass=_Described):
     A frozen pydantic model: ``model_dump()`` gives a dict."""
 
     bytes_in_use: int = Field(description="bytes held by tensor versions, pending deletes included")
-    bytes_reserved: int = Field(description="bytes of shared memory the broker holds, warm free "
-                                            "space included")
-    bytes_retired: int = Field(0, description="bytes the broker will never reuse because a process "
-                                              "it cannot vouch for may still map them; freed with "
-                                              "their segment")
+    bytes_reserved: int = Field(
+        description="bytes of shared memory the broker holds, warm free space included"
+    )
+    bytes_retired: int = Field(
+        0,
+        description="bytes the broker will never reuse because a process "
+        "it cannot vouch for may still map them; freed with "
+        "their segment",
+    )
     retired_total: int = Field(0, description="bytes retired since the broker started")
-    max_memory: int = Field(description="shared memory the broker may hold (--max-memory), in "
-                                        "bytes")
+    max_memory: int = Field(
+        description="shared memory the broker may hold (--max-memory), in bytes"
+    )
     tensors: int = Field(description="names with a published version")
-    versions: int = Field(description="versions alive: the newest of each name, older ones still "
-                                      "read, and unpublished ones")
+    versions: int = Field(
+        description="versions alive: the newest of each name, older ones still "
+        "read, and unpublished ones"
+    )
     leases: int = Field(description="leases held: each get takes one, and so does empty()")
     sessions: int = Field(description="open client sessions")
     segments: int = Field(description="shared-memory segments the broker holds")
     waiting: int = Field(0, description="gets parked now, waiting for a publish")
-    devices: list[DeviceStat] = Field(default_factory=list, description="GPUs in use (none until "
-                                                                        "first used)")
+    devices: list[DeviceStat] = Field(
+        default_factory=list, description="GPUs in use (none until first used)"
+    )
 
 
 class ShareRequest(_Frozen):
@@ -369,11 +418,13 @@ class LiveRequest(_Frozen):
 
 
 class LiveReply(_Answer):
-    live: list[str] = Field(description="those the broker still has (a block, or a shared "
-                                        "allocation)")
+    live: list[str] = Field(
+        description="those the broker still has (a block, or a shared allocation)"
+    )
     busy: list[str] = Field(description="those some lease, or a reader's queued kernel, still uses")
-    orphaned: list[str] = Field(default_factory=list,
-                                description="shared allocations whose producer has died or closed")
+    orphaned: list[str] = Field(
+        default_factory=list, description="shared allocations whose producer has died or closed"
+    )
 
 
 class BatchAlloc(_Frozen):
@@ -386,15 +437,22 @@ class BatchPublish(_Frozen):
 
 class BatchGet(_Frozen):
     names: Names
-    timeout: float | None = Field(0.0, ge=0, allow_inf_nan=False,
-                                  description="one deadline for the whole batch, in seconds; null: "
-                                              "forever")
+    timeout: float | None = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="one deadline for the whole batch, in seconds; null: forever",
+    )
     newer_than: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, max_length=MAX_BATCH,
-        description="per name, in the same order: only a version newer than this (waits for it)")
+        None,
+        max_length=MAX_BATCH,
+        description="per name, in the same order: only a version newer than this (waits for it)",
+    )
     wait: Literal["all", "any"] = Field(
-        "all", description='"all": until every name has a version newer than its newer_than; '
-                           '"any": until one has, then the newest ready version of every name')
+        "all",
+        description='"all": until every name has a version newer than its newer_than; '
+        '"any": until one has, then the newest ready version of every name',
+    )
 
 
 class HandleList(_Answer):
@@ -413,8 +471,11 @@ class ManyDelete(_Frozen):
 
     names: Names | None = None
     prefix: Annotated[str, AfterValidator(check_prefix)] | None = Field(
-        None, json_schema_extra={"pattern": NAME_PATTERN}, examples=["run1/"],
-        description="delete every name that starts with this")
+        None,
+        json_schema_extra={"pattern": NAME_PATTERN},
+        examples=["run1/"],
+        description="delete every name that starts with this",
+    )
 
     def model_post_init(self, _: Any) -> None:
         if (self.names is None) == (self.prefix is None):
@@ -430,15 +491,20 @@ class ManyAlloc(_Frozen):
 
     names: Names
     shapes: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_NDIM)]] = Field(
-        max_length=MAX_BATCH)
-    dtypes: list[Annotated[str, Field(max_length=40)]] = Field(max_length=MAX_BATCH,
-                                                               examples=[["float32", "bfloat16"]])
-    ttl: float | None = Field(None, gt=0,
-                              description="delete each tensor this many seconds after publish")
+        max_length=MAX_BATCH
+    )
+    dtypes: list[Annotated[str, Field(max_length=40)]] = Field(
+        max_length=MAX_BATCH, examples=[["float32", "bfloat16"]]
+    )
+    ttl: float | None = Field(
+        None, gt=0, description="delete each tensor this many seconds after publish"
+    )
     same: list[Annotated[int, Field(ge=-1)]] | None = Field(
-        None, max_length=MAX_BATCH,
+        None,
+        max_length=MAX_BATCH,
         description="per tensor: the position of an earlier tensor of the batch whose bytes it "
-                    "is (tied weights: stored once, under both names), or -1")
+        "is (tied weights: stored once, under both names), or -1",
+    )
 
 
 class ManyPublish(_Frozen):

@@ -23,8 +23,11 @@ def main() -> int:
         y = np.from_dlpack(t)  # zero copy: a read-only view of this host's broker memory
         ok = y.shape == want.shape and np.array_equal(y, want)
         info = {i.name: i for i in c.list()}[name]
-        print(f"consumer: {name} v{t.version} from {info.origin} (v{info.origin_version} there): "
-              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        print(
+            f"consumer: {name} v{t.version} from {info.origin} (v{info.origin_version} there): "
+            f"{'ok' if ok else 'MISMATCH'}",
+            flush=True,
+        )
         del y, t
     return 0 if ok else 1
 

@@ -24,8 +24,11 @@ def main() -> int:
         t = consumer.get(name, timeout=10)
         y = np.from_dlpack(t)  # zero copy: a read-only view of the broker's segment
         ok = y.shape == x.shape and not y.flags.writeable and np.array_equal(x, y)
-        print(f"worker: {name} v{version} {t.dtype}{list(t.shape)} from {consumer.url}: "
-              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        print(
+            f"worker: {name} v{version} {t.dtype}{list(t.shape)} from {consumer.url}: "
+            f"{'ok' if ok else 'MISMATCH'}",
+            flush=True,
+        )
         del y, t
     return 0 if ok else 1
 

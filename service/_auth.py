@@ -123,7 +123,8 @@ def _check_secret(secret: str, where: str) -> bytes:
         raise AuthConfigError(
             f"{where}: a token must be at least {MIN_TOKEN_LENGTH} printable ASCII characters "
             f"without spaces; make one with: "
-            f"python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+            f"python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
     return secret.encode()
 
 
@@ -148,11 +149,13 @@ def read_token_file(path: str) -> list[Token]:
             raise AuthConfigError(
                 f"--token-file {path} belongs to uid {describe_uid(st.st_uid)}, not to this "
                 f"broker's uid {describe_uid(me)} or root; whoever owns it can change the tokens: "
-                f"chown {describe_uid(me).split()[0]} {path}")
+                f"chown {describe_uid(me).split()[0]} {path}"
+            )
         if st.st_mode & 0o077:
             raise AuthConfigError(
                 f"--token-file {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can "
-                f"read or change the tokens; chmod 600 {path}")
+                f"read or change the tokens; chmod 600 {path}"
+            )
         with os.fdopen(os.dup(fd), encoding="utf-8") as f:
             text = f.read()
     finally:
@@ -164,17 +167,22 @@ def read_token_file(path: str) -> list[Token]:
             continue
         where = f"--token-file {path}, line {number}"
         if words[0].startswith("#"):
-            raise AuthConfigError(f"{where}: a token cannot start with '#'; for a comment, put a "
-                                  f"space after the '#'")
+            raise AuthConfigError(
+                f"{where}: a token cannot start with '#'; for a comment, put a space after the '#'"
+            )
         if len(words) < 2 or words[1] not in SCOPES:
-            raise AuthConfigError(f"{where}: write '<token> <scope> [prefix=<p>] [name=<n>]' "
-                                  f"with scope read, write or admin")
+            raise AuthConfigError(
+                f"{where}: write '<token> <scope> [prefix=<p>] [name=<n>]' "
+                f"with scope read, write or admin"
+            )
         options: dict[str, str] = {}
         for word in words[2:]:
             key, eq, value = word.partition("=")
             if not eq or key not in ("prefix", "name") or key in options or not value:
-                raise AuthConfigError(f"{where}: unknown option {key!r}; options are prefix=<p> "
-                                      f"and name=<n>, each at most once")
+                raise AuthConfigError(
+                    f"{where}: unknown option {key!r}; options are prefix=<p> "
+                    f"and name=<n>, each at most once"
+                )
             options[key] = value
         name = options.get("name")
         if name is not None and not _LABEL_RE.match(name):
@@ -234,8 +242,9 @@ class AuthPolicy:
         """Whether a unix-socket peer with these kernel credentials is admitted (as admin)."""
         if uid == self.broker_uid or uid in self.allow_uids:
             return True
-        return bool(self.allow_gids) and (gid in self.allow_gids
-                                          or not self.allow_gids.isdisjoint(groups))
+        return bool(self.allow_gids) and (
+            gid in self.allow_gids or not self.allow_gids.isdisjoint(groups)
+        )
 
     def match(self, presented: bytes) -> Token | None:
         """The token equal to ``presented`` (``matching``)."""
@@ -264,15 +273,18 @@ def load_policy(settings: Settings) -> AuthPolicy:
     secrets_seen, names_seen = set(), set()
     for t in tokens:
         if t.secret in secrets_seen:
-            raise AuthConfigError(f"a token is configured twice (seen again as {t.id}); "
-                                  f"each token has one scope")
+            raise AuthConfigError(
+                f"a token is configured twice (seen again as {t.id}); each token has one scope"
+            )
         if t.name is not None and t.name in names_seen:
             raise AuthConfigError(f"two tokens are named {t.name!r}; names identify tokens")
         secrets_seen.add(t.secret)
         names_seen.add(t.name)
     if settings.insecure_no_auth and tokens:
-        raise AuthConfigError("--insecure-no-auth turns authentication off, yet a token is "
-                              "configured; drop one of the two")
+        raise AuthConfigError(
+            "--insecure-no-auth turns authentication off, yet a token is "
+            "configured; drop one of the two"
+        )
     me = os.geteuid()
     try:
         allow_uids = frozenset(user_id(u) for u in settings.allow_uid)
@@ -283,12 +295,14 @@ def load_policy(settings: Settings) -> AuthPolicy:
     if len(allow_gids) > 1:
         raise AuthConfigError(
             f"--allow-gid names {len(allow_gids)} groups, but the socket and the segments carry "
-            f"one group; make one group for every peer")
+            f"one group; make one group for every peer"
+        )
     if shm_gid is not None and allow_gids and allow_gids != {shm_gid}:
         raise AuthConfigError(
             f"--allow-gid {describe_gid(next(iter(allow_gids)))} differs from --shm-group "
             f"{describe_gid(shm_gid)}: the allowed group's members could not open the socket; "
-            f"give one group")
+            f"give one group"
+        )
     file_gid = shm_gid if shm_gid is not None else next(iter(allow_gids), None)
     # root opens any file, and our own uid owns them: no group needed for those.
     others = sorted(allow_uids - {me, 0})
@@ -296,7 +310,8 @@ def load_policy(settings: Settings) -> AuthPolicy:
         raise AuthConfigError(
             f"--allow-uid {describe_uid(others[0])} cannot open this broker's socket or segments "
             f"(mode 0600, owner uid {describe_uid(me)}); also give --shm-group GROUP, a group that "
-            f"user belongs to: the socket and the segments then become group GROUP, mode 0660")
+            f"user belongs to: the socket and the segments then become group GROUP, mode 0660"
+        )
     for uid in others:
         assert file_gid is not None
         member = _is_member(uid, file_gid)
@@ -304,25 +319,41 @@ def load_policy(settings: Settings) -> AuthPolicy:
             raise AuthConfigError(
                 f"--allow-uid {describe_uid(uid)} is not in group {describe_gid(file_gid)}, so it "
                 f"could not open the socket or the segments; add it (usermod -aG) or pick its "
-                f"group")
+                f"group"
+            )
         if member is None:
-            log.warning("cannot tell whether uid %s is in group %s (not in this host's user "
-                        "database); it must be, to open the socket", uid, file_gid)
+            log.warning(
+                "cannot tell whether uid %s is in group %s (not in this host's user "
+                "database); it must be, to open the socket",
+                uid,
+                file_gid,
+            )
     if file_gid is not None and me != 0 and file_gid not in (os.getegid(), *os.getgroups()):
         raise AuthConfigError(
             f"this broker (uid {describe_uid(me)}) is not in group {describe_gid(file_gid)}, so it "
-            f"cannot give its socket and segments to that group; run it as a member of the group")
-    return AuthPolicy(tuple(tokens), settings.insecure_no_auth, me, allow_uids, allow_gids,
-                      file_gid, group_writable=bool(allow_gids or others))
+            f"cannot give its socket and segments to that group; run it as a member of the group"
+        )
+    return AuthPolicy(
+        tuple(tokens),
+        settings.insecure_no_auth,
+        me,
+        allow_uids,
+        allow_gids,
+        file_gid,
+        group_writable=bool(allow_gids or others),
+    )
 
 
 # -- helpers for the routes ---------------------------------------------------------------
 
+
 def require_name(principal: Principal, name: str) -> None:
     """Raise Forbidden unless ``principal`` may touch the tensor ``name`` (its prefix)."""
     if not principal.may_use(name):
-        raise Forbidden(f"forbidden: {principal.id} may only use names starting with "
-                        f"{principal.prefix!r}; {name[:200]!r} is outside that prefix")
+        raise Forbidden(
+            f"forbidden: {principal.id} may only use names starting with "
+            f"{principal.prefix!r}; {name[:200]!r} is outside that prefix"
+        )
 
 
 def require_names(principal: Principal, names: Iterable[str]) -> None:
@@ -334,12 +365,15 @@ def require_names(principal: Principal, names: Iterable[str]) -> None:
 
 def _missing_scope(principal: Principal, needed: str, method: str, template: str) -> Forbidden:
     has = f"scope {principal.scope!r}" if principal.scope else "no scope"
-    return Forbidden(f"forbidden: {method} {template} needs the {needed!r} scope, and "
-                     f"{principal.id} has {has}; use a token with scope {needed!r} "
-                     f"(see --token-file)")
+    return Forbidden(
+        f"forbidden: {method} {template} needs the {needed!r} scope, and "
+        f"{principal.id} has {has}; use a token with scope {needed!r} "
+        f"(see --token-file)"
+    )
 
 
 # -- the authorizer --------------------------------------------------------------------
+
 
 class Authorizer:
     """Resolve each request's principal and check the scope of its route.
@@ -360,8 +394,10 @@ class Authorizer:
             principal = self._resolve(scope, state)
             if principal is None:  # credentials were needed and are missing or wrong
                 if needed is not None:
-                    raise AuthError("missing or wrong token: send 'Authorization: Bearer <token>' "
-                                    "(Client(token=...) or $TENSORDEPOT_TOKEN)")
+                    raise AuthError(
+                        "missing or wrong token: send 'Authorization: Bearer <token>' "
+                        "(Client(token=...) or $TENSORDEPOT_TOKEN)"
+                    )
                 principal = ANONYMOUS
             elif needed is not None and not principal.has(needed):
                 raise _missing_scope(principal, needed, method, template)
@@ -392,7 +428,8 @@ class Authorizer:
                 raise Forbidden(
                     f"forbidden: uid {describe_uid(uid)} may not use this broker, which runs as "
                     f"uid {describe_uid(self.policy.broker_uid)}; start the broker with "
-                    f"--allow-uid {uid} or --allow-gid GROUP, or send a token")
+                    f"--allow-uid {uid} or --allow-gid GROUP, or send a token"
+                )
             t = self.policy.match(token)
             if t is None:
                 return None
@@ -417,9 +454,12 @@ class Authorizer:
             self._warned_unconnected = True
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "an unknown peer"
-        log.warning("unauthenticated TCP connection from %s: this broker runs with "
-                    "--insecure-no-auth, so anyone who reaches it may read, overwrite and delete "
-                    "every tensor", peer)
+        log.warning(
+            "unauthenticated TCP connection from %s: this broker runs with "
+            "--insecure-no-auth, so anyone who reaches it may read, overwrite and delete "
+            "every tensor",
+            peer,
+        )
 
 
 def _bearer(scope: Any) -> bytes | None:

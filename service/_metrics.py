@@ -42,8 +42,26 @@ UNMATCHED = "unmatched"  # the route label of a path no route serves (a 404)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 # Control-plane requests take about a millisecond; a get may wait up to its timeout.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 # Broker.counters key -> HELP.  A key missing here is still exported, with a generic HELP.
 COUNTERS = {
@@ -58,21 +76,21 @@ COUNTERS = {
     "sessions_opened": "Client sessions opened.",
     "sessions_ended": "Client sessions ended: closed, reaped, or at shutdown.",
     "sessions_reaped": "Sessions reclaimed because their process died without ending them (a "
-                       "crash, kill -9) or their heartbeats stopped.",
+    "crash, kill -9) or their heartbeats stopped.",
     "sessions_exited": "Sessions whose process exited normally with views still alive (its "
-                       "client said so on the way out), ended once it was gone: not crashes.",
+    "client said so on the way out), ended once it was gone: not crashes.",
     "writes_reclaimed": "Unpublished versions reclaimed: their writer's session ended, they were "
-                        "aborted, or their batch failed.",
+    "aborted, or their batch failed.",
     "quota_refusals": "Allocations refused with 507: --max-memory, /dev/shm, or a per-session "
-                      "or per-token quota was full.",
+    "or per-token quota was full.",
     "sessions_lapsed": "Sessions ended because their heartbeats stopped: their memory is retired "
-                       "until the process says its views are gone, or --lapse-grace.",
+    "until the process says its views are gone, or --lapse-grace.",
     "allocs_expired": "Unpublished versions reclaimed after --alloc-ttl; their memory is retired "
-                      "until the writer's views are gone.",
+    "until the writer's views are gone.",
     "forks": "Sessions made for forked children, holding copies of their parent's leases.",
     "lease_refusals": "Gets refused with 429: the session held --max-leases-per-session leases.",
     "replicas_evicted": "Replicas pulled from peers that no lease held, dropped for room (a "
-                        "cache: a later get pulls them again).",
+    "cache: a later get pulls them again).",
 }
 # Counters of bytes, labelled with the device that holds them.
 BYTE_COUNTERS = {
@@ -93,7 +111,10 @@ class Metrics:
             "tensordepot_http_request_duration_seconds",
             "Time from a request's arrival to the end of its response, by method, route "
             "template and status; a get that waits for a publish counts its wait.",
-            ["method", "route", "status"], registry=self.registry, buckets=LATENCY_BUCKETS)
+            ["method", "route", "status"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
         self._children: dict[tuple[str, str, int], Any] = {}
         self.registry.register(BrokerCollector(broker))
         self.collectors: list[Collector] = []  # added with add(), in order
@@ -132,8 +153,9 @@ class BrokerCollector(Collector):
         self._broker = broker
 
     def collect(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily("tensordepot_build_info", "The broker's version; always 1.",
-                                 labels=["version"])
+        info = GaugeMetricFamily(
+            "tensordepot_build_info", "The broker's version; always 1.", labels=["version"]
+        )
         info.add_metric([__version__], 1)
         yield info
         broker = self._broker()
@@ -143,12 +165,15 @@ class BrokerCollector(Collector):
         for key, help_text in COUNTERS.items():
             yield CounterMetricFamily(f"tensordepot_{key}", help_text, value=counters.pop(key, 0))
         for key, help_text in BYTE_COUNTERS.items():
-            yield _per_device(CounterMetricFamily(f"tensordepot_{key}", help_text,
-                                                  labels=["device"]), counters.pop(key, 0))
+            yield _per_device(
+                CounterMetricFamily(f"tensordepot_{key}", help_text, labels=["device"]),
+                counters.pop(key, 0),
+            )
         for key, value in sorted(counters.items()):  # counted by the broker, not described here
             name = _NOT_A_NAME.sub("_", key)
-            yield CounterMetricFamily(f"tensordepot_{name}", f"Broker events counted as {key!r}.",
-                                      value=value)
+            yield CounterMetricFamily(
+                f"tensordepot_{name}", f"Broker events counted as {key!r}.", value=value
+            )
 
         st = broker.stat()
         # Memory gauges by device: name, HELP, shared memory's value, and how to
@@ -158,39 +183,74 @@ class BrokerCollector(Collector):
         memory: tuple[tuple[str, str, int, Callable[[DeviceStat], int] | None], ...] = (
             # Stat.bytes_in_use counts tensors on every device: shared memory's
             # share is what its pool's blocks hold.
-            ("memory_in_use_bytes",
-             "Bytes of the blocks that tensor versions hold (sizes rounded up to the block "
-             "alignment), pending deletes included.", broker.pool.used, lambda d: d.bytes_in_use),
-            ("memory_reserved_bytes",
-             "Memory the broker holds in segments (shared memory) or blocks (a GPU), warm free "
-             "space included.", st.bytes_reserved, lambda d: d.bytes_reserved),
-            ("memory_warm_free_bytes",
-             "Reserved memory that no tensor uses, kept warm for reuse.",
-             broker.pool.warm_free(),
-             lambda d: max(0, d.bytes_reserved - d.bytes_in_use - d.bytes_pending)),
-            ("memory_limit_bytes",
-             "The most memory the broker may hold: --max-memory, or a GPU's --cuda-memory.",
-             st.max_memory, lambda d: d.max_memory),
-            ("memory_retired_bytes",
-             ("Bytes never to be reused, because a process the broker cannot vouch for may still "
-              "map them; freed with their segment."), st.bytes_retired, None),
-            ("segments", "Shared-memory segments, or a GPU's blocks, the broker holds.",
-             st.segments, lambda d: d.segments),
+            (
+                "memory_in_use_bytes",
+                "Bytes of the blocks that tensor versions hold (sizes rounded up to the block "
+                "alignment), pending deletes included.",
+                broker.pool.used,
+                lambda d: d.bytes_in_use,
+            ),
+            (
+                "memory_reserved_bytes",
+                "Memory the broker holds in segments (shared memory) or blocks (a GPU), warm free "
+                "space included.",
+                st.bytes_reserved,
+                lambda d: d.bytes_reserved,
+            ),
+            (
+                "memory_warm_free_bytes",
+                "Reserved memory that no tensor uses, kept warm for reuse.",
+                broker.pool.warm_free(),
+                lambda d: max(0, d.bytes_reserved - d.bytes_in_use - d.bytes_pending),
+            ),
+            (
+                "memory_limit_bytes",
+                "The most memory the broker may hold: --max-memory, or a GPU's --cuda-memory.",
+                st.max_memory,
+                lambda d: d.max_memory,
+            ),
+            (
+                "memory_retired_bytes",
+                (
+                    "Bytes never to be reused, because a process the broker cannot vouch "
+                    "for may still map them; freed with their segment."
+                ),
+                st.bytes_retired,
+                None,
+            ),
+            (
+                "segments",
+                "Shared-memory segments, or a GPU's blocks, the broker holds.",
+                st.segments,
+                lambda d: d.segments,
+            ),
         )
         for name, help_text, value, of_gpu in memory:
-            family = _per_device(GaugeMetricFamily(f"tensordepot_{name}", help_text,
-                                                   labels=["device"]), value)
+            family = _per_device(
+                GaugeMetricFamily(f"tensordepot_{name}", help_text, labels=["device"]), value
+            )
             if of_gpu is not None:
                 for d in st.devices:
                     family.add_metric([d.device], of_gpu(d))
             yield family
         for name, help_text, field in (
-            ("cuda_pending_bytes", "GPU memory freed but not yet reusable: readers' kernels may "
-             "still read it (their release events have not completed).", "bytes_pending"),
-            ("cuda_shared_bytes", "Producer-owned GPU memory published with share(); the broker "
-             "holds none of it.", "bytes_shared"),
-            ("cuda_context_bytes", "GPU memory the broker's CUDA context took, measured when it "
-             "was created (absent when unknown).", "context_bytes"),
+            (
+                "cuda_pending_bytes",
+                "GPU memory freed but not yet reusable: readers' kernels may "
+                "still read it (their release events have not completed).",
+                "bytes_pending",
+            ),
+            (
+                "cuda_shared_bytes",
+                "Producer-owned GPU memory published with share(); the broker holds none of it.",
+                "bytes_shared",
+            ),
+            (
+                "cuda_context_bytes",
+                "GPU memory the broker's CUDA context took, measured when it "
+                "was created (absent when unknown).",
+                "context_bytes",
+            ),
             ("cuda_events", "Interprocess events the broker created on a GPU.", "events"),
         ):
             family = GaugeMetricFamily(f"tensordepot_{name}", help_text, labels=["device"])
@@ -201,8 +261,11 @@ class BrokerCollector(Collector):
             yield family
         for name, help_text, value in (
             ("tensors", "Names with a published version.", st.tensors),
-            ("versions", "Tensor versions holding memory: being written, current, or still read.",
-             st.versions),
+            (
+                "versions",
+                "Tensor versions holding memory: being written, current, or still read.",
+                st.versions,
+            ),
             ("leases", "Leases held by readers.", st.leases),
             ("sessions", "Open client sessions.", st.sessions),
             ("waiting", "Gets parked now, waiting for a publish.", st.waiting),

@@ -27,6 +27,7 @@ from .config import Settings, get_settings
 
 log = logging.getLogger("tensordepot.broker")
 
+
 def create_app(settings: Settings | None = None, policy: AuthPolicy | None = None) -> FastAPI:
     """Build the broker app.  ``settings`` defaults to the environment, and
     ``policy`` (who may do what) to ``load_policy(settings)``."""
@@ -42,17 +43,31 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             log.warning("removed %d segment(s) left behind by a dead broker", len(removed))
         auth: AuthPolicy = app.state.auth_policy
         if auth.insecure_no_auth:
-            log.warning("TCP listeners run with --insecure-no-auth: anyone who reaches them may "
-                        "read, overwrite and delete every tensor")
-        pool = Pool(prefix, max_memory=cfg.max_memory_bytes(),
-                    segment_size=parse_size(cfg.segment_size),
-                    warm_bytes=cfg.warm_memory_bytes(), mode=auth.segment_mode, gid=auth.file_gid)
+            log.warning(
+                "TCP listeners run with --insecure-no-auth: anyone who reaches them may "
+                "read, overwrite and delete every tensor"
+            )
+        pool = Pool(
+            prefix,
+            max_memory=cfg.max_memory_bytes(),
+            segment_size=parse_size(cfg.segment_size),
+            warm_bytes=cfg.warm_memory_bytes(),
+            mode=auth.segment_mode,
+            gid=auth.file_gid,
+        )
         if pool.segment_size != parse_size(cfg.segment_size):
-            log.warning("--segment-size %s is more than --max-memory %s: segments are %d bytes "
-                        "instead", cfg.segment_size, cfg.max_memory, pool.segment_size)
+            log.warning(
+                "--segment-size %s is more than --max-memory %s: segments are %d bytes instead",
+                cfg.segment_size,
+                cfg.max_memory,
+                pool.segment_size,
+            )
         # nothing on a GPU until used
-        gpus = CudaMemory(prefix + "cuda-", max_memory=cfg.cuda_memory_bytes(),
-                          segment_size=parse_size(cfg.cuda_segment_size))
+        gpus = CudaMemory(
+            prefix + "cuda-",
+            max_memory=cfg.cuda_memory_bytes(),
+            segment_size=parse_size(cfg.cuda_segment_size),
+        )
         broker = Broker(pool, limits=cfg.limits(), cuda=gpus)
         app.state.broker = broker
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
@@ -63,8 +78,9 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
             if cfg.flight or cfg.peer or getattr(app.state, "flight", None) is not None:
                 from ._hosts._connect import connect  # imports pyarrow
 
-                hosts = connect(cfg, broker, auth, getattr(app.state, "flight", None),
-                                app.state.metrics)
+                hosts = connect(
+                    cfg, broker, auth, getattr(app.state, "flight", None), app.state.metrics
+                )
             reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
             try:
                 yield
@@ -99,8 +115,9 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # the route table, documented
-            app.openapi_schema = get_openapi(title=app.title, version=app.version,
-                                             summary=app.summary, routes=openapi_routes())
+            app.openapi_schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=openapi_routes()
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

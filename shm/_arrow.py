@@ -90,8 +90,10 @@ def meta_json(sch: Any) -> str:
     """The JSON that ``schema`` stored, or ValueError."""
     raw = (sch.metadata or {}).get(META_KEY)
     if raw is None or len(sch) != 1 or str(sch.field(0).type) != "uint8":
-        raise ValueError(f"not a tensordepot stream: expected one uint8 column and "
-                         f"{META_KEY.decode()!r} metadata, got {sch}")
+        raise ValueError(
+            f"not a tensordepot stream: expected one uint8 column and "
+            f"{META_KEY.decode()!r} metadata, got {sch}"
+        )
     return bytes(raw).decode()
 
 
@@ -102,7 +104,7 @@ def batches(view: Any, sch: Any, chunk: int = CHUNK) -> Iterator[Any]:
 
     n = len(view)
     for off in range(0, max(n, 1), chunk):
-        part = view[off:off + chunk]
+        part = view[off : off + chunk]
         col = pa.Array.from_buffers(pa.uint8(), len(part), [None, pa.py_buffer(part)])
         yield pa.RecordBatch.from_arrays([col], schema=sch)
 
@@ -112,8 +114,12 @@ def chunk_array(batch: Any) -> Any:
     return batch.column(0).to_numpy(zero_copy_only=True)
 
 
-def read_into(reader: Any, dst: Any, progress: Callable[[int], None] | None = None,
-              stopped: Callable[[], bool] | None = None) -> int:
+def read_into(
+    reader: Any,
+    dst: Any,
+    progress: Callable[[int], None] | None = None,
+    stopped: Callable[[], bool] | None = None,
+) -> int:
     """Copy the record batches of a Flight reader into ``dst`` (a flat uint8
     numpy array) in order; returns the bytes copied.  ValueError if the stream
     holds more than ``dst``; InterruptedError once ``stopped()`` is true."""
@@ -131,7 +137,7 @@ def read_into(reader: Any, dst: Any, progress: Callable[[int], None] | None = No
         n = len(part)
         if off + n > size:
             raise ValueError(f"the stream holds more than the {size} bytes announced")
-        dst[off:off + n] = part
+        dst[off : off + n] = part
         off += n
         if progress is not None:
             progress(n)

@@ -156,9 +156,12 @@ class FileSpan:
         while done < self.nbytes:
             n = os.preadv(self.fd, [view[done:]], self.offset + done)
             if n == 0:
-                raise FileChanged(self.fd, f"the file ended {self.offset + done} bytes in, "
-                                           f"before the {self.nbytes} bytes from {self.offset}: "
-                                           f"it shrank while it was read")
+                raise FileChanged(
+                    self.fd,
+                    f"the file ended {self.offset + done} bytes in, "
+                    f"before the {self.nbytes} bytes from {self.offset}: "
+                    f"it shrank while it was read",
+                )
             done += n
 
     def tobytes(self) -> bytes:
@@ -179,11 +182,11 @@ def _pieces(dst: Any, src: Any) -> list[tuple[Any, Any]]:
     step = -(-step // _CHUNK_ALIGN) * _CHUNK_ALIGN  # for flat pieces: whole 64 KiB chunks
     if isinstance(src, FileSpan):
         d = dst.reshape(-1).view(np.uint8)
-        return [(d[i:i + step], src.part(i, i + step)) for i in range(0, nbytes, step)]
+        return [(d[i : i + step], src.part(i, i + step)) for i in range(0, nbytes, step)]
     if src.flags.c_contiguous:
         d = dst.reshape(-1).view(np.uint8)
         s = src.reshape(-1).view(np.uint8)
-        return [(d[i:i + step], s[i:i + step]) for i in range(0, nbytes, step)]
+        return [(d[i : i + step], s[i : i + step]) for i in range(0, nbytes, step)]
     axis = next((i for i, k in enumerate(src.shape) if k > 1), 0)
     rows = src.shape[axis]
     step = max(1, -(-rows // n))

@@ -150,8 +150,11 @@ def allocation_range(address: int, ordinal: int) -> tuple[int, int]:
     lib = _driver()
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     fn = getattr(lib, "cuMemGetAddressRange_v2", None) or lib.cuMemGetAddressRange
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                   ctypes.c_uint64]
+    fn.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
     with on_device(ordinal):  # the driver call needs the pointer's context current
         _check(lib, fn(ctypes.byref(base), ctypes.byref(size), address), "cuMemGetAddressRange")
     return int(base.value), int(size.value)
@@ -196,8 +199,9 @@ class CudaBlock:
                 self.address = int(rt.malloc(max(size, 1)))
             except rt.CUDARuntimeError as exc:
                 if _status(exc) == _ERROR_MEMORY_ALLOCATION:
-                    raise OSError(12,
-                                  f"cudaMalloc of {size} bytes on cuda:{ordinal}: {exc}") from None
+                    raise OSError(
+                        12, f"cudaMalloc of {size} bytes on cuda:{ordinal}: {exc}"
+                    ) from None
                 raise
             self._freed = False
             try:
@@ -362,8 +366,9 @@ class CudaMapping:
 
     def __init__(self, name: str, handle: bytes, *, ordinal: int, size: int) -> None:
         if len(handle) != IPC_HANDLE_BYTES:
-            raise ValueError(f"a CUDA IPC memory handle is {IPC_HANDLE_BYTES} bytes, not "
-                             f"{len(handle)}")
+            raise ValueError(
+                f"a CUDA IPC memory handle is {IPC_HANDLE_BYTES} bytes, not {len(handle)}"
+            )
         rt = _rt()
         self.name, self.size, self.ordinal, self.writable = name, size, ordinal, True
         with on_device(ordinal):
@@ -375,8 +380,10 @@ class CudaMapping:
         fin.atexit = False  # at exit the driver unmaps everything; cupy may be half gone
 
     def __repr__(self) -> str:
-        return (f"CudaMapping({self.name!r}, cuda:{self.ordinal}, size={self.size}, "
-                f"at=0x{self.address:x})")
+        return (
+            f"CudaMapping({self.name!r}, cuda:{self.ordinal}, size={self.size}, "
+            f"at=0x{self.address:x})"
+        )
 
 
 _lock = threading.Lock()
@@ -409,8 +416,7 @@ class OwnMemory:
         return f"OwnMemory({self.name!r}, cuda:{self.ordinal}, size={self.size})"
 
 
-def open_mapping(name: str, handle: bytes, *, ordinal: int,
-                 size: int) -> CudaMapping | OwnMemory:
+def open_mapping(name: str, handle: bytes, *, ordinal: int, size: int) -> CudaMapping | OwnMemory:
     """The process's one mapping of block ``name`` (opened on first use), or
     its own memory when this process shared it."""
     m = _mappings.get(name)
@@ -527,8 +533,15 @@ def memcpy(dst: int, src: int, nbytes: int, stream_ptr: int, ordinal: int) -> No
             _rt().memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream_ptr)
 
 
-def copy_strided(dst: int, src: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 itemsize: int, ordinal: int, stream_obj: Any) -> None:
+def copy_strided(
+    dst: int,
+    src: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    itemsize: int,
+    ordinal: int,
+    stream_obj: Any,
+) -> None:
     """Queue a copy of a strided device tensor (element ``strides``) into C order
     at ``dst``, as raw items of ``itemsize`` bytes, on ``stream_obj``."""
     cp = _cupy()

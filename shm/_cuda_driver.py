@@ -64,8 +64,11 @@ def device_uuids() -> list[str]:
 
 
 class _NvmlMemory(ctypes.Structure):
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]
+    _fields_ = [
+        ("total", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
 
 
 def nvml_used(uuid: str) -> int | None:

@@ -127,9 +127,18 @@ def _numpy_carrier(dtype: DType) -> str:
     return dtype.numpy_name or dtype.storage
 
 
-def export_capsule(address: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: DType,
-                   owner: Any, *, read_only: bool, max_version: tuple[int, int] | None,
-                   copy: bool = False, device: tuple[int, int] = (kDLCPU, 0)) -> Any:
+def export_capsule(
+    address: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: DType,
+    owner: Any,
+    *,
+    read_only: bool,
+    max_version: tuple[int, int] | None,
+    copy: bool = False,
+    device: tuple[int, int] = (kDLCPU, 0),
+) -> Any:
     """A DLPack capsule for memory at ``address`` (strides in elements).
 
     A legacy ``dltensor`` capsule when ``max_version`` is None or older than
@@ -172,8 +181,9 @@ def _owned_type() -> Any:
     return _OWNED
 
 
-def carrier(flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType,
-            owner: Any) -> Any:
+def carrier(
+    flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType, owner: Any
+) -> Any:
     """What ``export_capsule`` exports, made by slicing: a C-ordered view of
     ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping)
     with ``dtype``'s numpy carrier type, which keeps ``owner`` alive and is
@@ -184,15 +194,16 @@ def carrier(flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: 
         import numpy as np
 
         dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
-    arr = flat[offset:offset + nbytes].view(dtype=dt, type=_owned_type())
+    arr = flat[offset : offset + nbytes].view(dtype=dt, type=_owned_type())
     if len(shape) != 1:
         arr = arr.reshape(shape)
     arr._owner = owner
     return arr
 
 
-def export_carrier(arr: Any, dtype: DType, *, read_only: bool,
-                   max_version: tuple[int, int] | None) -> Any:
+def export_carrier(
+    arr: Any, dtype: DType, *, read_only: bool, max_version: tuple[int, int] | None
+) -> Any:
     """``export_capsule`` for a host ``carrier`` (not a copy): the same capsule."""
     versioned = max_version is not None and max_version[0] >= 1
     if versioned and read_only:
@@ -200,8 +211,15 @@ def export_carrier(arr: Any, dtype: DType, *, read_only: bool,
     return _exported(arr, dtype, versioned, FLAG_READ_ONLY if read_only else 0)
 
 
-def export_view(flats: tuple[Any, Any], offset: int, nbytes: int, shape: tuple[int, ...],
-                dtype: DType, owner: Any, max_version: tuple[int, int] | None) -> Any:
+def export_view(
+    flats: tuple[Any, Any],
+    offset: int,
+    nbytes: int,
+    shape: tuple[int, ...],
+    dtype: DType,
+    owner: Any,
+    max_version: tuple[int, int] | None,
+) -> Any:
     """The read-only ``export_capsule`` of the tensor at ``offset`` of a
     mapping, by slicing one of ``flats``: the mapping as a flat uint8 array,
     writable (for legacy capsules, which cannot say read-only: numpy exports
@@ -224,7 +242,8 @@ def patch_capsule(cap: Any, dtype: DType, device: tuple[int, int], flags: int) -
     capsules) its version and READ_ONLY / IS_COPIED flags."""
     if _api.PyCapsule_IsValid(cap, b"dltensor_versioned"):
         mt = DLManagedTensorVersioned.from_address(
-            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
+        )
         mt.version.major, mt.version.minor = VERSION
         mt.flags = (mt.flags & ~(FLAG_READ_ONLY | FLAG_IS_COPIED)) | flags
         t = mt.dl_tensor
@@ -252,8 +271,10 @@ def parse_stream(stream: object) -> int | None:
     if stream == NO_SYNC:
         return None
     if stream == 0:
-        raise ValueError("stream=0 is ambiguous for CUDA (the array API forbids it); pass 1 for "
-                         "the legacy default stream or 2 for the per-thread default stream")
+        raise ValueError(
+            "stream=0 is ambiguous for CUDA (the array API forbids it); pass 1 for "
+            "the legacy default stream or 2 for the per-thread default stream"
+        )
     if stream < 0 or stream >= 1 << 64:
         raise ValueError(f"stream={stream}: not a cudaStream_t (use a pointer, 1, 2, None or -1)")
     return stream
@@ -286,8 +307,9 @@ class Imported(_Lent):
     returns the tensor to its producer by calling the DLPack deleter.
     """
 
-    def __init__(self, array: Any, dtype: DType, device: tuple[int, int],
-                 release: Callable[[], None]) -> None:
+    def __init__(
+        self, array: Any, dtype: DType, device: tuple[int, int], release: Callable[[], None]
+    ) -> None:
         super().__init__(release)
         self.array = array
         self.dtype = dtype
@@ -334,8 +356,15 @@ class Borrowed(_Lent):
 
     ``strides`` are in elements, None for C order."""
 
-    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
-                 dtype: DType, device: tuple[int, int], release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        address: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...] | None,
+        dtype: DType,
+        device: tuple[int, int],
+        release: Callable[[], None],
+    ) -> None:
         super().__init__(release)
         self.address, self.shape, self.strides = address, shape, strides
         self.dtype, self.device = dtype, device
@@ -358,7 +387,6 @@ class Borrowed(_Lent):
                 return False
             want *= d
         return True
-
 
 
 def _read(deleter: Any, ptr: int, t: DLTensor) -> Borrowed:

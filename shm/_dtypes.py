@@ -114,7 +114,8 @@ def dtype_from_name(name: str) -> DType:
             return DTYPES[torch_means]
         raise AmbiguousDType(
             f"dtype {text!r} is ambiguous: torch reads it as {torch_means}, numpy as "
-            f"{numpy_means}; name the one you mean, {torch_means!r} or {numpy_means!r}")
+            f"{numpy_means}; name the one you mean, {torch_means!r} or {numpy_means!r}"
+        )
     key = _ALIASES.get(key, key)
     try:
         return DTYPES[key]
@@ -148,15 +149,18 @@ def dtype_from_numpy(dt: Any) -> DType:
     key = dt
     dt = np.dtype(dt)
     if dt.byteorder == ">":
-        raise UnsupportedDType(f"big-endian dtype {dt} is not supported; convert with "
-                               f".astype('{dt.newbyteorder('<')}')")
+        raise UnsupportedDType(
+            f"big-endian dtype {dt} is not supported; convert with "
+            f".astype('{dt.newbyteorder('<')}')"
+        )
     name = dt.name
     if name in DTYPES:
         if isinstance(key, np.dtype) and len(_FROM_NUMPY) < 256:
             _FROM_NUMPY[key] = DTYPES[name]  # numpy's name property is slow; dtypes are few
         return DTYPES[name]
-    raise UnsupportedDType(f"numpy dtype {dt} has no DLPack equivalent; supported: "
-                           f"{', '.join(sorted(DTYPES))}")
+    raise UnsupportedDType(
+        f"numpy dtype {dt} has no DLPack equivalent; supported: {', '.join(sorted(DTYPES))}"
+    )
 
 
 def numpy_dtype(d: DType) -> Any:

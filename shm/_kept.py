@@ -73,14 +73,31 @@ _MAP_ANONYMOUS = 0x20
 
 
 class _ScanArg(ctypes.Structure):  # struct pm_scan_arg, linux/fs.h
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "size", "flags", "start", "end", "walk_end", "vec", "vec_len", "max_pages",
-        "category_inverted", "category_mask", "category_anyof_mask", "return_mask")]
+    _fields_ = [
+        (n, ctypes.c_uint64)
+        for n in (
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        )
+    ]
 
 
 class _Region(ctypes.Structure):  # struct page_region
-    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64),
-                ("categories", ctypes.c_uint64)]
+    _fields_ = [
+        ("start", ctypes.c_uint64),
+        ("end", ctypes.c_uint64),
+        ("categories", ctypes.c_uint64),
+    ]
 
 
 # _IOWR('f', 16, struct pm_scan_arg)
@@ -139,11 +156,17 @@ class _Pagemap:
         vec = (_Region * _VEC)()
         out: list[tuple[int, int]] = []
         while start < end:
-            arg = _ScanArg(size=ctypes.sizeof(_ScanArg), start=start, end=end,
-                           vec=ctypes.addressof(vec), vec_len=_VEC,
-                           category_inverted=_PAGE_IS_FILE, category_mask=_PAGE_IS_FILE,
-                           category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED,
-                           return_mask=_PAGE_IS_FILE)
+            arg = _ScanArg(
+                size=ctypes.sizeof(_ScanArg),
+                start=start,
+                end=end,
+                vec=ctypes.addressof(vec),
+                vec_len=_VEC,
+                category_inverted=_PAGE_IS_FILE,
+                category_mask=_PAGE_IS_FILE,
+                category_anyof_mask=_PAGE_IS_PRESENT | _PAGE_IS_SWAPPED,
+                return_mask=_PAGE_IS_FILE,
+            )
             n = _ioctl(fd, _PAGEMAP_SCAN, ctypes.addressof(arg))
             if n < 0:
                 err = ctypes.get_errno()
@@ -162,8 +185,11 @@ class _Pagemap:
             raise OSError(f"/proc/self/pagemap gave {len(raw)} bytes for {n} pages")
         # bit 63 present, 62 swapped, 61 file page or shared anonymous
         if n <= _READ_PAGES:
-            pages = [p for p, e in enumerate(struct.unpack(f"<{n}Q", raw))
-                     if e >> 62 and not (e >> 61) & 1]
+            pages = [
+                p
+                for p, e in enumerate(struct.unpack(f"<{n}Q", raw))
+                if e >> 62 and not (e >> 61) & 1
+            ]
         else:
             import numpy as np  # a long range where PAGEMAP_SCAN is missing
 
@@ -248,8 +274,9 @@ class KeptMap:
         self.file, self.name = file, file.name
         self._len = max(-(-file.size // PAGE) * PAGE, PAGE)
         self._pm = pagemap or _pagemap
-        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0,
-                           file.name)
+        self._base = _mmap(
+            None, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE, file.fd, 0, file.name
+        )
         # The lent ranges, (start, end), sorted; they never share bytes.  One
         # list, so that each change is one step a signal cannot split (Ctrl-C
         # raises between steps, never inside ``list.insert``).
@@ -289,12 +316,13 @@ class KeptMap:
             # no other lent range, it breaks the invariant, as locking the
             # map does (even when unlocked since), and the map is retired.
             if self._dirty(first, first + 1):
-                if not ((before and (before[1] - 1) // PAGE == first)
-                        or (after and after[0] // PAGE == first)):
+                if not (
+                    (before and (before[1] - 1) // PAGE == first)
+                    or (after and after[0] // PAGE == first)
+                ):
                     self.retired = True
                 return None
-            if (last != first and after and after[0] // PAGE == last
-                    and self._dirty(last, last + 1)):
+            if last != first and after and after[0] // PAGE == last and self._dirty(last, last + 1):
                 return None
             # Interrupted from here until the Lent exists, the range stays
             # listed as lent: never lent again, never unsafe.
@@ -345,8 +373,11 @@ class KeptMap:
                 p0 += 1
             if i + 1 < len(spans) and spans[i + 1][0] // PAGE == p1 - 1:
                 p1 -= 1
-            if (p0 < p1 and not self.retired
-                    and not all(self._drop(a, b) for a, b in self._dirty(p0, p1))):
+            if (
+                p0 < p1
+                and not self.retired
+                and not all(self._drop(a, b) for a, b in self._dirty(p0, p1))
+            ):
                 continue  # a private page stays: the range stays covered, never lent again
             del spans[i]
 
@@ -361,8 +392,15 @@ class KeptMap:
             return True
         self.retired = True
         try:
-            _mmap(a, b - a, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED, self.file.fd,
-                  a - self._base, self.name)
+            _mmap(
+                a,
+                b - a,
+                _PROT_READ | _PROT_WRITE,
+                _MAP_PRIVATE | _MAP_FIXED,
+                self.file.fd,
+                a - self._base,
+                self.name,
+            )
         except OSError:  # the old pages may be gone too: never lend this range again
             return False
         return True

@@ -59,11 +59,11 @@ class PoolExhausted(MemoryError):
         where its memory comes from."""
         return {
             "limit": f"the tensor alone is larger than the limit: start the broker with a larger "
-                     f"{limit}, or split the tensor",
+            f"{limit}, or split the tensor",
             "segment": f"free tensors with delete(), or start the broker with a smaller {segment} "
-                       f"(or a larger {limit})",
+            f"(or a larger {limit})",
             "device": f"{device} itself is full (other programs use it too): free memory there, "
-                      f"or make it larger, or start the broker with a {limit} that fits in it",
+            f"or make it larger, or start the broker with a {limit} that fits in it",
         }.get(self.cause, f"free tensors with delete(), or start the broker with a larger {limit}")
 
 
@@ -128,12 +128,21 @@ class Pool:
     memory by default).  Not thread-safe: the broker calls it from its event
     loop only."""
 
-    def __init__(self, prefix: str, *, max_memory: int, segment_size: int = 256 * MiB,
-                 warm_bytes: int | None = None, align: int = 256, mode: int = 0o600,
-                 gid: int | None = None, prefault: bool = True,
-                 segment_factory: Callable[..., Segment] = PosixSegment,
-                 unlinker: Callable[[Segment], None] | None = None,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        max_memory: int,
+        segment_size: int = 256 * MiB,
+        warm_bytes: int | None = None,
+        align: int = 256,
+        mode: int = 0o600,
+        gid: int | None = None,
+        prefault: bool = True,
+        segment_factory: Callable[..., Segment] = PosixSegment,
+        unlinker: Callable[[Segment], None] | None = None,
+        device: str = "cpu",
+    ) -> None:
         if segment_size <= 0 or segment_size % _PAGE:
             raise ValueError("segment_size must be a positive multiple of 4096")
         self.prefix = prefix
@@ -246,7 +255,9 @@ class Pool:
         if size > self.max_memory:
             raise PoolExhausted(
                 f"a {size} byte segment is larger than the whole memory limit ({self.max_memory} "
-                "bytes)", "segment" if size == self.segment_size else "limit")
+                "bytes)",
+                "segment" if size == self.segment_size else "limit",
+            )
         if self.reserved + size > self.max_memory:
             self._shrink(self.max_memory - size, keep_one=False)
         if self.reserved + size > self.max_memory:
@@ -254,11 +265,14 @@ class Pool:
             if size == self.segment_size and self._size(need) <= room:
                 raise PoolExhausted(
                     f"{room} bytes are left under the limit, but a new segment takes {size} "
-                    f"bytes (the segment size)", "segment")
+                    f"bytes (the segment size)",
+                    "segment",
+                )
             raise PoolExhausted(
                 f"need {size} more bytes but {self.used} of {self.max_memory} bytes are in use "
                 f"by live tensors" + (f" and {self.retired} are retired" if self.retired else ""),
-                "in_use")
+                "in_use",
+            )
         self.reserved += size
         self.pending += size
 
@@ -270,13 +284,19 @@ class Pool:
     def create(self, size: int) -> Segment:
         """Make a segment (pre-faulted: slow).  Safe to call from any thread."""
         try:
-            return self._factory(random_name(self.prefix), size, mode=self._mode, gid=self._gid,
-                                 prefault=self._prefault)
+            return self._factory(
+                random_name(self.prefix),
+                size,
+                mode=self._mode,
+                gid=self._gid,
+                prefault=self._prefault,
+            )
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.ENOMEM)
             raise PoolExhausted(
                 f"could not create a {size} byte {_describe(self._factory)}segment: {exc}",
-                "device" if full else "other") from exc
+                "device" if full else "other",
+            ) from exc
 
     def add(self, seg: Segment, dedicated: bool) -> _Seg:
         """Hand a segment made by ``create`` (after ``reserve``) to the pool."""
@@ -314,8 +334,13 @@ class Pool:
         # wasting more than a quarter of it.
         best: _Seg | None = None
         for s in self._segs.values():
-            if (s.dedicated and s.used == 0 and not s.retired and size <= s.size <= size + size // 4
-                    and (best is None or s.size < best.size)):
+            if (
+                s.dedicated
+                and s.used == 0
+                and not s.retired
+                and size <= s.size <= size + size // 4
+                and (best is None or s.size < best.size)
+            ):
                 best = s
         return None if best is None else self._claim_dedicated(best, nbytes)
 

@@ -47,7 +47,12 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -86,8 +91,15 @@ class PosixSegment:
     size: int = 0
     _unlinked = True
 
-    def __init__(self, name: str, size: int, *, mode: int = 0o600, gid: int | None = None,
-                 prefault: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        *,
+        mode: int = 0o600,
+        gid: int | None = None,
+        prefault: bool = True,
+    ) -> None:
         path = segment_path(name)
         # O_EXCL: a name collision (or an attacker pre-creating the name) is an
         # error, never a silent attach to someone else's memory.
@@ -150,7 +162,8 @@ def check_segment(fd: int, name: str, trust: Collection[int] | None = None) -> N
         raise UntrustedBroker(
             f"refusing to map segment {name}: {problem}. The broker that handed it out may be an "
             f"impostor (check who serves its socket); if a user you trust runs your broker, pass "
-            f"Client(trust_uid=...) or set $TENSORDEPOT_TRUST_UID")
+            f"Client(trust_uid=...) or set $TENSORDEPOT_TRUST_UID"
+        )
 
 
 def open_segment(name: str, flags: int, trust: Collection[int] | None = None) -> int:
@@ -161,8 +174,9 @@ def open_segment(name: str, flags: int, trust: Collection[int] | None = None) ->
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise UntrustedBroker(f"refusing to map segment {name}: it is a symbolic link, which a "
-                              f"broker never creates") from None
+        raise UntrustedBroker(
+            f"refusing to map segment {name}: it is a symbolic link, which a broker never creates"
+        ) from None
     try:
         check_segment(fd, name, trust)
     except BaseException:
@@ -184,8 +198,9 @@ def _populate(address: int, size: int) -> None:
             return
 
 
-def _mmap(address: int | None, size: int, prot: int, flags: int, fd: int, offset: int,
-          name: str) -> int:
+def _mmap(
+    address: int | None, size: int, prot: int, flags: int, fd: int, offset: int, name: str
+) -> int:
     addr = _libc.mmap(address, size, prot, flags, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
@@ -249,18 +264,22 @@ class Window:
     address: int = 0
     _base = 0  # 0 until mapped: nothing to unmap
 
-    def __init__(self, file: SegmentFile, offset: int, nbytes: int, *, writable: bool,
-                 populate: bool = False) -> None:
+    def __init__(
+        self, file: SegmentFile, offset: int, nbytes: int, *, writable: bool, populate: bool = False
+    ) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > file.size:
-            raise ValueError(f"window [{offset}, {offset + nbytes}) is outside segment "
-                             f"{file.name!r} of {file.size} bytes")
+            raise ValueError(
+                f"window [{offset}, {offset + nbytes}) is outside segment "
+                f"{file.name!r} of {file.size} bytes"
+            )
         self.file, self.name, self.writable = file, file.name, writable
         start = offset - offset % PAGE
         self._len = max(-(-(offset + nbytes) // PAGE) * PAGE - start, PAGE)
         self._start = start
         flags = _MAP_SHARED if writable else _MAP_PRIVATE
-        self._base = _mmap(None, self._len, _PROT_READ | _PROT_WRITE, flags, file._fd, start,
-                           file.name)
+        self._base = _mmap(
+            None, self._len, _PROT_READ | _PROT_WRITE, flags, file._fd, start, file.name
+        )
         if populate and writable:
             _populate(self._base, self._len)
         self.address = self._base + offset - start
@@ -283,8 +302,15 @@ class Window:
         """Turn a writer window into a private one, in place (see the class docstring)."""
         if not self.writable:
             return
-        _mmap(self._base, self._len, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_FIXED,
-              self.file.fd, self._start, self.name)
+        _mmap(
+            self._base,
+            self._len,
+            _PROT_READ | _PROT_WRITE,
+            _MAP_PRIVATE | _MAP_FIXED,
+            self.file.fd,
+            self._start,
+            self.name,
+        )
         self.writable = False
 
     def __repr__(self) -> str:
@@ -306,8 +332,14 @@ class PosixMapping:
     address: int = 0
     size: int = 0
 
-    def __init__(self, name: str, *, writable: bool, populate: bool = False,
-                 trust: Collection[int] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        writable: bool,
+        populate: bool = False,
+        trust: Collection[int] | None = None,
+    ) -> None:
         self.name = name
         self.writable = writable
         flags = os.O_RDWR if writable else os.O_RDONLY
@@ -390,16 +422,21 @@ class PrefixLock:
             if exc.errno == errno.ELOOP:
                 raise PrefixLockError(f"the lock file {path} is a symbolic link; {fix}") from None
             if exc.errno == errno.EACCES:
-                raise PrefixLockError(f"cannot open the lock file {path} ({exc.strerror}): "
-                                      f"{_owner(path)}; {fix}") from None
+                raise PrefixLockError(
+                    f"cannot open the lock file {path} ({exc.strerror}): {_owner(path)}; {fix}"
+                ) from None
             raise
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
-                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
             os.close(fd)
             raise PrefixLockError(
                 f"the lock file {path} is not this broker's (uid {os.geteuid()}, not writable by "
-                f"others): {_owner(path)}; {fix}")
+                f"others): {_owner(path)}; {fix}"
+            )
         self._fd = fd
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -437,8 +474,9 @@ def _owner(path: str) -> str:
 
 def byte_view(mapping: Any, offset: int, nbytes: int, *, writable: bool) -> Any:
     """A flat uint8 numpy array over ``mapping`` at ``offset``; it keeps ``mapping`` alive."""
-    return array_at(mapping.address + offset, (nbytes,), None, "|u1", writable=writable,
-                    owner=mapping)
+    return array_at(
+        mapping.address + offset, (nbytes,), None, "|u1", writable=writable, owner=mapping
+    )
 
 
 class _ArrayInterface:
@@ -451,8 +489,15 @@ class _ArrayInterface:
         self.owner = owner
 
 
-def array_at(address: int, shape: tuple[int, ...], strides: tuple[int, ...] | None, typestr: Any,
-             *, writable: bool, owner: Any) -> Any:
+def array_at(
+    address: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    typestr: Any,
+    *,
+    writable: bool,
+    owner: Any,
+) -> Any:
     """A numpy array over raw memory; ``strides`` in bytes (None: C order)."""
     import numpy as np
 

@@ -116,8 +116,9 @@ def _start_rearmer() -> None:
     os.set_blocking(_pipe[1], False)
     for fd in old or ():  # a forked child's copy of its parent's pipe
         os.close(fd)
-    _rearmer = threading.Thread(target=_rearm, args=(_pipe[0],), name="tensordepot-sigint",
-                                daemon=True)
+    _rearmer = threading.Thread(
+        target=_rearm, args=(_pipe[0],), name="tensordepot-sigint", daemon=True
+    )
     _rearmer.start()
 
 

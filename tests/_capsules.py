@@ -26,7 +26,8 @@ def managed(cap: Any) -> tuple[Any, Any]:
     Both point into memory the capsule owns: keep ``cap`` alive while using them."""
     if is_capsule(cap, b"dltensor_versioned"):
         mt = DLManagedTensorVersioned.from_address(
-            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned"))
+            _api.PyCapsule_GetPointer(cap, b"dltensor_versioned")
+        )
     else:
         assert is_capsule(cap, b"dltensor"), "not an unconsumed DLPack capsule"
         mt = DLManagedTensor.from_address(_api.PyCapsule_GetPointer(cap, b"dltensor"))

@@ -45,15 +45,21 @@ class FakeCuda:
                 self.ptr = fake.handle()
 
         self.runtime = SimpleNamespace(
-            getDevice=self.get_device, setDevice=self.set_device,
+            getDevice=self.get_device,
+            setDevice=self.set_device,
             eventCreateWithFlags=lambda flags: self.handle(),
-            eventRecord=self.event_record, streamWaitEvent=self.stream_wait,
-            eventDestroy=lambda event: None, eventQuery=self.event_query,
-            ipcCloseMemHandle=self.closed.append)
+            eventRecord=self.event_record,
+            streamWaitEvent=self.stream_wait,
+            eventDestroy=lambda event: None,
+            eventQuery=self.event_query,
+            ipcCloseMemHandle=self.closed.append,
+        )
         self.driver = SimpleNamespace(ctxGetCurrent=self.ctx_get, ctxSetCurrent=self.ctx_set)
-        self.module = SimpleNamespace(cuda=SimpleNamespace(runtime=self.runtime,
-                                                           driver=self.driver, Device=Device,
-                                                           Stream=Stream))
+        self.module = SimpleNamespace(
+            cuda=SimpleNamespace(
+                runtime=self.runtime, driver=self.driver, Device=Device, Stream=Stream
+            )
+        )
 
     def ctx_get(self) -> int:
         return getattr(self._current, "ctx", 0)  # a context handle: its device + 1
@@ -70,7 +76,6 @@ class FakeCuda:
         self.switches += 1
         self.contexts.add(ordinal)  # CUDA 12: cudaSetDevice creates the primary context
         self._current.ctx = ordinal + 1
-
 
     def handle(self) -> int:
         return next(self._handles)

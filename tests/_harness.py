@@ -29,8 +29,9 @@ TEST_PREFIX = f"tdtest-{os.getpid()}-"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             what: str = "") -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> Any:
     """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -45,6 +46,7 @@ def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0
 def stat_when(c: Any, pred: Callable[[Any], Any], what: str, timeout: float = 10.0) -> Any:
     """The broker's ``Stat`` (through client ``c``) once ``pred`` holds for it;
     fails after ``timeout`` seconds, saying ``what`` it waited for."""
+
     def check() -> Any:
         st = c.stat()
         return st if pred(st) else None
@@ -52,15 +54,21 @@ def stat_when(c: Any, pred: Callable[[Any], Any], what: str, timeout: float = 10
     return wait_for(check, timeout, what=what)
 
 
-def drained(source: Any, *fields: str, sessions: int | None = None,
-            timeout: float = 10.0) -> Any:
+def drained(source: Any, *fields: str, sessions: int | None = None, timeout: float = 10.0) -> Any:
     """The ``Stat`` of ``source`` (a client or a ``BrokerProc``) once each of
     ``fields`` is 0, and ``sessions`` (if given) is that many: releases go in
     the background, so this polls."""
     said = [f"{f} 0" for f in fields] + [f"{sessions} sessions"] * (sessions is not None)
     want = " and ".join(said)
-    return stat_when(source, lambda st: all(getattr(st, f) == 0 for f in fields)
-                     and (sessions is None or st.sessions == sessions), want, timeout)
+    return stat_when(
+        source,
+        lambda st: (
+            all(getattr(st, f) == 0 for f in fields)
+            and (sessions is None or st.sessions == sessions)
+        ),
+        want,
+        timeout,
+    )
 
 
 def file_position(ptr: int) -> tuple[str, int]:
@@ -93,8 +101,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def serve_once(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``tensordepot serve`` with only these settings, for one that must refuse to start."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-    return subprocess.run([sys.executable, "-m", "tensordepot", "serve", *args], check=False,
-                          capture_output=True, text=True, timeout=60, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tensordepot", "serve", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
 
 
 def shm_entries(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
@@ -109,15 +123,33 @@ def shm_entries(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
 class BrokerProc:
     """A running ``tensordepot serve`` process."""
 
-    def __init__(self, *args: str, max_memory: str = "2GiB", env: dict[str, str] | None = None,
-                 prefix: str | None = None, sock_dir: str | None = None,
-                 launcher: list[str] | None = None, shm_dir: str = "/dev/shm") -> None:
+    def __init__(
+        self,
+        *args: str,
+        max_memory: str = "2GiB",
+        env: dict[str, str] | None = None,
+        prefix: str | None = None,
+        sock_dir: str | None = None,
+        launcher: list[str] | None = None,
+        shm_dir: str = "/dev/shm",
+    ) -> None:
         self.dir = sock_dir or tempfile.mkdtemp(prefix="td-", dir="/tmp")  # AF_UNIX paths are short
         self.sock = os.path.join(self.dir, "broker.sock")
         self.url = "unix://" + self.sock
         self.prefix = prefix or f"{TEST_PREFIX}{secrets.token_hex(4)}-"
-        self.args = ["--listen", self.url, "--shm-prefix", self.prefix, "--max-memory", max_memory,
-                     "--prealloc", "0", "--reap-interval", "0.1", *args]
+        self.args = [
+            "--listen",
+            self.url,
+            "--shm-prefix",
+            self.prefix,
+            "--max-memory",
+            max_memory,
+            "--prealloc",
+            "0",
+            "--reap-interval",
+            "0.1",
+            *args,
+        ]
         self.env = {**os.environ, **(env or {})}
         self.log_path = os.path.join(self.dir, "broker.log")
         self.launcher = launcher or []  # runs the broker elsewhere, e.g. in another mount namespace
@@ -129,8 +161,9 @@ class BrokerProc:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         start = self._log.tell()  # a restart on the same dir appends: only new lines count
         argv = [*self.launcher, sys.executable, "-m", "tensordepot", "serve", *self.args]
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.dir)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.dir
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -174,6 +207,7 @@ class BrokerProc:
 
     def check_clean(self) -> None:
         """Accounting: no sessions or leases; no bytes once every name is deleted."""
+
         def idle() -> Stat | None:
             st = self.stat()
             return st if st.sessions <= 1 and st.leases == 0 else None  # <=1: our own probe
@@ -194,22 +228,35 @@ class BrokerProc:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run_worker(script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess[str]:
+def run_worker(
+    script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``tests/workers/<script>.py`` as a separate process and require success."""
     path = ROOT / "tests" / "workers" / f"{script}.py"
-    res = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, **(env or {})})
+    res = subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert res.returncode == 0, (
-        f"worker {script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        f"worker {script} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+    )
     return res
 
 
-def spawn_worker(script: str, *args: str,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def spawn_worker(
+    script: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     path = ROOT / "tests" / "workers" / f"{script}.py"
-    return subprocess.Popen([sys.executable, str(path), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 WORKERS = ROOT / "tests" / "workers"
@@ -227,8 +274,12 @@ def cli(
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     res: subprocess.CompletedProcess[str] = subprocess.run(
-        [TENSORDEPOT, *args], text=True, timeout=timeout, env={**base, **(env or {})}, check=False,
-        **kw
+        [TENSORDEPOT, *args],
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+        check=False,
+        **kw,
     )
     return res
 

@@ -35,8 +35,13 @@ def why_no_hosts() -> str:
     for tool in ("unshare", "nsenter", "mount"):
         if shutil.which(tool) is None:
             return f"needs {tool} (util-linux)"
-    res = subprocess.run(["unshare", "--mount", "--", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
-                         capture_output=True, text=True, timeout=30, check=False)
+    res = subprocess.run(
+        ["unshare", "--mount", "--", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if res.returncode != 0:
         return f"cannot create a mount namespace with its own /dev/shm: {res.stderr.strip()}"
     return ""
@@ -46,10 +51,14 @@ class Host:
     """A mount namespace with its own /dev/shm ("another host")."""
 
     def __init__(self, shm_size: str = "2g") -> None:
-        script = (f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs /dev/shm "
-                  f"&& echo ready && exec sleep infinity")
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--",
-                                      "sh", "-c", script], stdout=subprocess.PIPE)
+        script = (
+            f"mount -t tmpfs -o size={shm_size},mode=1777 tmpfs /dev/shm "
+            f"&& echo ready && exec sleep infinity"
+        )
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script],
+            stdout=subprocess.PIPE,
+        )
         assert self.proc.stdout is not None
         readable, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if readable else b""
@@ -173,4 +182,3 @@ class Relay:
             s.close()
         for s in (self._listen, self._wake_r, self._wake_w):
             s.close()
-

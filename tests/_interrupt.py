@@ -16,8 +16,9 @@ from typing import Any
 
 
 @contextmanager
-def interrupt_at(code: CodeType, nth: int = 1,
-                 where: Callable[[FrameType], bool] = lambda frame: True) -> Iterator[None]:
+def interrupt_at(
+    code: CodeType, nth: int = 1, where: Callable[[FrameType], bool] = lambda frame: True
+) -> Iterator[None]:
     """Within the block, the ``nth`` call of ``code`` for which ``where(frame)``
     holds raises ``KeyboardInterrupt``.  Tracing ends there, or at the block's end."""
     calls = 0

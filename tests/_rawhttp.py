@@ -48,13 +48,21 @@ class Answer:
 
 def chunked(body: bytes, size: int = 1 << 20) -> bytes:
     """``body`` in the chunked transfer coding, in chunks of ``size`` bytes."""
-    parts = [b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
-             for i in range(0, len(body), size)]
+    parts = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
     return b"".join(parts) + b"0\r\n\r\n"
 
 
-def encode(method: str, target: str | bytes, headers: list[tuple[str, str]],
-           body: bytes | None = None, *, chunk: bool = False) -> bytes:
+def encode(
+    method: str,
+    target: str | bytes,
+    headers: list[tuple[str, str]],
+    body: bytes | None = None,
+    *,
+    chunk: bool = False,
+) -> bytes:
     """A request as bytes.  ``body`` gets a Content-Length (or the chunked
     coding with ``chunk``); None sends no body and no length."""
     raw_target = target if isinstance(target, bytes) else target.encode("latin-1")
@@ -101,7 +109,7 @@ class _Reader:
             if self.eof:
                 raise ConnectionError(f"the connection closed mid-answer (read {self.buf[:200]!r})")
             self.more()
-        out, self.buf = self.buf[:at], self.buf[at + len(sep):]
+        out, self.buf = self.buf[:at], self.buf[at + len(sep) :]
         return out
 
     def take(self, n: int) -> bytes:
@@ -124,8 +132,9 @@ def read_answer(reader: _Reader, method: str) -> Answer:
     while True:
         head = reader.until(b"\r\n\r\n").decode("latin-1").split("\r\n")
         status = int(head[0].split()[1])
-        headers = tuple((k.strip().lower(), v.strip())
-                        for k, _, v in (line.partition(":") for line in head[1:]))
+        headers = tuple(
+            (k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in head[1:])
+        )
         if 100 <= status < 200:
             interim.append(status)
             continue

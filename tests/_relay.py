@@ -42,8 +42,8 @@ def _read_message(sock: socket.socket, buf: bytearray) -> bytes | None:
         if not chunk:
             return None
         buf += chunk
-    msg = bytes(buf[:end + length])
-    del buf[:end + length]
+    msg = bytes(buf[: end + length])
+    del buf[: end + length]
     return msg
 
 
@@ -53,7 +53,7 @@ def _chunked(response: bytes) -> bytes:
     lines.append(b"transfer-encoding: chunked")
     out = b"\r\n".join(lines) + b"\r\n\r\n"
     for i in range(0, len(body), 7):  # small chunks, so framing really matters
-        piece = body[i:i + 7]
+        piece = body[i : i + 7]
         out += f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
     return out + b"0\r\n\r\n"
 

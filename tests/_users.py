@@ -28,33 +28,54 @@ class User:
     group: str  # a second group it belongs to, for --shm-group / --allow-gid
     group_gid: int
 
-    def _command(self, code: str, args: tuple[str, ...], groups: bool,
-                 env: dict[str, str] | None) -> dict[str, Any]:
+    def _command(
+        self, code: str, args: tuple[str, ...], groups: bool, env: dict[str, str] | None
+    ) -> dict[str, Any]:
         """subprocess arguments that run ``code`` in as_user.py as this user."""
         supplementary = f"{self.gid},{self.group_gid}" if groups else str(self.gid)
         base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-        argv = [sys.executable, str(ROOT / "tests" / "workers" / "as_user.py"), str(self.uid),
-                str(self.gid), supplementary, code, *args]
+        argv = [
+            sys.executable,
+            str(ROOT / "tests" / "workers" / "as_user.py"),
+            str(self.uid),
+            str(self.gid),
+            supplementary,
+            code,
+            *args,
+        ]
         env = {**base, "HOME": "/", "USER": self.name, **(env or {})}
         return {"args": argv, "text": True, "env": env}
 
-    def run(self, code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 60,
-            groups: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        code: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        groups: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``code`` as this user (``groups=False``: without its second group)."""
-        return subprocess.run(**self._command(code, args, groups, env), capture_output=True,
-                              timeout=timeout, check=False)
+        return subprocess.run(
+            **self._command(code, args, groups, env),
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
 
-    def spawn(self, code: str, *args: str, env: dict[str, str] | None = None
-              ) -> subprocess.Popen[str]:
+    def spawn(
+        self, code: str, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         """Start ``code`` as this user; stdout is a pipe."""
-        return subprocess.Popen(**self._command(code, args, True, env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            **self._command(code, args, True, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
 
     def emits(self, code: str, *args: str, **kw: Any) -> list[Any]:
         """``run``, require success, and return what the snippet emitted."""
         res = self.run(code, *args, **kw)
-        assert res.returncode == 0, \
+        assert res.returncode == 0, (
             f"as {self.name}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+        )
         return [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
 
 
@@ -79,8 +100,18 @@ def other_user() -> Iterator[User]:
     name, group = f"tdu{tag}", f"tdg{tag}"
     _admin("groupadd", group)
     try:
-        _admin("useradd", "--no-create-home", "--user-group", "--groups", group,
-               "--shell", "/usr/sbin/nologin", "--home-dir", "/nonexistent", name)
+        _admin(
+            "useradd",
+            "--no-create-home",
+            "--user-group",
+            "--groups",
+            group,
+            "--shell",
+            "/usr/sbin/nologin",
+            "--home-dir",
+            "/nonexistent",
+            name,
+        )
         try:
             import grp
             import pwd

@@ -19,8 +19,13 @@ from _harness import WORKERS
 class Worker:
     """``tests/workers/<script>.py`` with pipes on stdin and stdout."""
 
-    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        script: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
         """``launcher``: a command that runs the worker (``unshare --pid --fork``, ...)."""
         self.script = script
         # Open for the worker's whole life; close() closes it.

@@ -57,8 +57,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     that skips itself (a missing module, too few GPUs) fails: there, every
     one must run."""
     report = yield
-    if (report.skipped and os.environ.get(REQUIRE_CUDA) == "1"
-            and item.get_closest_marker("cuda") is not None):
+    if (
+        report.skipped
+        and os.environ.get(REQUIRE_CUDA) == "1"
+        and item.get_closest_marker("cuda") is not None
+    ):
         report.outcome = "failed"
         why = call.excinfo.value if call.excinfo is not None else "skipped"
         report.longrepr = f"{REQUIRE_CUDA}=1 but this CUDA test skipped: {why}"
@@ -108,8 +111,9 @@ def workers(broker_factory: Callable[..., BrokerProc]) -> Iterator[Callable[...,
     before the brokers are checked (this fixture is set up after theirs)."""
     started: list[Worker] = []
 
-    def start(script: str, *args: str, ready: str | None = None, ready_timeout: float = 30.0,
-              **kw: Any) -> Worker:
+    def start(
+        script: str, *args: str, ready: str | None = None, ready_timeout: float = 30.0, **kw: Any
+    ) -> Worker:
         w = Worker(script, *args, **kw)
         started.append(w)
         if ready is not None:
@@ -142,4 +146,3 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 pass
         print(f"\nERROR: the test suite left {len(left)} segment(s) in /dev/shm: {left[:5]}")
         session.exitstatus = 1
-

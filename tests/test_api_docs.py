@@ -13,8 +13,12 @@ import pytest
 import tensordepot
 import tensordepot.checkpoint
 
-CLASSES = [getattr(m, n) for m in (tensordepot, tensordepot.checkpoint) for n in m.__all__
-           if inspect.isclass(getattr(m, n))]
+CLASSES = [
+    getattr(m, n)
+    for m in (tensordepot, tensordepot.checkpoint)
+    for n in m.__all__
+    if inspect.isclass(getattr(m, n))
+]
 # Protocol methods a user calls through syntax or a library, so they are documented too.
 DOCUMENTED_DUNDERS = {"__dlpack__", "__dlpack_device__", "__array__", "__enter__", "__exit__"}
 ANSWERS = [tensordepot.Stat, tensordepot.TensorInfo, tensordepot.DeviceStat]
@@ -23,8 +27,12 @@ ANSWERS = [tensordepot.Stat, tensordepot.TensorInfo, tensordepot.DeviceStat]
 # Documentation"), and the __pydantic_*__ attributes.
 # ("Usage docs" opened that docstring in older pydantic releases.)
 BASE_DOC = "A base class for creating Pydantic models"
-SHOWN_FOR_ANY_MODEL = ["Usage Documentation", "__pydantic", "model_validate",
-                       "inherited from pydantic"]
+SHOWN_FOR_ANY_MODEL = [
+    "Usage Documentation",
+    "__pydantic",
+    "model_validate",
+    "inherited from pydantic",
+]
 BOILERPLATE = [BASE_DOC, "Usage docs", *SHOWN_FOR_ANY_MODEL]
 
 
@@ -65,8 +73,16 @@ def test_help_on_an_answer_describes_its_fields_without_pydantic_noise(cls: type
 
 def test_answers_still_behave_as_pydantic_models() -> None:
     """Only help() changes: instances keep their methods, and validation works."""
-    s = tensordepot.Stat(bytes_in_use=1, bytes_reserved=2, max_memory=3, tensors=0, versions=0,
-                         leases=0, sessions=0, segments=0)
+    s = tensordepot.Stat(
+        bytes_in_use=1,
+        bytes_reserved=2,
+        max_memory=3,
+        tensors=0,
+        versions=0,
+        leases=0,
+        sessions=0,
+        segments=0,
+    )
     assert "model_dump" in dir(s) and s.model_dump()["bytes_reserved"] == 2
     assert tensordepot.Stat.model_validate_json(s.model_dump_json()) == s
     with pytest.raises(pydantic.ValidationError):

@@ -38,8 +38,9 @@ def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv.EnvBuilder(with_pip=False).create(top / "venv")
     python = top / "venv" / "bin" / "python"
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = subprocess.run([python, "-c", purelib], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    site = subprocess.run(
+        [python, "-c", purelib], capture_output=True, text=True, check=True
+    ).stdout.strip()
     # The dependencies come from this venv.  A path added by a .pth file has its
     # own .pth files ignored, so this venv's editable tensordepot stays out.
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -48,16 +49,40 @@ def parent(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def install(parent: Path, *config: str) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(parent / "venv" / "bin" / "python"),
-         "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(parent / "tensordepot"),
-         *config], capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(parent / "venv" / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-e",
+            str(parent / "tensordepot"),
+            *config,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
 
 
-def run(parent: Path, *args: str, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(parent / "venv" / "bin" / "python"), *args], cwd=parent,
-                          capture_output=True, text=True, timeout=60, check=False, env=env)
+def run(
+    parent: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(parent / "venv" / "bin" / "python"), *args],
+        cwd=parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -70,11 +95,23 @@ def test_readme_describes_the_shadowing_and_its_remedies(parent: Path) -> None:
     res = run(parent, "-c", IMPORT)
     assert res.returncode == 1 and SYMPTOM in res.stderr, res.stderr  # what the README shows
     for cwd in (parent / "tensordepot", parent / "venv"):  # any other folder works
-        ok = subprocess.run([str(parent / "venv" / "bin" / "python"), "-c", IMPORT], cwd=cwd,
-                            capture_output=True, text=True, timeout=60, check=False)
+        ok = subprocess.run(
+            [str(parent / "venv" / "bin" / "python"), "-c", IMPORT],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert ok.returncode == 0, ok.stderr
-    console = subprocess.run([str(parent / "venv" / "bin" / "tensordepot"), "--version"],
-                             cwd=parent, capture_output=True, text=True, timeout=60, check=False)
+    console = subprocess.run(
+        [str(parent / "venv" / "bin" / "tensordepot"), "--version"],
+        cwd=parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert console.returncode == 0, console.stderr  # the command never looks in the cwd
     if sys.version_info >= (3, 11):
         safe = run(parent, "-c", IMPORT, env={**os.environ, "PYTHONSAFEPATH": "1"})

@@ -8,8 +8,14 @@ import types
 
 import pytest
 
-PACKAGES = ["tensordepot", "tensordepot.checkpoint", "tensordepot.cli", "tensordepot.client",
-            "tensordepot.service", "tensordepot.shm"]
+PACKAGES = [
+    "tensordepot",
+    "tensordepot.checkpoint",
+    "tensordepot.cli",
+    "tensordepot.client",
+    "tensordepot.service",
+    "tensordepot.shm",
+]
 
 
 def public_names(module: types.ModuleType) -> list[str]:
@@ -17,7 +23,8 @@ def public_names(module: types.ModuleType) -> list[str]:
     ``tensordepot.client`` binds ``client`` on its parent), not a __future__ flag."""
     names = dir(module)  # a package that loads its names lazily (PEP 562) lists them in __dir__
     return [
-        name for name in names
+        name
+        for name in names
         if (not name.startswith("_") or name == "__version__")
         and not isinstance(getattr(module, name), (types.ModuleType, __future__._Feature))
     ]

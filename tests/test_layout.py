@@ -22,8 +22,9 @@ PRODUCT = ("common", "client", "service", "shm", "cli", "checkpoint")
 
 
 def _modules() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "-z", "--", *PRODUCT], cwd=ROOT,
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--", *PRODUCT], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     return [p for p in out.decode().split("\0") if p.endswith(".py")]
 
 

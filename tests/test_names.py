@@ -20,9 +20,12 @@ def _by_pattern(name: str) -> bool:
 
 
 def test_every_character_alone_and_between_others() -> None:
-    wrong = [c for c in range(0x110000)
-             if is_name(chr(c)) != _by_pattern(chr(c))
-             or is_name(f"a{chr(c)}b") != _by_pattern(f"a{chr(c)}b")]
+    wrong = [
+        c
+        for c in range(0x110000)
+        if is_name(chr(c)) != _by_pattern(chr(c))
+        or is_name(f"a{chr(c)}b") != _by_pattern(f"a{chr(c)}b")
+    ]
     assert not wrong, [hex(c) for c in wrong[:20]]
     assert is_name("!") and is_name("~") and is_name("model.layers.0/w")
     assert not is_name(" ") and not is_name("\x7f") and not is_name("w\n")

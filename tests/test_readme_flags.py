@@ -16,8 +16,13 @@ COMMANDS = ("serve", "ls", "stat", "rm", "wait", "load", "save", "push")
 def cli_flags() -> set[str]:
     flags: set[str] = set()
     for cmd in COMMANDS:
-        out = subprocess.run([sys.executable, "-m", "tensordepot", cmd, "--help"], check=True,
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "tensordepot", cmd, "--help"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         flags |= set(re.findall(r"--[a-z][a-z0-9-]*", out))
     return flags
 

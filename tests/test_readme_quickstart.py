@@ -46,23 +46,36 @@ def test_setup_then_quick_start_in_one_shell() -> None:
     sock_dir = tempfile.mkdtemp(prefix="td-readme-", dir="/tmp")  # AF_UNIX paths are short
     url = f"unix://{sock_dir}/broker.sock"
     prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
-    script = "\n".join([
-        "set -eu",
-        setup_command(readme),
-        'echo "== set-up done"',
-        quick_start(readme),
-        'echo "== quick start done"',
-        "tensordepot rm weights",
-        "kill $(jobs -p) 2>/dev/null || true",  # the brokers this shell started
-        "wait || true",
-    ])
+    script = "\n".join(
+        [
+            "set -eu",
+            setup_command(readme),
+            'echo "== set-up done"',
+            quick_start(readme),
+            'echo "== quick start done"',
+            "tensordepot rm weights",
+            "kill $(jobs -p) 2>/dev/null || true",  # the brokers this shell started
+            "wait || true",
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-    env |= {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-            "TENSORDEPOT_LISTEN": url, "TENSORDEPOT_URL": url, "TENSORDEPOT_SHM_PREFIX": prefix,
-            "TENSORDEPOT_PREALLOC": "0", "TENSORDEPOT_MAX_MEMORY": "1GiB"}
-    shell = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env, cwd=sock_dir,
-                             start_new_session=True)
+    env |= {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        "TENSORDEPOT_LISTEN": url,
+        "TENSORDEPOT_URL": url,
+        "TENSORDEPOT_SHM_PREFIX": prefix,
+        "TENSORDEPOT_PREALLOC": "0",
+        "TENSORDEPOT_MAX_MEMORY": "1GiB",
+    }
+    shell = subprocess.Popen(
+        ["bash", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=sock_dir,
+        start_new_session=True,
+    )
     try:
         out, _ = shell.communicate(timeout=120)
     except subprocess.TimeoutExpired:

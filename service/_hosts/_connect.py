@@ -58,8 +58,13 @@ class Hosts:
             await self.flight.close()
 
 
-def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any = None,
-            metrics: Metrics | None = None) -> Hosts:
+def connect(
+    settings: Settings,
+    broker: Broker,
+    policy: AuthPolicy,
+    flight: Any = None,
+    metrics: Metrics | None = None,
+) -> Hosts:
     """Attach ``flight`` (bound by the CLI, or bound here on ``policy``: the
     broker's own tokens and scopes) and start the peers; both export their
     metrics through ``metrics`` (the app's registry).  Call on the event loop."""
@@ -80,9 +85,16 @@ def connect(settings: Settings, broker: Broker, policy: AuthPolicy, flight: Any 
         if settings.peer_tls_ca:
             with open(settings.peer_tls_ca, "rb") as f:
                 ca = f.read()
-        peers = Peers(broker, settings.peer, token=settings.peer_token or settings.token,
-                      refresh=settings.peer_refresh, timeout=settings.peer_timeout, tls_ca=ca,
-                      instance=instance, self_url=flight.self_url if flight is not None else "")
+        peers = Peers(
+            broker,
+            settings.peer,
+            token=settings.peer_token or settings.token,
+            refresh=settings.peer_refresh,
+            timeout=settings.peer_timeout,
+            tls_ca=ca,
+            instance=instance,
+            self_url=flight.self_url if flight is not None else "",
+        )
         peers.start()
         broker.peers = peers
         hosts.peers = peers

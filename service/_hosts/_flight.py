@@ -66,14 +66,26 @@ log = logging.getLogger("tensordepot.flight")
 T = TypeVar("T")
 
 FLIGHT_METRICS = (
-    PeerMetric("tensordepot_flight_bytes_served", "Bytes streamed to each peer or client (DoGet).",
-               "bytes_served"),
-    PeerMetric("tensordepot_flight_streams_served", "Streams (DoGet) started for each peer or "
-               "client.", "streams_served"),
-    PeerMetric("tensordepot_flight_bytes_pushed", "Bytes pushed here by each peer or client "
-               "(DoPut).", "bytes_pushed"),
-    PeerMetric("tensordepot_flight_pushes", "Tensors pushed here and published, per peer or "
-               "client.", "pushes"),
+    PeerMetric(
+        "tensordepot_flight_bytes_served",
+        "Bytes streamed to each peer or client (DoGet).",
+        "bytes_served",
+    ),
+    PeerMetric(
+        "tensordepot_flight_streams_served",
+        "Streams (DoGet) started for each peer or client.",
+        "streams_served",
+    ),
+    PeerMetric(
+        "tensordepot_flight_bytes_pushed",
+        "Bytes pushed here by each peer or client (DoPut).",
+        "bytes_pushed",
+    ),
+    PeerMetric(
+        "tensordepot_flight_pushes",
+        "Tensors pushed here and published, per peer or client.",
+        "pushes",
+    ),
 )
 
 
@@ -88,8 +100,10 @@ def parse_ticket(raw: bytes) -> tuple[str, int | None]:
     if sep and tail.isdigit() and head:
         name, version = head, int(tail)
     if not is_name(name):
-        raise ValueError(f"bad ticket {text[:80]!r}: expected 'name' or 'name@version' "
-                         f"(names are 1-512 printable ASCII characters without spaces)")
+        raise ValueError(
+            f"bad ticket {text[:80]!r}: expected 'name' or 'name@version' "
+            f"(names are 1-512 printable ASCII characters without spaces)"
+        )
     if version is not None and version < 1:
         raise ValueError(f"bad ticket {text[:80]!r}: versions start at 1")
     return name, version
@@ -102,8 +116,10 @@ def descriptor_name(descriptor: Any) -> str:
     fl = import_flight()
     path = descriptor.path if descriptor.descriptor_type == fl.DescriptorType.PATH else None
     if not path or len(path) != 1:
-        raise ValueError("bad descriptor: give the tensor's name as a one-element path "
-                         "(FlightDescriptor.for_path(name))")
+        raise ValueError(
+            "bad descriptor: give the tensor's name as a one-element path "
+            "(FlightDescriptor.for_path(name))"
+        )
     raw = path[0]
     try:
         name = raw.decode("ascii") if isinstance(raw, bytes) else str(raw)
@@ -114,15 +130,22 @@ def descriptor_name(descriptor: Any) -> str:
 
 def meta_of(v: Version, self_url: str, instance: str) -> FlightMeta:
     r = v.replica
-    return FlightMeta(name=v.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
-                      nbytes=v.nbytes, origin=r.origin if r else self_url,
-                      origin_instance=r.instance if r else instance,
-                      origin_version=r.version if r else v.number)
+    return FlightMeta(
+        name=v.name,
+        version=v.number,
+        shape=list(v.shape),
+        dtype=v.dtype,
+        nbytes=v.nbytes,
+        origin=r.origin if r else self_url,
+        origin_instance=r.instance if r else instance,
+        origin_version=r.version if r else v.number,
+    )
 
 
 def _translated(fn: Callable[..., T]) -> Callable[..., T]:
     """Flight handlers raise Flight's errors, never ours, and never one that
     would carry a traceback to the caller (``shm/_arrow.py``, ``to_flight``)."""
+
     def wrapper(*args: Any, **kw: Any) -> T:
         fl = import_flight()
         try:
@@ -135,8 +158,10 @@ def _translated(fn: Callable[..., T]) -> Callable[..., T]:
             raise to_flight(InvalidRequest(flight_message(exc))) from None
         except Exception:
             log.exception("Flight %s failed", fn.__name__)
-            raise fl.FlightInternalError("the broker failed to answer; its log has the details",
-                                         b"internal") from None
+            raise fl.FlightInternalError(
+                "the broker failed to answer; its log has the details", b"internal"
+            ) from None
+
     wrapper.__name__ = fn.__name__
     return wrapper
 
@@ -169,8 +194,9 @@ class FlightService:
     broker starts, so a bad address fails the command; ``attach`` connects it
     to the broker once the event loop runs.  Until then calls get UNAVAILABLE."""
 
-    def __init__(self, url: FlightURL, scopes: Scopes, *,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(
+        self, url: FlightURL, scopes: Scopes, *, tls: tuple[bytes, bytes] | None = None
+    ) -> None:
         fl = import_flight()
         factory_base: Any = fl.ServerMiddlewareFactory
         middleware_base: Any = fl.ServerMiddleware
@@ -194,7 +220,8 @@ class FlightService:
                 if not scopes.known(tok):
                     raise fl.FlightUnauthenticatedError(
                         "missing or unknown token: send 'authorization: Bearer <token>'",
-                        b"unauthorized")
+                        b"unauthorized",
+                    )
                 via = tuple(x for x in (_header(headers, VIA_HEADER) or "").split(",") if x)
                 return _Middleware(tok, via, _header(headers, PEER_HEADER))
 
@@ -223,11 +250,13 @@ class FlightService:
 
         certs = [fl.CertKeyPair(cert=tls[0], key=tls[1])] if tls else None
         try:
-            self._server = _Server(url.location(), tls_certificates=certs,
-                                   middleware={"auth": _Auth()})
+            self._server = _Server(
+                url.location(), tls_certificates=certs, middleware={"auth": _Auth()}
+            )
         except (pa.ArrowException, OSError) as exc:
-            raise ListenError(f"--flight {url.url}: cannot listen: "
-                              f"{str(exc).splitlines()[0]}") from None
+            raise ListenError(
+                f"--flight {url.url}: cannot listen: {str(exc).splitlines()[0]}"
+            ) from None
         self.url = url.location(self._server.port)
         # What other brokers call this one in a replica's origin.
         host = socket.gethostname() if url.host in ("0.0.0.0", "::") else url.host
@@ -284,8 +313,9 @@ class FlightService:
             pass  # the loop is closed: the broker and its leases are gone
 
     # -- broker calls (on the event loop) ----------------------------------------
-    async def _lookup(self, name: str, version: int | None, via: tuple[str, ...],
-                      keep: bool, prefix: str | None) -> tuple[str, FlightMeta, Any]:
+    async def _lookup(
+        self, name: str, version: int | None, via: tuple[str, ...], keep: bool, prefix: str | None
+    ) -> tuple[str, FlightMeta, Any]:
         """Lease the newest version of ``name`` (exactly ``version`` if given)
         in a session of its own.  A miss may pull from this broker's peers,
         unless the request came through this broker already; its message
@@ -297,8 +327,10 @@ class FlightService:
         try:
             v, _ = await broker.get(sid, replace(LOCAL, prefix=prefix), name, 0)
             if version is not None and v.number != version:
-                raise TensorNotFound(f"version {version} of {name!r} is not the newest (that is "
-                                     f"{v.number}); ask GetFlightInfo for the current ticket")
+                raise TensorNotFound(
+                    f"version {version} of {name!r} is not the newest (that is "
+                    f"{v.number}); ask GetFlightInfo for the current ticket"
+                )
             meta = meta_of(v, self.self_url, self.instance)
             view = broker.view(v) if keep else None
         except BaseException:
@@ -313,9 +345,11 @@ class FlightService:
     async def _listing(self, prefix: str) -> list[FlightMeta]:
         broker = self._broker
         assert broker is not None
-        return [meta_of(e.ready, self.self_url, self.instance)
-                for n, e in sorted(broker.entries.items())
-                if e.ready is not None and n.startswith(prefix)]
+        return [
+            meta_of(e.ready, self.self_url, self.instance)
+            for n, e in sorted(broker.entries.items())
+            if e.ready is not None and n.startswith(prefix)
+        ]
 
     async def _alloc(self, who: Caller, req: AllocRequest) -> tuple[str, Version, Any]:
         """Allocate a push in a session of the broker's own that belongs to
@@ -340,15 +374,20 @@ class FlightService:
     def _info(self, meta: FlightMeta, descriptor: Any) -> Any:
         fl = import_flight()
         ticket = fl.Ticket(f"{meta.name}@{meta.version}".encode())
-        return fl.FlightInfo(schema(meta.model_dump_json()), descriptor,
-                             [fl.FlightEndpoint(ticket, [])],
-                             total_records=meta.nbytes, total_bytes=meta.nbytes)
+        return fl.FlightInfo(
+            schema(meta.model_dump_json()),
+            descriptor,
+            [fl.FlightEndpoint(ticket, [])],
+            total_records=meta.nbytes,
+            total_bytes=meta.nbytes,
+        )
 
     def get_flight_info(self, call: _Call, descriptor: Any) -> Any:
         name = descriptor_name(descriptor)
         self.scopes.authorize(call.token, "read", name)
-        _, meta, _ = self._on_loop(self._lookup(name, None, call.via, keep=False,
-                                                   prefix=self.scopes.prefix(call.token)))
+        _, meta, _ = self._on_loop(
+            self._lookup(name, None, call.via, keep=False, prefix=self.scopes.prefix(call.token))
+        )
         return self._info(meta, descriptor)
 
     def list_flights(self, call: _Call, criteria: bytes) -> Iterator[Any]:
@@ -362,13 +401,15 @@ class FlightService:
         fl = import_flight()
         name, version = parse_ticket(raw_ticket)
         self.scopes.authorize(call.token, "read", name)
-        sid, meta, view = self._on_loop(self._lookup(name, version, call.via, keep=True,
-                                                           prefix=self.scopes.prefix(call.token)))
+        sid, meta, view = self._on_loop(
+            self._lookup(name, version, call.via, keep=True, prefix=self.scopes.prefix(call.token))
+        )
         lease = _StreamLease(self, sid)  # from here on, dropping it ends the lease
         # The lease ends when the last Arrow buffer over these bytes is freed:
         # gRPC may still hold the last chunks after the stream's generator ends.
-        leased = array_at(view.ctypes.data, (len(view),), None, "|u1", writable=False,
-                          owner=(view, lease))
+        leased = array_at(
+            view.ctypes.data, (len(view),), None, "|u1", writable=False, owner=(view, lease)
+        )
         sch = schema(meta.model_dump_json())
         return fl.GeneratorStream(sch, self._stream(leased, sch, call.peer))
 
@@ -377,8 +418,9 @@ class FlightService:
         self.traffic.add(peer, "streams_served", 1)
         for batch in batches(view, sch):
             if self._closing:
-                raise fl.FlightUnavailableError("the broker is shutting down; retry",
-                                                b"broker_unavailable")
+                raise fl.FlightUnavailableError(
+                    "the broker is shutting down; retry", b"broker_unavailable"
+                )
             yield batch
             self.traffic.add(peer, "bytes_served", batch.num_rows)
 
@@ -391,16 +433,23 @@ class FlightService:
             meta = FlightMeta.model_validate_json(meta_json(reader.schema))
             req = AllocRequest(name=name, shape=meta.shape, dtype=meta.dtype)
         except ValidationError as exc:
-            raise InvalidRequest(f"bad tensordepot metadata for {name!r}: "
-                                 f"{str(exc).splitlines()[0]}") from None
+            raise InvalidRequest(
+                f"bad tensordepot metadata for {name!r}: {str(exc).splitlines()[0]}"
+            ) from None
         who = self.scopes.caller(call.token)
         sid, v, view = self._on_loop(self._alloc(who, req))
         try:  # ending the session gives the allocation back unless it was published
             if v.nbytes != meta.nbytes:
-                raise InvalidRequest(f"metadata says {meta.nbytes} bytes, but shape {meta.shape} "
-                                     f"of {meta.dtype} is {v.nbytes}")
-            got = read_into(reader, view, lambda n: self.traffic.add(call.peer, "bytes_pushed", n),
-                            lambda: self._closing)
+                raise InvalidRequest(
+                    f"metadata says {meta.nbytes} bytes, but shape {meta.shape} "
+                    f"of {meta.dtype} is {v.nbytes}"
+                )
+            got = read_into(
+                reader,
+                view,
+                lambda n: self.traffic.add(call.peer, "bytes_pushed", n),
+                lambda: self._closing,
+            )
             if got != v.nbytes:
                 raise InvalidRequest(f"the stream carried {got} bytes; {name!r} needs {v.nbytes}")
             number = self._on_loop(self._publish(who, sid, name, v.number))
@@ -432,20 +481,23 @@ def bind_flight(settings: Any, policy: AuthPolicy) -> FlightService:
         raise ListenError(str(exc)) from None
     scopes = Scopes.of(policy)
     if not scopes.enabled and not policy.insecure_no_auth:
-        raise ListenError(f"--flight {url.url} needs a token, as every TCP listener does (other "
-                          "local users can reach loopback): give --token-file or "
-                          "TENSORDEPOT_TOKEN, or --insecure-no-auth")
+        raise ListenError(
+            f"--flight {url.url} needs a token, as every TCP listener does (other "
+            "local users can reach loopback): give --token-file or "
+            "TENSORDEPOT_TOKEN, or --insecure-no-auth"
+        )
     tls = None
     if url.tls:
         if not (settings.flight_tls_cert and settings.flight_tls_key):
             raise ListenError(f"--flight {url.url} needs --flight-tls-cert and --flight-tls-key")
         try:
-            with (open(settings.flight_tls_cert, "rb") as c,
-                  open(settings.flight_tls_key, "rb") as k):
+            with (
+                open(settings.flight_tls_cert, "rb") as c,
+                open(settings.flight_tls_key, "rb") as k,
+            ):
                 tls = (c.read(), k.read())
         except OSError as exc:
             raise ListenError(f"--flight-tls-cert/--flight-tls-key: {exc}") from None
     elif settings.flight_tls_cert or settings.flight_tls_key:
         raise ListenError("--flight-tls-cert/--flight-tls-key need a grpc+tls:// --flight URL")
     return FlightService(url, scopes, tls=tls)
-

@@ -107,9 +107,18 @@ class _Transfer:
 class Peers:
     """The peers of one broker; ``broker.peers`` is this object."""
 
-    def __init__(self, broker: Broker, urls: list[str], *, token: str = "", refresh: float = 1.0,
-                 timeout: float = 5.0, tls_ca: bytes | None = None, instance: str = "",
-                 self_url: str = "") -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        urls: list[str],
+        *,
+        token: str = "",
+        refresh: float = 1.0,
+        timeout: float = 5.0,
+        tls_ca: bytes | None = None,
+        instance: str = "",
+        self_url: str = "",
+    ) -> None:
         import_flight()
         self.broker = broker
         self.urls = [parse_flight_url(u, "--peer").url for u in urls]
@@ -120,12 +129,14 @@ class Peers:
         self.traffic = Traffic()
         self._tls_ca = tls_ca
         self._headers: list[tuple[bytes, bytes]] = [
-            (PEER_HEADER.encode(), (self_url or f"{socket.gethostname()}/{instance}").encode())]
+            (PEER_HEADER.encode(), (self_url or f"{socket.gethostname()}/{instance}").encode())
+        ]
         if token:
             self._headers.append((b"authorization", b"Bearer " + token.encode()))
         # Metadata calls never queue behind transfers: each has its own threads.
-        self._executor = ThreadPoolExecutor(max(4, 2 * len(self.urls)),
-                                            thread_name_prefix="tensordepot-peer")
+        self._executor = ThreadPoolExecutor(
+            max(4, 2 * len(self.urls)), thread_name_prefix="tensordepot-peer"
+        )
         self._movers = ThreadPoolExecutor(4, thread_name_prefix="tensordepot-pull")
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -136,30 +147,41 @@ class Peers:
         self._watchdog: asyncio.Task[None] | None = None
 
     # -- the broker's hook ---------------------------------------------------------
-    async def before_get(self, name: str, newer_than: int, can_wait: bool,
-                         caller: Caller = LOCAL) -> None:
+    async def before_get(
+        self, name: str, newer_than: int, can_wait: bool, caller: Caller = LOCAL
+    ) -> None:
         if self._closing or self.instance in VIA.get():
             return  # shutting down, or the request came through us: our own memory only
         if self.local(name):
             return  # published or being written here: peers never shadow a local tensor
         e = self.broker.entries.get(name)
         held = e.ready if e is not None else None
-        if held is not None and held.replica is not None \
-                and self.broker.clock() - held.replica.checked_at < self.refresh:
+        if (
+            held is not None
+            and held.replica is not None
+            and self.broker.clock() - held.replica.checked_at < self.refresh
+        ):
             return
         fut = self._inflight.get(name)
         if fut is None:
             fut = asyncio.ensure_future(self._refresh(name, caller))
             self._inflight[name] = fut
             fut.add_done_callback(
-                lambda f: self._inflight.pop(name) if self._inflight.get(name) is f else None)
+                lambda f: self._inflight.pop(name) if self._inflight.get(name) is f else None
+            )
         outcome = await asyncio.shield(fut)
         if outcome.error is not None:
             raise type(outcome.error)(str(outcome.error))  # one instance per waiter
-        if not outcome.found and outcome.unreachable and not can_wait \
-                and len(outcome.unreachable) == len(self.urls):
-            raise BrokerUnavailable(f"tensor {name!r} is not here and no peer could be asked: "
-                                    f"{self._unreachable(outcome)}")
+        if (
+            not outcome.found
+            and outcome.unreachable
+            and not can_wait
+            and len(outcome.unreachable) == len(self.urls)
+        ):
+            raise BrokerUnavailable(
+                f"tensor {name!r} is not here and no peer could be asked: "
+                f"{self._unreachable(outcome)}"
+            )
 
     def explain(self, name: str) -> str:
         return self._notes.get(name, "")
@@ -189,8 +211,9 @@ class Peers:
         return out
 
     async def _refresh_once(self, name: str, via: tuple[str, ...], caller: Caller) -> _Outcome:
-        answers = await asyncio.gather(*(self._run(self._ask, p, name, via) for p in self.urls),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(
+            *(self._run(self._ask, p, name, via) for p in self.urls), return_exceptions=True
+        )
         found, out = [], _Outcome()
         for peer, a in zip(self.urls, answers, strict=True):
             if isinstance(a, FlightMeta):
@@ -207,8 +230,12 @@ class Peers:
         if not found:
             if held is not None and held.replica is not None:
                 if out.unreachable:
-                    log.warning("serving replica %r v%d as it is: %s", name, held.number,
-                                self._unreachable(out))
+                    log.warning(
+                        "serving replica %r v%d as it is: %s",
+                        name,
+                        held.number,
+                        self._unreachable(out),
+                    )
                     held.replica.checked_at = broker.clock()
                     out.found = True  # there is something to serve
                 else:
@@ -217,10 +244,16 @@ class Peers:
             return out
         out.found = True
         first = found[0].meta.origin_instance
-        best = max((f for f in found if f.meta.origin_instance == first),
-                   key=lambda f: f.meta.origin_version)
-        if held is not None and held.replica is not None and held.replica.instance == first \
-                and held.replica.version >= best.meta.origin_version:
+        best = max(
+            (f for f in found if f.meta.origin_instance == first),
+            key=lambda f: f.meta.origin_version,
+        )
+        if (
+            held is not None
+            and held.replica is not None
+            and held.replica.instance == first
+            and held.replica.version >= best.meta.origin_version
+        ):
             held.replica.checked_at = broker.clock()  # still the newest
             return out
         try:
@@ -263,15 +296,17 @@ class Peers:
         who = Caller(caller.identity)
         sid = broker.own_session("peer-pull", who)
         try:
-            v, _ = await broker.alloc(sid, who,
-                                      AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype))
+            v, _ = await broker.alloc(
+                sid, who, AllocRequest(name=m.name, shape=m.shape, dtype=m.dtype)
+            )
             # Set in the same step as the alloc: list() hides replicas in flight.
             v.replica = Replica(f.peer, m.origin, m.origin_instance, m.origin_version, 0.0)
             view = broker.view(v, writable=True)
             start = time.monotonic()
             t = _Transfer(f.peer, start)
-            job = asyncio.get_running_loop().run_in_executor(self._movers, self._transfer, f,
-                                                             view, via, t)
+            job = asyncio.get_running_loop().run_in_executor(
+                self._movers, self._transfer, f, view, via, t
+            )
             try:
                 await asyncio.shield(job)
             except DepotError:
@@ -285,8 +320,11 @@ class Peers:
             self.traffic.add(f.peer, "transfers", 1)
             self.traffic.add(f.peer, "seconds", time.monotonic() - start)
             if self.local(m.name, but=v):
-                log.info("dropping the replica of %r from %s: it was written here meanwhile",
-                         m.name, f.peer)
+                log.info(
+                    "dropping the replica of %r from %s: it was written here meanwhile",
+                    m.name,
+                    f.peer,
+                )
                 return  # ending the session gives its memory back
             v.replica.checked_at = broker.clock()
             broker.publish(sid, who, m.name, v.number)
@@ -301,7 +339,8 @@ class Peers:
             if c is None:
                 tls = peer.startswith("grpc+tls://")
                 c = self._clients[peer] = fl.FlightClient(
-                    peer, tls_root_certs=self._tls_ca if tls else None)
+                    peer, tls_root_certs=self._tls_ca if tls else None
+                )
             return c
 
     def _options(self, via: tuple[str, ...], timeout: float | None) -> Any:
@@ -316,8 +355,9 @@ class Peers:
         fl = import_flight()
         self.traffic.add(peer, "checks", 1)
         try:
-            info = self._client(peer).get_flight_info(fl.FlightDescriptor.for_path(name),
-                                                      self._options(via, self.timeout))
+            info = self._client(peer).get_flight_info(
+                fl.FlightDescriptor.for_path(name), self._options(via, self.timeout)
+            )
             meta = FlightMeta.model_validate_json(meta_json(info.schema))
             # The answer names what will be allocated and published here: the
             # one name check, and the name that was asked for, nothing else.
@@ -327,8 +367,10 @@ class Peers:
             # And its geometry, through the one check of an allocation's.
             nbytes = check_item(meta.dtype, meta.shape)[3]
             if nbytes != meta.nbytes:
-                raise ValueError(f"it describes {name!r} as {meta.nbytes} bytes, but shape "
-                                 f"{meta.shape} of {meta.dtype} is {nbytes}")
+                raise ValueError(
+                    f"it describes {name!r} as {meta.nbytes} bytes, but shape "
+                    f"{meta.shape} of {meta.dtype} is {nbytes}"
+                )
             return meta
         except (pa.ArrowException, ValueError) as exc:
             if flight_code(exc) == TensorNotFound.code:
@@ -347,8 +389,9 @@ class Peers:
                 raise BrokerUnavailable(f"the pull of {m.name!r} was cancelled")
             self._active.add(t)
         try:
-            reader = self._client(f.peer).do_get(fl.Ticket(f"{m.name}@{m.version}".encode()),
-                                                 self._options(via, deadline))
+            reader = self._client(f.peer).do_get(
+                fl.Ticket(f"{m.name}@{m.version}".encode()), self._options(via, deadline)
+            )
             t.last, t.reader = time.monotonic(), reader
             if t.stopped:
                 reader.cancel()
@@ -365,14 +408,17 @@ class Peers:
                 raise BrokerUnavailable(f"peer {f.peer} sent {got} of {m.nbytes} bytes {what}")
         except (pa.ArrowException, ValueError, InterruptedError) as exc:
             if t.stalled:
-                raise BrokerUnavailable(f"peer {f.peer} sent nothing for {self.timeout:g} s "
-                                        f"{what}; the partial copy was discarded") from None
+                raise BrokerUnavailable(
+                    f"peer {f.peer} sent nothing for {self.timeout:g} s "
+                    f"{what}; the partial copy was discarded"
+                ) from None
             if isinstance(exc, fl.FlightTimedOutError) and not self._closing:
                 raise BrokerUnavailable(
                     f"peer {f.peer} did not finish sending {m.name!r} v{m.version} within "
                     f"{deadline:g} s, the whole "
                     f"transfer's deadline (--peer-timeout plus 1 s per MiB); the partial copy "
-                    f"was discarded") from None
+                    f"was discarded"
+                ) from None
             raise self._error(f.peer, exc, what, partial=True) from None
         finally:
             with self._lock:
@@ -389,18 +435,23 @@ class Peers:
         if code == TensorNotFound.code:
             return TensorNotFound(f"peer {peer} {what}: {msg}")
         if code in AUTH_CODES:
-            return BrokerUnavailable(f"peer {peer} refused this broker's token {what} ({msg}); "
-                                     f"check --peer-token")
+            return BrokerUnavailable(
+                f"peer {peer} refused this broker's token {what} ({msg}); check --peer-token"
+            )
         if isinstance(exc, fl.FlightTimedOutError):
-            return BrokerUnavailable(f"peer {peer} did not answer within {self.timeout:g} s "
-                                     f"{what}{tail}")
+            return BrokerUnavailable(
+                f"peer {peer} did not answer within {self.timeout:g} s {what}{tail}"
+            )
         if isinstance(exc, InvalidRequest):
-            return BrokerUnavailable(f"peer {peer} announced what this broker cannot hold {what}: "
-                                     f"{msg}")
-        if (isinstance(exc, (ValidationError, ValueError))
-                and not isinstance(exc, pa.ArrowException)):
-            return BrokerUnavailable(f"peer {peer} sent something that is not a tensordepot "
-                                     f"stream {what}: {msg}{tail}")
+            return BrokerUnavailable(
+                f"peer {peer} announced what this broker cannot hold {what}: {msg}"
+            )
+        if isinstance(exc, (ValidationError, ValueError)) and not isinstance(
+            exc, pa.ArrowException
+        ):
+            return BrokerUnavailable(
+                f"peer {peer} sent something that is not a tensordepot stream {what}: {msg}{tail}"
+            )
         return BrokerUnavailable(f"peer {peer} failed {what}: {msg}{tail}")
 
     # -- lifetime -------------------------------------------------------------------------
@@ -413,8 +464,9 @@ class Peers:
             await asyncio.sleep(min(self.timeout / 4, 1.0))
             now = time.monotonic()
             with self._lock:
-                stalled = [t for t in self._active if t.reader is not None
-                           and now - t.last > self.timeout]
+                stalled = [
+                    t for t in self._active if t.reader is not None and now - t.last > self.timeout
+                ]
             for t in stalled:
                 t.stalled = True
                 t.stop()
@@ -437,11 +489,19 @@ class Peers:
     def collect(self) -> Iterator[Metric]:
         """The replicas held here and the traffic with each peer (a
         prometheus_client collector, registered in the app's registry)."""
-        replicas = [e.ready for e in self.broker.entries.values()
-                    if e.ready is not None and e.ready.replica is not None]
-        yield GaugeMetricFamily("tensordepot_replicas",
-                                "Tensors held here as replicas pulled from peers.",
-                                value=len(replicas))
-        yield GaugeMetricFamily("tensordepot_replica_bytes", "Bytes of the replicas held here.",
-                                value=sum(v.nbytes for v in replicas))
+        replicas = [
+            e.ready
+            for e in self.broker.entries.values()
+            if e.ready is not None and e.ready.replica is not None
+        ]
+        yield GaugeMetricFamily(
+            "tensordepot_replicas",
+            "Tensors held here as replicas pulled from peers.",
+            value=len(replicas),
+        )
+        yield GaugeMetricFamily(
+            "tensordepot_replica_bytes",
+            "Bytes of the replicas held here.",
+            value=sum(v.nbytes for v in replicas),
+        )
         yield from self.traffic.families(PEER_METRICS)

@@ -20,6 +20,7 @@ from .._registry._sessions import Caller
 if TYPE_CHECKING:
     from .._auth import AuthPolicy
 
+
 @dataclass(frozen=True)
 class Grant:
     token: bytes

@@ -58,8 +58,11 @@ class Traffic:
             if m.count:
                 family = SummaryMetricFamily(m.name, m.help, labels=["peer"])
                 for peer in sorted(snap):
-                    family.add_metric([peer], count_value=int(snap[peer].get(m.count, 0)),
-                                      sum_value=snap[peer].get(m.key, 0))
+                    family.add_metric(
+                        [peer],
+                        count_value=int(snap[peer].get(m.count, 0)),
+                        sum_value=snap[peer].get(m.key, 0),
+                    )
             else:
                 family = CounterMetricFamily(m.name, m.help, labels=["peer"])
                 for peer in sorted(snap):
@@ -68,13 +71,22 @@ class Traffic:
 
 
 PEER_METRICS = (
-    PeerMetric("tensordepot_peer_bytes_pulled", "Bytes received from each peer (failed transfers "
-               "included).", "bytes_pulled"),
+    PeerMetric(
+        "tensordepot_peer_bytes_pulled",
+        "Bytes received from each peer (failed transfers included).",
+        "bytes_pulled",
+    ),
     PeerMetric("tensordepot_peer_transfers", "Replicas pulled from each peer.", "transfers"),
-    PeerMetric("tensordepot_peer_transfer_failures", "Transfers from each peer that failed part "
-               "way.", "failures"),
+    PeerMetric(
+        "tensordepot_peer_transfer_failures",
+        "Transfers from each peer that failed part way.",
+        "failures",
+    ),
     PeerMetric("tensordepot_peer_checks", "Metadata calls (GetFlightInfo) to each peer.", "checks"),
-    PeerMetric("tensordepot_peer_transfer_seconds", "Duration of the completed transfers from "
-               "each peer.", "seconds", count="transfers"),
+    PeerMetric(
+        "tensordepot_peer_transfer_seconds",
+        "Duration of the completed transfers from each peer.",
+        "seconds",
+        count="transfers",
+    ),
 )
-

@@ -71,9 +71,16 @@ class AsgiDoor:
                 return
             media = r.media
             data = await _read_body(receive, headers)
-            reply = gate.dispatch(adm, "GET" if method == "HEAD" else method, path, scope,
-                                  headers, scope.get("query_string", b""), data,
-                                  lambda: _hangup(receive))
+            reply = gate.dispatch(
+                adm,
+                "GET" if method == "HEAD" else method,
+                path,
+                scope,
+                headers,
+                scope.get("query_string", b""),
+                data,
+                lambda: _hangup(receive),
+            )
             status, body = reply if isinstance(reply, tuple) else await reply
         except BaseException as exc:  # every error becomes an answer
             status, body = gate.failure(exc, method, path)
@@ -84,8 +91,7 @@ class AsgiDoor:
         await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
         gate.observe(method, r, status, started)
 
-    async def _documents(self, scope: Any, receive: Any, send: Any, r: Any,
-                         started: float) -> None:
+    async def _documents(self, scope: Any, receive: Any, send: Any, r: Any, started: float) -> None:
         status = 500
 
         async def marked(message: Any) -> None:

@@ -59,8 +59,10 @@ _SESSION = SESSION_HEADER.encode()
 _REQUEST = REQUEST_HEADER.encode()
 _RELEASE = RELEASE_HEADER.encode()
 _CANCEL = CANCEL_HEADER.encode()
-CANCELLED: Answer = (Cancelled.status,
-                     error_body(Cancelled("the client hung up or cancelled this request")))
+CANCELLED: Answer = (
+    Cancelled.status,
+    error_body(Cancelled("the client hung up or cancelled this request")),
+)
 INTERNAL: Answer = (500, b"Internal Server Error")
 
 
@@ -134,13 +136,15 @@ def _names(body: Any) -> Iterator[str]:
 def _ids(raw: bytes, what: str) -> list[bytes]:
     ids = [x.strip() for x in raw.split(b",") if x.strip()]
     if len(ids) > MAX_RELEASE_IDS:
-        raise InvalidRequest(f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per "
-                             "request")
+        raise InvalidRequest(
+            f"{what} carries {len(ids)} ids; at most {MAX_RELEASE_IDS} per request"
+        )
     return ids
 
 
-def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None,
-                   cancels: bytes | None) -> None:
+def release_riders(
+    broker: Broker, sid: str, who: Caller, releases: bytes | None, cancels: bytes | None
+) -> None:
     """Release the lease ids and cancel the request ids that ride on a
     request's headers (``x-tensordepot-release``, ``x-tensordepot-cancel``)."""
     lease_ids = [int(x) for x in _ids(releases, RELEASE_HEADER) if x.isdigit()] if releases else []
@@ -148,8 +152,9 @@ def release_riders(broker: Broker, sid: str, who: Caller, releases: bytes | None
     broker.release(sid, who, lease_ids, requests)
 
 
-def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str | None,
-             who: Caller) -> tuple[Session, str] | None:
+def once_key(
+    broker: Broker, method: str, path: str, sid: str | None, rid: str | None, who: Caller
+) -> tuple[Session, str] | None:
     """(session, key) under which a request's answer is kept, or None when
     the request carries no usable id (no session of this caller's, no id, or
     an id longer than 64 characters).  An id replays only for the same
@@ -160,8 +165,9 @@ def once_key(broker: Broker, method: str, path: str, sid: str | None, rid: str |
     return s, f"{method} {path} {rid}"
 
 
-async def run_once(slot: tuple[Session, str] | None,
-                   run: Callable[[], Awaitable[Answer]]) -> Answer:
+async def run_once(
+    slot: tuple[Session, str] | None, run: Callable[[], Awaitable[Answer]]
+) -> Answer:
     """The first answer to a request id (``once_key``) is kept and replayed;
     a resend that arrives while the first attempt still runs waits for its
     answer.  Without a slot, a DepotError propagates."""
@@ -228,7 +234,8 @@ class Gate:
             self.auth.authorize(scope, method, path, READ)
             raise (MethodNotAllowed if other else NoRoute)(
                 f"{method} {path if len(path) <= 200 else path[:200] + '...'}: "
-                + ("Method Not Allowed" if other else "Not Found"))
+                + ("Method Not Allowed" if other else "Not Found")
+            )
         principal = self.auth.authorize(scope, method, r.template, r.scope)
         name = params.get("name")
         if name is not None:  # outside the prefix is 403, whatever the name
@@ -238,9 +245,17 @@ class Gate:
         return Admitted(r, params, principal)
 
     # -- 2. the handler ------------------------------------------------------------------
-    def dispatch(self, adm: Admitted, method: str, path: str, scope: Any,
-                 headers: dict[bytes, bytes], query: bytes, data: bytes,
-                 gone: Callable[[], Awaitable[Any]] | None) -> Reply:
+    def dispatch(
+        self,
+        adm: Admitted,
+        method: str,
+        path: str,
+        scope: Any,
+        headers: dict[bytes, bytes],
+        query: bytes,
+        data: bytes,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> Reply:
         """Run the admitted request's riders and handler: an answer now, or an
         awaitable of one.  Raises DepotError for bad input."""
         r, broker, principal = adm.route, self.broker, adm.principal
@@ -257,8 +272,20 @@ class Gate:
                 body = parse_body(r.body, data, headers.get(b"content-type"))
             if principal.prefix is not None:
                 require_names(principal, _names(body))
-        call: Call[Any] = Call(broker, method, path, adm.params, query_of(query) if query else {},
-                               headers, data, body, principal, who, self.state, gone)
+        call: Call[Any] = Call(
+            broker,
+            method,
+            path,
+            adm.params,
+            query_of(query) if query else {},
+            headers,
+            data,
+            body,
+            principal,
+            who,
+            self.state,
+            gone,
+        )
         call.rest = rest
         handler = r.handler
         assert handler is not None, r.path
@@ -325,5 +352,6 @@ class Gate:
         return REASONS.get(status, "")
 
     def observe(self, method: str, r: Route | None, status: int, started: float) -> None:
-        self.metrics.observe_route(method, UNMATCHED if r is None else r.template, status,
-                                   time.perf_counter() - started)
+        self.metrics.observe_route(
+            method, UNMATCHED if r is None else r.template, status, time.perf_counter() - started
+        )

@@ -52,13 +52,39 @@ class Call(Generic[M]):
     values kept).  ``gone``, when the door can tell, returns an awaitable
     that resolves when the client hangs up (for waits)."""
 
-    __slots__ = ("body", "broker", "data", "gone", "headers", "method", "params", "path",
-                 "principal", "query", "request_id", "rest", "session", "state", "who")
+    __slots__ = (
+        "body",
+        "broker",
+        "data",
+        "gone",
+        "headers",
+        "method",
+        "params",
+        "path",
+        "principal",
+        "query",
+        "request_id",
+        "rest",
+        "session",
+        "state",
+        "who",
+    )
 
-    def __init__(self, broker: Broker, method: str, path: str, params: dict[str, str],
-                 query: Mapping[str, str], headers: dict[bytes, bytes], data: bytes,
-                 body: M | None, principal: Principal, who: Caller, state: Any,
-                 gone: Callable[[], Awaitable[Any]] | None) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        method: str,
+        path: str,
+        params: dict[str, str],
+        query: Mapping[str, str],
+        headers: dict[bytes, bytes],
+        data: bytes,
+        body: M | None,
+        principal: Principal,
+        who: Caller,
+        state: Any,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> None:
         self.broker, self.method, self.path, self.params = broker, method, path, params
         self.query, self.headers, self.data, self.body = query, headers, data, body
         self.principal, self.who, self.state, self.gone = principal, who, state, gone
@@ -103,8 +129,9 @@ class Route:
         object.__setattr__(self, "template", self.path.replace(":path}", "}"))
 
 
-def route(method: str, path: str, scope: str | None, op: str, **kw: Any
-          ) -> Callable[[Handler], Handler]:
+def route(
+    method: str, path: str, scope: str | None, op: str, **kw: Any
+) -> Callable[[Handler], Handler]:
     """Declare the decorated function as the handler of one route.  The
     module's ``ROUTES`` list (made with ``routes_of``) collects it."""
 
@@ -121,6 +148,7 @@ def routes_of(*handlers: Handler) -> list[Route]:
 
 # -- parsing: the same rules at every door -------------------------------------------------
 
+
 def bad_query(message: str) -> Unprocessable:
     return Unprocessable(f"invalid request: {message}")
 
@@ -129,15 +157,18 @@ def body_refused(length: bytes | None, seen: int = 0) -> RequestTooLarge | None:
     """The one body limit, for both doors: the error for a body announced
     (``length``, its Content-Length) or read so far (``seen`` bytes) over
     ``MAX_BODY_BYTES``, or None."""
-    if (length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES)) \
-            or seen > MAX_BODY_BYTES:
+    if (
+        length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES)
+    ) or seen > MAX_BODY_BYTES:
         return too_large()
     return None
 
 
 def too_large() -> RequestTooLarge:
-    return RequestTooLarge(f"the request body is over {MAX_BODY_BYTES} bytes; send large "
-                           f"tensors through /v1/alloc and shared memory, and batches in parts")
+    return RequestTooLarge(
+        f"the request body is over {MAX_BODY_BYTES} bytes; send large "
+        f"tensors through /v1/alloc and shared memory, and batches in parts"
+    )
 
 
 def invalid(exc: ValidationError) -> InvalidRequest:
@@ -161,24 +192,27 @@ def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
     if content_type is not None:
         media = content_type.partition(b";")[0].strip().lower()
         if media != b"application/json" and not media.endswith(b"+json"):
-            raise InvalidRequest(f"the body must be JSON sent as 'content-type: application/json',"
-                                 f" not {media.decode('latin-1')[:80]!r}")
+            raise InvalidRequest(
+                f"the body must be JSON sent as 'content-type: application/json',"
+                f" not {media.decode('latin-1')[:80]!r}"
+            )
     try:
         return model.model_validate_json(data or b"null")
     except ValidationError as exc:
         raise invalid(exc) from None
 
 
-def parse_framed(model: type[M], data: bytes, content_type: bytes | None
-                 ) -> tuple[M, memoryview]:
+def parse_framed(model: type[M], data: bytes, content_type: bytes | None) -> tuple[M, memoryview]:
     """A framed body (``_proto.frame``): its JSON head as ``model``, and the
     bytes after it.  Sent as ``application/octet-stream`` or with no content type."""
     if content_type is not None:
         media = content_type.partition(b";")[0].strip().lower()
         if media != b"application/octet-stream":
-            raise InvalidRequest(f"this body is framed bytes (a JSON head, then the tensors' "
-                                 f"bytes) sent as 'content-type: application/octet-stream', not "
-                                 f"{media.decode('latin-1')[:80]!r}")
+            raise InvalidRequest(
+                f"this body is framed bytes (a JSON head, then the tensors' "
+                f"bytes) sent as 'content-type: application/octet-stream', not "
+                f"{media.decode('latin-1')[:80]!r}"
+            )
     try:
         head, rest = unframe(data)
     except ValueError as exc:
@@ -194,8 +228,9 @@ def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:
         newer_than = int(q.get("newer_than", 0))
         version = int(q.get("version", 0))
     except ValueError:
-        raise bad_query("timeout must be a number of seconds (or inf), newer_than and version "
-                        "integers") from None
+        raise bad_query(
+            "timeout must be a number of seconds (or inf), newer_than and version integers"
+        ) from None
     if not timeout >= 0 or newer_than < 0 or version < 0:  # `not >=` also catches NaN
         raise bad_query("timeout, newer_than and version must be >= 0")
     if version and (timeout or newer_than):
@@ -206,8 +241,10 @@ def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:
 def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
     """What an inline put's query and Content-Length ask for, checked."""
     if not length.isdigit() or int(length) > INLINE_MAX:
-        raise InvalidRequest(f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
-                             f"larger tensors go through /v1/alloc and /v1/publish")
+        raise InvalidRequest(
+            f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
+            f"larger tensors go through /v1/alloc and /v1/publish"
+        )
     if "dtype" not in q:
         raise bad_query("put needs ?dtype=")
     try:

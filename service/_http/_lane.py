@@ -54,17 +54,36 @@ class PeerCredProtocol(Protocol):
 
     def on_response_complete(self) -> None: ...
 
+
 DOOR_HEADER = b"x-tensordepot-door"
 
 
 class LaneRequest:
     """One request the lane has taken, from its head to its answer."""
 
-    __slots__ = ("admitted", "body", "busy", "error", "headers", "keep_alive", "method", "path",
-                 "query", "scope", "started")
+    __slots__ = (
+        "admitted",
+        "body",
+        "busy",
+        "error",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "scope",
+        "started",
+    )
 
-    def __init__(self, method: str, path: str, query: bytes, scope: dict[str, Any],
-                 headers: dict[bytes, bytes], keep_alive: bool) -> None:
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query: bytes,
+        scope: dict[str, Any],
+        headers: dict[bytes, bytes],
+        keep_alive: bool,
+    ) -> None:
         self.method, self.path, self.query, self.scope = method, path, query, scope
         self.headers, self.keep_alive = headers, keep_alive
         self.admitted: Admitted | None = None
@@ -117,9 +136,12 @@ class Lane:
     def take(self, proto: PeerCredProtocol) -> LaneRequest | None:
         """At the end of a request's head: a LaneRequest if the lane serves it."""
         parser = proto.parser
-        if (proto.cycle is not None and not proto.cycle.response_complete) \
-                or proto.expect_100_continue or parser.should_upgrade() \
-                or proto.limit_concurrency is not None:
+        if (
+            (proto.cycle is not None and not proto.cycle.response_complete)
+            or proto.expect_100_continue
+            or parser.should_upgrade()
+            or proto.limit_concurrency is not None
+        ):
             return None
         method = parser.get_method().decode("ascii")
         if method == "HEAD":
@@ -159,8 +181,9 @@ class Lane:
         the answer (a 404 racing its own body)."""
         h = req.headers
         length = h.get(b"content-length", b"0")
-        if req.error is None or (b"transfer-encoding" not in h and length.isdigit()
-                                 and int(length) <= _DISCARD):
+        if req.error is None or (
+            b"transfer-encoding" not in h and length.isdigit() and int(length) <= _DISCARD
+        ):
             return False
         req.keep_alive = False
         self.run(proto, req)
@@ -183,8 +206,16 @@ class Lane:
             reply = gate.failure(req.error or AssertionError("not admitted"), req.method, req.path)
         else:
             try:
-                reply = gate.dispatch(req.admitted, req.method, req.path, req.scope, req.headers,
-                                      req.query, bytes(req.body), req.lost)
+                reply = gate.dispatch(
+                    req.admitted,
+                    req.method,
+                    req.path,
+                    req.scope,
+                    req.headers,
+                    req.query,
+                    bytes(req.body),
+                    req.lost,
+                )
             except BaseException as exc:  # every error becomes an answer
                 reply = gate.failure(exc, req.method, req.path)
         if isinstance(reply, tuple):
@@ -220,8 +251,11 @@ class Lane:
         first = self._heads.get((status, media))
         if first is None:  # the status line and the gate's headers, made once per kind
             first = self._heads[(status, media)] = b"".join(
-                [b"HTTP/1.1 %d %s\r\n" % (status, gate.reason(status).encode()),
-                 *(b"%s: %s\r\n" % kv for kv in gate.head(status, media))])
+                [
+                    b"HTTP/1.1 %d %s\r\n" % (status, gate.reason(status).encode()),
+                    *(b"%s: %s\r\n" % kv for kv in gate.head(status, media)),
+                ]
+            )
         head = [first]
         if status != 204:
             head.append(b"content-length: %d\r\n" % len(body))

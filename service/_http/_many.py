@@ -49,61 +49,83 @@ def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: 
         nbytes.append(blk.nbytes)
     leases = [lease for _, lease in pairs]
     # pydantic_core's encoder: a 1,000-tensor answer in a quarter of json.dumps' time.
-    return to_json({
-        "names": [v.name for v, _ in pairs],
-        "versions": [v.number for v, _ in pairs],
-        "state": state,
-        "segments": segments,
-        "segment": segment,
-        "offsets": offsets,
-        "nbytes": nbytes,
-        "shapes": [v.shape for v, _ in pairs],
-        "dtypes": [v.dtype for v, _ in pairs],
-        "leases": None if all(lease is None for lease in leases) else leases,
-        "others": others,
-    })
+    return to_json(
+        {
+            "names": [v.name for v, _ in pairs],
+            "versions": [v.number for v, _ in pairs],
+            "state": state,
+            "segments": segments,
+            "segment": segment,
+            "offsets": offsets,
+            "nbytes": nbytes,
+            "shapes": [v.shape for v, _ in pairs],
+            "dtypes": [v.dtype for v, _ in pairs],
+            "leases": None if all(lease is None for lease in leases) else leases,
+            "others": others,
+        }
+    )
 
 
-def alloc_now(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
-              request: str | None) -> bytes | None:
-    got = broker.try_alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request,
-                                req.same)
+def alloc_now(
+    broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, request: str | None
+) -> bytes | None:
+    got = broker.try_alloc_many(
+        sid, who, req.names, req.shapes, req.dtypes, req.ttl, request, req.same
+    )
     return None if got is None else columns(broker, [(v, None) for v in got], "writing")
 
 
-async def alloc(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc,
-                request: str | None) -> bytes:
+async def alloc(
+    broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, request: str | None
+) -> bytes:
     """``request``: the request id, which cancels the allocations if the
     answer is never read (``Broker.release``)."""
-    got = await broker.alloc_many(sid, who, req.names, req.shapes, req.dtypes, req.ttl, request,
-                                  req.same)
+    got = await broker.alloc_many(
+        sid, who, req.names, req.shapes, req.dtypes, req.ttl, request, req.same
+    )
     return columns(broker, [(v, None) for v in got], "writing")
 
 
 def versions_of(published: Sequence[Version]) -> bytes:
     """``Versions`` for what a batch published, as JSON."""
-    return to_json({"names": [v.name for v in published],
-                    "versions": [v.number for v in published]})
+    return to_json(
+        {"names": [v.name for v in published], "versions": [v.number for v in published]}
+    )
 
 
 def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> bytes:
     if len(req.names) != len(req.versions):
         from ..._errors import InvalidRequest
 
-        raise InvalidRequest(f"publish needs one version per name: {len(req.names)} names, "
-                             f"{len(req.versions)} versions")
-    return versions_of(broker.publish_many(sid, who, list(zip(req.names, req.versions,
-                                                               strict=True))))
+        raise InvalidRequest(
+            f"publish needs one version per name: {len(req.names)} names, "
+            f"{len(req.versions)} versions"
+        )
+    return versions_of(
+        broker.publish_many(sid, who, list(zip(req.names, req.versions, strict=True)))
+    )
 
 
-def put_now(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, data: memoryview,
-            request: str | None) -> bytes | None:
+def put_now(
+    broker: Broker,
+    sid: str | None,
+    who: Caller,
+    req: ManyAlloc,
+    data: memoryview,
+    request: str | None,
+) -> bytes | None:
     got = broker.try_put_many(sid, who, req, data, request)
     return None if got is None else versions_of(got)
 
 
-async def put(broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, data: memoryview,
-              request: str | None) -> bytes:
+async def put(
+    broker: Broker,
+    sid: str | None,
+    who: Caller,
+    req: ManyAlloc,
+    data: memoryview,
+    request: str | None,
+) -> bytes:
     return versions_of(await broker.put_many(sid, who, req, data, request))
 
 
@@ -116,14 +138,30 @@ def _floors(req: BatchGet) -> int | list[int]:
     return req.newer_than if req.newer_than is not None else 0
 
 
-def get_now(broker: Broker, sid: str | None, who: Caller, req: BatchGet,
-            request: str | None) -> bytes | None:
+def get_now(
+    broker: Broker, sid: str | None, who: Caller, req: BatchGet, request: str | None
+) -> bytes | None:
     got = broker.try_get_many(sid, who, req.names, _floors(req), request=request, wait=req.wait)
     return None if got is None else columns(broker, got, "ready")
 
 
-async def get(broker: Broker, sid: str | None, who: Caller, req: BatchGet, request: str | None,
-              timeout: float | None, gone: Callable[[], Awaitable[Any]] | None) -> bytes:
-    got = await broker.get_many(sid, who, req.names, timeout, newer_than=_floors(req),
-                                request=request, gone=gone, wait=req.wait)
+async def get(
+    broker: Broker,
+    sid: str | None,
+    who: Caller,
+    req: BatchGet,
+    request: str | None,
+    timeout: float | None,
+    gone: Callable[[], Awaitable[Any]] | None,
+) -> bytes:
+    got = await broker.get_many(
+        sid,
+        who,
+        req.names,
+        timeout,
+        newer_than=_floors(req),
+        request=request,
+        gone=gone,
+        wait=req.wait,
+    )
     return columns(broker, got, "ready")

@@ -20,8 +20,14 @@ from ..._wire import ErrorBody
 from ._handler import JSON, Route
 from .routers import batch, cuda, many, sessions, system, tensors
 
-ROUTES: tuple[Route, ...] = (*system.ROUTES, *sessions.ROUTES, *tensors.ROUTES, *batch.ROUTES,
-                             *many.ROUTES, *cuda.ROUTES)
+ROUTES: tuple[Route, ...] = (
+    *system.ROUTES,
+    *sessions.ROUTES,
+    *tensors.ROUTES,
+    *batch.ROUTES,
+    *many.ROUTES,
+    *cuda.ROUTES,
+)
 
 
 class _Pattern:
@@ -43,10 +49,13 @@ class _Pattern:
 
     def match(self, path: str) -> dict[str, str] | None:
         head, tail = self.head, self.tail
-        if not path.startswith(head) or not path.endswith(tail) \
-                or len(path) < len(head) + len(tail):
+        if (
+            not path.startswith(head)
+            or not path.endswith(tail)
+            or len(path) < len(head) + len(tail)
+        ):
             return None
-        value = path[len(head):len(path) - len(tail)]
+        value = path[len(head) : len(path) - len(tail)]
         if not self.spans and (not value or "/" in value):
             return None
         return {self.name: value}
@@ -88,15 +97,25 @@ def match(method: str, path: str) -> tuple[Route | None, dict[str, str], bool]:
 # Every route may answer with these; the body is always ErrorBody.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": what}
-    for status, what in ((400, "bad input"), (401, "no or unknown credentials (a bearer token)"),
-                         (403, ("not allowed: a missing scope, a name outside the token's "
-                                "prefix, a unix peer whose uid is not admitted, or another "
-                                "client's session")),
-                         (404, "unknown name or route"), (409, "conflict with the tensor's state"),
-                         (413, "request body too large"), (422, "malformed request"),
-                         (429, "a per-client limit (sessions)"),
-                         (503, "the broker is shutting down"),
-                         (507, "out of memory (--max-memory, or a per-session/per-token quota)"))
+    for status, what in (
+        (400, "bad input"),
+        (401, "no or unknown credentials (a bearer token)"),
+        (
+            403,
+            (
+                "not allowed: a missing scope, a name outside the token's "
+                "prefix, a unix peer whose uid is not admitted, or another "
+                "client's session"
+            ),
+        ),
+        (404, "unknown name or route"),
+        (409, "conflict with the tensor's state"),
+        (413, "request body too large"),
+        (422, "malformed request"),
+        (429, "a per-client limit (sessions)"),
+        (503, "the broker is shutting down"),
+        (507, "out of memory (--max-memory, or a per-session/per-token quota)"),
+    )
 }
 
 
@@ -110,8 +129,11 @@ def _documented(r: Route) -> Any:
     params = []
     if r.body is not None and not r.framed:  # a framed body's docs say what it is
         model: type[BaseModel] = r.body
-        params.append(inspect.Parameter("body", inspect.Parameter.KEYWORD_ONLY,
-                                        annotation=Annotated[model, Body()]))
+        params.append(
+            inspect.Parameter(
+                "body", inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[model, Body()]
+            )
+        )
     endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     endpoint.__doc__ = r.handler.__doc__ if r.handler is not None else None
     return endpoint
@@ -124,9 +146,19 @@ def openapi_routes() -> list[APIRoute]:
     for r in ROUTES:
         if r.handler is None:
             continue
-        out.append(APIRoute(
-            r.path, _documented(r), methods=[r.method], operation_id=r.op, summary=r.summary,
-            tags=[r.tag] if r.tag else None, response_model=r.answers, status_code=r.status,
-            responses=dict(ERROR_RESPONSES), openapi_extra=r.docs or None,
-            response_class=JSONResponse if r.media == JSON else Response))
+        out.append(
+            APIRoute(
+                r.path,
+                _documented(r),
+                methods=[r.method],
+                operation_id=r.op,
+                summary=r.summary,
+                tags=[r.tag] if r.tag else None,
+                response_model=r.answers,
+                status_code=r.status,
+                responses=dict(ERROR_RESPONSES),
+                openapi_extra=r.docs or None,
+                response_class=JSONResponse if r.media == JSON else Response,
+            )
+        )
     return out

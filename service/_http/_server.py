@@ -98,7 +98,8 @@ def _refuse_dir(path: str, st: os.stat_result, problem: str, fix: str) -> Listen
         f"{stat.S_IMODE(st.st_mode):04o}); whoever can write it can replace the socket with their "
         f"own and receive your clients' tensors. {fix}, or use --listen "
         "unix:///<a directory of yours>/broker.sock: a missing directory is created with mode "
-        "0700")
+        "0700"
+    )
 
 
 def _socket_dir(path: str, policy: AuthPolicy) -> None:
@@ -114,12 +115,17 @@ def _socket_dir(path: str, policy: AuthPolicy) -> None:
         os.chmod(parent, policy.dir_mode)  # makedirs' mode is filtered by the umask
     lst = os.lstat(parent)
     if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (me, 0):
-        raise _refuse_dir(parent, lst, "is a symlink owned by someone else",
-                          f"Remove it (rm {parent})")
+        raise _refuse_dir(
+            parent, lst, "is a symlink owned by someone else", f"Remove it (rm {parent})"
+        )
     st = os.stat(parent)
     if st.st_uid != me:
-        raise _refuse_dir(parent, st, f"belongs to another user, not to this broker's uid "
-                          f"{describe_uid(me)}", f"Remove it as its owner or root (rm -r {parent})")
+        raise _refuse_dir(
+            parent,
+            st,
+            f"belongs to another user, not to this broker's uid {describe_uid(me)}",
+            f"Remove it as its owner or root (rm -r {parent})",
+        )
     if st.st_mode & 0o022:
         raise _refuse_dir(parent, st, "is writable by group or others", f"Run chmod go-w {parent}")
     # Each ancestor: only we or root may rename entries in it (sticky dirs
@@ -130,8 +136,12 @@ def _socket_dir(path: str, policy: AuthPolicy) -> None:
         ast = os.stat(up)
         sticky = bool(ast.st_mode & stat.S_ISVTX)
         if ast.st_uid not in (me, 0) or (ast.st_mode & 0o022 and not sticky):
-            raise _refuse_dir(up, ast, f"(above the socket directory {parent}) lets another user "
-                              f"rename what it holds", "Choose a path under directories you own")
+            raise _refuse_dir(
+                up,
+                ast,
+                f"(above the socket directory {parent}) lets another user rename what it holds",
+                "Choose a path under directories you own",
+            )
         if up == os.path.dirname(up):
             break
         up = os.path.dirname(up)
@@ -141,7 +151,8 @@ def _socket_dir(path: str, policy: AuthPolicy) -> None:
             raise ListenError(
                 f"the socket directory {parent} (mode {stat.S_IMODE(st.st_mode):04o}) does not let "
                 f"group {policy.file_gid} reach the socket; run chgrp {policy.file_gid} {parent} "
-                f"&& chmod 0750 {parent}, or use a directory the broker creates itself")
+                f"&& chmod 0750 {parent}, or use a directory the broker creates itself"
+            )
 
 
 def _bind_unix(path: str, policy: AuthPolicy) -> socket.socket:
@@ -183,8 +194,9 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}; is another broker "
-                          "running?") from None
+        raise ListenError(
+            f"cannot listen on {host}:{port}: {exc.strerror}; is another broker running?"
+        ) from None
     sock.listen(1024)
     return sock
 
@@ -202,10 +214,11 @@ def bind_all(settings: Settings, policy: AuthPolicy) -> tuple[list[Listen], list
     socks: list[socket.socket] = []
     try:
         for ln in listens:
-            socks.append(_bind_unix(ln.path, policy) if ln.family == "unix"
-                         else _bind_tcp(ln.host, ln.port))
+            socks.append(
+                _bind_unix(ln.path, policy) if ln.family == "unix" else _bind_tcp(ln.host, ln.port)
+            )
     except BaseException:
-        close_all(listens[:len(socks)], socks)  # only what we bound: never a live broker's socket
+        close_all(listens[: len(socks)], socks)  # only what we bound: never a live broker's socket
         raise
     return listens, socks
 
@@ -234,16 +247,18 @@ def _peer_groups(sock: Any) -> tuple[int, ...]:
                 size *= 4
                 continue
             return ()  # an older kernel: the primary gid (SO_PEERCRED) still counts
-        return struct.unpack(f"{len(raw) // 4}I", raw[:len(raw) // 4 * 4])
+        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
     return ()
 
 
 def _raw_error(exc: DepotError) -> bytes:
     """A whole HTTP answer for ``exc``, for a connection closed after it."""
     body = error_body(exc)
-    return (f"HTTP/1.1 {exc.status} {REASONS[exc.status]}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n{SERVER_HEADER}: {__version__}\r\n"
-            f"connection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {exc.status} {REASONS[exc.status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{SERVER_HEADER}: {__version__}\r\n"
+        f"connection: close\r\n\r\n"
+    ).encode() + body
 
 
 class PeerCredProtocol(HttpToolsProtocol):
@@ -279,12 +294,22 @@ class PeerCredProtocol(HttpToolsProtocol):
             groups = _peer_groups(sock)
         # app_state is copied into each request's scope["state"]; this
         # connection gets its own copy with the peer in it.
-        self.app_state = {**self.app_state, "peercred": cred, "peergroups": groups, "unix": unix,
-                          "connection": {}}
+        self.app_state = {
+            **self.app_state,
+            "peercred": cred,
+            "peergroups": groups,
+            "unix": unix,
+            "connection": {},
+        }
         if len(self.connections) > self.max_connections and not self._evict_idle():
-            transport.write(_raw_error(BrokerUnavailable(
-                f"the broker has {self.max_connections} connections open (--max-connections) "
-                f"and none is idle; retry later")))
+            transport.write(
+                _raw_error(
+                    BrokerUnavailable(
+                        f"the broker has {self.max_connections} connections open "
+                        f"(--max-connections) and none is idle; retry later"
+                    )
+                )
+            )
             transport.close()
 
     def _evict_idle(self) -> bool:
@@ -295,9 +320,13 @@ class PeerCredProtocol(HttpToolsProtocol):
         live = [c for c in self.connections if not c.transport.is_closing()]
         if len(live) <= self.max_connections:
             return True
-        idle = [c for c in live
-                if c is not self and isinstance(c, PeerCredProtocol)
-                and (c.cycle is None or c.cycle.response_complete)]
+        idle = [
+            c
+            for c in live
+            if c is not self
+            and isinstance(c, PeerCredProtocol)
+            and (c.cycle is None or c.cycle.response_complete)
+        ]
         if not idle:
             return False
         min(idle, key=lambda c: c._last_active).transport.close()
@@ -315,8 +344,11 @@ class PeerCredProtocol(HttpToolsProtocol):
         """A request the HTTP parser cannot read: the one error body, marked
         as every answer of the broker, instead of uvicorn's plain text."""
         if not self.transport.is_closing():
-            self.transport.write(_raw_error(InvalidRequest(
-                f"{msg} Send HTTP/1.1 with an ASCII request line and headers.")))
+            self.transport.write(
+                _raw_error(
+                    InvalidRequest(f"{msg} Send HTTP/1.1 with an ASCII request line and headers.")
+                )
+            )
             self.transport.close()
 
     _refused = False  # answered 431: what the parser still hands over is dropped
@@ -324,8 +356,9 @@ class PeerCredProtocol(HttpToolsProtocol):
     def _refuse_head(self) -> None:
         self._refused = True
         if not self.transport.is_closing():
-            self.transport.write(_raw_error(HeadersTooLarge(
-                f"the request head is over {MAX_HEADER_BYTES} bytes")))
+            self.transport.write(
+                _raw_error(HeadersTooLarge(f"the request head is over {MAX_HEADER_BYTES} bytes"))
+            )
             self.transport.close()
         self._lane_req = None
 
@@ -345,8 +378,10 @@ class PeerCredProtocol(HttpToolsProtocol):
         # one read is parsed, and would be dispatched, within data_received,
         # before the byte count there could refuse it.
         heads = self.headers
-        if len(self.url) + 4 * len(heads) + sum(map(len, chain.from_iterable(heads))) \
-                > MAX_HEADER_BYTES:
+        if (
+            len(self.url) + 4 * len(heads) + sum(map(len, chain.from_iterable(heads)))
+            > MAX_HEADER_BYTES
+        ):
             self._refuse_head()
         if self._refused:
             return

@@ -86,9 +86,15 @@ class Broker:
     ``ready(name, newer_than)``: the newest ready version
     of ``name`` newer than ``newer_than``, or None."""
 
-    def __init__(self, pool: Pool, *, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic, proc: str = "/proc",
-                 cuda: CudaMemory | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        proc: str = "/proc",
+        cuda: CudaMemory | None = None,
+    ) -> None:
         self.limits = lim = limits or Limits()
         # This run's id: version numbers start again with a new broker, so
         # whatever names a version across runs (a pickle, a replica's
@@ -98,35 +104,66 @@ class Broker:
         self.cuda = cuda if cuda is not None else CudaMemory()  # GPUs: nothing until first used
         self.clock = clock
         self.counters: dict[str, int] = {}
-        self.sessions = Sessions(session_ttl=lim.session_ttl, claim_window=lim.claim_window,
-                                 max_sessions=lim.max_sessions,
-                                 max_per_peer=lim.max_sessions_per_peer, clock=clock, proc=proc)
+        self.sessions = Sessions(
+            session_ttl=lim.session_ttl,
+            claim_window=lim.claim_window,
+            max_sessions=lim.max_sessions,
+            max_per_peer=lim.max_sessions_per_peer,
+            clock=clock,
+            proc=proc,
+        )
         self.records = Records(clock)
         self.quotas = Quotas(lim, self.sessions, self._count)
         self.memory = Memory(pool, self.cuda, self.quotas, self._count)
-        self.lending = Leases(self.sessions, self.memory, self.cuda, self._count,
-                              lim.max_leases_per_session)
+        self.lending = Leases(
+            self.sessions, self.memory, self.cuda, self._count, lim.max_leases_per_session
+        )
         self.memory.reader_of = self.lending.reader_of
         self.waits = Waits()
-        self.writes = w = Writes(sessions=self.sessions, records=self.records, memory=self.memory,
-                                 quotas=self.quotas, lending=self.lending, waits=self.waits,
-                                 alloc_ttl=lim.alloc_ttl, clock=clock, count=self._count)
+        self.writes = w = Writes(
+            sessions=self.sessions,
+            records=self.records,
+            memory=self.memory,
+            quotas=self.quotas,
+            lending=self.lending,
+            waits=self.waits,
+            alloc_ttl=lim.alloc_ttl,
+            clock=clock,
+            count=self._count,
+        )
         self.lending.abandoned = w.abandon
         self.quotas.evict = self._evict
-        self.reads = r = Reads(sessions=self.sessions, records=self.records, lending=self.lending,
-                               waits=self.waits, count=self._count,
-                               superseded=self.memory.superseded)
+        self.reads = r = Reads(
+            sessions=self.sessions,
+            records=self.records,
+            lending=self.lending,
+            waits=self.waits,
+            count=self._count,
+            superseded=self.memory.superseded,
+        )
         self.try_get, self.try_get_many, self.get, self.get_many = (
-            r.try_get, r.try_get_many, r.get, r.get_many)
+            r.try_get,
+            r.try_get_many,
+            r.get,
+            r.get_many,
+        )
         self.get_version = r.get_version
         self.entries = self.records.entries  # name -> Entry
         self.leases = self.lending.table  # lease id -> Lease
         self.ready = self.records.ready
         # The writing side answers as the broker's own methods, at no extra call.
         self.alloc, self.try_alloc, self.alloc_many, self.try_alloc_many = (
-            w.alloc, w.try_alloc, w.alloc_many, w.try_alloc_many)
+            w.alloc,
+            w.try_alloc,
+            w.alloc_many,
+            w.try_alloc_many,
+        )
         self.publish, self.publish_many, self.abort, self.abandon = (
-            w.publish, w.publish_many, w.abort, w.abandon)
+            w.publish,
+            w.publish_many,
+            w.abort,
+            w.abandon,
+        )
         self.put_inline, self.try_put_inline, self.link = w.put_inline, w.try_put_inline, w.link
         self.put_many, self.try_put_many = w.put_many, w.try_put_many
         self.cuda.count = self._count
@@ -170,15 +207,28 @@ class Broker:
             return self.cuda.handle(v, lease, list(c_strides(v.shape)))
         # model_validate, though valid by construction: pydantic validates a
         # dict in Rust in half the time model_construct takes in Python.
-        return Handle.model_validate({
-            "name": v.name, "version": v.number, "kind": "posix", "segment": v.block.segment,
-            "offset": v.block.offset, "nbytes": v.block.nbytes, "shape": list(v.shape),
-            "strides": list(c_strides(v.shape)), "dtype": v.dtype, "device": "cpu",
-            "state": v.state, "lease": lease, "cuda": None})
+        return Handle.model_validate(
+            {
+                "name": v.name,
+                "version": v.number,
+                "kind": "posix",
+                "segment": v.block.segment,
+                "offset": v.block.offset,
+                "nbytes": v.block.nbytes,
+                "shape": list(v.shape),
+                "strides": list(c_strides(v.shape)),
+                "dtype": v.dtype,
+                "device": "cpu",
+                "state": v.state,
+                "lease": lease,
+                "cuda": None,
+            }
+        )
 
     # -- sessions ----------------------------------------------------------
-    def open_session(self, caller: Caller, label: str | None = None,
-                     holding: Sequence[str] = ()) -> SessionInfo:
+    def open_session(
+        self, caller: Caller, label: str | None = None, holding: Sequence[str] = ()
+    ) -> SessionInfo:
         """``holding``: as for ``heartbeat``, said at once by a process that
         resumes and finds its session lapsed."""
         if self.closing:
@@ -201,8 +251,13 @@ class Broker:
 
     def _session_info(self, s: Session) -> SessionInfo:
         interval = None if s.tracked else s.ttl / 3
-        return SessionInfo(session=s.id, pid=s.pid, tracked=s.tracked, heartbeat_interval=interval,
-                           instance=self.instance)
+        return SessionInfo(
+            session=s.id,
+            pid=s.pid,
+            tracked=s.tracked,
+            heartbeat_interval=interval,
+            instance=self.instance,
+        )
 
     def heartbeat(self, sid: str, caller: Caller, holding: Sequence[str] = ()) -> None:
         """``holding``: lapsed sessions of this process whose leases live views
@@ -237,13 +292,15 @@ class Broker:
         """A session for a child about to be forked, with copies of the
         parent's leases (a writer's holds included)."""
         parent = self.sessions.admit(sid, caller)
-        child = self.sessions.open(caller, label=f"fork of {parent.label or sid[:8]}",
-                                   claimed=False)
+        child = self.sessions.open(
+            caller, label=f"fork of {parent.label or sid[:8]}", claimed=False
+        )
         mapping = {}
         for lid in sorted(parent.leases):
             src = self.leases[lid]
-            mapping[str(lid)] = self.lending.take(child, src.version, count=False, hold=src.hold,
-                                                     copy=True)
+            mapping[str(lid)] = self.lending.take(
+                child, src.version, count=False, hold=src.hold, copy=True
+            )
         self._count("forks")
         return ForkInfo(session=child.id, leases=mapping, claim_within=child.ttl)
 
@@ -294,8 +351,12 @@ class Broker:
             if s.exiting:  # a clean exit, not a crash: nothing to alert on
                 self._count("sessions_exited")
             else:
-                log.info("session %s (pid %s) %s; reclaiming", s.id[:8], s.pid,
-                         "is gone" if known else "missed its heartbeats")
+                log.info(
+                    "session %s (pid %s) %s; reclaiming",
+                    s.id[:8],
+                    s.pid,
+                    "is gone" if known else "missed its heartbeats",
+                )
                 self._count("sessions_reaped")
             self.end_session(s, verified=known)
         return [s.id for s, _ in dead]
@@ -303,8 +364,9 @@ class Broker:
     def expire(self) -> list[str]:
         """Delete names past their ttl, and reclaim writes past --alloc-ttl."""
         now = self.clock()
-        gone = [n for n, e in self.entries.items() if e.expires_at is not None
-                and e.expires_at <= now]
+        gone = [
+            n for n, e in self.entries.items() if e.expires_at is not None and e.expires_at <= now
+        ]
         for n in gone:
             self.delete(n)
             self._count("expired")
@@ -326,8 +388,13 @@ class Broker:
         return self.memory.view(v, writable=writable)
 
     # -- reading: Reads (_reads) answers ----------------------------------------
-    def release(self, sid: str | None, caller: Caller, lease_ids: list[int],
-                requests: list[str] | None = None) -> int:
+    def release(
+        self,
+        sid: str | None,
+        caller: Caller,
+        lease_ids: list[int],
+        requests: list[str] | None = None,
+    ) -> int:
         """Release this session's leases (others' ids are ignored), and cancel
         requests whose answers the client never read."""
         s = self.sessions.get(sid or "")
@@ -373,8 +440,10 @@ class Broker:
             if len(names) == 1:
                 raise TensorNotFound(f"tensor {names[0]!r} not found ({known}); nothing to delete")
             shown = ", ".join(map(repr, missing[:10])) + ", ..." * (len(missing) > 10)
-            raise TensorNotFound(f"{len(missing)} of the {len(names)} names are not found: "
-                                 f"{shown} ({known}); nothing was deleted")
+            raise TensorNotFound(
+                f"{len(missing)} of the {len(names)} names are not found: "
+                f"{shown} ({known}); nothing was deleted"
+            )
         for n in names:
             e = self.entries[n]
             self.records.drop(e)
@@ -399,9 +468,15 @@ class Broker:
         """Replicas that no lease holds are a cache: drop the least recently
         checked first (of those charged to ``identity``, if given) until
         ``nbytes`` came back; the bytes dropped.  A get pulls them again."""
-        cached = [e.ready for e in self.entries.values()
-                  if e.ready is not None and e.ready.replica is not None and not e.writing
-                  and e.ready.readers == 0 and (identity is None or e.ready.identity == identity)]
+        cached = [
+            e.ready
+            for e in self.entries.values()
+            if e.ready is not None
+            and e.ready.replica is not None
+            and not e.writing
+            and e.ready.readers == 0
+            and (identity is None or e.ready.identity == identity)
+        ]
         cached.sort(key=lambda v: v.replica.checked_at if v.replica else 0.0)
         freed = 0
         for v in cached:
@@ -417,12 +492,20 @@ class Broker:
 
     def stat(self) -> Stat:
         pool = self.pool
-        return Stat(bytes_in_use=self.memory.bytes_in_use, bytes_reserved=pool.reserved,
-                    bytes_retired=pool.retired, retired_total=pool.retired_total,
-                    max_memory=pool.max_memory, tensors=self.records.tensors(),
-                    versions=self.memory.versions_live, leases=len(self.leases),
-                    sessions=len(self.sessions), segments=pool.segments,
-                    waiting=self.waits.waiting, devices=self.cuda.stat())
+        return Stat(
+            bytes_in_use=self.memory.bytes_in_use,
+            bytes_reserved=pool.reserved,
+            bytes_retired=pool.retired,
+            retired_total=pool.retired_total,
+            max_memory=pool.max_memory,
+            tensors=self.records.tensors(),
+            versions=self.memory.versions_live,
+            leases=len(self.leases),
+            sessions=len(self.sessions),
+            segments=pool.segments,
+            waiting=self.waits.waiting,
+            devices=self.cuda.stat(),
+        )
 
     def who(self, identity: str | None, may_use: Callable[[str], bool]) -> builtins.list[Holder]:
         """Each client session (of ``identity``; None: every one) and what its
@@ -437,13 +520,28 @@ class Broker:
                 if may_use(v.name):
                     per = held.setdefault(v.name, {}).setdefault(v.number, [0, v.nbytes])
                     per[0] += 1
-            names = [HeldName(name=n, versions=sorted(vs), leases=sum(c for c, _ in vs.values()),
-                              nbytes=sum(b for _, b in vs.values()))
-                     for n, vs in sorted(held.items())]
-            out.append(Holder(session=s.id[:8], pid=s.pid, label=s.label, identity=s.owner,
-                              leases=sum(h.leases for h in names),
-                              nbytes=sum(h.nbytes for h in names), writing=len(s.writing),
-                              exiting=s.exiting, names=names))
+            names = [
+                HeldName(
+                    name=n,
+                    versions=sorted(vs),
+                    leases=sum(c for c, _ in vs.values()),
+                    nbytes=sum(b for _, b in vs.values()),
+                )
+                for n, vs in sorted(held.items())
+            ]
+            out.append(
+                Holder(
+                    session=s.id[:8],
+                    pid=s.pid,
+                    label=s.label,
+                    identity=s.owner,
+                    leases=sum(h.leases for h in names),
+                    nbytes=sum(h.nbytes for h in names),
+                    writing=len(s.writing),
+                    exiting=s.exiting,
+                    names=names,
+                )
+            )
         return sorted(out, key=lambda h: (h.pid or 0, h.session))
 
     # -- shutdown ------------------------------------------------------------

@@ -123,9 +123,14 @@ class Registry(Protocol):
     def sessions(self) -> Sessions: ...
 
     def delete(self, name: str) -> None: ...
-    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
-                    block: Block | None = None,
-                    request: str | None = None) -> tuple[Version, int | None]: ...
+    async def alloc(
+        self,
+        sid: str | None,
+        caller: Caller,
+        req: AllocRequest,
+        block: Block | None = None,
+        request: str | None = None,
+    ) -> tuple[Version, int | None]: ...
     def publish(self, sid: str | None, caller: Caller, name: str, number: int) -> Version: ...
 
 
@@ -203,8 +208,14 @@ def _never(_what: str, _n: int = 1) -> None:
 class CudaMemory:
     """Every GPU the broker serves.  See the module docstring."""
 
-    def __init__(self, prefix: str = "tensordepot-cuda-", *, max_memory: int | None = None,
-                 segment_size: int = 256 * MiB, gpus: Gpus | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str = "tensordepot-cuda-",
+        *,
+        max_memory: int | None = None,
+        segment_size: int = 256 * MiB,
+        gpus: Gpus | None = None,
+    ) -> None:
         self.prefix = prefix
         self.max_memory = max_memory  # per GPU; None: half of each GPU's memory
         self.segment_size = segment_size
@@ -274,22 +285,32 @@ class CudaMemory:
         try:
             gpu = self.gpus.open(ordinal, uuid)
         except Exception as exc:  # a CUDA failure is a fact about the machine
-            raise InvalidRequest(f"the broker cannot open GPU {uuid} (cuda:{ordinal}): "
-                                 f"{exc}") from None
+            raise InvalidRequest(
+                f"the broker cannot open GPU {uuid} (cuda:{ordinal}): {exc}"
+            ) from None
         limit = self.max_memory if self.max_memory is not None else gpu.total_memory // 2
         ipc: dict[str, tuple[str, int]] = {}
         factory = functools.partial(_new_block, gpu, ipc)
         factory.kind = "cuda"  # type: ignore[attr-defined]  # how the pool names the segments
         made: list[_Device] = []
-        pool = Pool(self.prefix, max_memory=limit, segment_size=self.segment_size,
-                    segment_factory=factory, device=f"cuda:{uuid}",
-                    unlinker=lambda seg: self._unlink(made[0], seg))
+        pool = Pool(
+            self.prefix,
+            max_memory=limit,
+            segment_size=self.segment_size,
+            segment_factory=factory,
+            device=f"cuda:{uuid}",
+            unlinker=lambda seg: self._unlink(made[0], seg),
+        )
         pool.on_drop = ipc.__delitem__
         dev = self._devices[key] = _Device(uuid, ordinal, gpu, pool, ipc, limit=limit)
         made.append(dev)
-        log.info("GPU %s (cuda:%d in the broker) in use: limit %d MiB, context %s", uuid, ordinal,
-                 limit // MiB, "unknown" if gpu.context_bytes is None
-                 else f"{gpu.context_bytes // MiB} MiB")
+        log.info(
+            "GPU %s (cuda:%d in the broker) in use: limit %d MiB, context %s",
+            uuid,
+            ordinal,
+            limit // MiB,
+            "unknown" if gpu.context_bytes is None else f"{gpu.context_bytes // MiB} MiB",
+        )
         return dev
 
     def _dev_of(self, block: Block) -> _Device:
@@ -375,13 +396,21 @@ class CudaMemory:
             block = dev.pool.alloc(nbytes)
         except PoolExhausted as exc:
             held = dev.held_bytes
-            why = (f" ({held} bytes of it are blocks a client process may still map: they "
-                   f"come back once its client reports them unmapped, within seconds when "
-                   f"idle, or its session ends)" if held else "")
-            fix = exc.fix("--cuda-memory", "--cuda-segment-size",
-                          f"GPU {dev.uuid} (nvidia-smi shows who holds it)")
-            raise OutOfMemory(f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: "
-                              f"{exc}{why}; {fix}") from None
+            why = (
+                f" ({held} bytes of it are blocks a client process may still map: they "
+                f"come back once its client reports them unmapped, within seconds when "
+                f"idle, or its session ends)"
+                if held
+                else ""
+            )
+            fix = exc.fix(
+                "--cuda-memory",
+                "--cuda-segment-size",
+                f"GPU {dev.uuid} (nvidia-smi shows who holds it)",
+            )
+            raise OutOfMemory(
+                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}{why}; {fix}"
+            ) from None
         self._write[block] = self._write_event(session.id, dev)
         self._mapped(dev, block.segment, session.id)
         return block
@@ -453,16 +482,31 @@ class CudaMemory:
         w = self._write.get(block)
         r = self._leases.get(lease) if lease is not None else None
         cuda = CudaHandle.model_construct(
-            uuid=dev.uuid, ipc_handle=ipc, block_size=size,
-            event=None if w is None else w.id, event_handle=None if w is None else w.handle,
+            uuid=dev.uuid,
+            ipc_handle=ipc,
+            block_size=size,
+            event=None if w is None else w.id,
+            event_handle=None if w is None else w.handle,
             release_event=None if r is None else r.event.id,
             release_event_handle=None if r is None else r.event.handle,
             owner_pid=None if share is None else share.pid,
-            owner_start=None if share is None else share.start)
-        return Handle(name=v.name, version=v.number, kind="cuda", segment=block.segment,
-                      offset=block.offset, nbytes=block.nbytes, shape=list(v.shape),
-                      strides=strides,
-                      dtype=v.dtype, device=block.device, state=v.state, lease=lease, cuda=cuda)
+            owner_start=None if share is None else share.start,
+        )
+        return Handle(
+            name=v.name,
+            version=v.number,
+            kind="cuda",
+            segment=block.segment,
+            offset=block.offset,
+            nbytes=block.nbytes,
+            shape=list(v.shape),
+            strides=strides,
+            dtype=v.dtype,
+            device=block.device,
+            state=v.state,
+            lease=lease,
+            cuda=cuda,
+        )
 
     def end_session(self, broker: Registry, session: Session) -> None:
         """Withdraw the names whose current version is memory this session
@@ -478,8 +522,9 @@ class CudaMemory:
                 broker.delete(name)
                 self.count("shares_withdrawn")
 
-    async def share(self, broker: Registry, sid: str | None, caller: Caller,
-                    req: ShareRequest) -> Version:
+    async def share(
+        self, broker: Registry, sid: str | None, caller: Caller, req: ShareRequest
+    ) -> Version:
         """Publish producer-owned memory as the next version of ``req.name``."""
         uuid = self.wire_uuid(req.device)
         dev = self._device(uuid)  # the leases' release events live on this GPU
@@ -497,11 +542,16 @@ class CudaMemory:
         segment = "share-" + hashlib.sha256(decode_ipc(req.ipc_handle)).hexdigest()[:32]
         block = Block(segment, req.offset, nbytes, req.alloc_size, device=dev.name)
         tracked = s is not None and s.tracked
-        self._shares[block] = _Share(sid or "", s.pid if tracked and s else None,
-                                     s.start_time if tracked and s else None, req.ipc_handle)
+        self._shares[block] = _Share(
+            sid or "",
+            s.pid if tracked and s else None,
+            s.start_time if tracked and s else None,
+            req.ipc_handle,
+        )
         self._share_names[segment] = self._share_names.get(segment, 0) + 1
-        alloc = AllocRequest(name=req.name, shape=req.shape, dtype=req.dtype, device=req.device,
-                             ttl=req.ttl)
+        alloc = AllocRequest(
+            name=req.name, shape=req.shape, dtype=req.dtype, device=req.device, ttl=req.ttl
+        )
         try:
             v, _ = await broker.alloc(sid, caller, alloc, block=block)
         except BaseException:
@@ -547,11 +597,19 @@ class CudaMemory:
         for dev in self._devices.values():
             pending = sum(b.size for b in self._freeing if b.device == dev.name)
             shared = sum(b.nbytes for b in self._shares if b.device == dev.name)
-            out.append(DeviceStat(device=dev.name, bytes_in_use=dev.pool.used - pending,
-                                  bytes_reserved=dev.pool.reserved + dev.held_bytes,
-                                  bytes_pending=pending, bytes_shared=shared, max_memory=dev.limit,
-                                  segments=dev.pool.segments, events=len(dev.events),
-                                  context_bytes=dev.gpu.context_bytes))
+            out.append(
+                DeviceStat(
+                    device=dev.name,
+                    bytes_in_use=dev.pool.used - pending,
+                    bytes_reserved=dev.pool.reserved + dev.held_bytes,
+                    bytes_pending=pending,
+                    bytes_shared=shared,
+                    max_memory=dev.limit,
+                    segments=dev.pool.segments,
+                    events=len(dev.events),
+                    context_bytes=dev.gpu.context_bytes,
+                )
+            )
         return out
 
     # -- checking release events off the event loop --------------------------------------
@@ -620,8 +678,9 @@ class CudaMemory:
         self._devices.clear()
 
 
-def _new_block(gpu: Gpu, ipc: dict[str, tuple[str, int]], name: str, size: int,
-               **posix_options: Any) -> GpuBlock:
+def _new_block(
+    gpu: Gpu, ipc: dict[str, tuple[str, int]], name: str, size: int, **posix_options: Any
+) -> GpuBlock:
     """A pool's segment factory: a CUDA block, its IPC handle remembered for handles."""
     try:
         blk = gpu.block(name, size)

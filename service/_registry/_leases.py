@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 class Leases:
     """Every live lease, by id."""
 
-    def __init__(self, sessions: Sessions, memory: Memory, cuda: CudaMemory,
-                 count: Callable[..., None], per_session: int = 65536) -> None:
+    def __init__(
+        self,
+        sessions: Sessions,
+        memory: Memory,
+        cuda: CudaMemory,
+        count: Callable[..., None],
+        per_session: int = 65536,
+    ) -> None:
         self.sessions = sessions
         self.per_session = per_session  # --max-leases-per-session
         # Reclaims a version being written (Writes.abandon): set by the broker.
@@ -39,8 +45,16 @@ class Leases:
         self.table: dict[int, Lease] = {}
         self._next = 1  # the next lease id: ids are never reused
 
-    def take(self, s: Session, v: Version, request: str | None = None, *, count: bool = True,
-             hold: bool = False, copy: bool = False) -> int:
+    def take(
+        self,
+        s: Session,
+        v: Version,
+        request: str | None = None,
+        *,
+        count: bool = True,
+        hold: bool = False,
+        copy: bool = False,
+    ) -> int:
         """A new lease of ``v`` for ``s``; ``request``: the id of the request
         that took it, which releases it if its answer is never read;
         ``copy``: a copy of a lease held already (a fork's), never refused
@@ -51,8 +65,15 @@ class Leases:
             self._count("bytes_got", v.nbytes)
         return lid
 
-    def take_many(self, s: Session, versions: Sequence[Version], request: str | None = None, *,
-                  hold: bool = False, copy: bool = False) -> range:
+    def take_many(
+        self,
+        s: Session,
+        versions: Sequence[Version],
+        request: str | None = None,
+        *,
+        hold: bool = False,
+        copy: bool = False,
+    ) -> range:
         """A new lease of each of ``versions`` for ``s``, as ``take`` (not
         counted: a batch is counted by its caller): their ids, consecutive.
         Raises ``LimitExceeded``, taking none, past ``--max-leases-per-session``."""
@@ -63,7 +84,8 @@ class Leases:
             raise LimitExceeded(
                 f"this session holds {len(s.leases)} leases, and {len(versions)} more would pass "
                 f"--max-leases-per-session ({self.per_session}): release what you no longer read "
-                f"(drop its views, or t.release()), or get fewer tensors at once")
+                f"(drop its views, or t.release()), or get fewer tensors at once"
+            )
         first = self._next
         self._next = first + len(versions)
         lids = range(first, self._next)

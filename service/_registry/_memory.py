@@ -64,16 +64,18 @@ class _Lapsed:
 
     __slots__ = ("held", "owner", "unleased", "until")
 
-    def __init__(self, owner: str, held: dict[int, Block], unleased: list[Block],
-                 until: float | None) -> None:
+    def __init__(
+        self, owner: str, held: dict[int, Block], unleased: list[Block], until: float | None
+    ) -> None:
         self.owner, self.held, self.unleased, self.until = owner, held, unleased, until
 
 
 class Memory:
     """The broker's host pool and GPUs, and the books on them."""
 
-    def __init__(self, pool: Pool, cuda: CudaMemory, quotas: Quotas,
-                 count: Callable[[str], None]) -> None:
+    def __init__(
+        self, pool: Pool, cuda: CudaMemory, quotas: Quotas, count: Callable[[str], None]
+    ) -> None:
         self.pool = pool
         self.cuda = cuda
         self.quotas = quotas
@@ -159,8 +161,11 @@ class Memory:
     def refused(self, name: str, nbytes: int, exc: PoolExhausted) -> OutOfMemory:
         """The 507 for an allocation no pool could place, with the fix for its cause."""
         self._count("quota_refusals")
-        fix = exc.fix("--max-memory", "--segment-size",
-                      "/dev/shm (`df -h /dev/shm`; in docker compose, shm_size)")
+        fix = exc.fix(
+            "--max-memory",
+            "--segment-size",
+            "/dev/shm (`df -h /dev/shm`; in docker compose, shm_size)",
+        )
         return OutOfMemory(f"cannot place {name!r} ({nbytes} bytes): {exc}; {fix}")
 
     def placed(self, v: Version) -> None:
@@ -263,8 +268,9 @@ class Memory:
         """Give back what lapsed sessions past their deadline held: their
         processes count as gone (README, Limits).  The number of blocks."""
         n = 0
-        for sid in [sid for sid, rec in self._lapsed.items()
-                    if rec.until is not None and rec.until <= now]:
+        for sid in [
+            sid for sid, rec in self._lapsed.items() if rec.until is not None and rec.until <= now
+        ]:
             rec = self._lapsed.pop(sid)
             for block in [*rec.held.values(), *rec.unleased]:
                 self.trust(block)
@@ -337,7 +343,7 @@ class Memory:
         src = data.cast("B")
         at = 0
         for to, n in runs:
-            memoryview((ctypes.c_char * n).from_address(to)).cast("B")[:] = src[at:at + n]
+            memoryview((ctypes.c_char * n).from_address(to)).cast("B")[:] = src[at : at + n]
             at += n
 
     # -- shutdown --------------------------------------------------------------------

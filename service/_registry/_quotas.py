@@ -52,8 +52,7 @@ class Limits:
 class Quotas:
     """Bytes charged to each session and identity."""
 
-    def __init__(self, limits: Limits, sessions: Sessions,
-                 count: Callable[[str], None]) -> None:
+    def __init__(self, limits: Limits, sessions: Sessions, count: Callable[[str], None]) -> None:
         self.limits = limits
         self.sessions = sessions
         self._count = count
@@ -76,9 +75,12 @@ class Quotas:
                 f"tensors or publish what you are writing"
             )
         held = self._identity_bytes.get(s.owner, 0)
-        if (lim.max_memory_per_identity and held + nbytes > lim.max_memory_per_identity
-                and self.evict is not None
-                and self.evict(held + nbytes - lim.max_memory_per_identity, s.owner)):
+        if (
+            lim.max_memory_per_identity
+            and held + nbytes > lim.max_memory_per_identity
+            and self.evict is not None
+            and self.evict(held + nbytes - lim.max_memory_per_identity, s.owner)
+        ):
             held = self._identity_bytes.get(s.owner, 0)  # its cached replicas made room
         if lim.max_memory_per_identity and held + nbytes > lim.max_memory_per_identity:
             self._count("quota_refusals")
@@ -99,8 +101,10 @@ class Quotas:
         lim = self.limits
         if lim.max_memory_per_session and s.pinned >= lim.max_memory_per_session:
             held, limit, flag = s.pinned, lim.max_memory_per_session, "--max-memory-per-session"
-        elif (lim.max_memory_per_identity and self._identity_pinned.get(s.owner, 0)
-              >= lim.max_memory_per_identity):
+        elif (
+            lim.max_memory_per_identity
+            and self._identity_pinned.get(s.owner, 0) >= lim.max_memory_per_identity
+        ):
             held, limit = self._identity_pinned[s.owner], lim.max_memory_per_identity
             flag = "--max-memory-per-token"
         else:
@@ -109,7 +113,8 @@ class Quotas:
         raise OutOfMemory(
             f"cannot get {name!r}: versions you read that have since been replaced or deleted "
             f"hold {held} bytes, and {flag} is {limit}; release the tensors you no longer "
-            f"read (drop their views, or t.release())")
+            f"read (drop their views, or t.release())"
+        )
 
     def _give(self, sid: str, identity: str, nbytes: int) -> None:
         """Bytes no longer held: off the session (if it still lives) and the identity."""

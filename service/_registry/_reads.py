@@ -31,9 +31,16 @@ Got = list[tuple["Version", int]]  # the versions leased, with their lease ids
 class Reads:
     """The reading side of the registry."""
 
-    def __init__(self, *, sessions: Sessions, records: Records, lending: Leases, waits: Waits,
-                 count: Callable[..., None],
-                 superseded: dict[tuple[str, int], Version] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sessions: Sessions,
+        records: Records,
+        lending: Leases,
+        waits: Waits,
+        count: Callable[..., None],
+        superseded: dict[tuple[str, int], Version] | None = None,
+    ) -> None:
         self.superseded = {} if superseded is None else superseded  # Memory.superseded
         self.sessions = sessions
         self.records = records
@@ -42,8 +49,15 @@ class Reads:
         self._count = count
         self.peers: PeerHook | None = None  # set when --peer is given
 
-    def try_get(self, sid: str | None, caller: Caller, name: str, newer_than: int = 0, *,
-                request: str | None = None) -> tuple[Version, int] | None:
+    def try_get(
+        self,
+        sid: str | None,
+        caller: Caller,
+        name: str,
+        newer_than: int = 0,
+        *,
+        request: str | None = None,
+    ) -> tuple[Version, int] | None:
         """``get`` when a version is ready now and no peer needs asking, without
         awaiting: the version and its lease; None when ``get`` would wait,
         ask the peers, or answer not found."""
@@ -53,25 +67,38 @@ class Reads:
             return None
         return v, self.lending.take(s, v, request)
 
-    def get_version(self, sid: str | None, caller: Caller, name: str, number: int, *,
-                    request: str | None = None) -> tuple[Version, int]:
+    def get_version(
+        self, sid: str | None, caller: Caller, name: str, number: int, *, request: str | None = None
+    ) -> tuple[Version, int]:
         """Lease version ``number`` of ``name`` exactly, while it lives: the
         newest, or an older one that a lease still keeps (a sender's, for
         the receiver of a pickle).  Never waits, never asks a peer."""
         s = self.sessions.admit(sid, caller)
         e = self.records.entries.get(name)
-        v = e.ready if e is not None and e.ready is not None and e.ready.number == number \
+        v = (
+            e.ready
+            if e is not None and e.ready is not None and e.ready.number == number
             else self.superseded.get((name, number))
+        )
         if v is None or v.block is None or v.state != "ready":
             now = "" if e is None or e.ready is None else f"; the broker has v{e.ready.number} now"
-            raise TensorNotFound(f"tensor {name!r} v{number} is not kept: no lease holds it "
-                                 f"and a newer version replaced it, or it was deleted, or it "
-                                 f"was never published{now}")
+            raise TensorNotFound(
+                f"tensor {name!r} v{number} is not kept: no lease holds it "
+                f"and a newer version replaced it, or it was deleted, or it "
+                f"was never published{now}"
+            )
         return v, self.lending.take(s, v, request)
 
-    def try_get_many(self, sid: str | None, caller: Caller, names: list[str],
-                     newer_than: int | list[int] = 0, *, request: str | None = None,
-                     wait: Wait = "all") -> Got | None:
+    def try_get_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        newer_than: int | list[int] = 0,
+        *,
+        request: str | None = None,
+        wait: Wait = "all",
+    ) -> Got | None:
         """``get_many`` when what it asks for is ready now and no peer needs
         asking, without awaiting; None (and no lease) when it would wait."""
         s = self.sessions.admit(sid, caller)
@@ -101,25 +128,41 @@ class Reads:
         self._count("bytes_got", sum(v.nbytes for v, _ in got))
         return got
 
-    async def get(self, sid: str | None, caller: Caller, name: str, timeout: float | None,
-                  newer_than: int = 0, *, request: str | None = None,
-                  gone: Callable[[], Awaitable[Any]] | None = None) -> tuple[Version, int]:
+    async def get(
+        self,
+        sid: str | None,
+        caller: Caller,
+        name: str,
+        timeout: float | None,
+        newer_than: int = 0,
+        *,
+        request: str | None = None,
+        gone: Callable[[], Awaitable[Any]] | None = None,
+    ) -> tuple[Version, int]:
         """Lease the newest ready version of ``name``, waiting up to ``timeout``
         seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
-        return (await self._get_all(sid, caller, [name], timeout, [newer_than], request,
-                                    gone))[0]
+        return (await self._get_all(sid, caller, [name], timeout, [newer_than], request, gone))[0]
 
-    async def get_many(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, *, newer_than: int | list[int] = 0,
-                       request: str | None = None,
-                       gone: Callable[[], Awaitable[Any]] | None = None,
-                       wait: Wait = "all") -> Got:
+    async def get_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        timeout: float | None,
+        *,
+        newer_than: int | list[int] = 0,
+        request: str | None = None,
+        gone: Callable[[], Awaitable[Any]] | None = None,
+        wait: Wait = "all",
+    ) -> Got:
         """Under one deadline, all of them or an error and none.  ``newer_than``:
         one version floor for every name, or one per name; ``wait``: see the
         module's doc."""
         if isinstance(newer_than, list) and len(newer_than) != len(names):
-            raise InvalidRequest(f"newer_than has {len(newer_than)} versions for {len(names)} "
-                                 f"names; give one per name, in the same order")
+            raise InvalidRequest(
+                f"newer_than has {len(newer_than)} versions for {len(names)} "
+                f"names; give one per name, in the same order"
+            )
         floors = newer_than if isinstance(newer_than, list) else [newer_than] * len(names)
         if wait == "any":
             return await self._get_any(sid, caller, names, timeout, floors, request, gone)
@@ -131,14 +174,22 @@ class Reads:
         here).  The long poll asks on a miss only (``_wait``)."""
         return self.peers is not None and (found is None or found.replica is not None)
 
-    async def _ask_peers(self, name: str, newer_than: int, timeout: float | None,
-                         caller: Caller) -> None:
+    async def _ask_peers(
+        self, name: str, newer_than: int, timeout: float | None, caller: Caller
+    ) -> None:
         assert self.peers is not None
         await self.peers.before_get(name, newer_than, timeout is None or timeout > 0, caller)
 
-    async def _get_all(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, floors: list[int], request: str | None,
-                       gone: Callable[[], Awaitable[Any]] | None) -> Got:
+    async def _get_all(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        timeout: float | None,
+        floors: list[int],
+        request: str | None,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> Got:
         s = self.sessions.admit(sid, caller)
         got: Got = []
         found: list[Version] = []  # ready, not yet leased: leased together before any wait
@@ -158,15 +209,18 @@ class Reads:
                     v = self.records.ready(name, newer_than)
                 if v is None:
                     if timeout == 0:
-                        raise self.records.batch_missed(names, floors, timeout, False, self.peers,
-                                                        caller.prefix)
+                        raise self.records.batch_missed(
+                            names, floors, timeout, False, self.peers, caller.prefix
+                        )
                     lease_found()
                     try:
-                        v = await self._wait(s, caller, [name], [newer_than], deadline, timeout,
-                                             request, gone)
+                        v = await self._wait(
+                            s, caller, [name], [newer_than], deadline, timeout, request, gone
+                        )
                     except TensorNotFound:  # timed out: say every name still missing
-                        raise self.records.batch_missed(names, floors, timeout, True, self.peers,
-                                                        caller.prefix) from None
+                        raise self.records.batch_missed(
+                            names, floors, timeout, True, self.peers, caller.prefix
+                        ) from None
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
                 found.append(v)
             lease_found()
@@ -176,9 +230,16 @@ class Reads:
             raise
         return self._counted(got)
 
-    async def _get_any(self, sid: str | None, caller: Caller, names: list[str],
-                       timeout: float | None, floors: list[int], request: str | None,
-                       gone: Callable[[], Awaitable[Any]] | None) -> Got:
+    async def _get_any(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        timeout: float | None,
+        floors: list[int],
+        request: str | None,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> Got:
         s = self.sessions.admit(sid, caller)
         ready = self.records.ready
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -189,18 +250,21 @@ class Reads:
             s = self.sessions.admit(sid, caller)
         if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
             if timeout == 0:
-                raise self.records.batch_missed(names, floors, timeout, False, self.peers,
-                                                caller.prefix, any_of=True)
+                raise self.records.batch_missed(
+                    names, floors, timeout, False, self.peers, caller.prefix, any_of=True
+                )
             try:
                 await self._wait(s, caller, names, floors, deadline, timeout, request, gone)
             except TensorNotFound:
-                raise self.records.batch_missed(names, floors, timeout, True, self.peers,
-                                                caller.prefix, any_of=True) from None
+                raise self.records.batch_missed(
+                    names, floors, timeout, True, self.peers, caller.prefix, any_of=True
+                ) from None
             s = self.sessions.admit(sid, caller)
         found = [ready(n, 0) for n in names]
         if any(v is None for v in found):
-            raise self.records.batch_missed(names, [0] * len(names), timeout, False, self.peers,
-                                            caller.prefix)
+            raise self.records.batch_missed(
+                names, [0] * len(names), timeout, False, self.peers, caller.prefix
+            )
         got: Got = []
         try:
             for v in found:
@@ -212,9 +276,17 @@ class Reads:
             raise
         return self._counted(got)
 
-    async def _wait(self, s: Session, caller: Caller, names: list[str], floors: list[int],
-                    deadline: float | None, timeout: float | None, request: str | None,
-                    gone: Callable[[], Awaitable[Any]] | None) -> Version:
+    async def _wait(
+        self,
+        s: Session,
+        caller: Caller,
+        names: list[str],
+        floors: list[int],
+        deadline: float | None,
+        timeout: float | None,
+        request: str | None,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> Version:
         """The long poll: park until a version of one of ``names`` newer than its
         floor is published (here, or at a peer), or ``deadline``; the version."""
         pairs = list(zip(names, floors, strict=True))
@@ -235,9 +307,16 @@ class Reads:
             return None
 
         try:
-            v = await self.waits.wait(s, names, look, deadline, stopped=self.sessions.closing,
-                                      poll=None if peers is None else peers.poll_interval,
-                                      request=request, gone=gone)
+            v = await self.waits.wait(
+                s,
+                names,
+                look,
+                deadline,
+                stopped=self.sessions.closing,
+                poll=None if peers is None else peers.poll_interval,
+                request=request,
+                gone=gone,
+            )
         except ClientGone:
             self.sessions.admit(s.id, Caller(s.owner, s.bound))  # says why: closing, or it ended
             raise

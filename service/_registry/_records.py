@@ -51,8 +51,7 @@ class PeerHook(Protocol):
 
     poll_interval: float  # how often a waiting get asks the peers again
 
-    async def before_get(self, name: str, newer_than: int, can_wait: bool,
-                         caller: Any) -> None:
+    async def before_get(self, name: str, newer_than: int, can_wait: bool, caller: Any) -> None:
         """A get missed, or hit a replica: publish a newer replica of ``name``
         if a peer has one, or raise.  ``caller``: who asked (a
         ``_sessions.Caller``, which imports this module); a pull is charged
@@ -126,8 +125,7 @@ def check_item(dtype: str, dims: list[int]) -> Checked:
     span = math.prod(max(d, 1) for d in shape) * dt.itemsize
     if max(nbytes, span) > MAX_NBYTES:
         raise InvalidRequest(
-            f"shape {list(shape)} of {dt.name} is {nbytes} bytes, which overflows; check the "
-            "shape"
+            f"shape {list(shape)} of {dt.name} is {nbytes} bytes, which overflows; check the shape"
         )
     return shape, dt.name, dt.itemsize, nbytes
 
@@ -166,17 +164,29 @@ class Records:
     def info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         r = v.replica
-        return TensorInfo(name=e.name, version=v.number, shape=list(v.shape), dtype=v.dtype,
-                          nbytes=v.nbytes, device=v.block.device, state=v.state, readers=e.readers,
-                          expires_in=expires, origin=r.origin if r else None,
-                          origin_version=r.version if r else None)
+        return TensorInfo(
+            name=e.name,
+            version=v.number,
+            shape=list(v.shape),
+            dtype=v.dtype,
+            nbytes=v.nbytes,
+            device=v.block.device,
+            state=v.state,
+            readers=e.readers,
+            expires_in=expires,
+            origin=r.origin if r else None,
+            origin_version=r.version if r else None,
+        )
 
     def list(self, prefix: str = "") -> list[TensorInfo]:
         out = []
         for name in sorted(n for n in self.entries if n.startswith(prefix)):
             e = self.entries[name]
-            v = e.ready if e.ready is not None else max(e.writing.values(), key=lambda x: x.number,
-                                                        default=None)
+            v = (
+                e.ready
+                if e.ready is not None
+                else max(e.writing.values(), key=lambda x: x.number, default=None)
+            )
             # pulls in flight
             if v is not None and not (v.state == "writing" and v.replica is not None):
                 out.append(self.info(e, v))
@@ -189,16 +199,23 @@ class Records:
     def known(self, prefix: str | None = None) -> str:
         """The published names, those starting with ``prefix`` only: a message
         names nothing its caller may not use."""
-        names = sorted(n for n, e in self.entries.items() if e.ready is not None
-                       and (prefix is None or n.startswith(prefix)))
+        names = sorted(
+            n
+            for n, e in self.entries.items()
+            if e.ready is not None and (prefix is None or n.startswith(prefix))
+        )
         if not names:
-            return ("no tensors are published" if prefix is None
-                    else f"no tensors starting with {prefix!r} are published")
+            return (
+                "no tensors are published"
+                if prefix is None
+                else f"no tensors starting with {prefix!r} are published"
+            )
         shown = ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
         return f"known: {shown}"
 
-    def not_found(self, name: str, hook: PeerHook | None, newer_than: int = 0,
-                  prefix: str | None = None) -> TensorNotFound:
+    def not_found(
+        self, name: str, hook: PeerHook | None, newer_than: int = 0, prefix: str | None = None
+    ) -> TensorNotFound:
         e = self.entries.get(name)
         if newer_than and e is not None and e.ready is not None:
             return TensorNotFound(
@@ -211,34 +228,57 @@ class Records:
             f"it? pass timeout= to wait for it"
         )
 
-    def batch_missed(self, names: Sequence[str], floors: Sequence[int], timeout: float | None,
-                     waited: bool, hook: PeerHook | None, prefix: str | None = None,
-                     any_of: bool = False) -> TensorNotFound:
+    def batch_missed(
+        self,
+        names: Sequence[str],
+        floors: Sequence[int],
+        timeout: float | None,
+        waited: bool,
+        hook: PeerHook | None,
+        prefix: str | None = None,
+        any_of: bool = False,
+    ) -> TensorNotFound:
         """What a batch get that misses says: every name of it without the
         version it asks for (``waited``: after its wait; ``any_of``: none of them
         had one, for ``wait="any"``)."""
         miss = [(n, f) for n, f in zip(names, floors, strict=True) if self.ready(n, f) is None]
         if len(miss) == 1 and not any_of:
             n, f = miss[0]
-            return (self.timed_out(n, f, timeout, hook, prefix) if waited
-                    else self.not_found(n, hook, f, prefix))
+            return (
+                self.timed_out(n, f, timeout, hook, prefix)
+                if waited
+                else self.not_found(n, hook, f, prefix)
+            )
         parts = []
         for n, f in miss[:20]:
             e = self.entries.get(n)
-            parts.append(f"{n!r} (not published)" if e is None or e.ready is None
-                         else f"{n!r} (v{e.ready.number}, not newer than v{f})")
+            parts.append(
+                f"{n!r} (not published)"
+                if e is None or e.ready is None
+                else f"{n!r} (v{e.ready.number}, not newer than v{f})"
+            )
         shown = ", ".join(parts) + (f", ... ({len(miss)} in all)" if len(miss) > 20 else "")
         within = f" within {timeout:g} s" if waited and timeout is not None else ""
-        what = (f"none of the {len(names)} tensors got a newer version{within}" if any_of
-                else f"{len(miss)} of the {len(names)} tensors "
-                     f"{'were not published' + within if waited else 'are not ready'}")
+        what = (
+            f"none of the {len(names)} tensors got a newer version{within}"
+            if any_of
+            else f"{len(miss)} of the {len(names)} tensors "
+            f"{'were not published' + within if waited else 'are not ready'}"
+        )
         if waited:
             return WaitTimedOut(f"{what}: {shown} ({self.known(prefix)})")
-        return TensorNotFound(f"{what}: {shown} ({self.known(prefix)}); pass timeout= to wait "
-                              f"for them")
+        return TensorNotFound(
+            f"{what}: {shown} ({self.known(prefix)}); pass timeout= to wait for them"
+        )
 
-    def timed_out(self, name: str, newer_than: int, timeout: float | None,
-                  hook: PeerHook | None, prefix: str | None = None) -> WaitTimedOut:
+    def timed_out(
+        self,
+        name: str,
+        newer_than: int,
+        timeout: float | None,
+        hook: PeerHook | None,
+        prefix: str | None = None,
+    ) -> WaitTimedOut:
         e = self.entries.get(name)
         within = f"within {timeout:g} s" if timeout is not None else "in time"
         if newer_than and e is not None and e.ready is not None:
@@ -247,5 +287,6 @@ class Records:
                 f"(the newest is v{e.ready.number})"
             )
         peers = "" if hook is None else hook.explain(name)
-        return WaitTimedOut(f"tensor {name!r} was not published {within} "
-                            f"({self.known(prefix)}){peers}")
+        return WaitTimedOut(
+            f"tensor {name!r} was not published {within} ({self.known(prefix)}){peers}"
+        )

@@ -107,7 +107,7 @@ def _parent_of(pid: int, proc: str) -> int | None:
     except OSError:
         return None
     try:
-        return int(data[data.rfind(b")") + 2:].split()[1])
+        return int(data[data.rfind(b")") + 2 :].split()[1])
     except (IndexError, ValueError):
         return None
 
@@ -115,8 +115,16 @@ def _parent_of(pid: int, proc: str) -> int | None:
 class Sessions:
     """The table of sessions, with the limits that keep it bounded."""
 
-    def __init__(self, *, session_ttl: float, claim_window: float, max_sessions: int,
-                 max_per_peer: int, clock: Callable[[], float], proc: str = "/proc") -> None:
+    def __init__(
+        self,
+        *,
+        session_ttl: float,
+        claim_window: float,
+        max_sessions: int,
+        max_per_peer: int,
+        clock: Callable[[], float],
+        proc: str = "/proc",
+    ) -> None:
         self.session_ttl = session_ttl
         self.claim_window = claim_window
         self.max_sessions = max_sessions
@@ -145,15 +153,18 @@ class Sessions:
     def get(self, sid: str) -> Session | None:
         return self.table.get(sid)
 
-    def open(self, caller: Caller, *, label: str | None, claimed: bool = True,
-             own: bool = False) -> Session:
+    def open(
+        self, caller: Caller, *, label: str | None, claimed: bool = True, own: bool = False
+    ) -> Session:
         if len(self.table) >= self.max_sessions:
             raise LimitExceeded(
                 f"the broker holds {len(self.table)} sessions, its limit (--max-sessions); "
                 f"close clients you no longer use"
             )
-        if (caller.identity != LOCAL.identity
-                and self._per_peer.get(caller.peer, 0) >= self.max_per_peer):
+        if (
+            caller.identity != LOCAL.identity
+            and self._per_peer.get(caller.peer, 0) >= self.max_per_peer
+        ):
             raise LimitExceeded(
                 f"{caller.peer} already holds {self.max_per_peer} sessions "
                 "(--max-sessions-per-peer); share one Client per process instead of opening one "
@@ -167,8 +178,19 @@ class Sessions:
             if ident is not None:
                 pid, start, tracked = caller.peer_pid, ident[0], True
         ttl = self.session_ttl if claimed else self.claim_window
-        s = Session(secrets.token_hex(16), caller.identity, caller.peer, pid, start, tracked, label,
-                    self.clock(), ttl, claimed=claimed, own=own)
+        s = Session(
+            secrets.token_hex(16),
+            caller.identity,
+            caller.peer,
+            pid,
+            start,
+            tracked,
+            label,
+            self.clock(),
+            ttl,
+            claimed=claimed,
+            own=own,
+        )
         if claimed:
             s.bound = caller.peer_pid or None
         else:
@@ -181,8 +203,7 @@ class Sessions:
         """A forked child takes over the session its parent made for it."""
         if s.claimed:
             raise Conflict(f"session {s.id[:8]}... was claimed already")
-        if s.forker and (not caller.peer_pid
-                         or _parent_of(caller.peer_pid, self.proc) != s.forker):
+        if s.forker and (not caller.peer_pid or _parent_of(caller.peer_pid, self.proc) != s.forker):
             raise Forbidden(
                 f"session {s.id[:8]}... was made for a child of pid {s.forker}, and pid "
                 f"{caller.peer_pid or '(unknown)'} is not one; a process opens its own session "
@@ -226,13 +247,17 @@ class Sessions:
         """Why ``caller`` may not act under ``s`` (None: it may): the one
         ownership rule, for every route, rider and replayed answer."""
         if s.owner != caller.identity:
-            return (f"session {s.id[:8]}... belongs to another client; use the session your "
-                    f"own POST /v1/sessions returned")
+            return (
+                f"session {s.id[:8]}... belongs to another client; use the session your "
+                f"own POST /v1/sessions returned"
+            )
         if s.bound and caller.peer_pid != s.bound:
-            return (f"session {s.id[:8]}... belongs to pid {s.bound}, not to "
-                    f"{f'pid {caller.peer_pid}' if caller.peer_pid else 'this connection'}: "
-                    f"each process opens its own session (the Python Client does; a forked "
-                    f"child claims the one its parent made for it)")
+            return (
+                f"session {s.id[:8]}... belongs to pid {s.bound}, not to "
+                f"{f'pid {caller.peer_pid}' if caller.peer_pid else 'this connection'}: "
+                f"each process opens its own session (the Python Client does; a forked "
+                f"child claims the one its parent made for it)"
+            )
         return None
 
     def admit(self, sid: str | None, caller: Caller) -> Session:

@@ -74,11 +74,18 @@ class Waits:
         for waker in list(self._parked):
             waker.stop()
 
-    async def wait(self, s: Session, names: list[str],
-                   look: Callable[[], Awaitable[Version | None]],
-                   deadline: float | None, *, poll: float | None, stopped: bool,
-                   request: str | None,
-                   gone: Callable[[], Awaitable[Any]] | None) -> Version | None:
+    async def wait(
+        self,
+        s: Session,
+        names: list[str],
+        look: Callable[[], Awaitable[Version | None]],
+        deadline: float | None,
+        *,
+        poll: float | None,
+        stopped: bool,
+        request: str | None,
+        gone: Callable[[], Awaitable[Any]] | None,
+    ) -> Version | None:
         """Sleep until woken (a publish of one of ``names``), then ``look()``,
         until it finds a version (which this returns) or ``deadline`` (loop
         time) passes (None).  ``poll``:
@@ -103,8 +110,9 @@ class Waits:
         raise ClientGone(names[0])
 
     @contextmanager
-    def _parked_get(self, s: Session, request: str | None,
-                    gone: Callable[[], Awaitable[Any]] | None) -> Iterator[_Waker]:
+    def _parked_get(
+        self, s: Session, request: str | None, gone: Callable[[], Awaitable[Any]] | None
+    ) -> Iterator[_Waker]:
         """A waker that a cancel of ``request`` or a hang-up stops, parked
         while the block runs."""
         waker = _Waker()

@@ -39,9 +39,19 @@ if TYPE_CHECKING:
 class Writes:
     """The writing side of the registry."""
 
-    def __init__(self, *, sessions: Sessions, records: Records, memory: Memory, quotas: Quotas,
-                 lending: Leases, waits: Waits, alloc_ttl: float, clock: Callable[[], float],
-                 count: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        *,
+        sessions: Sessions,
+        records: Records,
+        memory: Memory,
+        quotas: Quotas,
+        lending: Leases,
+        waits: Waits,
+        alloc_ttl: float,
+        clock: Callable[[], float],
+        count: Callable[..., None],
+    ) -> None:
         self.sessions = sessions
         self.records = records
         self.memory = memory
@@ -60,9 +70,14 @@ class Writes:
             self.cuda.check_device(device)
         return check_item(dtype, dims)
 
-    async def alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
-                    block: Block | None = None,
-                    request: str | None = None) -> tuple[Version, int | None]:
+    async def alloc(
+        self,
+        sid: str | None,
+        caller: Caller,
+        req: AllocRequest,
+        block: Block | None = None,
+        request: str | None = None,
+    ) -> tuple[Version, int | None]:
         """A new version in the writing state, and the writer's hold if asked.
         ``block``: place it there (a producer's shared CUDA memory)."""
         s = self.sessions.admit(sid, caller)
@@ -71,38 +86,79 @@ class Writes:
         with self.quotas.charge(s, nbytes, req.name) as charge:
             try:
                 if block is None:
-                    block = (await self.memory.block(nbytes) if req.device in CPU
-                             else self.cuda.alloc(s, req, nbytes))
+                    block = (
+                        await self.memory.block(nbytes)
+                        if req.device in CPU
+                        else self.cuda.alloc(s, req, nbytes)
+                    )
             except PoolExhausted as exc:
                 raise self.memory.refused(req.name, nbytes, exc) from None
             sessions = self.sessions
             if sessions.closing or sessions.get(s.id) is not s:  # it ended meanwhile
                 self.memory.give_back(block)
                 self.sessions.admit(sid, caller)  # raises the reason
-            return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
-                               charge, request=request)
+            return self._place(
+                s,
+                req.name,
+                req.ttl,
+                req.hold,
+                shape,
+                dtype,
+                itemsize,
+                block,
+                charge,
+                request=request,
+            )
 
-    def try_alloc(self, sid: str | None, caller: Caller, req: AllocRequest,
-                  checked: Checked | None = None,
-                  request: str | None = None) -> tuple[Version, int | None] | None:
+    def try_alloc(
+        self,
+        sid: str | None,
+        caller: Caller,
+        req: AllocRequest,
+        checked: Checked | None = None,
+        request: str | None = None,
+    ) -> tuple[Version, int | None] | None:
         """``alloc`` when it needs no new segment (a CPU tensor that fits in
         existing memory), without awaiting; None when it does.  ``checked``:
         what ``_check_item`` returned for ``req``, if the caller called it already."""
         s = self.sessions.admit(sid, caller)
-        shape, dtype, itemsize, nbytes = (checked
-                                          or self._check_item(req.device, req.dtype, req.shape))
+        shape, dtype, itemsize, nbytes = checked or self._check_item(
+            req.device, req.dtype, req.shape
+        )
         if req.device not in CPU:
             return None
         with self.quotas.charge(s, nbytes, req.name) as charge:
             block = self.pool.try_alloc(nbytes)
             if block is None:
                 return None
-            return self._place(s, req.name, req.ttl, req.hold, shape, dtype, itemsize, block,
-                               charge, request=request)
+            return self._place(
+                s,
+                req.name,
+                req.ttl,
+                req.hold,
+                shape,
+                dtype,
+                itemsize,
+                block,
+                charge,
+                request=request,
+            )
 
-    def _place(self, s: Session, name: str, ttl: float | None, hold: bool, shape: tuple[int, ...],
-               dtype: str, itemsize: int, block: Block, charge: Charge, count: bool = True,
-               request: str | None = None, shared: bool = False) -> tuple[Version, int | None]:
+    def _place(
+        self,
+        s: Session,
+        name: str,
+        ttl: float | None,
+        hold: bool,
+        shape: tuple[int, ...],
+        dtype: str,
+        itemsize: int,
+        block: Block,
+        charge: Charge,
+        count: bool = True,
+        request: str | None = None,
+        shared: bool = False,
+    ) -> tuple[Version, int | None]:
         """The new writing version of ``name`` in ``block``, carrying its bytes
         of ``charge`` (``count``: in the metrics now; a batch counts its
         versions at once).  ``request``: the id of the request that allocated
@@ -110,8 +166,9 @@ class Writes:
         any).  ``shared``: ``block`` is another version's, whose bytes this one
         is (``link``, tied weights in a batch)."""
         e = self.records.entry(name)
-        v = Version(name, e.next_version, block, shape, dtype, itemsize, "writing", s.id,
-                    ttl=ttl, entry=e)
+        v = Version(
+            name, e.next_version, block, shape, dtype, itemsize, "writing", s.id, ttl=ttl, entry=e
+        )
         if self.alloc_ttl:
             v.deadline = self.clock() + self.alloc_ttl
         e.next_version += 1
@@ -129,17 +186,26 @@ class Writes:
         return v, (self.lending.take(s, v, request, count=False, hold=True) if hold else None)
 
     # -- batches (a state dict in one request per step) ------------------------
-    def _batch(self, sid: str | None, caller: Caller, names: list[str], shapes: list[list[int]],
-               dtypes: list[str], same: list[int] | None,
-               carried: int | None = None) -> tuple[Session, list[Checked], Charge]:
+    def _batch(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        shapes: list[list[int]],
+        dtypes: list[str],
+        same: list[int] | None,
+        carried: int | None = None,
+    ) -> tuple[Session, list[Checked], Charge]:
         """The session, every item checked (CPU memory) and the batch's bytes
         charged, before anything is placed.  A tensor that is another's bytes
         (``same``) is charged as a copy would be, as ``link`` charges it.
         ``carried``: the bytes the request carries for the batch (``put_many``)."""
         s = self.sessions.admit(sid, caller)
         if not len(names) == len(shapes) == len(dtypes):
-            raise InvalidRequest(f"a batch needs one shape and one dtype per name: {len(names)} "
-                                 f"names, {len(shapes)} shapes, {len(dtypes)} dtypes")
+            raise InvalidRequest(
+                f"a batch needs one shape and one dtype per name: {len(names)} "
+                f"names, {len(shapes)} shapes, {len(dtypes)} dtypes"
+            )
         if len(set(names)) != len(names):
             raise InvalidRequest("a batch allocates each name once")
         seen: dict[tuple[str, tuple[int, ...]], Checked] = {}
@@ -159,10 +225,18 @@ class Writes:
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
         return s, items, self.quotas.charge(s, total, what)
 
-    def try_alloc_many(self, sid: str | None, caller: Caller, names: list[str],
-                       shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                       request: str | None = None, same: list[int] | None = None,
-                       carried: int | None = None) -> list[Version] | None:
+    def try_alloc_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        shapes: list[list[int]],
+        dtypes: list[str],
+        ttl: float | None = None,
+        request: str | None = None,
+        same: list[int] | None = None,
+        carried: int | None = None,
+    ) -> list[Version] | None:
         """``alloc_many`` when every tensor fits in existing memory, without
         awaiting; None (and nothing allocated) when one does not."""
         s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
@@ -176,10 +250,18 @@ class Writes:
                 blocks[i] = blk
             return self._place_all(s, names, items, blocks, charge, ttl, request, same)
 
-    async def alloc_many(self, sid: str | None, caller: Caller, names: list[str],
-                         shapes: list[list[int]], dtypes: list[str], ttl: float | None = None,
-                         request: str | None = None, same: list[int] | None = None,
-                         carried: int | None = None) -> list[Version]:
+    async def alloc_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        names: list[str],
+        shapes: list[list[int]],
+        dtypes: list[str],
+        ttl: float | None = None,
+        request: str | None = None,
+        same: list[int] | None = None,
+        carried: int | None = None,
+    ) -> list[Version]:
         """A new writing version of each name (CPU memory), all or none;
         ``same``: see ``ManyAlloc``; ``carried``: see ``_batch``."""
         s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
@@ -204,44 +286,87 @@ class Writes:
                 raise
             return self._place_all(s, names, items, blocks, charge, ttl, request, same)
 
-    def _place_all(self, s: Session, names: list[str], items: list[Checked],
-                   blocks: list[Block | None], charge: Charge, ttl: float | None,
-                   request: str | None, same: list[int] | None = None) -> list[Version]:
+    def _place_all(
+        self,
+        s: Session,
+        names: list[str],
+        items: list[Checked],
+        blocks: list[Block | None],
+        charge: Charge,
+        ttl: float | None,
+        request: str | None,
+        same: list[int] | None = None,
+    ) -> list[Version]:
         placed: list[Version] = []
         for i, (name, (shape, dtype, itemsize, _)) in enumerate(zip(names, items, strict=True)):
             j = -1 if same is None else same[i]
             blk = blocks[i] if j < 0 else placed[j].block
             assert blk is not None
-            placed.append(self._place(s, name, ttl, False, shape, dtype, itemsize, blk, charge,
-                                      False, request, shared=j >= 0)[0])
+            placed.append(
+                self._place(
+                    s,
+                    name,
+                    ttl,
+                    False,
+                    shape,
+                    dtype,
+                    itemsize,
+                    blk,
+                    charge,
+                    False,
+                    request,
+                    shared=j >= 0,
+                )[0]
+            )
         self._count("allocs", len(placed))
         return placed
 
     # -- a batch whose bytes came in the request ---------------------------------------
-    def try_put_many(self, sid: str | None, caller: Caller, req: ManyAlloc, data: memoryview,
-                     request: str | None = None) -> list[Version] | None:
+    def try_put_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        req: ManyAlloc,
+        data: memoryview,
+        request: str | None = None,
+    ) -> list[Version] | None:
         """``put_many`` when it needs no new segment, without awaiting; None
         (and nothing allocated) when it does."""
-        placed = self.try_alloc_many(sid, caller, req.names, req.shapes, req.dtypes, req.ttl,
-                                     request, req.same, len(data))
+        placed = self.try_alloc_many(
+            sid, caller, req.names, req.shapes, req.dtypes, req.ttl, request, req.same, len(data)
+        )
         return None if placed is None else self._fill_many(sid, caller, placed, req.same, data)
 
-    async def put_many(self, sid: str | None, caller: Caller, req: ManyAlloc, data: memoryview,
-                       request: str | None = None) -> list[Version]:
+    async def put_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        req: ManyAlloc,
+        data: memoryview,
+        request: str | None = None,
+    ) -> list[Version]:
         """Allocate, fill and publish a batch of small tensors whose bytes came
         in the request (``data``: each tensor's C-ordered bytes in order, once
         for tensors that are an earlier one's, ``same``); all or none."""
-        placed = await self.alloc_many(sid, caller, req.names, req.shapes, req.dtypes, req.ttl,
-                                       request, req.same, len(data))
+        placed = await self.alloc_many(
+            sid, caller, req.names, req.shapes, req.dtypes, req.ttl, request, req.same, len(data)
+        )
         return self._fill_many(sid, caller, placed, req.same, data)
 
-    def _fill_many(self, sid: str | None, caller: Caller, placed: list[Version],
-                   same: list[int] | None, data: memoryview) -> list[Version]:
+    def _fill_many(
+        self,
+        sid: str | None,
+        caller: Caller,
+        placed: list[Version],
+        same: list[int] | None,
+        data: memoryview,
+    ) -> list[Version]:
         # The lengths were checked (``_check_carried``), and nothing awaits from
         # the allocation to here: every version is still this session's to publish.
         s = self.sessions.admit(sid, caller)
-        self.memory.fill_many([v for i, v in enumerate(placed) if same is None or same[i] < 0],
-                              data)
+        self.memory.fill_many(
+            [v for i, v in enumerate(placed) if same is None or same[i] < 0], data
+        )
         return self._publish_all(s, placed)
 
     # -- publishing --------------------------------------------------------
@@ -265,8 +390,9 @@ class Writes:
         s = self.sessions.admit(sid, caller)
         return self._publish(s, self._writing(s, name, number))
 
-    def publish_many(self, sid: str | None, caller: Caller,
-                     items: list[tuple[str, int]]) -> list[Version]:
+    def publish_many(
+        self, sid: str | None, caller: Caller, items: list[tuple[str, int]]
+    ) -> list[Version]:
         """All or nothing: every item is checked before any is published.  A
         batch that cannot be published gives back every version of it that
         this session is writing, so a failed batch holds no memory."""
@@ -280,9 +406,11 @@ class Writes:
             dead = [v for v in s.writing if (v.name, v.number) in batch]
             for v in dead:
                 self.abandon(v)
-            raise type(exc)(f"{exc}; nothing of this batch was published, and the {len(dead)} "
-                            f"versions of it this session was writing were given back: put the "
-                            f"batch again") from None
+            raise type(exc)(
+                f"{exc}; nothing of this batch was published, and the {len(dead)} "
+                f"versions of it this session was writing were given back: put the "
+                f"batch again"
+            ) from None
         return self._publish_all(s, versions)
 
     def _publish_all(self, s: Session, versions: list[Version]) -> list[Version]:
@@ -343,15 +471,17 @@ class Writes:
         self.memory.retire(v)
         self._count("writes_reclaimed")
 
-    async def put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
-                         data: bytes) -> Version:
+    async def put_inline(
+        self, sid: str | None, caller: Caller, req: AllocRequest, data: bytes
+    ) -> Version:
         """Allocate, fill and publish a small tensor whose bytes came in the request."""
         self._check_inline(req, data)
         v, _ = await self.alloc(sid, caller, req)
         return self._fill_inline(sid, caller, v, data)
 
-    def try_put_inline(self, sid: str | None, caller: Caller, req: AllocRequest,
-                       data: bytes) -> Version | None:
+    def try_put_inline(
+        self, sid: str | None, caller: Caller, req: AllocRequest, data: bytes
+    ) -> Version | None:
         """``put_inline`` when it needs no new segment, without awaiting; None when it does."""
         got = self.try_alloc(sid, caller, req, self._check_inline(req, data))
         return None if got is None else self._fill_inline(sid, caller, got[0], data)
@@ -360,8 +490,9 @@ class Writes:
         checked = self._check_item(req.device, req.dtype, req.shape)
         shape, nbytes = checked[0], checked[3]
         if nbytes > INLINE_MAX:
-            raise InvalidRequest(f"inline puts carry at most {INLINE_MAX} bytes; use alloc + "
-                                 "publish")
+            raise InvalidRequest(
+                f"inline puts carry at most {INLINE_MAX} bytes; use alloc + publish"
+            )
         if len(data) != nbytes:
             raise InvalidRequest(
                 f"data has {len(data)} bytes but shape {list(shape)} of {req.dtype} needs {nbytes}"
@@ -372,8 +503,9 @@ class Writes:
         self.memory.fill(v, data)  # len(data) == v.nbytes, checked: the block holds it
         return self.publish(sid, caller, v.name, v.number)
 
-    def link(self, sid: str | None, caller: Caller, name: str, lease_id: int,
-             ttl: float | None = None) -> Version:
+    def link(
+        self, sid: str | None, caller: Caller, name: str, lease_id: int, ttl: float | None = None
+    ) -> Version:
         """Publish the bytes a lease holds as the next version of ``name``, without a copy.
 
         The new version shares the block; the memory is freed when every
@@ -382,16 +514,28 @@ class Writes:
         s = self.sessions.admit(sid, caller)
         lease = self.lending.table.get(lease_id)
         if lease is None or lease.session != s.id or lease.version.block is None:
-            raise TensorNotFound(f"lease {lease_id} is not held by this session; get the source "
-                                 "tensor again")
+            raise TensorNotFound(
+                f"lease {lease_id} is not held by this session; get the source tensor again"
+            )
         src = lease.version
         if src.state != "ready":
             raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
         # An alias is charged to whoever makes it, as a copy would be: when the
         # original goes, the bytes it leaves held are still counted.
         with self.quotas.charge(s, src.nbytes, name) as charge:
-            v, _ = self._place(s, name, ttl, False, src.shape, src.dtype, src.itemsize, src.block,
-                               charge, count=False, shared=True)
+            v, _ = self._place(
+                s,
+                name,
+                ttl,
+                False,
+                src.shape,
+                src.dtype,
+                src.itemsize,
+                src.block,
+                charge,
+                count=False,
+                shared=True,
+            )
         self._count("links")
         return self._publish(s, v)
 
@@ -400,17 +544,23 @@ def _check_same(names: list[str], items: list[Checked], same: list[int]) -> None
     """A batch's ``same`` column: each tensor is -1 or an earlier tensor that
     is no one else's copy, of its own dtype and shape."""
     if len(same) != len(names):
-        raise InvalidRequest(f"a batch's same column needs one entry per name: {len(names)} "
-                             f"names, {len(same)} entries")
+        raise InvalidRequest(
+            f"a batch's same column needs one entry per name: {len(names)} "
+            f"names, {len(same)} entries"
+        )
     for i, j in enumerate(same):
         if j < 0:
             continue
         if j >= i or same[j] >= 0:
-            raise InvalidRequest(f"same[{i}] is {j}: a tensor can only be the bytes of an earlier "
-                                 f"tensor of the batch that is not itself another's (-1: its own)")
+            raise InvalidRequest(
+                f"same[{i}] is {j}: a tensor can only be the bytes of an earlier "
+                f"tensor of the batch that is not itself another's (-1: its own)"
+            )
         if items[i][:3] != items[j][:3]:
-            raise InvalidRequest(f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
-                                 f"dtypes or shapes differ")
+            raise InvalidRequest(
+                f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
+                f"dtypes or shapes differ"
+            )
 
 
 def _check_carried(items: list[Checked], same: list[int] | None, carried: int) -> None:
@@ -418,10 +568,14 @@ def _check_carried(items: list[Checked], same: list[int] | None, carried: int) -
     ``same``), and no more than ``INLINE_BATCH_MAX``."""
     need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
     if carried != need:
-        raise InvalidRequest(f"the body carries {carried} bytes after its head, but the batch's "
-                             f"tensors need {need} (each one's C-ordered bytes, in order; none "
-                             f"for a tensor that is an earlier one's bytes)")
+        raise InvalidRequest(
+            f"the body carries {carried} bytes after its head, but the batch's "
+            f"tensors need {need} (each one's C-ordered bytes, in order; none "
+            f"for a tensor that is an earlier one's bytes)"
+        )
     if need > INLINE_BATCH_MAX:
-        raise InvalidRequest(f"a batch carries at most {INLINE_BATCH_MAX} bytes in its request; "
-                             f"this one has {need}: put larger batches with /v1/many/alloc and "
-                             f"/v1/many/publish")
+        raise InvalidRequest(
+            f"a batch carries at most {INLINE_BATCH_MAX} bytes in its request; "
+            f"this one has {need}: put larger batches with /v1/many/alloc and "
+            f"/v1/many/publish"
+        )

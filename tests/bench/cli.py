@@ -55,13 +55,26 @@ def measure(cmds: dict[str, tuple[str, list[str]]], reps: int, cwd: str) -> dict
     order = list(cmds)
     for rep in range(reps):
         # Rotate the order, so drift on a shared machine hits every command alike.
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
+        for key in order[rep % len(order) :] + order[: rep % len(order)]:
             t0 = time.perf_counter()
-            subprocess.run(cmds[key][1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           check=True, cwd=cwd, timeout=120)
+            subprocess.run(
+                cmds[key][1],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                check=True,
+                cwd=cwd,
+                timeout=120,
+            )
             samples[key].append((time.perf_counter() - t0) * 1e3)
-    return {k: {"label": cmds[k][0], "unit": "ms", "median": statistics.median(v),
-                "samples": [round(x, 2) for x in v]} for k, v in samples.items()}
+    return {
+        k: {
+            "label": cmds[k][0],
+            "unit": "ms",
+            "median": statistics.median(v),
+            "samples": [round(x, 2) for x in v],
+        }
+        for k, v in samples.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": f"python tests/bench/cli.py --reps {args.reps} --out {args.out}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
-        "versions": {"python": platform.python_version(), "numpy": np.__version__,
-                     "tensordepot": __version__},
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "tensordepot": __version__,
+        },
     }
     broker = BrokerProc(prefix=args.shm_prefix or f"tdbench-cli-{secrets.token_hex(4)}-")
     try:
@@ -93,14 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         broker.cleanup()
     ratio = series["ls"]["median"] / series["import"]["median"]
     result["series"] = series
-    result["checks"] = [{
-        "id": "CLI.ls",
-        "what": "tensordepot ls / python -c 'import tensordepot' (medians)",
-        "measured": round(ratio, 3),
-        "unit": "x",
-        "goal": f"<= {GOAL:g}x",
-        "pass": ratio <= GOAL,
-    }]
+    result["checks"] = [
+        {
+            "id": "CLI.ls",
+            "what": "tensordepot ls / python -c 'import tensordepot' (medians)",
+            "measured": round(ratio, 3),
+            "unit": "x",
+            "goal": f"<= {GOAL:g}x",
+            "pass": ratio <= GOAL,
+        }
+    ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -77,8 +77,12 @@ QUICK = replace(FULL, mode="quick", tensors=16, tensor_bytes=4 * MiB, reps=2, ma
 def state(cfg: Config) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     n = cfg.tensor_bytes // 4
-    return {"model": {f"layer{i}.weight": torch.randn(n // 1024, 1024, generator=g)
-                      for i in range(cfg.tensors)}}
+    return {
+        "model": {
+            f"layer{i}.weight": torch.randn(n // 1024, 1024, generator=g)
+            for i in range(cfg.tensors)
+        }
+    }
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -91,8 +95,9 @@ def run_all(cfg: Config, c: Client, tmpfs: Path, disk: Path) -> dict[str, list[f
     sd = state(cfg)
     dest = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
     saves: dict[str, Callable[[], Any]] = {
-        "depot_save": lambda: dcp.save(sd, storage_writer=DepotWriter("bench/ckpt", client=c,
-                                                                      overwrite=True)),
+        "depot_save": lambda: dcp.save(
+            sd, storage_writer=DepotWriter("bench/ckpt", client=c, overwrite=True)
+        ),
         "tmpfs_save": lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmpfs))),
         "disk_save": lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(disk))),
     }
@@ -101,8 +106,9 @@ def run_all(cfg: Config, c: Client, tmpfs: Path, disk: Path) -> dict[str, list[f
     into: dict[str, Any] = {}
 
     def zero_copy() -> None:
-        dcp.load(into, storage_reader=DepotReader("bench/ckpt", client=c),
-                 planner=ZeroCopyLoadPlanner())
+        dcp.load(
+            into, storage_reader=DepotReader("bench/ckpt", client=c), planner=ZeroCopyLoadPlanner()
+        )
 
     loads: dict[str, Callable[[], Any]] = {
         "depot_load": lambda: dcp.load(dest, storage_reader=DepotReader("bench/ckpt", client=c)),
@@ -114,7 +120,7 @@ def run_all(cfg: Config, c: Client, tmpfs: Path, disk: Path) -> dict[str, list[f
     for rep in range(cfg.reps + 1):  # the first is a warm-up: pools, page cache, files
         for group in (saves, loads):
             names = list(group)
-            names = names[rep % len(names):] + names[:rep % len(names)]  # rotating order
+            names = names[rep % len(names) :] + names[: rep % len(names)]  # rotating order
             for name in names:
                 into["model"] = dict(zeros)  # (for zero_copy) tensors to replace, made untimed
                 took = timed(group[name])
@@ -136,13 +142,29 @@ def run_cold(cfg: Config, url: str, tmpfs: Path) -> dict[str, list[float]]:
     # A new process per sample, each importing torch: a quick run (CI) takes one.
     for rep in range(cfg.reps if cfg.mode == "full" else 1):
         for group in (COLD[:2], COLD[2:]):
-            order = list(group)[rep % 2:] + list(group)[:rep % 2]
+            order = list(group)[rep % 2 :] + list(group)[: rep % 2]
             for name in order:
-                res = subprocess.run([sys.executable, __file__, "--child", name, "--url", url,
-                                      "--path", str(tmpfs / "cold"), "--tensors",
-                                      str(cfg.tensors), "--tensor-bytes", str(cfg.tensor_bytes)],
-                                     capture_output=True, text=True, timeout=600, check=False,
-                                     env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                res = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        name,
+                        "--url",
+                        url,
+                        "--path",
+                        str(tmpfs / "cold"),
+                        "--tensors",
+                        str(cfg.tensors),
+                        "--tensor-bytes",
+                        str(cfg.tensor_bytes),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=False,
+                    env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                )
                 if res.returncode != 0:
                     raise RuntimeError(f"{name} failed:\n{res.stderr[-3000:]}")
                 samples[name].append(float(res.stdout.split()[-1]))
@@ -152,16 +174,19 @@ def run_cold(cfg: Config, url: str, tmpfs: Path) -> dict[str, list[float]]:
 def child(name: str, url: str, path: str, tensors: int, tensor_bytes: int) -> float:
     """One cold measurement, in this new process: seconds."""
     n = tensor_bytes // 4
-    sd = {"model": {f"layer{i}.weight": torch.full((n // 1024, 1024), float(i))
-                    for i in range(tensors)}}
+    sd = {
+        "model": {
+            f"layer{i}.weight": torch.full((n // 1024, 1024), float(i)) for i in range(tensors)
+        }
+    }
     if name.endswith("_load"):
         sd = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
     ops: dict[str, Callable[[], Any]] = {
-        "cold_depot_save": lambda: dcp.save(sd, storage_writer=DepotWriter(
-            "bench/cold", url=url, overwrite=True)),
+        "cold_depot_save": lambda: dcp.save(
+            sd, storage_writer=DepotWriter("bench/cold", url=url, overwrite=True)
+        ),
         "cold_tmpfs_save": lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path)),
-        "cold_depot_load": lambda: dcp.load(sd, storage_reader=DepotReader("bench/cold",
-                                                                           url=url)),
+        "cold_depot_load": lambda: dcp.load(sd, storage_reader=DepotReader("bench/cold", url=url)),
         "cold_tmpfs_load": lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)),
     }
     took = timed(ops[name])
@@ -197,29 +222,76 @@ def checks(cfg: Config, s: dict[str, list[float]]) -> tuple[dict[str, Any], list
         return suite.median(s[a]) / suite.median(s[b])
 
     rows = [
-        suite.check("D1", "D1", f"DCP save of {size}: DepotWriter / FileSystemWriter on tmpfs",
-                    data["depot_save"], data["tmpfs_save"], ratio("depot_save", "tmpfs_save"),
-                    "<=", 1.0),
-        suite.check("D1'", "D1", f"DCP save of {size}: DepotWriter / FileSystemWriter on disk",
-                    data["depot_save"], data["disk_save"], ratio("depot_save", "disk_save"),
-                    "info"),
-        suite.check("D2", "D2", f"DCP load of {size}: DepotReader / FileSystemReader on tmpfs",
-                    data["depot_load"], data["tmpfs_load"], ratio("depot_load", "tmpfs_load"),
-                    "<=", 1.0),
-        suite.check("D2'", "D2", f"DCP load of {size}: DepotReader / FileSystemReader on disk",
-                    data["depot_load"], data["disk_load"], ratio("depot_load", "disk_load"),
-                    "info"),
-        suite.check("D3", "D3", f"DCP zero-copy load of {size} / FileSystemReader on tmpfs",
-                    data["zero_copy_load"], data["tmpfs_load"],
-                    ratio("zero_copy_load", "tmpfs_load"), "<=", 0.1),
-        suite.check("D4", "D4", f"cold: first DCP save of {size} in a new process: DepotWriter "
-                    f"/ FileSystemWriter on tmpfs", data["cold_depot_save"],
-                    data["cold_tmpfs_save"], ratio("cold_depot_save", "cold_tmpfs_save"),
-                    "<=", 1.0),
-        suite.check("D5", "D5", f"cold: first DCP load of {size} in a new process: DepotReader "
-                    f"/ FileSystemReader on tmpfs", data["cold_depot_load"],
-                    data["cold_tmpfs_load"], ratio("cold_depot_load", "cold_tmpfs_load"),
-                    "<=", 1.0),
+        suite.check(
+            "D1",
+            "D1",
+            f"DCP save of {size}: DepotWriter / FileSystemWriter on tmpfs",
+            data["depot_save"],
+            data["tmpfs_save"],
+            ratio("depot_save", "tmpfs_save"),
+            "<=",
+            1.0,
+        ),
+        suite.check(
+            "D1'",
+            "D1",
+            f"DCP save of {size}: DepotWriter / FileSystemWriter on disk",
+            data["depot_save"],
+            data["disk_save"],
+            ratio("depot_save", "disk_save"),
+            "info",
+        ),
+        suite.check(
+            "D2",
+            "D2",
+            f"DCP load of {size}: DepotReader / FileSystemReader on tmpfs",
+            data["depot_load"],
+            data["tmpfs_load"],
+            ratio("depot_load", "tmpfs_load"),
+            "<=",
+            1.0,
+        ),
+        suite.check(
+            "D2'",
+            "D2",
+            f"DCP load of {size}: DepotReader / FileSystemReader on disk",
+            data["depot_load"],
+            data["disk_load"],
+            ratio("depot_load", "disk_load"),
+            "info",
+        ),
+        suite.check(
+            "D3",
+            "D3",
+            f"DCP zero-copy load of {size} / FileSystemReader on tmpfs",
+            data["zero_copy_load"],
+            data["tmpfs_load"],
+            ratio("zero_copy_load", "tmpfs_load"),
+            "<=",
+            0.1,
+        ),
+        suite.check(
+            "D4",
+            "D4",
+            f"cold: first DCP save of {size} in a new process: DepotWriter "
+            f"/ FileSystemWriter on tmpfs",
+            data["cold_depot_save"],
+            data["cold_tmpfs_save"],
+            ratio("cold_depot_save", "cold_tmpfs_save"),
+            "<=",
+            1.0,
+        ),
+        suite.check(
+            "D5",
+            "D5",
+            f"cold: first DCP load of {size} in a new process: DepotReader "
+            f"/ FileSystemReader on tmpfs",
+            data["cold_depot_load"],
+            data["cold_tmpfs_load"],
+            ratio("cold_depot_load", "cold_tmpfs_load"),
+            "<=",
+            1.0,
+        ),
     ]
     return data, rows
 
@@ -229,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="64 MiB and few repetitions (CI)")
     ap.add_argument("--out", default="bench-results/dcp.json", help="where to write the JSON")
     ap.add_argument("--shm-prefix", help="segment prefix of the broker this run starts")
-    ap.add_argument("--disk", default=None, help="a folder on the disk (default: a temporary one "
-                                                 "beside this repository)")
+    ap.add_argument(
+        "--disk",
+        default=None,
+        help="a folder on the disk (default: a temporary one beside this repository)",
+    )
     ap.add_argument("--report", metavar="JSON", help="print the README table of an earlier run")
     ap.add_argument("--child", choices=COLD, help=argparse.SUPPRESS)  # one cold measurement
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -250,8 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     result = suite.head("dcp.py", cfg.mode, args.out, cfg)
     tmpfs = Path(tempfile.mkdtemp(prefix="tdbench-dcp-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="tdbench-dcp-", dir=args.disk or HERE.parent.parent))
-    broker = BrokerProc("--warm-memory", cfg.max_memory, "--reap-interval", "0.5",
-                        max_memory=cfg.max_memory, prefix=prefix)
+    broker = BrokerProc(
+        "--warm-memory",
+        cfg.max_memory,
+        "--reap-interval",
+        "0.5",
+        max_memory=cfg.max_memory,
+        prefix=prefix,
+    )
     try:
         with broker.client() as c:
             samples = run_all(cfg, c, tmpfs, disk)

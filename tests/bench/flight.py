@@ -54,16 +54,16 @@ PAGE = 4096
 # Why a goal was missed, found by profiling (perf on both brokers during a 1 GiB pull).
 REASONS = {
     "F1": "CPU-bound on 2 shared cores: per GiB the pulling broker spends ~0.95 s of CPU (perf: "
-          "41% in two user-space copies, Arrow Flight's copy of each multi-slice gRPC message into "
-          "one buffer and then ours into shared memory; 22% in the kernel's receive copy) and the "
-          "serving broker ~0.4 s, against ~0.5 s of kernel copies for the socket; exploratory "
-          "pulls at load below 2 took 0.78-1.1 s per GiB against 0.55-0.6 s for the socket "
-          "(0.5-0.7x), so the other users' load on the same cores decides the verdict",
+    "41% in two user-space copies, Arrow Flight's copy of each multi-slice gRPC message into "
+    "one buffer and then ours into shared memory; 22% in the kernel's receive copy) and the "
+    "serving broker ~0.4 s, against ~0.5 s of kernel copies for the socket; exploratory "
+    "pulls at load below 2 took 0.78-1.1 s per GiB against 0.55-0.6 s for the socket "
+    "(0.5-0.7x), so the other users' load on the same cores decides the verdict",
     "F2": "The consumers' own reads, not a second transfer (the pull happens once: "
-          "test_eight_consumers_on_another_host_share_one_transfer): touching every page of a "
-          "fresh 1 GiB mapping takes one process 115-121 ms (16,385 minor faults with the "
-          "kernel's fault-around), so 8 consumers add about 0.8 s of CPU on the 2 cores the "
-          "brokers also use; runs gave 1.04x, 1.2x and 1.31x",
+    "test_eight_consumers_on_another_host_share_one_transfer): touching every page of a "
+    "fresh 1 GiB mapping takes one process 115-121 ms (16,385 minor faults with the "
+    "kernel's fault-around), so 8 consumers add about 0.8 s of CPU on the 2 cores the "
+    "brokers also use; runs gave 1.04x, 1.2x and 1.31x",
 }
 
 
@@ -171,8 +171,9 @@ def drained(b: BrokerProc) -> None:
     wait_for(lambda: b.stat().leases == 0, 30, what="B's leases to drain")
 
 
-def bench_f1(cfg: Config, a: BrokerProc, b: BrokerProc,
-             x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def bench_f1(
+    cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     flight = []
     with a.client() as ca, b.client() as cb:
         for i in range(cfg.warm + cfg.reps):
@@ -188,22 +189,35 @@ def bench_f1(cfg: Config, a: BrokerProc, b: BrokerProc,
     tcp = tcp_baseline(cfg)
     size = suite.human(cfg.nbytes)
     data = {
-        "flight_pull": suite.series(f"get on B pulling {size} from A over loopback Flight", flight,
-                                    "ms", 1e3),
-        "tcp": suite.series(f"plain TCP sendall/recv_into of {size} between two processes", tcp,
-                            "ms", 1e3),
+        "flight_pull": suite.series(
+            f"get on B pulling {size} from A over loopback Flight", flight, "ms", 1e3
+        ),
+        "tcp": suite.series(
+            f"plain TCP sendall/recv_into of {size} between two processes", tcp, "ms", 1e3
+        ),
     }
     ratio = suite.median(tcp) / suite.median(flight)
     gbps = {k: cfg.nbytes / (v["median"] / 1e3) / 1e9 for k, v in data.items()}
     note = f"{gbps['flight_pull']:.2f} GB/s against {gbps['tcp']:.2f} GB/s"
-    rows = [suite.check("F1", "F1",
-                        f"fetch {size} from a peer: Flight pull throughput / plain TCP socket",
-                        data["flight_pull"], data["tcp"], ratio, ">=", 0.5, note=note)]
+    rows = [
+        suite.check(
+            "F1",
+            "F1",
+            f"fetch {size} from a peer: Flight pull throughput / plain TCP socket",
+            data["flight_pull"],
+            data["tcp"],
+            ratio,
+            ">=",
+            0.5,
+            note=note,
+        )
+    ]
     return data, rows
 
 
-def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc,
-             x: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def bench_f2(
+    cfg: Config, a: BrokerProc, b: BrokerProc, x: np.ndarray
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for _ in range(cfg.consumers):
@@ -237,22 +251,37 @@ def bench_f2(cfg: Config, a: BrokerProc, b: BrokerProc,
     size = suite.human(cfg.nbytes)
     n = cfg.consumers
     data = {
-        "one": suite.series(f"1 consumer on B: get (pull {size}) + read every page", runs[1], "ms",
-                            1e3),
-        "many": suite.series(f"{n} consumers on B at once: get + read every page", runs[n], "ms",
-                             1e3),
+        "one": suite.series(
+            f"1 consumer on B: get (pull {size}) + read every page", runs[1], "ms", 1e3
+        ),
+        "many": suite.series(
+            f"{n} consumers on B at once: get + read every page", runs[n], "ms", 1e3
+        ),
     }
     ratio = suite.median(runs[n]) / suite.median(runs[1])
-    rows = [suite.check("F2", "F2", f"{n} consumers on the pulling host / 1 consumer: wall time",
-                        data["many"], data["one"], ratio, "<=", 1.2,
-                        note="one transfer per version, then zero-copy reads")]
+    rows = [
+        suite.check(
+            "F2",
+            "F2",
+            f"{n} consumers on the pulling host / 1 consumer: wall time",
+            data["many"],
+            data["one"],
+            ratio,
+            "<=",
+            1.2,
+            note="one transfer per version, then zero-copy reads",
+        )
+    ]
     return data, rows
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The README's table for this run."""
-    return suite.table(result, f"pyarrow {result['versions'].get('pyarrow')}",
-                       after=" (other users' work on the same 2 cores)")
+    return suite.table(
+        result,
+        f"pyarrow {result['versions'].get('pyarrow')}",
+        after=" (other users' work on the same 2 cores)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,19 +302,39 @@ def main(argv: list[str] | None = None) -> int:
     prefix = args.shm_prefix or f"tdbench-{secrets.token_hex(4)}-"
     started = time.monotonic()
     result = suite.head("flight.py", cfg.mode, args.out, cfg, pyarrow=suite._version("pyarrow"))
-    common = ["--max-memory", cfg.max_memory, "--warm-memory", cfg.max_memory, "--reap-interval",
-              "0.5"]
+    common = [
+        "--max-memory",
+        cfg.max_memory,
+        "--warm-memory",
+        cfg.max_memory,
+        "--reap-interval",
+        "0.5",
+    ]
     brokers: list[BrokerProc] = []
     benches: dict[str, Any] = {}
     checks: list[dict[str, Any]] = []
     # Flight, like every TCP listener, needs a token; both brokers use the same one.
     env = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
     try:
-        a = BrokerProc(*common, "--flight", "grpc://127.0.0.1:0", max_memory=cfg.max_memory,
-                       prefix=f"{prefix}a-", env=env)
+        a = BrokerProc(
+            *common,
+            "--flight",
+            "grpc://127.0.0.1:0",
+            max_memory=cfg.max_memory,
+            prefix=f"{prefix}a-",
+            env=env,
+        )
         brokers.append(a)
-        b = BrokerProc(*common, "--peer", flight_url(a), "--peer-refresh", "0",
-                       max_memory=cfg.max_memory, prefix=f"{prefix}b-", env=env)
+        b = BrokerProc(
+            *common,
+            "--peer",
+            flight_url(a),
+            "--peer-refresh",
+            "0",
+            max_memory=cfg.max_memory,
+            prefix=f"{prefix}b-",
+            env=env,
+        )
         brokers.append(b)
         x = np.ones(cfg.nbytes, np.uint8)
         for name, fn in (("F1", bench_f1), ("F2", bench_f2)):

@@ -77,28 +77,51 @@ def cases(quick: bool) -> list[dict[str, Any]]:
     """Each case: id, what, ``sizes`` (its arrays' bytes), ``per`` (handoffs per
     repetition), ``consumers`` (1 unless given) and ``reps`` (the run's unless given)."""
     if quick:
-        return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 10},
-                {"id": "8MiB", "what": "8 MiB handoff", "sizes": [8 * MiB], "per": 3},
-                {"id": "200x1KiB", "what": "200 tensors of 1 KiB", "sizes": [KiB] * 200,
-                 "per": 3},
-                {"id": "fanout2", "what": "8 MiB read by 2 consumers at once",
-                 "sizes": [8 * MiB], "per": 2, "consumers": 2}]
+        return [
+            {"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 10},
+            {"id": "8MiB", "what": "8 MiB handoff", "sizes": [8 * MiB], "per": 3},
+            {"id": "200x1KiB", "what": "200 tensors of 1 KiB", "sizes": [KiB] * 200, "per": 3},
+            {
+                "id": "fanout2",
+                "what": "8 MiB read by 2 consumers at once",
+                "sizes": [8 * MiB],
+                "per": 2,
+                "consumers": 2,
+            },
+        ]
     # B4's state dict: 100 weights of 640 x 1024 and 200 vectors of 7,680 float32
     state_dict = [640 * 1024 * 4, 7680 * 4, 7680 * 4] * 100
-    return [{"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 50},
-            {"id": "1MiB", "what": "1 MiB handoff", "sizes": [MiB], "per": 20},
-            {"id": "64MiB", "what": "64 MiB handoff", "sizes": [64 * MiB], "per": 5},
-            {"id": "1GiB", "what": "1 GiB handoff", "sizes": [GiB], "per": 1},
-            {"id": "state_dict", "what": "state dict, 300 tensors, 262 MiB",
-             "sizes": state_dict, "per": 3},
-            {"id": "state_dict_x2", "what": "the next state dict to 2 consumers",
-             "sizes": state_dict, "per": 3, "consumers": 2},
-            {"id": "1000x1KiB", "what": "1,000 tensors of 1 KiB", "sizes": [KiB] * 1000,
-             "per": 10}] + [
-            # 5 repetitions: a Pipe sends 256 MiB to each consumer in turn, seconds per handoff
-            {"id": f"fanout{k}", "what": f"256 MiB read by {k} consumer{'s' * (k > 1)} at once "
-             "(5 repetitions)", "sizes": [256 * MiB], "per": 1, "consumers": k, "reps": 5}
-            for k in (1, 2, 4, 8)]
+    return [
+        {"id": "4KiB", "what": "4 KiB handoff", "sizes": [4 * KiB], "per": 50},
+        {"id": "1MiB", "what": "1 MiB handoff", "sizes": [MiB], "per": 20},
+        {"id": "64MiB", "what": "64 MiB handoff", "sizes": [64 * MiB], "per": 5},
+        {"id": "1GiB", "what": "1 GiB handoff", "sizes": [GiB], "per": 1},
+        {
+            "id": "state_dict",
+            "what": "state dict, 300 tensors, 262 MiB",
+            "sizes": state_dict,
+            "per": 3,
+        },
+        {
+            "id": "state_dict_x2",
+            "what": "the next state dict to 2 consumers",
+            "sizes": state_dict,
+            "per": 3,
+            "consumers": 2,
+        },
+        {"id": "1000x1KiB", "what": "1,000 tensors of 1 KiB", "sizes": [KiB] * 1000, "per": 10},
+    ] + [
+        # 5 repetitions: a Pipe sends 256 MiB to each consumer in turn, seconds per handoff
+        {
+            "id": f"fanout{k}",
+            "what": f"256 MiB read by {k} consumer{'s' * (k > 1)} at once (5 repetitions)",
+            "sizes": [256 * MiB],
+            "per": 1,
+            "consumers": k,
+            "reps": 5,
+        }
+        for k in (1, 2, 4, 8)
+    ]
 
 
 def read_all(arrays: list[Any]) -> tuple[int, int]:
@@ -171,8 +194,16 @@ def rate_cases(quick: bool) -> list[dict[str, Any]]:
     """Each rate case: id, what, ``nbytes`` (the tensor's), ``per`` (gets per
     client per repetition) and ``clients``."""
     ks, per = ((1, 2), 100) if quick else ((1, 4), 1000)
-    return [{"id": f"gets{k}", "what": f"small gets/s, {k} client{'s' * (k > 1)}",
-             "nbytes": 4 * KiB, "per": per, "clients": k} for k in ks]
+    return [
+        {
+            "id": f"gets{k}",
+            "what": f"small gets/s, {k} client{'s' * (k > 1)}",
+            "nbytes": 4 * KiB,
+            "per": per,
+            "clients": k,
+        }
+        for k in ks
+    ]
 
 
 def _getter(system: str, where: Any, ctrl: Any) -> None:
@@ -325,8 +356,9 @@ class _Peer:
     """One system's consumers (``k`` processes) and its handoff (``send``,
     which returns every consumer's answer)."""
 
-    def __init__(self, ctx: Any, k: int, target: Callable[..., None],
-                 args: Callable[[int], tuple[Any, ...]]) -> None:
+    def __init__(
+        self, ctx: Any, k: int, target: Callable[..., None], args: Callable[[int], tuple[Any, ...]]
+    ) -> None:
         self.acks, self.procs = [], []
         for i in range(k):
             mine, theirs = ctx.Pipe()
@@ -497,8 +529,13 @@ def start_ray(quick: bool) -> Any:
         import ray
     except ImportError:
         return None
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=(512 * MiB if quick else 4 * GiB), configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=(512 * MiB if quick else 4 * GiB),
+        configure_logging=False,
+    )
     return ray
 
 
@@ -511,8 +548,14 @@ def _source(sizes: list[int]) -> list[np.ndarray]:
     return out
 
 
-def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | None = None,
-        log: Callable[[str], None] = print, only: set[str] | None = None) -> dict[str, Any]:
+def run(
+    url: str,
+    quick: bool,
+    systems: tuple[str, ...] = SYSTEMS,
+    reps: int | None = None,
+    log: Callable[[str], None] = print,
+    only: set[str] | None = None,
+) -> dict[str, Any]:
     """Every case (or those whose ids are in ``only``), every system,
     interleaved; the result as JSON-able data."""
     ctx = mp.get_context("spawn")
@@ -520,6 +563,7 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
     ray = start_ray(quick) if "ray" in systems else None
     try:
         import torch  # noqa: F401
+
         have_torch = True
     except ImportError:
         have_torch = False
@@ -539,18 +583,24 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
             try:
                 k = case.get("consumers", 1)
                 for s in active:
-                    peers[s] = (Depot(ctx, k, url, len(arrays)) if s == "tensordepot"
-                                else RayPeer(ray, k) if s == "ray"
-                                else PipePeer(ctx, k, shm=True) if s == "shm_pipe"
-                                else TorchPeer(ctx, k) if s == "torch_mp"
-                                else PipePeer(ctx, k, shm=False))
+                    peers[s] = (
+                        Depot(ctx, k, url, len(arrays))
+                        if s == "tensordepot"
+                        else RayPeer(ray, k)
+                        if s == "ray"
+                        else PipePeer(ctx, k, shm=True)
+                        if s == "shm_pipe"
+                        else TorchPeer(ctx, k)
+                        if s == "torch_mp"
+                        else PipePeer(ctx, k, shm=False)
+                    )
                 samples: dict[str, list[float]] = {s: [] for s in active}
                 for _ in range(2):  # warm every path
                     for s in active:
                         peers[s].send(arrays)
                 n_reps = case.get("reps", reps)
                 for r in range(n_reps):
-                    order = active[r % len(active):] + active[: r % len(active)]
+                    order = active[r % len(active) :] + active[: r % len(active)]
                     for s in order:
                         times = []
                         for i in range(case["per"]):
@@ -560,20 +610,34 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
                             got = peers[s].send(arrays)
                             times.append(time.perf_counter() - t0)
                             if want is not None and any(tuple(g) != want for g in got):
-                                raise AssertionError(f"{s}, {case['id']}: the consumers read "
-                                                     f"{got}, not {want}")
+                                raise AssertionError(
+                                    f"{s}, {case['id']}: the consumers read {got}, not {want}"
+                                )
                         samples[s].append(statistics.median(times))
                 row = {}
                 for s, xs in samples.items():
                     ms = [x * 1e3 for x in xs]
-                    row[s] = {"label": f"{s}, {case['what']}", "unit": "ms",
-                              "median": statistics.median(ms), "min": min(ms), "max": max(ms),
-                              "samples": ms, "n": len(ms)}
-                out["cases"][case["id"]] = {"what": case["what"], "per": case["per"],
-                                            "reps": n_reps, "consumers": k,
-                                            "nbytes": sum(case["sizes"]), "systems": row}
-                log(f"  {case['id']}: " + ", ".join(
-                    f"{s} {v['median']:.3g} ms" for s, v in row.items()))
+                    row[s] = {
+                        "label": f"{s}, {case['what']}",
+                        "unit": "ms",
+                        "median": statistics.median(ms),
+                        "min": min(ms),
+                        "max": max(ms),
+                        "samples": ms,
+                        "n": len(ms),
+                    }
+                out["cases"][case["id"]] = {
+                    "what": case["what"],
+                    "per": case["per"],
+                    "reps": n_reps,
+                    "consumers": k,
+                    "nbytes": sum(case["sizes"]),
+                    "systems": row,
+                }
+                log(
+                    f"  {case['id']}: "
+                    + ", ".join(f"{s} {v['median']:.3g} ms" for s, v in row.items())
+                )
             finally:
                 for p in peers.values():
                     p.close()
@@ -587,8 +651,15 @@ def run(url: str, quick: bool, systems: tuple[str, ...] = SYSTEMS, reps: int | N
     return out
 
 
-def _rates(case: dict[str, Any], ctx: Any, url: str, ray: Any, active: list[str], reps: int,
-           log: Callable[[str], None]) -> dict[str, Any]:
+def _rates(
+    case: dict[str, Any],
+    ctx: Any,
+    url: str,
+    ray: Any,
+    active: list[str],
+    reps: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """One rate case: every system's clients, interleaved as the handoffs are."""
     from tensordepot import Client
 
@@ -600,29 +671,45 @@ def _rates(case: dict[str, Any], ctx: Any, url: str, ray: Any, active: list[str]
         c.put(RATE_NAME, a)
         try:
             for s in active:
-                getters[s] = (RayGetters(ray, k, a) if s == "ray"
-                              else Getters(ctx, s, k, url, a))
+                getters[s] = RayGetters(ray, k, a) if s == "ray" else Getters(ctx, s, k, url, a)
             for s in active:  # warm every path
                 getters[s].round(20)
             samples: dict[str, list[float]] = {s: [] for s in active}
             for r in range(reps):
-                for s in active[r % len(active):] + active[: r % len(active)]:
+                for s in active[r % len(active) :] + active[: r % len(active)]:
                     t0 = time.perf_counter()
                     got = getters[s].round(case["per"])
                     samples[s].append(k * case["per"] / (time.perf_counter() - t0))
                     if any(tuple(g) != want for g in got):
-                        raise AssertionError(f"{s}, {case['id']}: the clients read {got}, "
-                                             f"not {want}")
+                        raise AssertionError(
+                            f"{s}, {case['id']}: the clients read {got}, not {want}"
+                        )
         finally:
             for g in getters.values():
                 g.close()
             c.delete(RATE_NAME)
-    row = {s: {"label": f"{s}, {case['what']}", "unit": "gets/s",
-               "median": statistics.median(xs), "min": min(xs), "max": max(xs),
-               "samples": xs, "n": len(xs)} for s, xs in samples.items()}
+    row = {
+        s: {
+            "label": f"{s}, {case['what']}",
+            "unit": "gets/s",
+            "median": statistics.median(xs),
+            "min": min(xs),
+            "max": max(xs),
+            "samples": xs,
+            "n": len(xs),
+        }
+        for s, xs in samples.items()
+    }
     log(f"  {case['id']}: " + ", ".join(f"{s} {v['median']:,.0f}/s" for s, v in row.items()))
-    return {"what": case["what"], "per": case["per"], "reps": reps, "consumers": k,
-            "nbytes": case["nbytes"], "rate": True, "systems": row}
+    return {
+        "what": case["what"],
+        "per": case["per"],
+        "reps": reps,
+        "consumers": k,
+        "nbytes": case["nbytes"],
+        "rate": True,
+        "systems": row,
+    }
 
 
 def ratios(case: dict[str, Any]) -> dict[str, float | None]:
@@ -636,8 +723,10 @@ def ratios(case: dict[str, Any]) -> dict[str, float | None]:
     def over(theirs: float) -> float:
         return theirs / ours if case.get("rate") else ours / theirs
 
-    return {"vs_ray": over(ray) if ray else None,
-            "vs_best_own": over(row[own]["median"]) if own else None}
+    return {
+        "vs_ray": over(ray) if ray else None,
+        "vs_best_own": over(row[own]["median"]) if own else None,
+    }
 
 
 def _ms(x: float) -> str:
@@ -666,8 +755,11 @@ def table(result: dict[str, Any]) -> str:
         shown = [f"{x:.2f}×" if x is not None else "—" for x in (r["vs_ray"], r["vs_best_own"])]
         lines.append(f"| {case['what']} | " + " | ".join(cells) + f" | {shown[0]} | {shown[1]} |")
     if any(c.get("rate") for c in result["cases"].values()):
-        lines += ["", "A ratio is tensordepot's time over the peer's; for a rate, the peer's "
-                  "rate over tensordepot's (its time per get over the peer's)."]
+        lines += [
+            "",
+            "A ratio is tensordepot's time over the peer's; for a rate, the peer's "
+            "rate over tensordepot's (its time per get over the peer's).",
+        ]
     if result["skipped"]:
         lines.append("")
         skipped = result["skipped"].items()
@@ -681,8 +773,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/peers.json")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--reps", type=int)
-    ap.add_argument("--cases", help="comma-separated case ids, e.g. 1000x1KiB,gets1 (for "
-                                    "development; a partial table)")
+    ap.add_argument(
+        "--cases",
+        help="comma-separated case ids, e.g. 1000x1KiB,gets1 (for development; a partial table)",
+    )
     ap.add_argument("--report", metavar="JSON", help="print the table of a result and stop")
     args = ap.parse_args(argv)
     if args.report:
@@ -699,11 +793,16 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     prefix = os.environ.setdefault(SHM_ENV, f"tdpeers-{os.getpid()}-")
-    broker = BrokerProc("--max-memory", "8GiB", "--warm-memory", "6GiB", max_memory="8GiB",
-                        prefix=prefix + "broker-")
+    broker = BrokerProc(
+        "--max-memory",
+        "8GiB",
+        "--warm-memory",
+        "6GiB",
+        max_memory="8GiB",
+        prefix=prefix + "broker-",
+    )
     try:
-        result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps,
-                     only=only)
+        result = run(broker.url, args.quick, tuple(args.systems.split(",")), args.reps, only=only)
     finally:
         broker.cleanup()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -146,9 +146,14 @@ def markdown(r: dict[str, Any], json_path: str, plot_rel: str | None) -> str:
         import peers
 
         b10 = r["benchmarks"]["B10"]
-        lines += [f"B10, against the systems users would pick instead (medians of {b10['reps']} "
-                  "interleaved repetitions, min to max; every consumer reads every byte; "
-                  "`tests/bench/peers.py`):", "", peers.table(b10), ""]
+        lines += [
+            f"B10, against the systems users would pick instead (medians of {b10['reps']} "
+            "interleaved repetitions, min to max; every consumer reads every byte; "
+            "`tests/bench/peers.py`):",
+            "",
+            peers.table(b10),
+            "",
+        ]
     if plot_rel:
         lines += [f"![benchmark plot]({plot_rel})", ""]
     medians = []
@@ -234,7 +239,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     grid = fig.add_gridspec(4, 3, height_ratios=[goal_height, 4, 4, 4])
     a_goal = fig.add_subplot(grid[0, :])
     (a_b1, a_b2, a_b3), (a_b4, a_b5, a_b7), (a_b8, a_b9, a_none) = (
-        [fig.add_subplot(grid[i, j]) for j in range(3)] for i in (1, 2, 3))
+        [fig.add_subplot(grid[i, j]) for j in range(3)] for i in (1, 2, 3)
+    )
     a_none.axis("off")
 
     _bars(
@@ -337,18 +343,44 @@ def plot(r: dict[str, Any], path: Path) -> None:
         _bars(a_b5, "B5", [], [], "")
 
     pairs = (
-        (a_b7, "B7", "B7: state dict, {tensors} tensors", "exchange", "put_many + get_many",
-         "copy_2_threads", "2-thread copy of its bytes"),
-        (a_b8, "B8", "B8: {tensors} small tensors, process to process", "tensordepot",
-         "put_many -> get_many -> read", "pipe", "Pipe, pickled dict"),
-        (a_b9, "B9", "B9: first put into a fresh broker", "cold_put", "cold put",
-         "fresh_copy", "copy into fresh shm"),
+        (
+            a_b7,
+            "B7",
+            "B7: state dict, {tensors} tensors",
+            "exchange",
+            "put_many + get_many",
+            "copy_2_threads",
+            "2-thread copy of its bytes",
+        ),
+        (
+            a_b8,
+            "B8",
+            "B8: {tensors} small tensors, process to process",
+            "tensordepot",
+            "put_many -> get_many -> read",
+            "pipe",
+            "Pipe, pickled dict",
+        ),
+        (
+            a_b9,
+            "B9",
+            "B9: first put into a fresh broker",
+            "cold_put",
+            "cold put",
+            "fresh_copy",
+            "copy into fresh shm",
+        ),
     )
     for ax, key, title, ours, ours_label, peer, peer_label in pairs:
         if key in b:
             d = b[key]
-            _bars(ax, title.format(**d), [ours_label, peer_label],
-                  [d[ours]["median"], d[peer]["median"]], "ms (lower is better)")
+            _bars(
+                ax,
+                title.format(**d),
+                [ours_label, peer_label],
+                [d[ours]["median"], d[peer]["median"]],
+                "ms (lower is better)",
+            )
         else:
             _bars(ax, key, [], [], "")
 
@@ -373,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         "repository's README.md); without this flag the Markdown is only printed",
     )
     ap.add_argument(
-        "--plot", default=None,
+        "--plot",
+        default=None,
         help="where to save the PNG (default: docs/bench.png for a full run; beside the JSON "
         "for a quick one, so that a quick run never replaces the committed plot)",
     )
@@ -381,8 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = json.loads(Path(args.json).read_text())
     readme = Path(args.readme) if args.readme else None
-    default = (ROOT / "docs" / "bench.png" if r.get("mode") == "full"
-               else Path(args.json).with_suffix(".png"))
+    default = (
+        ROOT / "docs" / "bench.png"
+        if r.get("mode") == "full"
+        else Path(args.json).with_suffix(".png")
+    )
     png = None if args.no_plot else Path(args.plot) if args.plot else default
     if png is not None:
         plot(r, png)

@@ -446,10 +446,17 @@ def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
     s_big = series(f"get + read 1 element, {human(cfg.big)}", big, "ms", 1e3)
     s_small = series("get + read 1 element, 1 KiB", small, "ms", 1e3)
     s_full = series(f"get + read every byte, {human(cfg.big)}", full, "ms", 1e3)
-    s_kept = series(f"the same bytes read through a mapping made once, {human(cfg.big)}",
-                    through, "ms", 1e3)
-    data = {"big_nbytes": cfg.big, "small_nbytes": 1024, "get_big": s_big, "get_small": s_small,
-            "get_read_all": s_full, "kept_read_all": s_kept}
+    s_kept = series(
+        f"the same bytes read through a mapping made once, {human(cfg.big)}", through, "ms", 1e3
+    )
+    data = {
+        "big_nbytes": cfg.big,
+        "small_nbytes": 1024,
+        "get_big": s_big,
+        "get_small": s_small,
+        "get_read_all": s_full,
+        "kept_read_all": s_kept,
+    }
     return data, [
         check(
             "B2.read",
@@ -470,7 +477,7 @@ def bench_b2(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
             median(big) / median(small),
             "<=",
             1.5,
-        )
+        ),
     ]
 
 
@@ -764,7 +771,7 @@ def bench_b7(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
     dst = np.ones(total, dtype=np.uint8)  # touched: warm, as the broker's pool is
     pairs, off = [], 0
     for a in sd.values():
-        pairs.append((dst[off:off + a.nbytes].view(a.dtype).reshape(a.shape), a))
+        pairs.append((dst[off : off + a.nbytes].view(a.dtype).reshape(a.shape), a))
         off += a.nbytes
     halves = _balanced_halves(pairs)
 
@@ -794,10 +801,14 @@ def bench_b7(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
         c.delete(name)
     s_ex = series(f"put_many + get_many, {len(names)} tensors, {human(total)}", ex_t, "ms", 1e3)
     s_cp = series(f"2-thread copy of the same {human(total)} into warm memory", cp_t, "ms", 1e3)
-    s_rt = series("put_many + get_many control round trips", [float(x) for x in rts],
-                  "round trips")
-    data = {"tensors": len(names), "nbytes": total, "exchange": s_ex, "copy_2_threads": s_cp,
-            "round_trips": s_rt}
+    s_rt = series("put_many + get_many control round trips", [float(x) for x in rts], "round trips")
+    data = {
+        "tensors": len(names),
+        "nbytes": total,
+        "exchange": s_ex,
+        "copy_2_threads": s_cp,
+        "round_trips": s_rt,
+    }
     return data, [
         check(
             "B7",
@@ -846,8 +857,11 @@ def bench_b8(c: Client, cfg: Config, url: str) -> tuple[dict[str, Any], list[dic
     results: dict[str, list[float]] = {}
     n = len(names)
     r, w = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_procs.batch_depot, daemon=True,
-                    args=(url, names, loop.handoff_warm + loop.handoff_iters, w))
+    p = ctx.Process(
+        target=_procs.batch_depot,
+        daemon=True,
+        args=(url, names, loop.handoff_warm + loop.handoff_iters, w),
+    )
     p.start()
     w.close()
     r.recv_bytes()
@@ -924,8 +938,16 @@ def bench_b9(cfg: Config, prefix: str) -> tuple[dict[str, Any], list[dict[str, A
         if rep % 2:  # alternate which goes first, so drift hits both
             peer.append(fresh_copy(src, prefix))
         # Small pool segments: the put gets a segment of its own size, in quick mode too.
-        broker = BrokerProc("--prealloc", "0", "--segment-size", "16MiB", "--warm-memory",
-                            str(2 * n), max_memory=str(3 * n), prefix=f"{prefix}b9-{rep}-")
+        broker = BrokerProc(
+            "--prealloc",
+            "0",
+            "--segment-size",
+            "16MiB",
+            "--warm-memory",
+            str(2 * n),
+            max_memory=str(3 * n),
+            prefix=f"{prefix}b9-{rep}-",
+        )
         try:
             with broker.client() as c:
                 c.stat()  # the session and connection exist: only the put is timed
@@ -945,8 +967,13 @@ def bench_b9(cfg: Config, prefix: str) -> tuple[dict[str, Any], list[dict[str, A
     s_cold = series(f"first put of {human(n)} into a broker with --prealloc 0", cold, "ms", 1e3)
     s_peer = series(f"numpy copy of {human(n)} into never-touched shared memory", peer, "ms", 1e3)
     s_warm = series(f"two more puts of {human(n)} (a second segment, then warm)", warm, "ms", 1e3)
-    data = {"nbytes": n, "cold_put": s_cold, "fresh_copy": s_peer, "next_two_puts": s_warm,
-            "shmem_hugepages": _shmem_hugepages()}
+    data = {
+        "nbytes": n,
+        "cold_put": s_cold,
+        "fresh_copy": s_peer,
+        "next_two_puts": s_warm,
+        "shmem_hugepages": _shmem_hugepages(),
+    }
     return data, [
         check(
             "B9",
@@ -1205,15 +1232,33 @@ def bench_b10(cfg: Config, url: str) -> tuple[dict[str, Any], list[dict[str, Any
         r = peers.ratios(case)
         what = f"{case['what']}: {'time per get, ' * bool(case.get('rate'))}tensordepot"
         if r["vs_ray"] is not None:
-            rows.append(check(f"B10.{cid}.ray", "B10", f"{what} / Ray", ours,
-                              case["systems"]["ray"], r["vs_ray"], "<=", 1.0))
+            rows.append(
+                check(
+                    f"B10.{cid}.ray",
+                    "B10",
+                    f"{what} / Ray",
+                    ours,
+                    case["systems"]["ray"],
+                    r["vs_ray"],
+                    "<=",
+                    1.0,
+                )
+            )
         own = peers.best_own(case)
         if own is not None:
             small = cid in _SMALL_HANDOFFS or case.get("rate")
-            rows.append(check(f"B10.{cid}.own", "B10",
-                              f"{what} / best peer with memory of its own",
-                              ours, case["systems"][own], r["vs_best_own"], "<=",
-                              1.5 if small else 1.0))
+            rows.append(
+                check(
+                    f"B10.{cid}.own",
+                    "B10",
+                    f"{what} / best peer with memory of its own",
+                    ours,
+                    case["systems"][own],
+                    r["vs_best_own"],
+                    "<=",
+                    1.5 if small else 1.0,
+                )
+            )
     return data, rows
 
 
@@ -1285,8 +1330,9 @@ def head(script: str, mode: str, out: str, config: Any, **more: str | None) -> d
     return {
         "schema": SCHEMA,
         "mode": mode,
-        "command": f"python tests/bench/{script}" + (" --quick" if mode == "quick" else "")
-                   + f" --out {out}",
+        "command": f"python tests/bench/{script}"
+        + (" --quick" if mode == "quick" else "")
+        + f" --out {out}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "versions": {**versions(), **more},
@@ -1313,21 +1359,26 @@ def table(result: dict[str, Any], software: str, digits: int = 0, after: str = "
     names besides the machine; ``after``: appended), then a row per check,
     times in ms with ``digits`` decimals."""
     m = result["machine"]
-    lines = [f"Measured on {result['date'][:10]} ({result['mode']} mode) with "
-             f"`{result['command']}`, on {m['cpu_model']}, {m['cpu_count']} CPUs, "
-             f"{m['memory_bytes'] / GiB:.0f} GiB RAM, Linux {m['kernel']}, {software}, load "
-             f"average {m['loadavg_start'][0]:.1f} at start and {m['loadavg_end'][0]:.1f} at "
-             f"the end{after}.", "",
-             "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Note |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Measured on {result['date'][:10]} ({result['mode']} mode) with "
+        f"`{result['command']}`, on {m['cpu_model']}, {m['cpu_count']} CPUs, "
+        f"{m['memory_bytes'] / GiB:.0f} GiB RAM, Linux {m['kernel']}, {software}, load "
+        f"average {m['loadavg_start'][0]:.1f} at start and {m['loadavg_end'][0]:.1f} at "
+        f"the end{after}.",
+        "",
+        "| | What | tensordepot (median) | Peer (median) | Measured | Goal | Result | Note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in result["checks"]:
         ours, peer = row["ours"], row["peer"]
         verdict = {True: "pass", False: "miss", None: "info"}[row["pass"]]
         goal = row["goal"].replace(">=", "≥").replace("<=", "≤") + "×" if row["goal"] else "—"
-        lines.append(f"| {row['id']} | {row['what']} | {ours['median']:,.{digits}f} ms | "
-                     f"{peer['median']:,.{digits}f} ms ({peer['label']}) | "
-                     f"{row['measured']:.3g}× | {goal} | {verdict} | "
-                     f"{row['reason'] or row['note']} |")
+        lines.append(
+            f"| {row['id']} | {row['what']} | {ours['median']:,.{digits}f} ms | "
+            f"{peer['median']:,.{digits}f} ms ({peer['label']}) | "
+            f"{row['measured']:.3g}× | {goal} | {verdict} | "
+            f"{row['reason'] or row['note']} |"
+        )
     return "\n".join(lines)
 
 

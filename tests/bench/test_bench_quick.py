@@ -34,16 +34,35 @@ SERIES = {
     "B7": ["exchange", "copy_2_threads", "round_trips"],
     "B8": ["tensordepot", "pipe"],
     "B9": ["cold_put", "fresh_copy", "next_two_puts"],
-    "B10": [f"cases.{case}.systems.{system}"
-            for case in ("4KiB", "8MiB", "200x1KiB", "fanout2", "gets1", "gets2")
-            for system in ("tensordepot", "shm_pipe", "pipe_pickle")
-            + (("torch_mp",) if HAVE_TORCH else ())],
+    "B10": [
+        f"cases.{case}.systems.{system}"
+        for case in ("4KiB", "8MiB", "200x1KiB", "fanout2", "gets1", "gets2")
+        for system in ("tensordepot", "shm_pipe", "pipe_pickle")
+        + (("torch_mp",) if HAVE_TORCH else ())
+    ],
 }
-GOALS = ["B1.copy", "B2", "B2.read", "B3'.pipe", "B4.rt", "B4", "B5.1", "B5.2", "B6.producer",
-         "B6.consumer", "B7", "B7.rt", "B8", "B9", "B10.4KiB.own", "B10.8MiB.own",
-         "B10.200x1KiB.own", "B10.fanout2.own", "B10.gets1.own", "B10.gets2.own"] + (
-    ["B1.torch", "B3", "B3'.torch"] if HAVE_TORCH else []
-)
+GOALS = [
+    "B1.copy",
+    "B2",
+    "B2.read",
+    "B3'.pipe",
+    "B4.rt",
+    "B4",
+    "B5.1",
+    "B5.2",
+    "B6.producer",
+    "B6.consumer",
+    "B7",
+    "B7.rt",
+    "B8",
+    "B9",
+    "B10.4KiB.own",
+    "B10.8MiB.own",
+    "B10.200x1KiB.own",
+    "B10.fanout2.own",
+    "B10.gets1.own",
+    "B10.gets2.own",
+] + (["B1.torch", "B3", "B3'.torch"] if HAVE_TORCH else [])
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,40 @@ from _harness import ROOT, TEST_PREFIX, shm_entries
 def test_dcp_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "dcp.json"
     prefix = f"{TEST_PREFIX}dbench-{secrets.token_hex(4)}-"
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "bench" / "dcp.py"), "--quick",
-                          "--out", str(out), "--shm-prefix", prefix, "--disk", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "bench" / "dcp.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--shm-prefix",
+            prefix,
+            "--disk",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     r = json.loads(out.read_text())
     assert r["mode"] == "quick"
-    assert set(r["benchmarks"]) == {"depot_save", "tmpfs_save", "disk_save", "depot_load",
-                                    "zero_copy_load", "tmpfs_load", "disk_load",
-                                    "cold_depot_save", "cold_tmpfs_save", "cold_depot_load",
-                                    "cold_tmpfs_load"}
+    assert set(r["benchmarks"]) == {
+        "depot_save",
+        "tmpfs_save",
+        "disk_save",
+        "depot_load",
+        "zero_copy_load",
+        "tmpfs_load",
+        "disk_load",
+        "cold_depot_save",
+        "cold_tmpfs_save",
+        "cold_depot_load",
+        "cold_tmpfs_load",
+    }
     for name, s in r["benchmarks"].items():
         assert s["samples"] and all(math.isfinite(x) and x > 0 for x in s["samples"]), name
     rows = {row["id"]: row for row in r["checks"]}

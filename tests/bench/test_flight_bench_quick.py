@@ -24,9 +24,22 @@ pytest.importorskip("pyarrow.flight")
 def test_flight_benchmarks_quick(tmp_path: Path) -> None:
     out = tmp_path / "flight.json"
     prefix = f"{TEST_PREFIX}fbench-{secrets.token_hex(4)}-"
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "bench" / "flight.py"), "--quick",
-                          "--out", str(out), "--shm-prefix", prefix],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "bench" / "flight.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--shm-prefix",
+            prefix,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     r = json.loads(out.read_text())
     assert r["mode"] == "quick" and r["versions"]["pyarrow"]

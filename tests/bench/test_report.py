@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from _harness import ROOT
 
-README = ("# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nTHE-OLD-TABLE\n<!-- bench:end -->\n\n"
-          "## Next\n")
+README = (
+    "# x\n\n## Benchmarks\n\n<!-- bench:begin -->\nTHE-OLD-TABLE\n<!-- bench:end -->\n\n## Next\n"
+)
 
 
 @pytest.fixture
@@ -35,9 +36,14 @@ def repo(tmp_path: Path) -> Path:
 
 
 def report(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run([sys.executable, "tests/bench/report.py", "docs/bench.json", "--no-plot",
-                          *args], capture_output=True, text=True, timeout=60, cwd=repo,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "tests/bench/report.py", "docs/bench.json", "--no-plot", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=repo,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     return res
 
@@ -63,15 +69,31 @@ def test_report_writes_the_readme_when_asked(repo: Path) -> None:
 
 def test_peers_runs_the_cases_asked_for_and_refuses_unknown_ones(tmp_path: Path) -> None:
     peers = [sys.executable, str(ROOT / "tests" / "bench" / "peers.py")]
-    bad = subprocess.run([*peers, "--cases", "4KiB,nope"], capture_output=True, text=True,
-                         timeout=60, check=False)
+    bad = subprocess.run(
+        [*peers, "--cases", "4KiB,nope"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert bad.returncode == 2 and "unknown case ids ['nope']" in bad.stderr, bad.stderr
     out = tmp_path / "peers.json"
     prefix = f"tdpeers-test-{secrets.token_hex(4)}-"  # the run's own names, and only those
-    res = subprocess.run([*peers, "--quick", "--reps", "1", "--cases", "4KiB,gets1",
-                          "--systems", "tensordepot,shm_pipe,pipe_pickle", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "TENSORDEPOT_PEERS_SHM_PREFIX": prefix})
+    res = subprocess.run(
+        [
+            *peers,
+            "--quick",
+            "--reps",
+            "1",
+            "--cases",
+            "4KiB,gets1",
+            "--systems",
+            "tensordepot,shm_pipe,pipe_pickle",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "TENSORDEPOT_PEERS_SHM_PREFIX": prefix},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(out.read_text())
     assert set(got["cases"]) == {"4KiB", "gets1"}, list(got["cases"])
@@ -87,8 +109,14 @@ def test_a_quick_run_never_replaces_the_committed_plot(repo: Path) -> None:
     quick = json.loads((repo / "docs" / "bench.json").read_text()) | {"mode": "quick"}
     (repo / "quick.json").write_text(json.dumps(quick))
     (repo / "docs" / "bench.png").write_bytes(b"the committed plot")
-    res = subprocess.run([sys.executable, "tests/bench/report.py", "quick.json"],
-                         capture_output=True, text=True, timeout=120, cwd=repo, check=False)
+    res = subprocess.run(
+        [sys.executable, "tests/bench/report.py", "quick.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert (repo / "docs" / "bench.png").read_bytes() == b"the committed plot"
     assert (repo / "quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,8 +17,20 @@ PUBLIC = sorted(n for n in vars(Client) if not n.startswith("_"))
 
 def test_the_list_of_public_members_is_real() -> None:
     """The parametrized test below sees every method a user calls."""
-    assert {"put", "put_many", "get", "get_many", "empty", "share", "push", "delete", "list",
-            "stat", "close", "round_trips"} <= set(PUBLIC)
+    assert {
+        "put",
+        "put_many",
+        "get",
+        "get_many",
+        "empty",
+        "share",
+        "push",
+        "delete",
+        "list",
+        "stat",
+        "close",
+        "round_trips",
+    } <= set(PUBLIC)
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -30,11 +42,13 @@ def test_asyncclient_has_the_same_member(name: str) -> None:
         assert isinstance(theirs, property), name
         return
     assert inspect.iscoroutinefunction(theirs) != (name in NO_IO), (
-        f"AsyncClient.{name} should {'not ' if name in NO_IO else ''}be a coroutine function")
+        f"AsyncClient.{name} should {'not ' if name in NO_IO else ''}be a coroutine function"
+    )
     mine, async_params = (inspect.signature(f).parameters for f in (ours, theirs))
     assert list(async_params) == list(mine), name
     for pname, p in mine.items():
         q = async_params[pname]
         assert (q.kind, q.default, q.annotation) == (p.kind, p.default, p.annotation), (name, pname)
-    assert (inspect.signature(theirs).return_annotation
-            == inspect.signature(ours).return_annotation), name
+    assert (
+        inspect.signature(theirs).return_annotation == inspect.signature(ours).return_annotation
+    ), name

@@ -76,8 +76,14 @@ class FakeTransport:
         self.sent.append(sent)
         if sent.route == "/v1/sessions" and sent.method == "POST":
             self.sessions += 1
-            return ok({"session": f"s{self.sessions}", "pid": 1, "tracked": True,
-                       "heartbeat_interval": None})
+            return ok(
+                {
+                    "session": f"s{self.sessions}",
+                    "pid": 1,
+                    "tracked": True,
+                    "heartbeat_interval": None,
+                }
+            )
         if sent.route.startswith("/v1/sessions/") and sent.method == "DELETE":
             return ok(status=204)
         return self.handler(sent)
@@ -98,8 +104,15 @@ def fake() -> Iterator[Callable[[Handler], tuple[Core, FakeTransport]]]:
 
     def make(handler: Handler) -> tuple[Core, FakeTransport]:
         transport = FakeTransport(handler)
-        core = Core("unix:///nowhere/broker.sock", token=None, timeout=5.0, label=None,
-                    trust_uid=None, transport=lambda *a, **kw: transport, open=True)
+        core = Core(
+            "unix:///nowhere/broker.sock",
+            token=None,
+            timeout=5.0,
+            label=None,
+            trust_uid=None,
+            transport=lambda *a, **kw: transport,
+            open=True,
+        )
         assert core.bg is not None
         core.bg.stop()  # its queues stay; only the tests' requests carry them
         core.bg._r, core.bg._w = os.pipe()  # where later wake-ups go (closed with the core)
@@ -111,8 +124,9 @@ def fake() -> Iterator[Callable[[Handler], tuple[Core, FakeTransport]]]:
         core.close()
 
 
-def run(op: Op[Any], transport: FakeTransport,
-        offload: Callable[[Offload], Any] = lambda step: None) -> Any:
+def run(
+    op: Op[Any], transport: FakeTransport, offload: Callable[[Offload], Any] = lambda step: None
+) -> Any:
     """A driver for tests: requests go to ``transport``; ``offload`` stands in
     for the work an operation offloads (a copy, a mapping)."""
     try:
@@ -128,13 +142,25 @@ def run(op: Op[Any], transport: FakeTransport,
         return stop.value
 
 
-HANDLE = {"name": "w", "version": 3, "kind": "posix", "segment": "seg", "offset": 0,
-          "nbytes": 16, "shape": [4], "strides": [1], "dtype": "float32", "device": "cpu",
-          "state": "ready", "lease": 9}
+HANDLE = {
+    "name": "w",
+    "version": 3,
+    "kind": "posix",
+    "segment": "seg",
+    "offset": 0,
+    "nbytes": 16,
+    "shape": [4],
+    "strides": [1],
+    "dtype": "float32",
+    "device": "cpu",
+    "state": "ready",
+    "lease": 9,
+}
 
 
 def test_a_get_of_an_unknown_session_reopens_it_and_resends_once(
-        fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def handler(s: Sent) -> Answer:
         if s.headers[SESSION] == "s1":
             return refused("unknown_session")
@@ -148,8 +174,12 @@ def test_a_get_of_an_unknown_session_reopens_it_and_resends_once(
     gets = [s for s in t.sent if s.method == "GET"]
     assert [s.headers[SESSION] for s in gets] == ["s1", "s2"]
     assert gets[0].headers[REQUEST] == gets[1].headers[REQUEST]  # the same request, once more
-    assert t.routes() == ["POST /v1/sessions", "GET /v1/tensors/w", "POST /v1/sessions",
-                          "GET /v1/tensors/w"]
+    assert t.routes() == [
+        "POST /v1/sessions",
+        "GET /v1/tensors/w",
+        "POST /v1/sessions",
+        "GET /v1/tensors/w",
+    ]
     assert core.sid == "s2"
 
 
@@ -230,9 +260,17 @@ def test_a_get_never_answered_cancels_what_it_was_granted(fake: Any) -> None:
 
 
 # 64 KiB and 16 bytes: on average more than INLINE_BATCH_MEAN, so the bytes are not inline.
-COLUMNS = {"names": ["a", "b"], "versions": [1, 4], "state": "writing", "segments": ["seg"],
-           "segment": [0, 0], "offsets": [0, 65536], "nbytes": [65536, 16],
-           "shapes": [[16384], [4]], "dtypes": ["float32", "float32"]}
+COLUMNS = {
+    "names": ["a", "b"],
+    "versions": [1, 4],
+    "state": "writing",
+    "segments": ["seg"],
+    "segment": [0, 0],
+    "offsets": [0, 65536],
+    "nbytes": [65536, 16],
+    "shapes": [[16384], [4]],
+    "dtypes": ["float32", "float32"],
+}
 
 
 def test_put_many_allocates_and_publishes_over_the_many_routes(fake: Any) -> None:
@@ -243,7 +281,8 @@ def test_put_many_allocates_and_publishes_over_the_many_routes(fake: Any) -> Non
     assert t.routes()[1:] == ["POST /v1/many/alloc", "POST /v1/many/publish"]
     alloc, publish = (s.json() for s in t.sent[1:])
     assert ManyAlloc.model_validate(alloc) == ManyAlloc(
-        names=["a", "b"], shapes=[[16384], [4]], dtypes=["float32", "float32"], ttl=None)
+        names=["a", "b"], shapes=[[16384], [4]], dtypes=["float32", "float32"], ttl=None
+    )
     assert ManyPublish.model_validate(publish) == ManyPublish(names=["a", "b"], versions=[1, 4])
     assert len(copies) == 1 and not copies[0].cheap  # the copy is offloaded work
     assert all(s.headers.get(REQUEST) for s in t.sent[1:])
@@ -259,8 +298,12 @@ def test_put_many_of_small_tensors_carries_their_bytes_in_one_request(fake: Any)
     assert sent.headers["content-type"] == "application/octet-stream" and sent.headers[REQUEST]
     head, rest = unframe(sent.body)
     assert ManyAlloc.model_validate_json(head) == ManyAlloc(
-        names=["a", "b", "c"], shapes=[[3, 2], [4], [3, 2]], dtypes=["float32", "int64", "float32"],
-        ttl=5.0, same=[-1, -1, 0])
+        names=["a", "b", "c"],
+        shapes=[[3, 2], [4], [3, 2]],
+        dtypes=["float32", "int64", "float32"],
+        ttl=5.0,
+        same=[-1, -1, 0],
+    )
     # c is a's very bytes: sent once
     assert bytes(rest) == np.ascontiguousarray(a.T).tobytes() + sd["b"].tobytes()
 
@@ -268,8 +311,12 @@ def test_put_many_of_small_tensors_carries_their_bytes_in_one_request(fake: Any)
 def test_a_put_many_answer_without_a_version_per_tensor_is_refused(fake: Any) -> None:
     core, t = fake(lambda s: ok({"names": ["a"], "versions": [1]}))
     with pytest.raises(TensorBroken, match="one version per tensor"):
-        run(_batch.put_many(core, {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)},
-                            None, None), t)
+        run(
+            _batch.put_many(
+                core, {"a": np.ones(2, np.float32), "b": np.ones(2, np.float32)}, None, None
+            ),
+            t,
+        )
 
 
 def test_put_many_whose_copy_fails_gives_every_allocation_back(fake: Any) -> None:
@@ -279,8 +326,13 @@ def test_put_many_whose_copy_fails_gives_every_allocation_back(fake: Any) -> Non
         raise MemoryError("the copy failed")
 
     with pytest.raises(MemoryError):
-        run(_batch.put_many(core, {"a": np.zeros(16384, np.float32),
-                                   "b": np.ones(4, np.float32)}, None, None), t, copy)
+        run(
+            _batch.put_many(
+                core, {"a": np.zeros(16384, np.float32), "b": np.ones(4, np.float32)}, None, None
+            ),
+            t,
+            copy,
+        )
     aborts = [PublishRequest.model_validate(s.json()) for s in t.sent if s.route == "/v1/abort"]
     assert [(a.name, a.version) for a in aborts] == [("a", 1), ("b", 4)]
     assert "POST /v1/many/publish" not in t.routes()
@@ -291,8 +343,9 @@ def test_get_many_asks_once_over_the_many_route(fake: Any) -> None:
     with pytest.raises(TensorNotFound):
         run(_batch.get_many(core, ["a", "b"], 1.5, {"b": 2}), t)
     (sent,) = [s for s in t.sent if s.route == "/v1/many/get"]
-    assert BatchGet.model_validate(sent.json()) == BatchGet(names=["a", "b"], timeout=1.5,
-                                                            newer_than=[0, 2])
+    assert BatchGet.model_validate(sent.json()) == BatchGet(
+        names=["a", "b"], timeout=1.5, newer_than=[0, 2]
+    )
 
 
 def test_small_puts_carry_their_bytes_and_large_ones_allocate(fake: Any) -> None:
@@ -336,8 +389,9 @@ def test_a_put_cancelled_while_it_allocates_gives_the_allocation_back() -> None:
 
     async def main() -> list[str]:
         c = AsyncClient("unix:///nowhere/broker.sock")
-        fake = AsyncFake(lambda s: ok(handle) if s.route == "/v1/alloc" else ok(status=204),
-                         hold="/v1/alloc")
+        fake = AsyncFake(
+            lambda s: ok(handle) if s.route == "/v1/alloc" else ok(status=204), hold="/v1/alloc"
+        )
         c._transport = fake  # type: ignore[assignment]
         task = asyncio.ensure_future(c.put("w", np.zeros(1 << 18, np.float32)))
         await asyncio.wait_for(fake.held.wait(), 5)

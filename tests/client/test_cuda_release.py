@@ -31,7 +31,8 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
 
 def test_the_finalizer_only_queues_and_the_background_thread_records(
-        broker: BrokerProc, cuda: FakeCuda) -> None:
+    broker: BrokerProc, cuda: FakeCuda
+) -> None:
     with Client(broker.url) as c:
         c.list()  # a session, and its background thread
         core: Any = c._core
@@ -68,7 +69,8 @@ def test_the_per_thread_default_stream_is_released_on_the_legacy_one() -> None:
 
 
 def test_a_mapping_closes_only_once_its_readers_kernels_are_done(
-        broker: BrokerProc, cuda: FakeCuda) -> None:
+    broker: BrokerProc, cuda: FakeCuda
+) -> None:
     """A reader's ``del`` (after ``Client.close()``, or after the broker let
     the block go) drops the last view while a kernel may still read it: the
     mapping is queued, and closed only once the lease's release event is

@@ -45,17 +45,41 @@ class ClientStandIn:
     """Only held by weak reference; a publish would need a real Client."""
 
 
-def make(*, writable: bool = False, release_event: int | None = None, lease: _Lease | None = None,
-         producer_gone: Any = None, dtype: str = "bfloat16") -> tuple[CudaSharedTensor, Streams]:
-    h = Handle(name="w", version=1, kind="cuda", segment="block", offset=256, nbytes=2 * 12,
-               shape=[3, 4], strides=[4, 1], dtype=dtype, device=f"cuda:{UUID}",
-               state="writing" if writable else "ready", lease=None if lease is None else lease.id,
-               cuda=CudaHandle(uuid=UUID, ipc_handle=encode_ipc(os.urandom(64)), block_size=4096))
+def make(
+    *,
+    writable: bool = False,
+    release_event: int | None = None,
+    lease: _Lease | None = None,
+    producer_gone: Any = None,
+    dtype: str = "bfloat16",
+) -> tuple[CudaSharedTensor, Streams]:
+    h = Handle(
+        name="w",
+        version=1,
+        kind="cuda",
+        segment="block",
+        offset=256,
+        nbytes=2 * 12,
+        shape=[3, 4],
+        strides=[4, 1],
+        dtype=dtype,
+        device=f"cuda:{UUID}",
+        state="writing" if writable else "ready",
+        lease=None if lease is None else lease.id,
+        cuda=CudaHandle(uuid=UUID, ipc_handle=encode_ipc(os.urandom(64)), block_size=4096),
+    )
     streams = Streams(ORDINAL, None, release_event)
     client = ClientStandIn()
-    t = CudaSharedTensor(client, h, StandIn(4096), lease,  # type: ignore[arg-type]
-                         writable=writable, ordinal=ORDINAL, streams=streams,
-                         producer_gone=producer_gone)
+    t = CudaSharedTensor(
+        client,
+        h,
+        StandIn(4096),
+        lease,  # type: ignore[arg-type]
+        writable=writable,
+        ordinal=ORDINAL,
+        streams=streams,
+        producer_gone=producer_gone,
+    )
     t._keep = client  # type: ignore[attr-defined]
     return t, streams
 
@@ -67,16 +91,22 @@ def test_it_is_a_shared_tensor_on_this_processs_ordinal() -> None:
     assert (t.device, t.device_uuid) == (f"cuda:{ORDINAL}", UUID)
 
 
-@pytest.mark.parametrize("stream,noted", [
-    pytest.param(None, 1, id="None-legacy"), pytest.param(1, 1, id="legacy"),
-    pytest.param(2, 1, id="per-thread-is-released-on-legacy"),
-    pytest.param(POINTER, POINTER, id="pointer"),
-    pytest.param(-1, 1, id="no-sync-falls-back-to-legacy"),
-])
-@pytest.mark.parametrize("max_version",
-                         [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")])
-def test_export_names_the_gpu_and_remembers_the_stream(stream: Any, noted: int,
-                                                     max_version: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize(
+    "stream,noted",
+    [
+        pytest.param(None, 1, id="None-legacy"),
+        pytest.param(1, 1, id="legacy"),
+        pytest.param(2, 1, id="per-thread-is-released-on-legacy"),
+        pytest.param(POINTER, POINTER, id="pointer"),
+        pytest.param(-1, 1, id="no-sync-falls-back-to-legacy"),
+    ],
+)
+@pytest.mark.parametrize(
+    "max_version", [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")]
+)
+def test_export_names_the_gpu_and_remembers_the_stream(
+    stream: Any, noted: int, max_version: tuple[int, int] | None
+) -> None:
     t, streams = make()
     cap = t.__dlpack__(stream=stream, max_version=max_version)
     mt, dl = managed(cap)
@@ -145,7 +175,8 @@ def test_writable_tensors_export_writable_and_wait_for_nothing() -> None:
 
 
 def test_the_release_comes_after_the_record_and_after_every_view(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     released: list[tuple[str, int]] = []
     streams_seen: list[set[int]] = []
 

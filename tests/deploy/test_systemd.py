@@ -80,9 +80,15 @@ def runtime_dir(service: dict[str, list[str]]) -> str:
 def test_unit_is_hardened(service: dict[str, list[str]]) -> None:
     assert one(service, "Type") in ("exec", "notify")
     assert one(service, "RuntimeDirectory") == "tensordepot"
-    for key, want in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
-                      ("PrivateTmp", "yes"), ("ProtectHome", "yes"), ("PrivateDevices", "yes"),
-                      ("ProtectKernelTunables", "yes"), ("RestrictSUIDSGID", "yes")):
+    for key, want in (
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "yes"),
+        ("ProtectHome", "yes"),
+        ("PrivateDevices", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("RestrictSUIDSGID", "yes"),
+    ):
         assert one(service, key) == want, key
     assert one(service, "CapabilityBoundingSet") == ""  # no capabilities at all
     assert one(service, "User") not in ("", "root", "0")
@@ -133,13 +139,21 @@ def test_exec_start_runs_the_broker(service: dict[str, list[str]], mapped_dir: s
             key, _, value = word.partition("=")
             env[key] = value.replace(run, mapped_dir)
     # What the test adds: its own segment prefix, and small pool memory.
-    env |= {"TENSORDEPOT_SHM_PREFIX": prefix, "TENSORDEPOT_PREALLOC": "0",
-            "TENSORDEPOT_SEGMENT_SIZE": "8MiB"}
+    env |= {
+        "TENSORDEPOT_SHM_PREFIX": prefix,
+        "TENSORDEPOT_PREALLOC": "0",
+        "TENSORDEPOT_SEGMENT_SIZE": "8MiB",
+    }
     log = open(os.path.join(mapped_dir, "broker.log"), "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=mapped_dir)
     try:
-        waited = subprocess.run([str(TENSORDEPOT), "wait", "--url", url, "--timeout", "60"],
-                                capture_output=True, text=True, timeout=90, check=False)
+        waited = subprocess.run(
+            [str(TENSORDEPOT), "wait", "--url", url, "--timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
         text = Path(log.name).read_text()
         assert waited.returncode == 0, f"{waited.stderr}\n{text}"
         assert "tensordepot ready" in text and url in text, text
@@ -161,12 +175,19 @@ def test_exec_start_runs_the_broker(service: dict[str, list[str]], mapped_dir: s
             os.unlink(os.path.join("/dev/shm", entry))
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="needs systemd-analyze (Debian/Ubuntu package systemd)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="needs systemd-analyze (Debian/Ubuntu package systemd)",
+)
 def test_systemd_accepts_the_unit(service: dict[str, list[str]], mapped_dir: str) -> None:
     """systemd's own parser: unknown keys, bad values and a missing binary fail."""
     unit = Path(mapped_dir) / "tensordepot.service"
     unit.write_text(UNIT.read_text().replace(exec_start(service)[0], str(TENSORDEPOT)))
-    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                         text=True, timeout=60, check=False)
+    res = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 0 and "tensordepot.service" not in res.stderr, res.stderr

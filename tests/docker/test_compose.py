@@ -48,9 +48,11 @@ OVERRIDE_ENV = {ENV_TOKEN: "a-long-random-secret"}
 
 # -- reading the files ----------------------------------------------------------
 
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)"
-                  r"|\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
-                  r"|(?P<plain>\w+))")
+_VAR = re.compile(
+    r"\$(?:(?P<escaped>\$)"
+    r"|\{(?P<braced>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+    r"|(?P<plain>\w+))"
+)
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
@@ -120,8 +122,9 @@ def copies() -> dict[str, Path]:
         if word == "COPY":
             *sources, dest = shlex.split(rest)
             for src in sources:
-                out[dest if len(sources) == 1
-                    else f"{dest.rstrip('/')}/{Path(src).name}"] = ROOT / src
+                out[dest if len(sources) == 1 else f"{dest.rstrip('/')}/{Path(src).name}"] = (
+                    ROOT / src
+                )
     return out
 
 
@@ -155,8 +158,9 @@ def test_compose_file_matches_the_spec(schema: dict[str, Any], path: Path) -> No
 def test_merged_with_an_override_matches_the_spec(schema: dict[str, Any], path: Path) -> None:
     merged = merge(load(DOCKER / "compose.yaml", OVERRIDE_ENV), load(path, OVERRIDE_ENV))
     assert errors(schema, merged) == []
-    assert set(merged["services"]) == set(load(DOCKER / "compose.yaml")["services"]), \
+    assert set(merged["services"]) == set(load(DOCKER / "compose.yaml")["services"]), (
         "an override adds no service of its own"
+    )
 
 
 def test_the_schema_check_can_fail(schema: dict[str, Any]) -> None:
@@ -175,16 +179,18 @@ def test_workers_share_the_brokers_ipc_pid_and_socket() -> None:
     target = {v.split(":")[0]: v.split(":")[1] for v in broker["volumes"]}
     listen = broker["environment"]["TENSORDEPOT_LISTEN"].split(",")
     unix = [u for u in listen if u.startswith("unix://")]
-    assert len(unix) == 1 and any(unix[0].startswith(f"unix://{t}/") for t in target.values()), \
+    assert len(unix) == 1 and any(unix[0].startswith(f"unix://{t}/") for t in target.values()), (
         "the broker's socket lives on a volume workers can mount"
+    )
     for name, svc in services.items():
         assert svc["ipc"] == "service:broker", f"{name} cannot map the broker's /dev/shm"
         assert svc["pid"] == "service:broker", f"the broker cannot see {name}'s pids"
         assert set(svc["volumes"]) & set(broker["volumes"]), f"{name} lacks the socket volume"
         assert svc["environment"][ENV_URL] == unix[0]
         assert svc["depends_on"]["broker"]["condition"] == "service_healthy"
-        assert svc["image"] == broker["image"] and svc["build"] == broker["build"], \
+        assert svc["image"] == broker["image"] and svc["build"] == broker["build"], (
             "workers run the broker's image, so they have its uid"
+        )
         assert "shm_size" not in svc, "a worker's /dev/shm is the broker's"
 
 
@@ -231,14 +237,19 @@ def test_the_image_installs_the_extras_cupy_with_its_cuda_toolkit(extras: str) -
     import tomllib
 
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     (step,) = [rest for word, rest in dockerfile() if word == "RUN" and "pip install" in rest]
     script = step.replace("pip install", "echo").replace("rm -rf /src", "true")
-    out = subprocess.run(["bash", "-c", script], env={"EXTRAS": extras, "PATH": os.defpath},
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["bash", "-c", script],
+        env={"EXTRAS": extras, "PATH": os.defpath},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out[0] == ("/src" + (f"[{extras}]" if extras else ""))
-    wanted = [r for extra in extras.split(",") if extra.startswith("cuda")
-              for r in optional[extra]]
+    wanted = [r for extra in extras.split(",") if extra.startswith("cuda") for r in optional[extra]]
     assert len(wanted) == (1 if extras else 0), optional
     for req in wanted:
         m = re.fullmatch(r"(cupy-cuda1[23]x)>=(\d+)", req)
@@ -288,8 +299,9 @@ def test_dockerfile_installs_every_package_folder_and_runs_serve() -> None:
 class Container:
     """What a compose service would run, mapped onto this host."""
 
-    def __init__(self, service: dict[str, Any], paths: dict[str, str],
-                 launcher: list[str] | None = None) -> None:
+    def __init__(
+        self, service: dict[str, Any], paths: dict[str, str], launcher: list[str] | None = None
+    ) -> None:
         self.paths = paths
         self.launcher = launcher or []  # runs it on another "host" (tests/_hosts.py)
         env = {k: self.host(str(v)) for k, v in service.get("environment", {}).items()}
@@ -313,10 +325,17 @@ class Container:
             head = [str(script) if script.exists() else exe]
         return self.launcher + head + [self.host(a) for a in args]
 
-    def run(self, command: list[str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(command) if command else self.command, env=self.env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
+    def run(
+        self, command: list[str] | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(command) if command else self.command,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
 
 def seconds(text: str) -> float:
@@ -341,28 +360,39 @@ def host_paths(broker_svc: dict[str, Any], run_dir: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def healthy_broker(broker: Container, broker_svc: dict[str, Any], run_dir: str
-                   ) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+def healthy_broker(
+    broker: Container, broker_svc: dict[str, Any], run_dir: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
     """Run the broker's command until its compose healthcheck passes; yield
     (process, socket path, log path).  Whatever is left is killed and swept."""
-    settings = Settings(listen=broker.env["TENSORDEPOT_LISTEN"].split(","),
-                        shm_prefix=broker.env.get("TENSORDEPOT_SHM_PREFIX", ""))
+    settings = Settings(
+        listen=broker.env["TENSORDEPOT_LISTEN"].split(","),
+        shm_prefix=broker.env.get("TENSORDEPOT_SHM_PREFIX", ""),
+    )
     prefix = settings.prefix()
     sock = settings.listen_urls()[0].removeprefix("unix://")
     assert sock.startswith(run_dir), sock
     log_path = os.path.join(run_dir, "broker.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(broker.command, env=broker.env, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=run_dir)
+        proc = subprocess.Popen(
+            broker.command, env=broker.env, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir
+        )
     try:
+
         def healthy() -> bool:
             assert proc.poll() is None, Path(log_path).read_text()
             check = broker_svc["healthcheck"]
-            return broker.run(check["test"][1:],
-                              timeout=seconds(check["timeout"]) + 30).returncode == 0
+            return (
+                broker.run(check["test"][1:], timeout=seconds(check["timeout"]) + 30).returncode
+                == 0
+            )
 
-        wait_for(healthy, seconds(broker_svc["healthcheck"]["start_period"]) + 30, interval=0.2,
-                 what="the compose healthcheck to pass")
+        wait_for(
+            healthy,
+            seconds(broker_svc["healthcheck"]["start_period"]) + 30,
+            interval=0.2,
+            what="the compose healthcheck to pass",
+        )
         yield proc, sock, log_path
         assert shm_entries(prefix) == [], "SIGTERM must unlink every segment"
     finally:
@@ -422,9 +452,11 @@ def test_two_hosts_workers_join_their_own_broker_and_b_pulls_from_a() -> None:
             continue
         owner = _owner(svc)
         assert svc["ipc"] == svc["pid"] == f"service:{owner}", (
-            f"{name} must share {owner}'s namespaces")
+            f"{name} must share {owner}'s namespaces"
+        )
         assert set(svc["volumes"]) == set(brokers[owner]["volumes"]), (
-            f"{name} lacks {owner}'s socket")
+            f"{name} lacks {owner}'s socket"
+        )
         assert svc["environment"][ENV_URL] == brokers[owner]["environment"]["TENSORDEPOT_LISTEN"]
     flight = urlsplit(brokers["broker-a"]["environment"]["TENSORDEPOT_FLIGHT"])
     peer = urlsplit(brokers["broker-b"]["environment"]["TENSORDEPOT_PEER"])
@@ -450,8 +482,10 @@ def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     flight = urlsplit(services["broker-a"]["environment"]["TENSORDEPOT_FLIGHT"])
     files = {dest: str(src) for dest, src in copies().items() if src.is_file()}
-    net = {f"{flight.scheme}://{flight.netloc}": f"grpc://127.0.0.1:{port}",
-           f"{flight.scheme}://broker-a:{flight.port}": f"grpc://127.0.0.1:{port}"}
+    net = {
+        f"{flight.scheme}://{flight.netloc}": f"grpc://127.0.0.1:{port}",
+        f"{flight.scheme}://broker-a:{flight.port}": f"grpc://127.0.0.1:{port}",
+    }
     host_b = Host()
     procs: list[subprocess.Popen[bytes]] = []
     prefixes: dict[str, tuple[str, str]] = {}
@@ -460,18 +494,26 @@ def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
         for name, svc in services.items():
             run = str(tmp_path / f"run-{name[-1]}")  # one socket volume per host
             target = svc["volumes"][0].split(":")[1]
-            containers[name] = Container(svc, {target: run, **files, **net},
-                                         host_b.launcher if name.endswith("-b") else None)
+            containers[name] = Container(
+                svc, {target: run, **files, **net}, host_b.launcher if name.endswith("-b") else None
+            )
         for name in ("broker-a", "broker-b"):
             box = containers[name]
             settings = Settings(listen=box.env["TENSORDEPOT_LISTEN"].split(","))
             shm = host_b.shm_dir if name.endswith("-b") else "/dev/shm"
             prefixes[name] = (settings.prefix(), shm)
             with open(tmp_path / f"{name}.log", "wb") as log:
-                procs.append(subprocess.Popen(box.command, env=box.env, stdout=log,
-                                              stderr=subprocess.STDOUT, cwd=tmp_path))
-            wait_for(functools.partial(_healthy, box), 90, interval=0.2,
-                     what=f"{name} to pass its healthcheck")
+                procs.append(
+                    subprocess.Popen(
+                        box.command, env=box.env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path
+                    )
+                )
+            wait_for(
+                functools.partial(_healthy, box),
+                90,
+                interval=0.2,
+                what=f"{name} to pass its healthcheck",
+            )
         for name in ("producer-a", "consumer-b"):
             res = containers[name].run()
             assert res.returncode == 0, f"{name}: {res.stdout}\n{res.stderr}"
@@ -498,8 +540,9 @@ def test_two_hosts_commands_run_as_processes(tmp_path: Path) -> None:
 def test_the_tcp_override_needs_its_token(run_dir: str) -> None:
     """compose.tcp.yaml: TCP clients need $TENSORDEPOT_TOKEN, and the broker refuses to
     start without it."""
-    merged = merge(load(DOCKER / "compose.yaml", OVERRIDE_ENV),
-                   load(DOCKER / "compose.tcp.yaml", OVERRIDE_ENV))
+    merged = merge(
+        load(DOCKER / "compose.yaml", OVERRIDE_ENV), load(DOCKER / "compose.tcp.yaml", OVERRIDE_ENV)
+    )
     broker_svc = merged["services"]["broker"]
     broker = Container(broker_svc, host_paths(broker_svc, run_dir))
     port = free_port()
@@ -509,8 +552,9 @@ def test_the_tcp_override_needs_its_token(run_dir: str) -> None:
     tcp = f"http://127.0.0.1:{port}"
 
     tokenless = {k: v for k, v in broker.env.items() if k != ENV_TOKEN}
-    res = subprocess.run(broker.command, env=tokenless, capture_output=True, text=True, timeout=60,
-                         check=False)
+    res = subprocess.run(
+        broker.command, env=tokenless, capture_output=True, text=True, timeout=60, check=False
+    )
     assert res.returncode == 1 and "needs a token" in res.stderr, res.stderr
 
     with healthy_broker(broker, broker_svc, run_dir) as (proc, _, log_path):

@@ -393,8 +393,9 @@ def test_a_cancelled_get_leaves_no_lease(broker: BrokerProc) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.get_running_loop().run_in_executor(None, drained, broker, "leases",
-                                                             "waiting")
+            await asyncio.get_running_loop().run_in_executor(
+                None, drained, broker, "leases", "waiting"
+            )
             # Races: the publish lands while gets are being cancelled.
             with Client(broker.url) as producer:
                 for i in range(15):

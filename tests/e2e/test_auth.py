@@ -54,9 +54,11 @@ def tokens(tmp_path: Path) -> Tokens:
     path = tmp_path / "tokens"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"# tokens of this broker\n{t['admin']} admin name=ops\n"
-                f"{t['read']} read name=inference\n\n{t['write']}   write\n"
-                f"{t['team']} write prefix=team-a/ name=team-a  \n")
+        f.write(
+            f"# tokens of this broker\n{t['admin']} admin name=ops\n"
+            f"{t['read']} read name=inference\n\n{t['write']}   write\n"
+            f"{t['team']} write prefix=team-a/ name=team-a  \n"
+        )
     return Tokens(str(path), **t)
 
 
@@ -68,8 +70,9 @@ def group_dir(gid: int) -> str:
     return path
 
 
-def request(port: int, method: str, path: str, token: str | None = None,
-            body: Any = None) -> tuple[int, dict[str, Any]]:
+def request(
+    port: int, method: str, path: str, token: str | None = None, body: Any = None
+) -> tuple[int, dict[str, Any]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"content-type": "application/json"}
     if token is not None:
@@ -109,13 +112,17 @@ for method, path in routes:
 
 
 def test_another_user_without_a_token_gets_401_on_every_route_but_healthz(
-        other: User, broker_factory: Callable[..., BrokerProc], tokens: Tokens) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tokens: Tokens
+) -> None:
     port = free_port()
     broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", tokens.path)
     status, doc = request(port, "GET", "/openapi.json", tokens.admin)
     assert status == 200
-    routes = [(m.upper(), p.replace("{name:path}", "{name}")) for p, ops in doc["paths"].items()
-              for m in ops]
+    routes = [
+        (m.upper(), p.replace("{name:path}", "{name}"))
+        for p, ops in doc["paths"].items()
+        for m in ops
+    ]
     routes += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/nope")]
     assert len(routes) >= 20, routes
     seen = other.emits(PROBE, str(port), json.dumps(routes))
@@ -124,8 +131,11 @@ def test_another_user_without_a_token_gets_401_on_every_route_but_healthz(
         if path == "/healthz":
             assert status == 200, (method, path, status)
         else:
-            assert (status, code, challenge) == (401, "unauthorized", "Bearer"), \
-                (method, path, status)
+            assert (status, code, challenge) == (401, "unauthorized", "Bearer"), (
+                method,
+                path,
+                status,
+            )
 
 
 # -- scopes: a reader cannot change what it reads --------------------------------------------
@@ -172,11 +182,19 @@ emit(tried)
 
 
 def test_an_inference_worker_with_a_read_token_cannot_change_its_weights(
-        other: User, broker_factory: Callable[..., BrokerProc], tokens: Tokens) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tokens: Tokens
+) -> None:
     port = free_port()
     tcp = f"http://127.0.0.1:{port}"
-    b = broker_factory("--listen", tcp, "--token-file", tokens.path, "--shm-group", other.group,
-                       sock_dir=group_dir(other.group_gid))
+    b = broker_factory(
+        "--listen",
+        tcp,
+        "--token-file",
+        tokens.path,
+        "--shm-group",
+        other.group,
+        sock_dir=group_dir(other.group_gid),
+    )
     with b.client() as c:
         c.put("model/w", WEIGHTS)
         c.put("model/b", np.ones(4, np.float32))
@@ -188,8 +206,16 @@ def test_an_inference_worker_with_a_read_token_cannot_change_its_weights(
     [tried] = other.emits(WORKER, b.url, tcp, tokens.read, ",".join(segs))
     assert tried["sum"] == float(WEIGHTS.sum())
     assert tried["listed"] == ["model/b", "model/w"]
-    for what in ("put", "put_small", "put_many", "empty", "delete", "delete_other", "put_tcp",
-                 "delete_tcp"):
+    for what in (
+        "put",
+        "put_small",
+        "put_many",
+        "empty",
+        "delete",
+        "delete_other",
+        "put_tcp",
+        "delete_tcp",
+    ):
         kind, message = tried[what]
         assert kind == "Forbidden", (what, tried[what])
         assert "needs the 'write' scope" in message
@@ -212,8 +238,10 @@ def test_an_inference_worker_with_a_read_token_cannot_change_its_weights(
 
 # -- prefixes: a team's token stays within its names ----------------------------------------
 
+
 def test_a_prefix_limited_write_token_cannot_touch_other_names(
-        broker_factory: Callable[..., BrokerProc], tokens: Tokens) -> None:
+    broker_factory: Callable[..., BrokerProc], tokens: Tokens
+) -> None:
     port = free_port()
     tcp = f"http://127.0.0.1:{port}"
     b = broker_factory("--listen", tcp, "--token-file", tokens.path)
@@ -243,11 +271,15 @@ def test_a_prefix_limited_write_token_cannot_touch_other_names(
         assert sorted(i.name for i in c.list()) == ["team-a/e", "team-a/small", "team-a/w"]
         mine.release()
     item = {"name": "prod/w", "version": 1}
-    for method, path, body in (("POST", "/v1/publish", item), ("POST", "/v1/abort", item),
-                               ("POST", "/v1/batch/publish", {"items": [item]}),
-                               ("POST", "/v1/many/publish", {"names": ["prod/w"], "versions": [1]}),
-                               ("POST", "/v1/many/get", {"names": ["prod/w"]}),
-                               ("GET", "/v1/tensors/prod/w", None), ("GET", "/v1/tensors/", None)):
+    for method, path, body in (
+        ("POST", "/v1/publish", item),
+        ("POST", "/v1/abort", item),
+        ("POST", "/v1/batch/publish", {"items": [item]}),
+        ("POST", "/v1/many/publish", {"names": ["prod/w"], "versions": [1]}),
+        ("POST", "/v1/many/get", {"names": ["prod/w"]}),
+        ("GET", "/v1/tensors/prod/w", None),
+        ("GET", "/v1/tensors/", None),
+    ):
         status, err = request(port, method, path, tokens.team, body)
         assert (status, err["error"]["code"]) == (403, "forbidden"), (path, err)
     with b.client() as owner:
@@ -286,8 +318,8 @@ emit(out)
 
 
 def test_another_user_cannot_reach_the_socket_or_the_segments(
-        other: User, broker_factory: Callable[..., BrokerProc],
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     parent = os.path.join(str(tmp_path_factory.mktemp("auth", numbered=True)), "run")
     fresh = os.path.join(parent, "b.sock")  # a directory the broker creates
     b = broker_factory("--listen", f"unix://{fresh}")
@@ -305,12 +337,14 @@ def test_another_user_cannot_reach_the_socket_or_the_segments(
 
 
 def test_a_group_peer_needs_a_token_and_is_told_so(
-        other: User, broker_factory: Callable[..., BrokerProc]) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc]
+) -> None:
     """--shm-group lets the group reach the socket; SO_PEERCRED still refuses its uid."""
     d = group_dir(other.group_gid)
     fresh = os.path.join(d, "sub", "b.sock")
-    b = broker_factory("--listen", f"unix://{fresh}", "--shm-group", str(other.group_gid),
-                       sock_dir=d)
+    b = broker_factory(
+        "--listen", f"unix://{fresh}", "--shm-group", str(other.group_gid), sock_dir=d
+    )
     for path, mode in ((os.path.dirname(fresh), 0o750), (fresh, 0o660), (b.sock, 0o660)):
         st = os.stat(path)
         assert (stat.S_IMODE(st.st_mode), st.st_gid) == (mode, other.group_gid), path
@@ -318,9 +352,10 @@ def test_a_group_peer_needs_a_token_and_is_told_so(
     assert out == {b.sock: "HTTP/1.1 403 Forbidden", fresh: "HTTP/1.1 403 Forbidden"}
     res = other.run("from tensordepot import Client\nClient(ARGS[0])", b.url)
     assert res.returncode == 1
-    assert (f"Forbidden: forbidden: uid {other.uid} ({other.name}) may not use this broker, which "
-            f"runs as uid 0 (root); start the broker with --allow-uid {other.uid}") in res.stderr, \
-        res.stderr
+    assert (
+        f"Forbidden: forbidden: uid {other.uid} ({other.name}) may not use this broker, which "
+        f"runs as uid 0 (root); start the broker with --allow-uid {other.uid}"
+    ) in res.stderr, res.stderr
     [out] = other.emits(CONNECT.replace("/v1/stat", "/healthz"), b.sock, "")
     assert out == {b.sock: "HTTP/1.1 200 OK"}, "/healthz answers anyone"
     # Outside the group, the socket's mode refuses before the broker is asked.
@@ -338,12 +373,16 @@ with Client(ARGS[0]) as c:
 """
 
 
-@pytest.mark.parametrize("flags", [
-    pytest.param(lambda u: ["--allow-gid", u.group], id="allow-gid"),
-    pytest.param(lambda u: ["--allow-uid", u.name, "--shm-group", u.group], id="allow-uid"),
-])
-def test_allowed_peers_exchange_tensors(other: User, broker_factory: Callable[..., BrokerProc],
-                                        flags: Callable[[User], list[str]]) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(lambda u: ["--allow-gid", u.group], id="allow-gid"),
+        pytest.param(lambda u: ["--allow-uid", u.name, "--shm-group", u.group], id="allow-uid"),
+    ],
+)
+def test_allowed_peers_exchange_tensors(
+    other: User, broker_factory: Callable[..., BrokerProc], flags: Callable[[User], list[str]]
+) -> None:
     b = broker_factory(*flags(other), sock_dir=group_dir(other.group_gid))
     with b.client() as c:
         c.put("from-root", WEIGHTS)
@@ -357,6 +396,7 @@ def test_allowed_peers_exchange_tensors(other: User, broker_factory: Callable[..
 
 
 # -- no squatting --------------------------------------------------------------------------
+
 
 @pytest.fixture
 def squat_dir() -> Iterator[str]:
@@ -373,15 +413,19 @@ def test_serve_refuses_a_squatted_socket_directory(other: User, squat_dir: str) 
     os.chmod(squat_dir, 0o777)  # root's, but anyone may swap the socket
     res = serve_once("--listen", f"unix://{sock}", "--shm-prefix", prefix)
     assert res.returncode == 1, res.stderr
-    assert (f"the socket directory {squat_dir} is writable by group or others (owner uid 0 (root), "
-            f"mode 0777)") in res.stderr, res.stderr
+    assert (
+        f"the socket directory {squat_dir} is writable by group or others (owner uid 0 (root), "
+        f"mode 0777)"
+    ) in res.stderr, res.stderr
     assert "Run chmod go-w" in res.stderr and "Traceback" not in res.stderr
     os.chmod(squat_dir, 0o755)
     os.chown(squat_dir, other.uid, other.gid)  # someone else's
     res = serve_once("--listen", f"unix://{sock}", "--shm-prefix", prefix)
     assert res.returncode == 1, res.stderr
-    assert (f"the socket directory {squat_dir} belongs to another user, not to this broker's uid "
-            f"0 (root) (owner uid {other.uid} ({other.name}), mode 0755)") in res.stderr, res.stderr
+    assert (
+        f"the socket directory {squat_dir} belongs to another user, not to this broker's uid "
+        f"0 (root) (owner uid {other.uid} ({other.name}), mode 0755)"
+    ) in res.stderr, res.stderr
     assert shm_entries(prefix) == [] and not os.path.exists(sock)
 
 
@@ -401,9 +445,10 @@ def test_the_default_socket_directory_of_another_user_cannot_be_squatted(other: 
         os.chmod(path, 0o777)  # pre-created by someone else (here root), open to all
         res = other.run(SERVE_DEFAULT, prefix)
         assert res.returncode == 1, res.stderr
-        assert (f"the socket directory {path} belongs to another user, not to this broker's uid "
-                f"{other.uid} ({other.name}) (owner uid 0 (root), mode 0777)") in res.stderr, \
-            res.stderr
+        assert (
+            f"the socket directory {path} belongs to another user, not to this broker's uid "
+            f"{other.uid} ({other.name}) (owner uid 0 (root), mode 0777)"
+        ) in res.stderr, res.stderr
     finally:
         shutil.rmtree(path)
     assert shm_entries(prefix) == []
@@ -422,8 +467,9 @@ while True:
 """
 
 
-def test_a_client_refuses_a_socket_served_by_another_uid(other: User, squat_dir: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_client_refuses_a_socket_served_by_another_uid(
+    other: User, squat_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     os.chown(squat_dir, other.uid, other.gid)
     os.chmod(squat_dir, 0o755)
     sock = os.path.join(squat_dir, "broker.sock")
@@ -449,22 +495,26 @@ def test_a_client_refuses_a_socket_served_by_another_uid(other: User, squat_dir:
 
 
 def test_a_client_refuses_a_foreign_or_world_writable_segment(
-        other: User, broker_factory: Callable[..., BrokerProc]) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc]
+) -> None:
     b = broker_factory()
     with b.client() as c:
         c.put("w", WEIGHTS)
     [seg] = segments(b)
     path = f"/dev/shm/{seg}"
-    for tamper, expect in ((lambda: os.chmod(path, 0o666),
-                            "its mode 0666 lets every user write it"),
-                           (lambda: os.chown(path, other.uid, -1),
-                            (f"it belongs to uid {other.uid} ({other.name}), a user this process "
-                             f"does not trust"))):
+    for tamper, expect in (
+        (lambda: os.chmod(path, 0o666), "its mode 0666 lets every user write it"),
+        (
+            lambda: os.chown(path, other.uid, -1),
+            (f"it belongs to uid {other.uid} ({other.name}), a user this process does not trust"),
+        ),
+    ):
         tamper()
         try:
             with b.client() as c:
-                with pytest.raises(UntrustedBroker,
-                                   match=re.escape(f"refusing to map segment {seg}: {expect}")):
+                with pytest.raises(
+                    UntrustedBroker, match=re.escape(f"refusing to map segment {seg}: {expect}")
+                ):
                     c.get("w")
                 with pytest.raises(UntrustedBroker, match=re.escape(expect)):
                     c.put("w2", WEIGHTS)  # nothing of ours is written into it

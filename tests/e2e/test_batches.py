@@ -151,8 +151,11 @@ def test_get_many_keeps_what_it_found_while_it_waits_for_the_rest(broker: Broker
         assert (a == 1.0).all(), f"the version get_many found first changed: {a[:4]}"
         assert (b == 1.0).all()
         producer.delete_many(["a", "b"])
-        wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
-                 what="the leases and bytes to be given back")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0,
+            10,
+            what="the leases and bytes to be given back",
+        )
 
 
 def test_batches_larger_than_one_request_are_split(broker: BrokerProc, tmp_path: Any) -> None:

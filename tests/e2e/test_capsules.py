@@ -23,8 +23,10 @@ torch = pytest.importorskip("torch")
 VERSIONS = [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned")]
 BIG = (512, 1024)  # 2 MiB of float32: the alloc path, and a range the pool would reuse
 # A get's tensor exports from its own window; a get_many's from slices of the batch's window.
-GETS = [pytest.param(lambda c, name: c.get(name), id="get"),
-        pytest.param(lambda c, name: c.get_many([name])[name], id="get_many")]
+GETS = [
+    pytest.param(lambda c, name: c.get(name), id="get"),
+    pytest.param(lambda c, name: c.get_many([name])[name], id="get_many"),
+]
 
 
 def pointer(t: SharedTensor) -> int:
@@ -77,8 +79,9 @@ def test_versioned_capsule_consumed_twice_raises(broker: BrokerProc) -> None:
 
 # -- capsules that nobody consumes, or that a consumer rejects ----------------------
 @pytest.mark.parametrize("max_version", VERSIONS)
-def test_dropped_capsule_leaks_nothing(broker: BrokerProc,
-                                       max_version: tuple[int, int] | None) -> None:
+def test_dropped_capsule_leaks_nothing(
+    broker: BrokerProc, max_version: tuple[int, int] | None
+) -> None:
     with broker.client() as c:
         c.put("w", np.ones(BIG, np.float32))
         t = c.get("w")
@@ -93,8 +96,9 @@ def test_dropped_capsule_leaks_nothing(broker: BrokerProc,
 
 
 @pytest.mark.parametrize("max_version", VERSIONS)
-def test_rejected_capsule_leaks_nothing(broker: BrokerProc,
-                                        max_version: tuple[int, int] | None) -> None:
+def test_rejected_capsule_leaks_nothing(
+    broker: BrokerProc, max_version: tuple[int, int] | None
+) -> None:
     """numpy refuses bfloat16; its own error reaches the caller, and nothing leaks."""
     native = torch.zeros(3, dtype=torch.bfloat16)
     with pytest.raises(Exception) as want:
@@ -150,12 +154,15 @@ def test_copy_false_and_none_never_copy(broker: BrokerProc, get: Any) -> None:
         drained(c, "leases")
 
 
-@pytest.mark.parametrize("dl_device,ok", [
-    pytest.param((1, 0), True, id="kDLCPU-0"),
-    pytest.param((2, 0), False, id="kDLCUDA-0"),
-    pytest.param((3, 0), False, id="kDLCUDAHost-0"),
-    pytest.param((1, 1), False, id="kDLCPU-1"),
-])
+@pytest.mark.parametrize(
+    "dl_device,ok",
+    [
+        pytest.param((1, 0), True, id="kDLCPU-0"),
+        pytest.param((2, 0), False, id="kDLCUDA-0"),
+        pytest.param((3, 0), False, id="kDLCUDAHost-0"),
+        pytest.param((1, 1), False, id="kDLCPU-1"),
+    ],
+)
 def test_dl_device(broker: BrokerProc, dl_device: tuple[int, int], ok: bool) -> None:
     with broker.client() as c:
         c.put("w", np.arange(4.0))
@@ -235,8 +242,9 @@ def test_numpy_views_of_empty_are_writable(broker: BrokerProc) -> None:
 
 
 # -- lifetimes across consumers -------------------------------------------------------
-def test_views_outlive_their_shared_tensor(broker: BrokerProc,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_views_outlive_their_shared_tensor(
+    broker: BrokerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every imported view keeps the bytes; the lease ends with the last of them."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     jax = pytest.importorskip("jax")
@@ -256,8 +264,9 @@ def test_views_outlive_their_shared_tensor(broker: BrokerProc,
         for name in list(views):
             for i in range(3):  # churn: a freed range would be reused and overwritten
                 c.put(f"churn{i}", np.zeros(BIG, np.float32))
-            changed = [other for other, v in views.items()
-                       if not np.array_equal(np.asarray(v), want)]
+            changed = [
+                other for other, v in views.items() if not np.array_equal(np.asarray(v), want)
+            ]
             assert not changed, f"{changed} changed after the views before {name} were dropped"
             assert c.stat().leases == 1
             del views[name]
@@ -275,6 +284,7 @@ def test_numpy_without_ml_dtypes(broker: BrokerProc) -> None:
         assert f"numpy has no built-in {dtype}" in msg and "pip install ml_dtypes" in msg, msg
         assert "torch.from_dlpack" in msg, "the error should say what to do instead"
         assert r["np_from_dlpack"] == r["np_native"], (
-            "numpy's own error must come through unchanged")
+            "numpy's own error must come through unchanged"
+        )
         assert r["drained"]
     assert res["float32_numpy"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

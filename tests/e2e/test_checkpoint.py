@@ -31,20 +31,38 @@ from tensordepot.checkpoint import DepotReader, DepotWriter, ZeroCopyLoadPlanner
 
 pytestmark = pytest.mark.filterwarnings(
     # DCP says so whenever it runs in one process, without a process group.
-    "ignore:torch.distributed is disabled:UserWarning")
+    "ignore:torch.distributed is disabled:UserWarning"
+)
 
 
 class Job:
     """Ranks of one gloo job, each a process of its own, read line by line."""
 
-    def __init__(self, mode: str, broker: BrokerProc, ckpt: str, *args: str,
-                 world: int = 2) -> None:
+    def __init__(
+        self, mode: str, broker: BrokerProc, ckpt: str, *args: str, world: int = 2
+    ) -> None:
         port = str(free_port())
         env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-        self.procs = [subprocess.Popen(
-            [sys.executable, str(WORKERS / "dcp_rank.py"), mode, broker.url, ckpt, str(r),
-             str(world), port, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env) for r in range(world)]
+        self.procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKERS / "dcp_rank.py"),
+                    mode,
+                    broker.url,
+                    ckpt,
+                    str(r),
+                    str(world),
+                    port,
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for r in range(world)
+        ]
 
     def line(self, rank: int, starts: str, timeout: float = 120) -> str:
         """The rank's next line that starts with ``starts`` (its rest)."""
@@ -59,10 +77,12 @@ class Job:
             text = out.readline()
             if not text:
                 err = self.procs[rank].stderr
-                raise AssertionError(f"rank {rank} ended ({self.procs[rank].wait()}) before "
-                                     f"{starts!r}:\n{err.read() if err else ''}")
+                raise AssertionError(
+                    f"rank {rank} ended ({self.procs[rank].wait()}) before "
+                    f"{starts!r}:\n{err.read() if err else ''}"
+                )
             if text.startswith(starts):
-                return text[len(starts):].strip()
+                return text[len(starts) :].strip()
 
     def kill(self) -> None:
         for p in self.procs:
@@ -114,7 +134,8 @@ def _loaded(broker: BrokerProc, jobs: list[Job], ckpt: str, *args: str) -> list[
 
 
 def test_a_checkpoint_outlives_both_ranks_and_loads_bit_exact_in_new_ones(
-        broker: BrokerProc, jobs: list[Job]) -> None:
+    broker: BrokerProc, jobs: list[Job]
+) -> None:
     want = _saved(broker, jobs, "run1/step-100", "7")
     with broker.client() as c:
         names = [i.name for i in c.list(prefix="run1/step-100/")]
@@ -129,12 +150,16 @@ def test_a_checkpoint_outlives_both_ranks_and_loads_bit_exact_in_new_ones(
     ok("rm", "--prefix", "run1/step-100/", "--url", broker.url)
     with broker.client() as c:
         assert c.list(prefix="run1/") == []
-        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
-                 what="the ranks' sessions and leases to end")
+        wait_for(
+            lambda: c.stat().sessions == 1 and c.stat().leases == 0,
+            30,
+            what="the ranks' sessions and leases to end",
+        )
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_readable(
-        broker: BrokerProc, jobs: list[Job]) -> None:
+    broker: BrokerProc, jobs: list[Job]
+) -> None:
     first = _saved(broker, jobs, "run2/latest", "1")
     with broker.client() as c:
         before = {i.name for i in c.list(prefix="run2/")}
@@ -143,8 +168,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_readable(
     jobs.append(job)
     job.line(1, "stuck")
     with broker.client() as c:
-        wait_for(lambda: len(c.list(prefix="run2/")) > len(before), 60,
-                 what="rank 0 of the second save to put its tensors")
+        wait_for(
+            lambda: len(c.list(prefix="run2/")) > len(before),
+            60,
+            what="rank 0 of the second save to put its tensors",
+        )
     job.kill()
     assert _loaded(broker, jobs, "run2/latest", "1") == [first, first]
     # The next save that finishes drops what the killed one left.
@@ -159,12 +187,18 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_readable(
 
 
 def test_one_process_saves_and_loads_every_kind_of_value(broker: BrokerProc) -> None:
-    sd = {"w": torch.randn(3, 5).to(torch.bfloat16), "f8": torch.randn(4).to(torch.float8_e4m3fn),
-          "flag": torch.tensor([True, False]), "empty": torch.zeros(0, 3),
-          "strided": torch.arange(20.0)[::2], "opt": {"lr": 0.5, "betas": (0.9, 0.99)}}
+    sd = {
+        "w": torch.randn(3, 5).to(torch.bfloat16),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+        "flag": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+        "strided": torch.arange(20.0)[::2],
+        "opt": {"lr": 0.5, "betas": (0.9, 0.99)},
+    }
     want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-    back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
-            for k, v in sd.items()}
+    back = {
+        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()
+    }
     back["opt"] = {"lr": 0.0, "betas": (0.0, 0.0)}
     with broker.client() as c:
         dcp.save(sd, storage_writer=DepotWriter("one/a", client=c))
@@ -200,8 +234,11 @@ def test_without_collectives_each_rank_keeps_its_own_metadata(broker: BrokerProc
         assert "four/a/.metadata.0" in names and "four/a/.metadata" not in names, names
         dcp.load(back, storage_reader=DepotReader("four/a", client=c))  # falls back to rank 0's
         assert torch.equal(back["w"], sd["w"]) and back["step"] == 7
-        dcp.save(sd, storage_writer=DepotWriter("four/a", client=c, overwrite=True),
-                 use_collectives=False)
+        dcp.save(
+            sd,
+            storage_writer=DepotWriter("four/a", client=c, overwrite=True),
+            use_collectives=False,
+        )
         assert len(c.list(prefix="four/a/")) == len(names), "the earlier save's tensors dropped"
         c.delete(prefix="four/")
         wait_for(lambda: c.stat().leases == 0, 10, what="the load's leases to end")
@@ -229,31 +266,49 @@ def test_what_cannot_be_meant_is_refused_with_what_to_do(broker: BrokerProc) -> 
             with pytest.raises(Exception, match=says):
                 DepotReader(cid, client=c).read_metadata()
         c.delete(prefix="two/")
-        wait_for(lambda: c.stat().leases == 0 and c.stat().sessions == 1, 10,
-                 what="the readers' leases to end")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().sessions == 1,
+            10,
+            what="the readers' leases to end",
+        )
 
 
 def _call(module: str, name: str, arg: str) -> bytes:
     """A protocol-4 pickle that calls ``module``'s ``name`` (dotted names
     resolved, as STACK_GLOBAL does) with one string."""
+
     def text(s: str) -> bytes:
         b = s.encode()
         return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
-    return (b"\x80\x04" + text(module) + text(name) + b"\x93"  # PROTO 4, STACK_GLOBAL
-            + text(arg) + b"\x85R.")  # TUPLE1, REDUCE, STOP
+
+    return (
+        b"\x80\x04"
+        + text(module)
+        + text(name)
+        + b"\x93"  # PROTO 4, STACK_GLOBAL
+        + text(arg)
+        + b"\x85R."
+    )  # TUPLE1, REDUCE, STOP
 
 
-@pytest.mark.parametrize(("module", "name"), [
-    pytest.param("tensordepot.checkpoint._dcp", "builtins.exec", id="through-our-module"),
-    pytest.param("tensordepot.checkpoint._dcp", "pickle.loads", id="our-module-imports"),
-    pytest.param("torch.distributed.checkpoint.filesystem", "os.system", id="through-dcp"),
-    pytest.param("torch.distributed.checkpoint.metadata", "Metadata.__reduce_ex__.__globals__",
-                 id="dotted-allowed-class"),
-    pytest.param("torch", "load", id="torch-function"),
-    pytest.param("torch", "Size.__new__", id="dotted-torch"),
-])
-def test_checkpoint_metadata_never_runs_code(broker: BrokerProc, tmp_path: Path,
-                                             module: str, name: str) -> None:
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        pytest.param("tensordepot.checkpoint._dcp", "builtins.exec", id="through-our-module"),
+        pytest.param("tensordepot.checkpoint._dcp", "pickle.loads", id="our-module-imports"),
+        pytest.param("torch.distributed.checkpoint.filesystem", "os.system", id="through-dcp"),
+        pytest.param(
+            "torch.distributed.checkpoint.metadata",
+            "Metadata.__reduce_ex__.__globals__",
+            id="dotted-allowed-class",
+        ),
+        pytest.param("torch", "load", id="torch-function"),
+        pytest.param("torch", "Size.__new__", id="dotted-torch"),
+    ],
+)
+def test_checkpoint_metadata_never_runs_code(
+    broker: BrokerProc, tmp_path: Path, module: str, name: str
+) -> None:
     """A write token within a checkpoint's prefix can replace its metadata, but
     what it writes is never run: every global is matched exactly, and no
     dotted name is resolved."""
@@ -275,8 +330,9 @@ def test_a_zero_copy_load_copies_what_it_cannot_adopt(broker: BrokerProc) -> Non
     kept = dict(dest)
     with broker.client() as c:
         dcp.save(sd, storage_writer=DepotWriter("three/a", client=c))
-        dcp.load(dest, storage_reader=DepotReader("three/a", client=c),
-                 planner=ZeroCopyLoadPlanner())
+        dcp.load(
+            dest, storage_reader=DepotReader("three/a", client=c), planner=ZeroCopyLoadPlanner()
+        )
         assert torch.equal(dest["a"], sd["a"]) and torch.equal(dest["b"], sd["b"].double())
         assert dest["a"] is not kept["a"], "adopted: the broker's bytes"
         assert dest["b"] is kept["b"], "copied into, converted"
@@ -287,7 +343,8 @@ def test_a_zero_copy_load_copies_what_it_cannot_adopt(broker: BrokerProc) -> Non
 
 
 def test_a_checkpoint_pushed_to_another_broker_loads_there(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """Host loss: ``push`` sends the checkpoint to another broker's Flight
     endpoint, metadata last, and a DepotReader there loads it bit-exact."""
     pytest.importorskip("pyarrow.flight")

@@ -49,8 +49,9 @@ def gpu_broker(broker_factory: Callable[..., BrokerProc]) -> BrokerProc:
 @pytest.fixture
 def cuda_worker(workers: Callable[..., Worker]) -> Callable[..., Worker]:
     """A ``cuda_worker`` of a broker, once it says it is ready."""
-    return lambda url, env=None: workers("cuda_worker", url, env=env, ready="ready",
-                                         ready_timeout=120)
+    return lambda url, env=None: workers(
+        "cuda_worker", url, env=env, ready="ready", ready_timeout=120
+    )
 
 
 def ask(w: Worker, command: str, prefix: str, timeout: float = 120) -> str:
@@ -80,9 +81,9 @@ def names(b: BrokerProc) -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=d) for d in DTYPES])
-def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(gpu_broker: BrokerProc,
-                                                             cuda_worker: Callable[..., Worker],
-                                                             dtype: str) -> None:
+def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker], dtype: str
+) -> None:
     producer = cuda_worker(gpu_broker.url)
     big = 20_000_000  # over half a 64 MiB segment for every dtype: a dedicated block
     ask(producer, f"put t {dtype} 100003 7", "put 1")
@@ -99,8 +100,9 @@ def test_torch_producer_to_torch_and_cupy_consumers_bit_exact(gpu_broker: Broker
     assert info["t"].device == f"cuda:{gpu_uuid()}", "TensorInfo names the GPU by UUID"
 
 
-def test_the_bytes_survive_their_producer(gpu_broker: BrokerProc,
-                                          cuda_worker: Callable[..., Worker]) -> None:
+def test_the_bytes_survive_their_producer(
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     producer = cuda_worker(gpu_broker.url)
     ask(producer, f"put w float32 {(128 * MiB) // 4} 3", "put 1")
     producer.kill()  # SIGKILL right after put returned: the copy was complete before publish
@@ -109,8 +111,9 @@ def test_the_bytes_survive_their_producer(gpu_broker: BrokerProc,
     ask(consumer, f"check w float32 {(128 * MiB) // 4} 3 torch", "ok w v1")
 
 
-def test_cuda_visible_devices_as_uuid_and_as_index(broker_factory: Callable[..., BrokerProc],
-                                                  cuda_worker: Callable[..., Worker]) -> None:
+def test_cuda_visible_devices_as_uuid_and_as_index(
+    broker_factory: Callable[..., BrokerProc], cuda_worker: Callable[..., Worker]
+) -> None:
     uuid = gpu_uuid()
     b = broker_factory(*BROKER_ARGS, env={"CUDA_VISIBLE_DEVICES": uuid})
     by_uuid = cuda_worker(b.url, env={"CUDA_VISIBLE_DEVICES": uuid})
@@ -131,11 +134,18 @@ def test_the_visible_devices_model_matches_the_driver(env: str) -> None:
 
     physical = _cuda.device_uuids()  # this process: CUDA_VISIBLE_DEVICES as the runner left it
     assert os.environ.get("CUDA_VISIBLE_DEVICES") is None, (
-        "run the GPU tests with every GPU visible")
+        "run the GPU tests with every GPU visible"
+    )
     value = {"GPU": physical[0], "GPU8": physical[0][:12]}.get(env, env)
     code = "import json; from tensordepot.shm import _cuda; print(json.dumps(_cuda.device_uuids()))"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": value})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": value},
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == visible_devices(value, physical), value
 
@@ -169,9 +179,13 @@ def test_crossing_between_host_and_gpu(gpu_broker: BrokerProc) -> None:
 
 
 def test_put_many_and_get_many_of_a_gpu_state_dict(gpu_broker: BrokerProc) -> None:
-    sd = {f"layer.{i}.{k}": (torch.randn(64, 33, device="cuda") * i).to(
-              torch.bfloat16 if i % 2 else torch.float32)
-          for i in range(50) for k in ("w", "b", "n")}
+    sd = {
+        f"layer.{i}.{k}": (torch.randn(64, 33, device="cuda") * i).to(
+            torch.bfloat16 if i % 2 else torch.float32
+        )
+        for i in range(50)
+        for k in ("w", "b", "n")
+    }
     sd["cpu.extra"] = torch.arange(10)  # a CPU tensor in the same batch stays on the CPU
     with gpu_broker.client() as c:
         before = c.round_trips
@@ -206,8 +220,9 @@ def test_gets_into_buffers_on_the_gpu_and_across_devices(gpu_broker: BrokerProc)
         c.delete_many(["g", "h"])
 
 
-def test_empty_filled_on_a_stream_then_published(gpu_broker: BrokerProc,
-                                                 cuda_worker: Callable[..., Worker]) -> None:
+def test_empty_filled_on_a_stream_then_published(
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     n = 1 << 20
     want = expected("float16", n, 4).cuda()
     with gpu_broker.client() as c:
@@ -227,7 +242,8 @@ def test_empty_filled_on_a_stream_then_published(gpu_broker: BrokerProc,
 
 
 def test_sigkill_of_a_reader_then_its_block_is_reclaimed(
-        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     with gpu_broker.client() as c:
         c.put("w", torch.ones(8 * MiB // 4, device="cuda"))
         reader = cuda_worker(gpu_broker.url)
@@ -243,11 +259,13 @@ def test_sigkill_of_a_reader_then_its_block_is_reclaimed(
         assert dev.bytes_in_use == 8 * MiB, "only v2 is held"
         c.put("w", torch.full((8 * MiB // 4,), 2.0, device="cuda"))
         assert device_stat(gpu_broker).bytes_reserved == dev.bytes_reserved, (
-            "v1's memory was reused")
+            "v1's memory was reused"
+        )
 
 
 def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(
-        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     n = 4 * MiB // 4
     before = metrics(gpu_broker.url).get("tensordepot_cuda_frees_deferred_total", 0)
     with gpu_broker.client() as c:
@@ -255,17 +273,22 @@ def test_a_long_kernel_reading_a_released_tensor_sees_the_same_bytes(
         reader = cuda_worker(gpu_broker.url)
         ask(reader, "longread w 3000000000", "queued 1")  # ~1.5 s of sleep, then the sum
         c.put("w", torch.full((n,), 2.0, device="cuda"))  # v1 is retired; only the reader holds it
-        wait_for(lambda: metrics(gpu_broker.url).get(
-                     "tensordepot_cuda_frees_deferred_total", 0) > before,
-                 10, what="v1's release, with the reader's kernel still queued")
+        wait_for(
+            lambda: (
+                metrics(gpu_broker.url).get("tensordepot_cuda_frees_deferred_total", 0) > before
+            ),
+            10,
+            what="v1's release, with the reader's kernel still queued",
+        )
         for value in (3.0, 4.0, 5.0):  # each put retires the last: v1's range would be reused now
             c.put("w", torch.full((n,), value, device="cuda"))
         assert ask(reader, "result", "sum ") == f"sum {float(n)}", "the kernel read v1's bytes"
         wait_for(lambda: device_stat(gpu_broker).bytes_pending == 0, 10, what="v1 to be freed")
 
 
-def test_share_with_the_producer_alive_then_killed(gpu_broker: BrokerProc,
-                                                   cuda_worker: Callable[..., Worker]) -> None:
+def test_share_with_the_producer_alive_then_killed(
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     producer = cuda_worker(gpu_broker.url)
     reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s bfloat16 70001 5", "shared 1")
@@ -279,12 +302,14 @@ def test_share_with_the_producer_alive_then_killed(gpu_broker: BrokerProc,
     assert time.monotonic() - t0 < 10, "no hang"
     assert "producer" in got
     ask(reader, "drop", "dropped")
-    wait_for(lambda: "s" not in names(gpu_broker), 10,
-             what="the name to be withdrawn with its producer")
+    wait_for(
+        lambda: "s" not in names(gpu_broker), 10, what="the name to be withdrawn with its producer"
+    )
 
 
-def test_share_close_waits_for_readers(gpu_broker: BrokerProc,
-                                       cuda_worker: Callable[..., Worker]) -> None:
+def test_share_close_waits_for_readers(
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     producer = cuda_worker(gpu_broker.url)
     reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s float32 4096 9", "shared 1")
@@ -297,7 +322,8 @@ def test_share_close_waits_for_readers(gpu_broker: BrokerProc,
 
 
 def test_nothing_on_the_gpu_until_used_and_stat_reports_it(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     b = broker_factory("--cuda-memory", "96MiB", "--cuda-segment-size", "16MiB")
     assert b.stat().devices == [], "a broker holds no GPU memory until a tensor goes there"
     with b.client() as c:
@@ -332,8 +358,7 @@ def test_jax_reads_a_gpu_tensor(gpu_broker: BrokerProc, cuda_worker: Callable[..
 # -- the GPU script's checks: each defect a close reading of the CUDA paths found ---------
 
 
-def test_share_then_get_in_the_same_process_gives_its_own_pointer(
-        gpu_broker: BrokerProc) -> None:
+def test_share_then_get_in_the_same_process_gives_its_own_pointer(gpu_broker: BrokerProc) -> None:
     """CUDA refuses to open an IPC handle in the process that exported it."""
     with gpu_broker.client() as c:
         x = torch.arange(4096, dtype=torch.float32, device="cuda")
@@ -359,7 +384,8 @@ def test_torch_from_dlpack_to_the_cpu(gpu_broker: BrokerProc) -> None:
 
 
 def test_a_producer_that_closes_but_lives_on_leaves_its_readers_broken_not_wrong(
-        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     producer = cuda_worker(gpu_broker.url)
     reader = cuda_worker(gpu_broker.url)
     ask(producer, "share s float32 1000000 5 0.5", "shared 1")
@@ -373,7 +399,8 @@ def test_a_producer_that_closes_but_lives_on_leaves_its_readers_broken_not_wrong
 
 
 def test_close_with_a_long_kernel_still_queued_keeps_the_memory_mapped(
-        gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]) -> None:
+    gpu_broker: BrokerProc, cuda_worker: Callable[..., Worker]
+) -> None:
     n = 4 * MiB // 4
     with gpu_broker.client() as c:
         c.put("w", torch.full((n,), 1.0, device="cuda"))
@@ -448,7 +475,8 @@ def _gpu_used() -> int:
 
 
 def test_dropping_warm_blocks_a_client_still_maps_stays_within_cuda_memory(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """The pool drops warm blocks for new sizes while the reader's process
     still maps them: each is held (counted against --cuda-memory) until the
     reader's client says it no longer maps it, so a put may wait, but the GPU
@@ -458,6 +486,7 @@ def test_dropping_warm_blocks_a_client_still_maps_stays_within_cuda_memory(
     torch.ones(1, device="cuda")  # this process's own context, before the baseline
     baseline = _gpu_used()
     with b.client() as c, b.client() as r:
+
         def put(name: str, x: Any) -> bool:
             try:
                 c.put(name, x)
@@ -486,8 +515,18 @@ def test_dropping_warm_blocks_a_client_still_maps_stays_within_cuda_memory(
 def test_the_gpu_benchmarks_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu-bench.json"
     t0 = time.monotonic()
-    subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "bench.py"), "--size",
-                    str(64 * MiB), "--out", str(out)], check=True, timeout=150)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "gpu" / "bench.py"),
+            "--size",
+            str(64 * MiB),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=150,
+    )
     result = json.loads(out.read_text())
     assert not result["errors"], result["errors"]
     assert {r["id"].split(".")[0] for r in result["rows"]} == {"G1", "G2", "G3", "G4"}

@@ -62,8 +62,7 @@ SESSION_TTL = 2.0  # seconds: the stale-release case waits for a session to laps
 TEAM = "team-a/"  # the prefix of the "team" token
 UNIX = "unix"  # who: the broker's own uid on its unix socket (admin, by SO_PEERCRED)
 # What /v1/stat deltas are compared; the rest (reserved bytes, segments) follows the pool.
-ACCOUNTS = ("bytes_in_use", "bytes_retired", "tensors", "versions", "leases", "sessions",
-            "waiting")
+ACCOUNTS = ("bytes_in_use", "bytes_retired", "tensors", "versions", "leases", "sessions", "waiting")
 JSON = "application/json"
 ANY = "*"  # an error code: any, as long as every door gives the same one
 NBYTES = 16  # every tensor here: 16 uint8
@@ -71,6 +70,7 @@ OCTETS = "application/octet-stream"
 
 
 # -- the broker ------------------------------------------------------------------------------
+
 
 @dataclass
 class Depot:
@@ -85,10 +85,18 @@ class Depot:
     def address(self, who: str | None) -> Address:
         return self.broker.sock if who == UNIX else ("127.0.0.1", self.port)
 
-    def send(self, method: str, target: str | bytes, body: bytes | None = None, *,
-             who: str | None = "admin", sid: str | None = None,
-             headers: tuple[tuple[str, str], ...] = (), ctype: str | None = JSON,
-             chunk: bool = False) -> Answer:
+    def send(
+        self,
+        method: str,
+        target: str | bytes,
+        body: bytes | None = None,
+        *,
+        who: str | None = "admin",
+        sid: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+        ctype: str | None = JSON,
+        chunk: bool = False,
+    ) -> Answer:
         hs: list[tuple[str, str]] = []
         if who is not None and who != UNIX:
             hs.append(("Authorization", f"Bearer {self.tokens[who]}"))
@@ -118,17 +126,25 @@ class Depot:
             for d in DOORS:
                 env = Env(self, d)
                 name = env.put("stale")
-                sid = env.call("POST", "/v1/sessions", {"pid": 1}, who="write",
-                               session=False).json()["session"]
-                lease = env.call("GET", f"/v1/tensors/{quote(name)}", who="write",
-                                 sid=sid).json()["lease"]
+                sid = env.call(
+                    "POST", "/v1/sessions", {"pid": 1}, who="write", session=False
+                ).json()["session"]
+                lease = env.call("GET", f"/v1/tensors/{quote(name)}", who="write", sid=sid).json()[
+                    "lease"
+                ]
                 env.call("DELETE", f"/v1/tensors/{quote(name)}", expect=204)  # the lease keeps it
                 self._lapsed[d] = sid, lease
 
             def gone() -> dict[str, int] | None:
                 st = self.stat()
-                return st if (st["sessions"] <= base["sessions"]
-                              and st["bytes_retired"] > base["bytes_retired"]) else None
+                return (
+                    st
+                    if (
+                        st["sessions"] <= base["sessions"]
+                        and st["bytes_retired"] > base["bytes_retired"]
+                    )
+                    else None
+                )
 
             st = wait_for(gone, 10 + 3 * SESSION_TTL, what="the heartbeat sessions to lapse")
             self._retired = (st["bytes_retired"] - base["bytes_retired"]) // len(DOORS)
@@ -140,8 +156,10 @@ def _tokens(path: Path) -> dict[str, str]:
     t = {k: secrets.token_urlsafe(24) for k in ("admin", "read", "write", "team")}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"{t['admin']} admin name=ops\n{t['read']} read name=reader\n"
-                f"{t['write']} write name=writer\n{t['team']} write prefix={TEAM} name=team\n")
+        f.write(
+            f"{t['admin']} admin name=ops\n{t['read']} read name=reader\n"
+            f"{t['write']} write name=writer\n{t['team']} write prefix={TEAM} name=team\n"
+        )
     return t
 
 
@@ -156,8 +174,14 @@ def depot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Depot]:
     path = tmp_path_factory.mktemp("doors") / "tokens"
     tokens = _tokens(path)
     port = free_port()
-    b = BrokerProc("--listen", f"http://127.0.0.1:{port}", "--token-file", str(path),
-                   "--session-ttl", str(SESSION_TTL))
+    b = BrokerProc(
+        "--listen",
+        f"http://127.0.0.1:{port}",
+        "--token-file",
+        str(path),
+        "--session-ttl",
+        str(SESSION_TTL),
+    )
     try:
         d = Depot(b, port, tokens)
         # An anchor in the pool segment: a segment left with only retired ranges
@@ -223,9 +247,18 @@ class Env:
     def adopt(self, who: str, sid: str) -> None:
         self.extra.append((who, sid))
 
-    def call(self, method: str, target: str, obj: Any = None, *, who: str = "admin",
-             session: bool = True, sid: str | None = None, expect: int = 200,
-             headers: tuple[tuple[str, str], ...] = ()) -> Answer:
+    def call(
+        self,
+        method: str,
+        target: str,
+        obj: Any = None,
+        *,
+        who: str = "admin",
+        session: bool = True,
+        sid: str | None = None,
+        expect: int = 200,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Answer:
         """A request that prepares a case, through no particular door: it must succeed."""
         if sid is None and session:
             sid = self.session(who)
@@ -233,15 +266,24 @@ class Env:
         assert a.status == expect, (method, target, a)
         return a
 
-    def req(self, method: str, target: str | bytes, obj: Any = None, *, who: str | None = "admin",
-            session: bool = True, **kw: Any) -> Req:
+    def req(
+        self,
+        method: str,
+        target: str | bytes,
+        obj: Any = None,
+        *,
+        who: str | None = "admin",
+        session: bool = True,
+        **kw: Any,
+    ) -> Req:
         sid = self.session(who) if session and who is not None and "sid" not in kw else None
         return Req(method, target, _body(obj), who=who, **{"sid": sid, **kw})
 
     def put(self, x: str = "w", who: str = "admin", team: bool = False) -> str:
         name = self.name(x, team)
-        self.call("POST", f"/v1/put/{quote(name)}?dtype=uint8&shape={NBYTES}", b"\0" * NBYTES,
-                  who=who)
+        self.call(
+            "POST", f"/v1/put/{quote(name)}?dtype=uint8&shape={NBYTES}", b"\0" * NBYTES, who=who
+        )
         return name
 
     def lease(self, name: str, who: str = "admin") -> int:
@@ -250,8 +292,9 @@ class Env:
 
     def alloc(self, x: str = "w", who: str = "admin") -> tuple[str, int]:
         name = self.name(x)
-        a = self.call("POST", "/v1/alloc", {"name": name, "shape": [NBYTES], "dtype": "uint8"},
-                      who=who)
+        a = self.call(
+            "POST", "/v1/alloc", {"name": name, "shape": [NBYTES], "dtype": "uint8"}, who=who
+        )
         return name, a.json()["version"]
 
     def close_sessions(self) -> None:
@@ -296,8 +339,9 @@ def _door_problems(door: str, a: Answer) -> list[str]:
     """Whether the door asked for is the one that answered: uvicorn's ASGI
     cycle adds a ``date`` header, the lane's one write does not.  Answers the
     HTTP protocol gives itself (431, an unparsable request) carry neither."""
-    from_protocol = a.status == 431 or (a.status == 400 and a.header("date") is None
-                                        and b"Invalid HTTP request" in a.body)
+    from_protocol = a.status == 431 or (
+        a.status == 400 and a.header("date") is None and b"Invalid HTTP request" in a.body
+    )
     if door == "lane" or from_protocol:
         return []
     if a.header("date") is None:
@@ -315,9 +359,14 @@ def _problems(a: Answer) -> list[str]:
         try:
             body = a.json()
             err = body["error"]
-            ok = (set(body) == {"error"} and set(err) == {"code", "message"}
-                  and isinstance(err["code"], str) and err["code"]
-                  and isinstance(err["message"], str) and err["message"])
+            ok = (
+                set(body) == {"error"}
+                and set(err) == {"code", "message"}
+                and isinstance(err["code"], str)
+                and err["code"]
+                and isinstance(err["message"], str)
+                and err["message"]
+            )
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -354,8 +403,15 @@ class Case:
 
     def wanted(self, env: Env) -> str:
         delta = self.delta(env) if callable(self.delta) else self.delta
-        shown = Seen(0, self.code, tuple((k, v) for k, v in delta.items() if v), self.created,
-                     self.deleted, None, ())
+        shown = Seen(
+            0,
+            self.code,
+            tuple((k, v) for k, v in delta.items() if v),
+            self.created,
+            self.deleted,
+            None,
+            (),
+        )
         return f"{self.status} {str(shown).partition(' ')[2]}"
 
     def matches(self, env: Env, seen: Seen) -> bool:
@@ -366,9 +422,14 @@ class Case:
             code_ok = seen.code is not None or seen.status < 400
         else:
             code_ok = seen.code == self.code
-        return (seen.status in statuses and code_ok and tuple(sorted(seen.delta)) == want
-                and seen.created == self.created and seen.deleted == self.deleted
-                and not seen.problems)
+        return (
+            seen.status in statuses
+            and code_ok
+            and tuple(sorted(seen.delta)) == want
+            and seen.created == self.created
+            and seen.deleted == self.deleted
+            and not seen.problems
+        )
 
 
 def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
@@ -376,9 +437,19 @@ def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
     try:
         req = case.prepare(env)
         before, names = depot.stat(), depot.names()
-        answers = [depot.send(req.method, req.target, req.body, who=req.who,
-                              sid=req.sid, headers=req.headers + DOORS[door], ctype=req.ctype,
-                              chunk=req.chunk) for _ in range(req.repeat)]
+        answers = [
+            depot.send(
+                req.method,
+                req.target,
+                req.body,
+                who=req.who,
+                sid=req.sid,
+                headers=req.headers + DOORS[door],
+                ctype=req.ctype,
+                chunk=req.chunk,
+            )
+            for _ in range(req.repeat)
+        ]
         after, names_after = depot.stat(), depot.names()
         a = answers[0]
         problems = [p for x in answers for p in _problems(x) + _door_problems(door, x)]
@@ -389,10 +460,15 @@ def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
                 case.check(env, a)
             except (AssertionError, ValueError, KeyError, TypeError) as exc:
                 problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-        seen = Seen(a.status, a.code, tuple((k, after[k] - before[k]) for k in ACCOUNTS
-                                            if after[k] != before[k]),
-                    _relative(names_after - names, env.ns), _relative(names - names_after, env.ns),
-                    _keys(a), tuple(problems))
+        seen = Seen(
+            a.status,
+            a.code,
+            tuple((k, after[k] - before[k]) for k in ACCOUNTS if after[k] != before[k]),
+            _relative(names_after - names, env.ns),
+            _relative(names - names_after, env.ns),
+            _keys(a),
+            tuple(problems),
+        )
     finally:
         env.close()
     return seen, env
@@ -400,10 +476,12 @@ def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
 
 # -- the table ---------------------------------------------------------------------------------
 
+
 def released(n: int) -> Callable[[Env, Answer], None]:
     def check(env: Env, a: Answer) -> None:
         if a.json() != {"released": n}:
             raise AssertionError(f"answered {a.body.decode()}, not released {n}")
+
     return check
 
 
@@ -480,14 +558,20 @@ def _batch_publish(env: Env) -> Req:
 
 
 def _many_alloc_body(env: Env) -> dict[str, Any]:
-    return {"names": [env.name("a"), env.name("b")], "shapes": [[NBYTES], [NBYTES]],
-            "dtypes": ["uint8", "uint8"]}
+    return {
+        "names": [env.name("a"), env.name("b")],
+        "shapes": [[NBYTES], [NBYTES]],
+        "dtypes": ["uint8", "uint8"],
+    }
 
 
 def _many_publish(env: Env) -> Req:
     pairs = [env.alloc(x) for x in "ab"]
-    return env.req("POST", "/v1/many/publish",
-                   {"names": [n for n, _ in pairs], "versions": [v for _, v in pairs]})
+    return env.req(
+        "POST",
+        "/v1/many/publish",
+        {"names": [n for n, _ in pairs], "versions": [v for _, v in pairs]},
+    )
 
 
 def _framed(head: Any, data: bytes) -> bytes:
@@ -496,19 +580,32 @@ def _framed(head: Any, data: bytes) -> bytes:
     return len(text).to_bytes(4, "big") + text + data
 
 
-def _many_put(env: Env, data: bytes = b"\1" * 2 * NBYTES, who: str = "admin",
-              names: tuple[str, ...] = ("a", "b"), ctype: str | None = OCTETS,
-              team: bool = False) -> Req:
-    head = {"names": [env.name(x, team) for x in names], "shapes": [[NBYTES]] * len(names),
-            "dtypes": ["uint8"] * len(names)}
+def _many_put(
+    env: Env,
+    data: bytes = b"\1" * 2 * NBYTES,
+    who: str = "admin",
+    names: tuple[str, ...] = ("a", "b"),
+    ctype: str | None = OCTETS,
+    team: bool = False,
+) -> Req:
+    head = {
+        "names": [env.name(x, team) for x in names],
+        "shapes": [[NBYTES]] * len(names),
+        "dtypes": ["uint8"] * len(names),
+    }
     return env.req("POST", "/v1/many/put", _framed(head, data), who=who, ctype=ctype)
 
 
 def _share_body(env: Env) -> dict[str, Any]:
-    return {"name": env.name(), "shape": [4], "dtype": "float32",
-            "device": "cuda:GPU-00000000-0000-0000-0000-000000000000",
-            "ipc_handle": base64.b64encode(b"\1" * 64).decode(), "offset": 0,
-            "alloc_size": 16}
+    return {
+        "name": env.name(),
+        "shape": [4],
+        "dtype": "float32",
+        "device": "cuda:GPU-00000000-0000-0000-0000-000000000000",
+        "ipc_handle": base64.b64encode(b"\1" * 64).decode(),
+        "offset": 0,
+        "alloc_size": 16,
+    }
 
 
 def _metrics_text(env: Env, a: Answer) -> None:
@@ -568,126 +665,338 @@ def _put_target(name: str, extra: str = "") -> str:
 
 
 GOOD = [
-    pytest.param(Case(R_SESSIONS, lambda e: e.req("POST", "/v1/sessions", {"pid": 1},
-                                                  session=False),
-                      200, delta={"sessions": 1}, check=_session_made), id="sessions-open"),
-    pytest.param(Case(R_HEARTBEAT, lambda e: e.req("POST", f"/v1/sessions/{e.session()}/heartbeat",
-                                                   session=False), 204), id="sessions-heartbeat"),
-    pytest.param(Case(R_FORK, _fork, 200, delta={"sessions": 1, "leases": 1}, check=_fork_made),
-                 id="sessions-fork"),
+    pytest.param(
+        Case(
+            R_SESSIONS,
+            lambda e: e.req("POST", "/v1/sessions", {"pid": 1}, session=False),
+            200,
+            delta={"sessions": 1},
+            check=_session_made,
+        ),
+        id="sessions-open",
+    ),
+    pytest.param(
+        Case(
+            R_HEARTBEAT,
+            lambda e: e.req("POST", f"/v1/sessions/{e.session()}/heartbeat", session=False),
+            204,
+        ),
+        id="sessions-heartbeat",
+    ),
+    pytest.param(
+        Case(R_FORK, _fork, 200, delta={"sessions": 1, "leases": 1}, check=_fork_made),
+        id="sessions-fork",
+    ),
     pytest.param(Case(R_CLAIM, _claim, 200), id="sessions-claim"),
-    pytest.param(Case(R_CLOSE, _close_session, 204, delta={"sessions": -1, "leases": -1}),
-                 id="sessions-close"),
-    pytest.param(Case(R_LIST, lambda e: (e.put(), e.req("GET", "/v1/tensors"))[1], 200),
-                 id="tensors-list"),
+    pytest.param(
+        Case(R_CLOSE, _close_session, 204, delta={"sessions": -1, "leases": -1}),
+        id="sessions-close",
+    ),
+    pytest.param(
+        Case(R_LIST, lambda e: (e.put(), e.req("GET", "/v1/tensors"))[1], 200), id="tensors-list"
+    ),
     pytest.param(Case(R_LIST, _listing, 200, check=_team_listing), id="tensors-list-team"),
-    pytest.param(Case(R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}"), 200,
-                      delta={"leases": 1}), id="tensors-get"),
-    pytest.param(Case(R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.name())}"), 404,
-                      "not_found"), id="tensors-get-absent"),
-    pytest.param(Case(R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}?timeout=nan"),
-                      422, "invalid_request"), id="tensors-get-timeout-nan"),
-    pytest.param(Case(R_GET, lambda e: e.req("GET", "/v1/tensors/"), (400, 422), ANY),
-                 id="tensors-get-empty-name"),
-    pytest.param(Case(R_GET, lambda e: _exact(e, 0), 200, delta={"leases": 1}),
-                 id="tensors-get-version"),
-    pytest.param(Case(R_GET, lambda e: _exact(e, 1), 404, "not_found"),
-                 id="tensors-get-version-gone"),
-    pytest.param(Case(R_GET, lambda e: e.req(
-        "GET", f"/v1/tensors/{quote(e.put())}?version=1&timeout=1"), 422, "invalid_request"),
-        id="tensors-get-version-and-timeout"),
-    pytest.param(Case(R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}"), 204,
-                      delta={"bytes_in_use": -NBYTES, "versions": -1, "tensors": -1},
-                      deleted=frozenset({"w"})), id="tensors-delete"),
-    pytest.param(Case(R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.name())}"), 404,
-                      "not_found"), id="tensors-delete-absent"),
-    pytest.param(Case(R_PUT, lambda e: e.req("POST", _put_target(e.name()), b"\0" * NBYTES,
-                                             ctype="application/octet-stream"),
-                      200, delta=PUT, created=frozenset({"w"})), id="put"),
-    pytest.param(Case(R_PUT, lambda e: e.req("POST", _put_target(e.name()), b"\0" * 3), 400,
-                      "invalid_request"), id="put-short-body"),
-    pytest.param(Case(R_ALLOC, lambda e: e.req("POST", "/v1/alloc", {
-        "name": e.name(), "shape": [NBYTES], "dtype": "uint8"}), 200, delta=NEW,
-        created=frozenset({"w"})), id="alloc"),
+    pytest.param(
+        Case(
+            R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}"), 200, delta={"leases": 1}
+        ),
+        id="tensors-get",
+    ),
+    pytest.param(
+        Case(R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.name())}"), 404, "not_found"),
+        id="tensors-get-absent",
+    ),
+    pytest.param(
+        Case(
+            R_GET,
+            lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}?timeout=nan"),
+            422,
+            "invalid_request",
+        ),
+        id="tensors-get-timeout-nan",
+    ),
+    pytest.param(
+        Case(R_GET, lambda e: e.req("GET", "/v1/tensors/"), (400, 422), ANY),
+        id="tensors-get-empty-name",
+    ),
+    pytest.param(
+        Case(R_GET, lambda e: _exact(e, 0), 200, delta={"leases": 1}), id="tensors-get-version"
+    ),
+    pytest.param(
+        Case(R_GET, lambda e: _exact(e, 1), 404, "not_found"), id="tensors-get-version-gone"
+    ),
+    pytest.param(
+        Case(
+            R_GET,
+            lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}?version=1&timeout=1"),
+            422,
+            "invalid_request",
+        ),
+        id="tensors-get-version-and-timeout",
+    ),
+    pytest.param(
+        Case(
+            R_DELETE,
+            lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}"),
+            204,
+            delta={"bytes_in_use": -NBYTES, "versions": -1, "tensors": -1},
+            deleted=frozenset({"w"}),
+        ),
+        id="tensors-delete",
+    ),
+    pytest.param(
+        Case(
+            R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.name())}"), 404, "not_found"
+        ),
+        id="tensors-delete-absent",
+    ),
+    pytest.param(
+        Case(
+            R_PUT,
+            lambda e: e.req(
+                "POST", _put_target(e.name()), b"\0" * NBYTES, ctype="application/octet-stream"
+            ),
+            200,
+            delta=PUT,
+            created=frozenset({"w"}),
+        ),
+        id="put",
+    ),
+    pytest.param(
+        Case(
+            R_PUT, lambda e: e.req("POST", _put_target(e.name()), b"\0" * 3), 400, "invalid_request"
+        ),
+        id="put-short-body",
+    ),
+    pytest.param(
+        Case(
+            R_ALLOC,
+            lambda e: e.req(
+                "POST", "/v1/alloc", {"name": e.name(), "shape": [NBYTES], "dtype": "uint8"}
+            ),
+            200,
+            delta=NEW,
+            created=frozenset({"w"}),
+        ),
+        id="alloc",
+    ),
     pytest.param(Case(R_PUBLISH, _publish, 200, delta={"tensors": 1}), id="publish"),
-    pytest.param(Case(R_ABORT, _abort, 204, delta={"bytes_in_use": -NBYTES, "versions": -1},
-                      deleted=frozenset({"w"})), id="abort"),
-    pytest.param(Case(R_LINK, _link, 200, delta={"versions": 1, "tensors": 1},
-                      created=frozenset({"dst"})), id="link"),
-    pytest.param(Case(R_RELEASE, _release, 200, delta={"leases": -1}, check=released(1)),
-                 id="release"),
-    pytest.param(Case(R_RELEASE, lambda e: e.req("POST", "/v1/release", {"leases": "x"}), 422,
-                      "invalid_request"), id="release-not-a-list"),
-    pytest.param(Case(R_BATCH_ALLOC, _batch_alloc, 200, delta=TWO, created=frozenset("ab")),
-                 id="batch-alloc"),
-    pytest.param(Case(R_BATCH_PUBLISH, _batch_publish, 200, delta={"tensors": 2}),
-                 id="batch-publish"),
-    pytest.param(Case(R_MANY_ALLOC, lambda e: e.req("POST", "/v1/many/alloc",
-                                                    _many_alloc_body(e)),
-                      200, delta=TWO, created=frozenset("ab")), id="many-alloc"),
-    pytest.param(Case(R_MANY_PUBLISH, _many_publish, 200, delta={"tensors": 2}),
-                 id="many-publish"),
-    pytest.param(Case(R_MANY_PUT, _many_put, 200, delta={**TWO, "tensors": 2},
-                      created=frozenset("ab")), id="many-put"),
-    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, ctype=None), 200,
-                      delta={**TWO, "tensors": 2}, created=frozenset("ab")),
-                 id="many-put-no-content-type"),
+    pytest.param(
+        Case(
+            R_ABORT,
+            _abort,
+            204,
+            delta={"bytes_in_use": -NBYTES, "versions": -1},
+            deleted=frozenset({"w"}),
+        ),
+        id="abort",
+    ),
+    pytest.param(
+        Case(R_LINK, _link, 200, delta={"versions": 1, "tensors": 1}, created=frozenset({"dst"})),
+        id="link",
+    ),
+    pytest.param(
+        Case(R_RELEASE, _release, 200, delta={"leases": -1}, check=released(1)), id="release"
+    ),
+    pytest.param(
+        Case(
+            R_RELEASE,
+            lambda e: e.req("POST", "/v1/release", {"leases": "x"}),
+            422,
+            "invalid_request",
+        ),
+        id="release-not-a-list",
+    ),
+    pytest.param(
+        Case(R_BATCH_ALLOC, _batch_alloc, 200, delta=TWO, created=frozenset("ab")), id="batch-alloc"
+    ),
+    pytest.param(
+        Case(R_BATCH_PUBLISH, _batch_publish, 200, delta={"tensors": 2}), id="batch-publish"
+    ),
+    pytest.param(
+        Case(
+            R_MANY_ALLOC,
+            lambda e: e.req("POST", "/v1/many/alloc", _many_alloc_body(e)),
+            200,
+            delta=TWO,
+            created=frozenset("ab"),
+        ),
+        id="many-alloc",
+    ),
+    pytest.param(Case(R_MANY_PUBLISH, _many_publish, 200, delta={"tensors": 2}), id="many-publish"),
+    pytest.param(
+        Case(R_MANY_PUT, _many_put, 200, delta={**TWO, "tensors": 2}, created=frozenset("ab")),
+        id="many-put",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: _many_put(e, ctype=None),
+            200,
+            delta={**TWO, "tensors": 2},
+            created=frozenset("ab"),
+        ),
+        id="many-put-no-content-type",
+    ),
     # Bad bodies: refused, and nothing is placed.
-    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES - 1)), 400,
-                      "invalid_request"), id="many-put-short-body"),
-    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES + 1)), 400,
-                      "invalid_request"), id="many-put-long-body"),
-    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put", b"\0\0",
-                                                  ctype=OCTETS), 400, "invalid_request"),
-                 id="many-put-no-head"),
-    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put",
-                                                  b"\0\0\1\0{}", ctype=OCTETS),
-                      400, "invalid_request"), id="many-put-head-cut"),
-    pytest.param(Case(R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put",
-                                                  _framed([1, 2], b""), ctype=OCTETS),
-                      (400, 422), "invalid_request"), id="many-put-head-not-an-object"),
-    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, ctype=JSON), 400, "invalid_request"),
-                 id="many-put-as-json"),
-    pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, names=("a", "a")), 400,
-                      "invalid_request"), id="many-put-name-twice"),
-    pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
-        "names": [e.put("a"), e.put("b")]}), 200, delta={"leases": 2}), id="many-get"),
-    pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
-        "names": [e.name("absent")]}), 404, "not_found"), id="many-get-absent"),
-    pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
-        "names": [e.put("a"), e.put("b")], "newer_than": [0, 5], "wait": "any"}), 200,
-        delta={"leases": 2}), id="many-get-any"),
-    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
-        "names": [e.put("a"), e.put("b")]}), 200,
-        delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
-        deleted=frozenset("ab")), id="many-delete"),
-    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
-        "names": [e.put("a"), e.name("absent")]}), 404, "not_found"), id="many-delete-absent"),
-    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
-        "prefix": (e.put("a"), e.put("b"), e.name(""))[2]}), 200,
-        delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
-        deleted=frozenset("ab")), id="many-delete-prefix"),
-    pytest.param(Case(R_MANY_DELETE, lambda e: e.req("POST", "/v1/many/delete", {
-        "names": [e.put("a")], "prefix": e.name("")}), (400, 422), "invalid_request"),
-        id="many-delete-both"),
-    pytest.param(Case(R_STAT, lambda e: e.req("GET", "/v1/stat", session=False), 200),
-                 id="stat"),
+    pytest.param(
+        Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES - 1)), 400, "invalid_request"),
+        id="many-put-short-body",
+    ),
+    pytest.param(
+        Case(R_MANY_PUT, lambda e: _many_put(e, b"\1" * (2 * NBYTES + 1)), 400, "invalid_request"),
+        id="many-put-long-body",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: e.req("POST", "/v1/many/put", b"\0\0", ctype=OCTETS),
+            400,
+            "invalid_request",
+        ),
+        id="many-put-no-head",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: e.req("POST", "/v1/many/put", b"\0\0\1\0{}", ctype=OCTETS),
+            400,
+            "invalid_request",
+        ),
+        id="many-put-head-cut",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: e.req("POST", "/v1/many/put", _framed([1, 2], b""), ctype=OCTETS),
+            (400, 422),
+            "invalid_request",
+        ),
+        id="many-put-head-not-an-object",
+    ),
+    pytest.param(
+        Case(R_MANY_PUT, lambda e: _many_put(e, ctype=JSON), 400, "invalid_request"),
+        id="many-put-as-json",
+    ),
+    pytest.param(
+        Case(R_MANY_PUT, lambda e: _many_put(e, names=("a", "a")), 400, "invalid_request"),
+        id="many-put-name-twice",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: e.req("POST", "/v1/many/get", {"names": [e.put("a"), e.put("b")]}),
+            200,
+            delta={"leases": 2},
+        ),
+        id="many-get",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: e.req("POST", "/v1/many/get", {"names": [e.name("absent")]}),
+            404,
+            "not_found",
+        ),
+        id="many-get-absent",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: e.req(
+                "POST",
+                "/v1/many/get",
+                {"names": [e.put("a"), e.put("b")], "newer_than": [0, 5], "wait": "any"},
+            ),
+            200,
+            delta={"leases": 2},
+        ),
+        id="many-get-any",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_DELETE,
+            lambda e: e.req("POST", "/v1/many/delete", {"names": [e.put("a"), e.put("b")]}),
+            200,
+            delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
+            deleted=frozenset("ab"),
+        ),
+        id="many-delete",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_DELETE,
+            lambda e: e.req("POST", "/v1/many/delete", {"names": [e.put("a"), e.name("absent")]}),
+            404,
+            "not_found",
+        ),
+        id="many-delete-absent",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_DELETE,
+            lambda e: e.req(
+                "POST", "/v1/many/delete", {"prefix": (e.put("a"), e.put("b"), e.name(""))[2]}
+            ),
+            200,
+            delta={"bytes_in_use": -2 * NBYTES, "versions": -2, "tensors": -2},
+            deleted=frozenset("ab"),
+        ),
+        id="many-delete-prefix",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_DELETE,
+            lambda e: e.req(
+                "POST", "/v1/many/delete", {"names": [e.put("a")], "prefix": e.name("")}
+            ),
+            (400, 422),
+            "invalid_request",
+        ),
+        id="many-delete-both",
+    ),
+    pytest.param(Case(R_STAT, lambda e: e.req("GET", "/v1/stat", session=False), 200), id="stat"),
     pytest.param(Case(R_WHO, lambda e: e.req("GET", "/v1/who", session=False), 200), id="who"),
-    pytest.param(Case(R_HEALTH, lambda e: e.req("GET", "/healthz", who=None), 200,
-                      check=_health), id="healthz"),
-    pytest.param(Case(R_METRICS, lambda e: e.req("GET", "/metrics", session=False), 200,
-                      check=_metrics_text), id="metrics"),
+    pytest.param(
+        Case(R_HEALTH, lambda e: e.req("GET", "/healthz", who=None), 200, check=_health),
+        id="healthz",
+    ),
+    pytest.param(
+        Case(
+            R_METRICS, lambda e: e.req("GET", "/metrics", session=False), 200, check=_metrics_text
+        ),
+        id="metrics",
+    ),
     # Without a GPU (or with a handle no driver knows) a share is refused, cleanly.
-    pytest.param(Case(R_SHARE, lambda e: e.req("POST", "/v1/cuda/share", _share_body(e)),
-                      (400, 404, 409, 422), ANY), id="cuda-share"),
-    pytest.param(Case(R_LIVE, lambda e: e.req("POST", "/v1/cuda/live", {"segments": ["x"]}), 200),
-                 id="cuda-live"),
-    pytest.param(Case(R_OPENAPI, lambda e: e.req("GET", "/openapi.json", session=False), 200),
-                 id="openapi"),
-    pytest.param(Case(R_NONE, lambda e: e.req("GET", "/nope", session=False), 404,
-                      "no_such_route"), id="no-such-route"),
-    pytest.param(Case(R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}", who=UNIX),
-                      200, delta={"leases": 1}), id="tensors-get-unix"),
+    pytest.param(
+        Case(
+            R_SHARE,
+            lambda e: e.req("POST", "/v1/cuda/share", _share_body(e)),
+            (400, 404, 409, 422),
+            ANY,
+        ),
+        id="cuda-share",
+    ),
+    pytest.param(
+        Case(R_LIVE, lambda e: e.req("POST", "/v1/cuda/live", {"segments": ["x"]}), 200),
+        id="cuda-live",
+    ),
+    pytest.param(
+        Case(R_OPENAPI, lambda e: e.req("GET", "/openapi.json", session=False), 200), id="openapi"
+    ),
+    pytest.param(
+        Case(R_NONE, lambda e: e.req("GET", "/nope", session=False), 404, "no_such_route"),
+        id="no-such-route",
+    ),
+    pytest.param(
+        Case(
+            R_GET,
+            lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}", who=UNIX),
+            200,
+            delta={"leases": 1},
+        ),
+        id="tensors-get-unix",
+    ),
 ]
 
 # -- names with control characters: refused, and nothing else named instead ------------------
@@ -704,27 +1013,84 @@ def _bad(env: Env, c: str) -> str:
 
 def _control_cases() -> Iterator[Any]:
     for label, c in CONTROL.items():
-        yield pytest.param(Case(R_GET, lambda e, c=c: e.req(
-            "GET", f"/v1/tensors/{quote(_bad(e, c))}"), 400, "invalid_request"),
-            id=f"name-{label}-get")
+        yield pytest.param(
+            Case(
+                R_GET,
+                lambda e, c=c: e.req("GET", f"/v1/tensors/{quote(_bad(e, c))}"),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-get",
+        )
         # A ttl: a door that wrongly makes "w\n" leaves no name that no path can delete.
-        yield pytest.param(Case(R_PUT, lambda e, c=c: e.req(
-            "POST", _put_target(_bad(e, c), "&ttl=1"), b"\0" * NBYTES), 400, "invalid_request"),
-            id=f"name-{label}-put")
-        yield pytest.param(Case(R_DELETE, lambda e, c=c: e.req(
-            "DELETE", f"/v1/tensors/{quote(_bad(e, c))}"), 400, "invalid_request"),
-            id=f"name-{label}-delete")
-        yield pytest.param(Case(R_ALLOC, lambda e, c=c: e.req("POST", "/v1/alloc", {
-            "name": _bad(e, c), "shape": [NBYTES], "dtype": "uint8"}), 400, "invalid_request"),
-            id=f"name-{label}-alloc-body")
-        yield pytest.param(Case(R_MANY_GET, lambda e, c=c: e.req("POST", "/v1/many/get", {
-            "names": [_bad(e, c)]}), 400, "invalid_request"), id=f"name-{label}-many-get-body")
-        yield pytest.param(Case(R_MANY_ALLOC, lambda e, c=c: e.req("POST", "/v1/many/alloc", {
-            "names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]}), 400,
-            "invalid_request"), id=f"name-{label}-many-alloc-body")
-        yield pytest.param(Case(R_MANY_PUT, lambda e, c=c: e.req("POST", "/v1/many/put", _framed({
-            "names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]}, b"\0" * NBYTES),
-            ctype=OCTETS), 400, "invalid_request"), id=f"name-{label}-many-put-head")
+        yield pytest.param(
+            Case(
+                R_PUT,
+                lambda e, c=c: e.req("POST", _put_target(_bad(e, c), "&ttl=1"), b"\0" * NBYTES),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-put",
+        )
+        yield pytest.param(
+            Case(
+                R_DELETE,
+                lambda e, c=c: e.req("DELETE", f"/v1/tensors/{quote(_bad(e, c))}"),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-delete",
+        )
+        yield pytest.param(
+            Case(
+                R_ALLOC,
+                lambda e, c=c: e.req(
+                    "POST", "/v1/alloc", {"name": _bad(e, c), "shape": [NBYTES], "dtype": "uint8"}
+                ),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-alloc-body",
+        )
+        yield pytest.param(
+            Case(
+                R_MANY_GET,
+                lambda e, c=c: e.req("POST", "/v1/many/get", {"names": [_bad(e, c)]}),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-many-get-body",
+        )
+        yield pytest.param(
+            Case(
+                R_MANY_ALLOC,
+                lambda e, c=c: e.req(
+                    "POST",
+                    "/v1/many/alloc",
+                    {"names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]},
+                ),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-many-alloc-body",
+        )
+        yield pytest.param(
+            Case(
+                R_MANY_PUT,
+                lambda e, c=c: e.req(
+                    "POST",
+                    "/v1/many/put",
+                    _framed(
+                        {"names": [_bad(e, c)], "shapes": [[NBYTES]], "dtypes": ["uint8"]},
+                        b"\0" * NBYTES,
+                    ),
+                    ctype=OCTETS,
+                ),
+                400,
+                "invalid_request",
+            ),
+            id=f"name-{label}-many-put-head",
+        )
 
 
 # -- limits: bodies over MAX_BODY_BYTES, heads over MAX_HEADER_BYTES -----------------------------
@@ -732,11 +1098,11 @@ def _control_cases() -> Iterator[Any]:
 PAD = b" " * (MAX_BODY_BYTES + 1)
 
 
-def _too_big(route: tuple[str, str], make: Callable[[Env], tuple[str, bytes]],
-             chunk: bool) -> Case:
+def _too_big(route: tuple[str, str], make: Callable[[Env], tuple[str, bytes]], chunk: bool) -> Case:
     def prepare(env: Env) -> Req:
         target, body = make(env)
         return env.req(route[0], target, body, chunk=chunk)
+
     return Case(route, prepare, 413, "too_large")
 
 
@@ -765,24 +1131,48 @@ def _limit_cases() -> Iterator[Any]:
     for chunk, how in ((False, "length"), (True, "chunked")):
         yield pytest.param(_too_big(R_RELEASE, _big_release, chunk), id=f"body-413-{how}-release")
         yield pytest.param(_too_big(R_ALLOC, _big_alloc, chunk), id=f"body-413-{how}-alloc")
-        yield pytest.param(_too_big(R_MANY_GET, _big_many_get, chunk),
-                           id=f"body-413-{how}-many-get")
+        yield pytest.param(
+            _too_big(R_MANY_GET, _big_many_get, chunk), id=f"body-413-{how}-many-get"
+        )
         yield pytest.param(_too_big(R_PUT, _big_put, chunk), id=f"body-413-{how}-put")
     big = (("x-padding", "a" * (100 << 10)),)  # one 100 KiB header, written in one sendall
     assert len(big[0][1]) > MAX_HEADER_BYTES
     for who, via in (("admin", "tcp"), (UNIX, "unix")):
-        yield pytest.param(Case(R_STAT, lambda e, who=who: e.req(
-            "GET", "/v1/stat", session=False, headers=big, who=who), 431, "too_large"),
-            id=f"head-431-{via}-stat")
-        yield pytest.param(Case(R_GET, lambda e, who=who: e.req(
-            "GET", f"/v1/tensors/{quote(e.put())}", headers=big, who=who), 431, "too_large"),
-            id=f"head-431-{via}-get")
-        yield pytest.param(Case(R_PUT, lambda e, who=who: e.req(
-            "POST", _put_target(e.name()), b"\0" * NBYTES, headers=big, who=who), 431,
-            "too_large"), id=f"head-431-{via}-put")
+        yield pytest.param(
+            Case(
+                R_STAT,
+                lambda e, who=who: e.req("GET", "/v1/stat", session=False, headers=big, who=who),
+                431,
+                "too_large",
+            ),
+            id=f"head-431-{via}-stat",
+        )
+        yield pytest.param(
+            Case(
+                R_GET,
+                lambda e, who=who: e.req(
+                    "GET", f"/v1/tensors/{quote(e.put())}", headers=big, who=who
+                ),
+                431,
+                "too_large",
+            ),
+            id=f"head-431-{via}-get",
+        )
+        yield pytest.param(
+            Case(
+                R_PUT,
+                lambda e, who=who: e.req(
+                    "POST", _put_target(e.name()), b"\0" * NBYTES, headers=big, who=who
+                ),
+                431,
+                "too_large",
+            ),
+            id=f"head-431-{via}-put",
+        )
 
 
 # -- bodies that are not JSON, or not the JSON a route reads --------------------------------------
+
 
 def _encodings() -> dict[str, Callable[[bytes], tuple[bytes, str]]]:
     return {
@@ -793,8 +1183,10 @@ def _encodings() -> dict[str, Callable[[bytes], tuple[bytes, str]]]:
         "utf16le": lambda b: (b.decode().encode("utf-16-le"), JSON),  # without one
         "utf8-bom": lambda b: (b"\xef\xbb\xbf" + b, JSON),
         "latin1": lambda b: (b.replace(b"{", b'{"caf\xe9": 0, ', 1), JSON),  # not UTF-8
-        "nested-10000": lambda b: (b.replace(b"[", b"[" * 10000, 1).replace(b"]", b"]" * 10000, 1),
-                                   JSON),
+        "nested-10000": lambda b: (
+            b.replace(b"[", b"[" * 10000, 1).replace(b"]", b"]" * 10000, 1),
+            JSON,
+        ),
         "int-5000-digits": lambda b: (b.replace(b"[", b"[" + b"9" * 5000 + b",", 1), JSON),
     }
 
@@ -802,28 +1194,44 @@ def _encodings() -> dict[str, Callable[[bytes], tuple[bytes, str]]]:
 def _json_routes() -> dict[str, tuple[tuple[str, str], Callable[[Env], bytes], Mapping[str, int]]]:
     """Route -> (its operation, a good body, what that body would change)."""
     return {
-        "release": (R_RELEASE, lambda e: json.dumps({"leases": [e.lease(e.put())]}).encode(),
-                    {"leases": -1}),
-        "many-get": (R_MANY_GET, lambda e: json.dumps({"names": [e.put()]}).encode(),
-                     {"leases": 1}),
-        "alloc": (R_ALLOC, lambda e: json.dumps({"shape": [NBYTES], "name": e.name(),
-                                                 "dtype": "uint8"}).encode(), NEW),
+        "release": (
+            R_RELEASE,
+            lambda e: json.dumps({"leases": [e.lease(e.put())]}).encode(),
+            {"leases": -1},
+        ),
+        "many-get": (
+            R_MANY_GET,
+            lambda e: json.dumps({"names": [e.put()]}).encode(),
+            {"leases": 1},
+        ),
+        "alloc": (
+            R_ALLOC,
+            lambda e: json.dumps({"shape": [NBYTES], "name": e.name(), "dtype": "uint8"}).encode(),
+            NEW,
+        ),
     }
 
 
 def _encoding_cases() -> Iterator[Any]:
     for route_id, (route, good, _) in _json_routes().items():
         for enc_id, enc in _encodings().items():
-            def prepare(env: Env, good: Callable[[Env], bytes] = good,
-                        enc: Callable[[bytes], tuple[bytes, str]] = enc,
-                        route: tuple[str, str] = route) -> Req:
+
+            def prepare(
+                env: Env,
+                good: Callable[[Env], bytes] = good,
+                enc: Callable[[bytes], tuple[bytes, str]] = enc,
+                route: tuple[str, str] = route,
+            ) -> Req:
                 body, ctype = enc(good(env))
                 return env.req(route[0], route[1], body, ctype=ctype)
-            yield pytest.param(Case(route, prepare, (400, 422), ANY),
-                               id=f"body-{enc_id}-{route_id}")
+
+            yield pytest.param(
+                Case(route, prepare, (400, 422), ANY), id=f"body-{enc_id}-{route_id}"
+            )
 
 
 # -- who may: no token, a wrong token, a read token, a token for another prefix --------------------
+
 
 def _scope_cases() -> Iterator[Any]:
     def put_body(env: Env) -> Req:
@@ -831,89 +1239,208 @@ def _scope_cases() -> Iterator[Any]:
 
     writes: dict[str, tuple[tuple[str, str], Callable[[Env], Req]]] = {
         "put": (R_PUT, put_body),
-        "delete": (R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}",
-                                             who="read")),
-        "alloc": (R_ALLOC, lambda e: e.req("POST", "/v1/alloc", {
-            "name": e.name(), "shape": [NBYTES], "dtype": "uint8"}, who="read")),
+        "delete": (
+            R_DELETE,
+            lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}", who="read"),
+        ),
+        "alloc": (
+            R_ALLOC,
+            lambda e: e.req(
+                "POST",
+                "/v1/alloc",
+                {"name": e.name(), "shape": [NBYTES], "dtype": "uint8"},
+                who="read",
+            ),
+        ),
         "publish": (R_PUBLISH, lambda e: e.req("POST", "/v1/publish", _written(e), who="read")),
         "abort": (R_ABORT, lambda e: e.req("POST", "/v1/abort", _written(e), who="read")),
-        "link": (R_LINK, lambda e: e.req("POST", "/v1/link", {
-            "name": e.name("dst"), "lease": e.lease(e.put(), who="read")}, who="read")),
-        "batch-alloc": (R_BATCH_ALLOC, lambda e: e.req("POST", "/v1/batch/alloc", {"items": [
-            {"name": e.name(), "shape": [NBYTES], "dtype": "uint8"}]}, who="read")),
-        "batch-publish": (R_BATCH_PUBLISH, lambda e: e.req("POST", "/v1/batch/publish", {
-            "items": [_written(e)]}, who="read")),
-        "many-alloc": (R_MANY_ALLOC, lambda e: e.req("POST", "/v1/many/alloc", {
-            "names": [e.name()], "shapes": [[NBYTES]], "dtypes": ["uint8"]}, who="read")),
-        "many-publish": (R_MANY_PUBLISH, lambda e: e.req("POST", "/v1/many/publish", {
-            "names": [e.alloc()[0]], "versions": [1]}, who="read")),
+        "link": (
+            R_LINK,
+            lambda e: e.req(
+                "POST",
+                "/v1/link",
+                {"name": e.name("dst"), "lease": e.lease(e.put(), who="read")},
+                who="read",
+            ),
+        ),
+        "batch-alloc": (
+            R_BATCH_ALLOC,
+            lambda e: e.req(
+                "POST",
+                "/v1/batch/alloc",
+                {"items": [{"name": e.name(), "shape": [NBYTES], "dtype": "uint8"}]},
+                who="read",
+            ),
+        ),
+        "batch-publish": (
+            R_BATCH_PUBLISH,
+            lambda e: e.req("POST", "/v1/batch/publish", {"items": [_written(e)]}, who="read"),
+        ),
+        "many-alloc": (
+            R_MANY_ALLOC,
+            lambda e: e.req(
+                "POST",
+                "/v1/many/alloc",
+                {"names": [e.name()], "shapes": [[NBYTES]], "dtypes": ["uint8"]},
+                who="read",
+            ),
+        ),
+        "many-publish": (
+            R_MANY_PUBLISH,
+            lambda e: e.req(
+                "POST", "/v1/many/publish", {"names": [e.alloc()[0]], "versions": [1]}, who="read"
+            ),
+        ),
         "many-put": (R_MANY_PUT, lambda e: _many_put(e, who="read")),
-        "cuda-share": (R_SHARE, lambda e: e.req("POST", "/v1/cuda/share", _share_body(e),
-                                                who="read")),
+        "cuda-share": (
+            R_SHARE,
+            lambda e: e.req("POST", "/v1/cuda/share", _share_body(e), who="read"),
+        ),
     }
     for route_id, (route, prepare) in writes.items():
         yield pytest.param(Case(route, prepare, 403, "forbidden"), id=f"scope-read-{route_id}")
 
-    def anonymous(route: tuple[str, str], target: Callable[[Env], str],
-                  body: Callable[[Env], Any], token: str | None) -> Callable[[Env], Req]:
+    def anonymous(
+        route: tuple[str, str],
+        target: Callable[[Env], str],
+        body: Callable[[Env], Any],
+        token: str | None,
+    ) -> Callable[[Env], Req]:
         def prepare(env: Env) -> Req:
             headers = () if token is None else (("Authorization", token),)
             return env.req(route[0], target(env), body(env), who=None, headers=headers)
+
         return prepare
 
-    for how, token in (("none", None), ("wrong", "Bearer not-a-token-of-this-broker"),
-                       ("basic", "Basic b3BzOnNlY3JldA==")):
+    for how, token in (
+        ("none", None),
+        ("wrong", "Bearer not-a-token-of-this-broker"),
+        ("basic", "Basic b3BzOnNlY3JldA=="),
+    ):
         for route_id, route, target, body in (
-                ("get", R_GET, lambda e: f"/v1/tensors/{quote(e.put())}", lambda e: None),
-                ("put", R_PUT, lambda e: _put_target(e.name()), lambda e: b"\0" * NBYTES),
-                ("release", R_RELEASE, lambda e: "/v1/release", lambda e: {"leases": []}),
-                ("many-get", R_MANY_GET, lambda e: "/v1/many/get",
-                 lambda e: {"names": [e.put()]}),
-                ("stat", R_STAT, lambda e: "/v1/stat", lambda e: None),
-                ("alloc", R_ALLOC, lambda e: "/v1/alloc",
-                 lambda e: {"name": e.name(), "shape": [1], "dtype": "uint8"}),
-                ("sessions", R_SESSIONS, lambda e: "/v1/sessions", lambda e: {"pid": 1})):
-            yield pytest.param(Case(route, anonymous(route, target, body, token), 401,
-                                    "unauthorized"), id=f"token-{how}-{route_id}")
+            ("get", R_GET, lambda e: f"/v1/tensors/{quote(e.put())}", lambda e: None),
+            ("put", R_PUT, lambda e: _put_target(e.name()), lambda e: b"\0" * NBYTES),
+            ("release", R_RELEASE, lambda e: "/v1/release", lambda e: {"leases": []}),
+            ("many-get", R_MANY_GET, lambda e: "/v1/many/get", lambda e: {"names": [e.put()]}),
+            ("stat", R_STAT, lambda e: "/v1/stat", lambda e: None),
+            (
+                "alloc",
+                R_ALLOC,
+                lambda e: "/v1/alloc",
+                lambda e: {"name": e.name(), "shape": [1], "dtype": "uint8"},
+            ),
+            ("sessions", R_SESSIONS, lambda e: "/v1/sessions", lambda e: {"pid": 1}),
+        ):
+            yield pytest.param(
+                Case(route, anonymous(route, target, body, token), 401, "unauthorized"),
+                id=f"token-{how}-{route_id}",
+            )
 
     outside: dict[str, tuple[tuple[str, str], Callable[[Env], Req]]] = {
         "get-path": (R_GET, lambda e: e.req("GET", f"/v1/tensors/{quote(e.put())}", who="team")),
-        "put-path": (R_PUT, lambda e: e.req("POST", _put_target(e.name()), b"\0" * NBYTES,
-                                            who="team")),
-        "delete-path": (R_DELETE, lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}",
-                                                  who="team")),
-        "alloc-body": (R_ALLOC, lambda e: e.req("POST", "/v1/alloc", {
-            "name": e.name(), "shape": [NBYTES], "dtype": "uint8"}, who="team")),
-        "many-alloc-body": (R_MANY_ALLOC, lambda e: e.req("POST", "/v1/many/alloc", {
-            "names": [e.name("ok", team=True), e.name()], "shapes": [[NBYTES], [NBYTES]],
-            "dtypes": ["uint8", "uint8"]}, who="team")),
-        "many-get-body": (R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
-            "names": [e.put()]}, who="team")),
-        "many-put-head": (R_MANY_PUT, lambda e: e.req("POST", "/v1/many/put", _framed({
-            "names": [e.name("ok", team=True), e.name()], "shapes": [[NBYTES], [NBYTES]],
-            "dtypes": ["uint8", "uint8"]}, b"\0" * 2 * NBYTES), who="team", ctype=OCTETS)),
-        "publish-body": (R_PUBLISH, lambda e: e.req("POST", "/v1/publish", _written(e),
-                                                    who="team")),
-        "link-body": (R_LINK, lambda e: e.req("POST", "/v1/link", {
-            "name": e.name("dst"), "lease": e.lease(e.put("src", who="team", team=True),
-                                                    who="team")}, who="team")),
+        "put-path": (
+            R_PUT,
+            lambda e: e.req("POST", _put_target(e.name()), b"\0" * NBYTES, who="team"),
+        ),
+        "delete-path": (
+            R_DELETE,
+            lambda e: e.req("DELETE", f"/v1/tensors/{quote(e.put())}", who="team"),
+        ),
+        "alloc-body": (
+            R_ALLOC,
+            lambda e: e.req(
+                "POST",
+                "/v1/alloc",
+                {"name": e.name(), "shape": [NBYTES], "dtype": "uint8"},
+                who="team",
+            ),
+        ),
+        "many-alloc-body": (
+            R_MANY_ALLOC,
+            lambda e: e.req(
+                "POST",
+                "/v1/many/alloc",
+                {
+                    "names": [e.name("ok", team=True), e.name()],
+                    "shapes": [[NBYTES], [NBYTES]],
+                    "dtypes": ["uint8", "uint8"],
+                },
+                who="team",
+            ),
+        ),
+        "many-get-body": (
+            R_MANY_GET,
+            lambda e: e.req("POST", "/v1/many/get", {"names": [e.put()]}, who="team"),
+        ),
+        "many-put-head": (
+            R_MANY_PUT,
+            lambda e: e.req(
+                "POST",
+                "/v1/many/put",
+                _framed(
+                    {
+                        "names": [e.name("ok", team=True), e.name()],
+                        "shapes": [[NBYTES], [NBYTES]],
+                        "dtypes": ["uint8", "uint8"],
+                    },
+                    b"\0" * 2 * NBYTES,
+                ),
+                who="team",
+                ctype=OCTETS,
+            ),
+        ),
+        "publish-body": (
+            R_PUBLISH,
+            lambda e: e.req("POST", "/v1/publish", _written(e), who="team"),
+        ),
+        "link-body": (
+            R_LINK,
+            lambda e: e.req(
+                "POST",
+                "/v1/link",
+                {
+                    "name": e.name("dst"),
+                    "lease": e.lease(e.put("src", who="team", team=True), who="team"),
+                },
+                who="team",
+            ),
+        ),
     }
     for route_id, (route, prepare) in outside.items():
         yield pytest.param(Case(route, prepare, 403, "forbidden"), id=f"prefix-{route_id}")
-    yield pytest.param(Case(R_PUT, lambda e: e.req("POST", _put_target(e.name(team=True)),
-                                                   b"\0" * NBYTES, who="team"),
-                            200, delta=PUT, created=frozenset({TEAM + "w"})),
-                       id="prefix-put-inside")
-    yield pytest.param(Case(R_MANY_GET, lambda e: e.req("POST", "/v1/many/get", {
-        "names": [e.put(team=True)]}, who="team"), 200, delta={"leases": 1}),
-        id="prefix-many-get-inside")
-    yield pytest.param(Case(R_MANY_PUT, lambda e: _many_put(e, who="team", team=True), 200,
-                            delta={**TWO, "tensors": 2},
-                            created=frozenset({TEAM + "a", TEAM + "b"})),
-                       id="prefix-many-put-inside")
+    yield pytest.param(
+        Case(
+            R_PUT,
+            lambda e: e.req("POST", _put_target(e.name(team=True)), b"\0" * NBYTES, who="team"),
+            200,
+            delta=PUT,
+            created=frozenset({TEAM + "w"}),
+        ),
+        id="prefix-put-inside",
+    )
+    yield pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: e.req("POST", "/v1/many/get", {"names": [e.put(team=True)]}, who="team"),
+            200,
+            delta={"leases": 1},
+        ),
+        id="prefix-many-get-inside",
+    )
+    yield pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: _many_put(e, who="team", team=True),
+            200,
+            delta={**TWO, "tensors": 2},
+            created=frozenset({TEAM + "a", TEAM + "b"}),
+        ),
+        id="prefix-many-put-inside",
+    )
 
 
 # -- release riders, stale releases, resends -------------------------------------------------------
+
 
 def _rider(env: Env, target: str, obj: Any = None, method: str = "GET", **kw: Any) -> Req:
     lease = env.lease(env.put("held"))
@@ -923,8 +1450,13 @@ def _rider(env: Env, target: str, obj: Any = None, method: str = "GET", **kw: An
 def _foreign_rider(env: Env) -> Req:
     """The write token sends the admin's session and lease: not its own."""
     lease = env.lease(env.put())
-    return env.req("GET", "/v1/stat", who="write", sid=env.session("admin"),
-                   headers=((RELEASE_HEADER, str(lease)),))
+    return env.req(
+        "GET",
+        "/v1/stat",
+        who="write",
+        sid=env.session("admin"),
+        headers=((RELEASE_HEADER, str(lease)),),
+    )
 
 
 def _foreign_lease(env: Env) -> Req:
@@ -943,70 +1475,175 @@ def _stale(env: Env) -> Req:
 def _replay(route: tuple[str, str], body: Callable[[Env], tuple[str, Any]]) -> Callable[[Env], Req]:
     def prepare(env: Env) -> Req:
         target, obj = body(env)
-        return env.req(route[0], target, obj, headers=((REQUEST_HEADER, f"rid-{env.ns}"),),
-                       repeat=2)
+        return env.req(
+            route[0], target, obj, headers=((REQUEST_HEADER, f"rid-{env.ns}"),), repeat=2
+        )
+
     return prepare
 
 
 RIDERS = [
-    pytest.param(Case(R_STAT, lambda e: _rider(e, "/v1/stat"), 200, delta={"leases": -1}),
-                 id="rider-stat"),
-    pytest.param(Case(R_GET, lambda e: _rider(e, f"/v1/tensors/{quote(e.name('absent'))}"), 404,
-                      "not_found", delta={"leases": -1}), id="rider-get-absent"),
-    pytest.param(Case(R_MANY_GET, lambda e: _rider(e, "/v1/many/get", {"names": []}, "POST"), 200,
-                      delta={"leases": -1}), id="rider-many-get-empty"),
-    pytest.param(Case(R_RELEASE, lambda e: _rider(e, "/v1/release", {"leases": []}, "POST"), 200,
-                      delta={"leases": -1}, check=released(0)), id="rider-release-empty"),
-    pytest.param(Case(R_LIST, lambda e: _rider(e, "/v1/tensors"), 200, delta={"leases": -1}),
-                 id="rider-list"),
+    pytest.param(
+        Case(R_STAT, lambda e: _rider(e, "/v1/stat"), 200, delta={"leases": -1}), id="rider-stat"
+    ),
+    pytest.param(
+        Case(
+            R_GET,
+            lambda e: _rider(e, f"/v1/tensors/{quote(e.name('absent'))}"),
+            404,
+            "not_found",
+            delta={"leases": -1},
+        ),
+        id="rider-get-absent",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: _rider(e, "/v1/many/get", {"names": []}, "POST"),
+            200,
+            delta={"leases": -1},
+        ),
+        id="rider-many-get-empty",
+    ),
+    pytest.param(
+        Case(
+            R_RELEASE,
+            lambda e: _rider(e, "/v1/release", {"leases": []}, "POST"),
+            200,
+            delta={"leases": -1},
+            check=released(0),
+        ),
+        id="rider-release-empty",
+    ),
+    pytest.param(
+        Case(R_LIST, lambda e: _rider(e, "/v1/tensors"), 200, delta={"leases": -1}), id="rider-list"
+    ),
     pytest.param(Case(R_STAT, _foreign_rider, (200, 403), ANY), id="rider-foreign-session"),
     pytest.param(Case(R_STAT, _foreign_lease, 200), id="rider-foreign-lease"),
-    pytest.param(Case(R_RELEASE, _stale, 200, delta=lambda e: {"bytes_retired": -e.values[
-        "retired"]}, check=released(1)), id="release-stale"),
-    pytest.param(Case(R_ALLOC, _replay(R_ALLOC, lambda e: ("/v1/alloc", {
-        "name": e.name(), "shape": [NBYTES], "dtype": "uint8"})), 200, delta=NEW,
-        created=frozenset({"w"})), id="replay-alloc"),
-    pytest.param(Case(R_PUT, _replay(R_PUT, lambda e: (_put_target(e.name()), b"\0" * NBYTES)),
-                      200, delta=PUT, created=frozenset({"w"})), id="replay-put"),
-    pytest.param(Case(R_GET, _replay(R_GET, lambda e: (f"/v1/tensors/{quote(e.put())}", None)),
-                      200, delta={"leases": 1}), id="replay-get"),
-    pytest.param(Case(R_MANY_ALLOC, _replay(R_MANY_ALLOC, lambda e: (
-        "/v1/many/alloc", _many_alloc_body(e))), 200, delta=TWO, created=frozenset("ab")),
-        id="replay-many-alloc"),
-    pytest.param(Case(R_MANY_PUT, lambda e: e.req(
-        "POST", "/v1/many/put", _many_put(e).body, ctype=OCTETS,
-        headers=((REQUEST_HEADER, f"rid-{e.ns}"),), repeat=2), 200,
-        delta={**TWO, "tensors": 2}, created=frozenset("ab")), id="replay-many-put"),
+    pytest.param(
+        Case(
+            R_RELEASE,
+            _stale,
+            200,
+            delta=lambda e: {"bytes_retired": -e.values["retired"]},
+            check=released(1),
+        ),
+        id="release-stale",
+    ),
+    pytest.param(
+        Case(
+            R_ALLOC,
+            _replay(
+                R_ALLOC,
+                lambda e: ("/v1/alloc", {"name": e.name(), "shape": [NBYTES], "dtype": "uint8"}),
+            ),
+            200,
+            delta=NEW,
+            created=frozenset({"w"}),
+        ),
+        id="replay-alloc",
+    ),
+    pytest.param(
+        Case(
+            R_PUT,
+            _replay(R_PUT, lambda e: (_put_target(e.name()), b"\0" * NBYTES)),
+            200,
+            delta=PUT,
+            created=frozenset({"w"}),
+        ),
+        id="replay-put",
+    ),
+    pytest.param(
+        Case(
+            R_GET,
+            _replay(R_GET, lambda e: (f"/v1/tensors/{quote(e.put())}", None)),
+            200,
+            delta={"leases": 1},
+        ),
+        id="replay-get",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_ALLOC,
+            _replay(R_MANY_ALLOC, lambda e: ("/v1/many/alloc", _many_alloc_body(e))),
+            200,
+            delta=TWO,
+            created=frozenset("ab"),
+        ),
+        id="replay-many-alloc",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_PUT,
+            lambda e: e.req(
+                "POST",
+                "/v1/many/put",
+                _many_put(e).body,
+                ctype=OCTETS,
+                headers=((REQUEST_HEADER, f"rid-{e.ns}"),),
+                repeat=2,
+            ),
+            200,
+            delta={**TWO, "tensors": 2},
+            created=frozenset("ab"),
+        ),
+        id="replay-many-put",
+    ),
 ]
 
 # A raw byte >= 0x80 in the path is no valid request; it is still an answer of the broker's.
 ODD = [
-    pytest.param(Case(R_GET, lambda e: e.req("GET", b"/v1/tensors/\xe9", session=False), 400,
-                      ANY), id="path-raw-byte"),
+    pytest.param(
+        Case(R_GET, lambda e: e.req("GET", b"/v1/tensors/\xe9", session=False), 400, ANY),
+        id="path-raw-byte",
+    ),
 ]
-
 
 
 def _same_cases() -> Iterator[Any]:
     """``same`` takes integers only: never a float, a string or a boolean
     that lax coercion would turn into a position."""
     for label, value in (("float", 0.0), ("string", "0"), ("bool", True)):
+
         def body(e: Env, value: Any = value) -> dict[str, Any]:
             return {**_many_alloc_body(e), "same": [-1, value]}
 
-        yield pytest.param(Case(R_MANY_ALLOC, lambda e, body=body: e.req(
-            "POST", "/v1/many/alloc", body(e)), 422, "invalid_request"),
-            id=f"many-alloc-same-{label}")
-        yield pytest.param(Case(R_MANY_PUT, lambda e, body=body: e.req(
-            "POST", "/v1/many/put", _framed(body(e), b"\1" * NBYTES), ctype=OCTETS),
-            (400, 422), "invalid_request"), id=f"many-put-same-{label}")
+        yield pytest.param(
+            Case(
+                R_MANY_ALLOC,
+                lambda e, body=body: e.req("POST", "/v1/many/alloc", body(e)),
+                422,
+                "invalid_request",
+            ),
+            id=f"many-alloc-same-{label}",
+        )
+        yield pytest.param(
+            Case(
+                R_MANY_PUT,
+                lambda e, body=body: e.req(
+                    "POST", "/v1/many/put", _framed(body(e), b"\1" * NBYTES), ctype=OCTETS
+                ),
+                (400, 422),
+                "invalid_request",
+            ),
+            id=f"many-put-same-{label}",
+        )
 
 
-CASES = [*GOOD, *_control_cases(), *_limit_cases(), *_encoding_cases(), *_scope_cases(),
-         *_same_cases(), *RIDERS, *ODD]
+CASES = [
+    *GOOD,
+    *_control_cases(),
+    *_limit_cases(),
+    *_encoding_cases(),
+    *_scope_cases(),
+    *_same_cases(),
+    *RIDERS,
+    *ODD,
+]
 
 
 # -- the tests ---------------------------------------------------------------------------------
+
 
 def _template(path: str) -> str:
     return path.replace(":path}", "}")
@@ -1030,9 +1667,11 @@ def test_both_doors_agree(depot: Depot, case: Case) -> None:
         seen[door], envs[door] = run(depot, case, door)
     table = "\n".join(f"  {door:>6}: {s}" for door, s in seen.items())
     wrong = [door for door in DOORS if not case.matches(envs[door], seen[door])]
-    agree = len({(s.status, s.code, s.delta, s.created, s.deleted, s.keys)
-                 for s in seen.values()}) == 1
+    agree = (
+        len({(s.status, s.code, s.delta, s.created, s.deleted, s.keys) for s in seen.values()}) == 1
+    )
     print(f"{case.route[0]} {case.route[1]}\n{table}")  # shown by pytest -rP
     assert not wrong and agree, (
         f"{case.route[0]} {case.route[1]}: expected {case.wanted(envs['lane'])}"
-        f"{'' if agree else ' (and the doors disagree)'}\n{table}")
+        f"{'' if agree else ' (and the doors disagree)'}\n{table}"
+    )

@@ -52,51 +52,86 @@ def test_the_tree_keeps_the_builtin_bases() -> None:
     assert issubclass(InvalidType, TypeError) and issubclass(InvalidType, InvalidRequest)
 
 
-@pytest.mark.parametrize("value,given", [
-    pytest.param({"a": 1}, "dict {'a': 1}", id="dict"),
-    pytest.param(None, "NoneType None", id="None"),
-    pytest.param("hello", "str 'hello'", id="str"),
-])
+@pytest.mark.parametrize(
+    "value,given",
+    [
+        pytest.param({"a": 1}, "dict {'a': 1}", id="dict"),
+        pytest.param(None, "NoneType None", id="None"),
+        pytest.param("hello", "str 'hello'", id="str"),
+    ],
+)
 def test_put_of_what_is_not_a_tensor(client: Client, value: Any, given: str) -> None:
-    raises(InvalidType, lambda: client.put("d", value),
-           "x must be", given, "a numpy array", "__dlpack__", "a number or list of numbers")
+    raises(
+        InvalidType,
+        lambda: client.put("d", value),
+        "x must be",
+        given,
+        "a numpy array",
+        "__dlpack__",
+        "a number or list of numbers",
+    )
 
 
 def test_put_with_no_name(client: Client) -> None:
-    raises(InvalidType, lambda: client.put(None, ARR),  # type: ignore[arg-type]
-           "name must be a str", NAME_RULE, "not NoneType None")
+    raises(
+        InvalidType,
+        lambda: client.put(None, ARR),  # type: ignore[arg-type]
+        "name must be a str",
+        NAME_RULE,
+        "not NoneType None",
+    )
 
 
 def test_put_many_of_a_list(client: Client) -> None:
-    message = raises(InvalidType, lambda: client.put_many([ARR]),  # type: ignore[arg-type]
-                     "tensors must be a mapping of name -> tensor", "not list [array(")
+    message = raises(
+        InvalidType,
+        lambda: client.put_many([ARR]),  # type: ignore[arg-type]
+        "tensors must be a mapping of name -> tensor",
+        "not list [array(",
+    )
     assert len(message) < 200, message
 
 
 def test_get_many_of_a_str(client: Client) -> None:
-    message = raises(InvalidType, lambda: client.get_many("nc"),
-                     "names must be a list of tensor names", "not str 'nc'", "use get()")
+    message = raises(
+        InvalidType,
+        lambda: client.get_many("nc"),
+        "names must be a list of tensor names",
+        "not str 'nc'",
+        "use get()",
+    )
     assert "'n' not found" not in message
 
 
 def test_get_with_a_str_timeout(client: Client) -> None:
-    raises(InvalidType, lambda: client.get("w", timeout="5"),  # type: ignore[arg-type]
-           "timeout must be a number of seconds or None", "not str '5'")
+    raises(
+        InvalidType,
+        lambda: client.get("w", timeout="5"),  # type: ignore[arg-type]
+        "timeout must be a number of seconds or None",
+        "not str '5'",
+    )
 
 
 def test_a_newer_than_timeout_names_the_newest_version(client: Client) -> None:
     for _ in range(3):
         client.put("w", ARR)
-    message = raises(WaitTimedOut, lambda: client.get("w", timeout=0.3, newer_than=3),
-                     "no version of 'w' newer than v3", "within 0.3 s", "the newest is v3")
+    message = raises(
+        WaitTimedOut,
+        lambda: client.get("w", timeout=0.3, newer_than=3),
+        "no version of 'w' newer than v3",
+        "within 0.3 s",
+        "the newest is v3",
+    )
     assert "was not published" not in message
 
 
 def test_a_wait_that_runs_out_is_a_timeout_error_and_a_key_error(client: Client) -> None:
     """Python code waits for TimeoutError; code that looks a name up, for KeyError."""
-    for call in (lambda: client.get("never", timeout=0.05),
-                 lambda: client.get_many(["never", "nor"], timeout=0.05),
-                 lambda: client.get_many(["never"], timeout=0.05, wait="any")):
+    for call in (
+        lambda: client.get("never", timeout=0.05),
+        lambda: client.get_many(["never", "nor"], timeout=0.05),
+        lambda: client.get_many(["never"], timeout=0.05, wait="any"),
+    ):
         with pytest.raises(TimeoutError) as info:
             call()
         assert isinstance(info.value, TensorNotFound) and isinstance(info.value, KeyError)
@@ -113,23 +148,32 @@ def test_a_dtype_of_none_is_refused_not_read_as_float64(client: Client) -> None:
 
 
 def test_delete_of_a_missing_name(client: Client) -> None:
-    message = raises(TensorNotFound, lambda: client.delete("missing"),
-                     "'missing' not found", "nothing to delete")
+    message = raises(
+        TensorNotFound, lambda: client.delete("missing"), "'missing' not found", "nothing to delete"
+    )
     assert "timeout" not in message
 
 
 def test_a_name_with_a_space_states_the_rule(client: Client) -> None:
-    message = raises(InvalidRequest, lambda: client.put("has space", ARR),
-                     "name 'has space' is not a valid tensor name", NAME_RULE)
+    message = raises(
+        InvalidRequest,
+        lambda: client.put("has space", ARR),
+        "name 'has space' is not a valid tensor name",
+        NAME_RULE,
+    )
     assert "validation error" not in message and "AllocRequest" not in message
 
 
 def test_a_huge_name_is_cut_short(client: Client) -> None:
     name = "x" * 10_000
-    for call in (lambda: client.put(name, ARR), lambda: client.get(name),
-                 lambda: client.delete(name)):
-        message = raises(InvalidRequest, call, "is not a valid tensor name", NAME_RULE,
-                         "(10002 characters)")
+    for call in (
+        lambda: client.put(name, ARR),
+        lambda: client.get(name),
+        lambda: client.delete(name),
+    ):
+        message = raises(
+            InvalidRequest, call, "is not a valid tensor name", NAME_RULE, "(10002 characters)"
+        )
         assert len(message) < 300, len(message)
 
 
@@ -159,8 +203,12 @@ class _NotImplemented(_NotFound):
     do_GET = do_DELETE = do_POST
 
 
-@pytest.fixture(params=[pytest.param((_NotFound, 404), id="404"),
-                        pytest.param((_NotImplemented, 501), id="501-html")])
+@pytest.fixture(
+    params=[
+        pytest.param((_NotFound, 404), id="404"),
+        pytest.param((_NotImplemented, 501), id="501-html"),
+    ]
+)
 def other_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
     handler, status = request.param
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -133,8 +133,12 @@ def test_second_broker_on_live_socket_refuses(broker: BrokerProc) -> None:
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "tensordepot", "serve", "--listen", broker.url],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-m", "tensordepot", "serve", "--listen", broker.url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode != 0
     assert "a live broker already listens" in res.stderr
 
@@ -172,8 +176,11 @@ def test_put_of_a_got_tensor_shares_its_bytes(broker: BrokerProc) -> None:
         assert c.stat().bytes_in_use == before  # still held by "alias"
         del alias
         c.delete("alias")
-        wait_for(lambda: c.stat().bytes_in_use == 0 or None, 5,
-                 what=f"shared block to be freed ({c.stat()}, {c.list()})")
+        wait_for(
+            lambda: c.stat().bytes_in_use == 0 or None,
+            5,
+            what=f"shared block to be freed ({c.stat()}, {c.list()})",
+        )
 
 
 def test_publish_after_delete_is_broken_and_frees(broker: BrokerProc) -> None:

@@ -64,8 +64,9 @@ class Net:
 
     @staticmethod
     def reader(workers: Callable[..., Worker], host: Host, broker: BrokerProc) -> Worker:
-        return workers("flight_reader", broker.url, launcher=host.launcher, ready="ready",
-                       ready_timeout=60)
+        return workers(
+            "flight_reader", broker.url, launcher=host.launcher, ready="ready", ready_timeout=60
+        )
 
 
 @pytest.fixture
@@ -90,13 +91,16 @@ def net(host_factory: Callable[[], Host], broker_factory: Callable[..., BrokerPr
     return Net(host_factory, broker_factory)
 
 
-
 def got(line: str) -> dict[str, Any]:
     """A reader's ``ok`` line."""
     parts = line.split()
     assert parts[0] == "ok", line
-    return {"version": int(parts[1]), "sha": parts[2], "origin": parts[3],
-            "origin_version": int(parts[4]) if parts[4] != "None" else None}
+    return {
+        "version": int(parts[1]),
+        "sha": parts[2],
+        "origin": parts[3],
+        "origin_version": int(parts[4]) if parts[4] != "None" else None,
+    }
 
 
 def peer_metric(url: str, name: str, peer: str) -> float:
@@ -112,7 +116,8 @@ def served(url: str, name: str) -> float:
 
 
 def test_eight_consumers_on_another_host_share_one_transfer(
-        net: Net, workers: Callable[..., Worker]) -> None:
+    net: Net, workers: Callable[..., Worker]
+) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a))
     x, digest = tensor(64 * MiB, 1)
@@ -125,8 +130,9 @@ def test_eight_consumers_on_another_host_share_one_transfer(
         w.send("get weights 60")
     answers = [got(w.line(120)) for w in readers]
     assert all(g["sha"] == digest for g in answers), "a consumer read different bytes"
-    assert {(g["version"], g["origin"], g["origin_version"])
-            for g in answers} == {(1, flight_url(a), 1)}
+    assert {(g["version"], g["origin"], g["origin_version"]) for g in answers} == {
+        (1, flight_url(a), 1)
+    }
     peer = flight_url(a)
     assert peer_metric(b.url, "peer_transfers_total", peer) == 1
     assert peer_metric(b.url, "peer_bytes_pulled_total", peer) == 64 * MiB
@@ -140,7 +146,8 @@ def test_eight_consumers_on_another_host_share_one_transfer(
 
 @pytest.mark.parametrize("refresh", [pytest.param(0.0, id="every-get"), pytest.param(1.0, id="1s")])
 def test_supersede_on_origin_reaches_the_replica_within_the_refresh_setting(
-        net: Net, workers: Callable[..., Worker], refresh: float) -> None:
+    net: Net, workers: Callable[..., Worker], refresh: float
+) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", str(refresh))
     r = net.reader(workers, host, b)
@@ -170,13 +177,17 @@ def test_supersede_on_origin_reaches_the_replica_within_the_refresh_setting(
 
 
 def test_a_get_on_another_host_waits_for_a_name_that_exists_nowhere_yet(
-        net: Net, workers: Callable[..., Worker]) -> None:
+    net: Net, workers: Callable[..., Worker]
+) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", "0.2")
     r = net.reader(workers, host, b)
     r.send("get later 60")
-    wait_for(lambda: peer_metric(b.url, "peer_checks_total", flight_url(a)) >= 2, 30,
-             what="B to ask A again while the get waits")
+    wait_for(
+        lambda: peer_metric(b.url, "peer_checks_total", flight_url(a)) >= 2,
+        30,
+        what="B to ask A again while the get waits",
+    )
     x, digest = tensor(1 * MiB, 4)
     with a.client() as c:
         c.put("later", x)
@@ -214,7 +225,8 @@ def free_port() -> int:
 
 
 def test_brokers_that_peer_with_each_other_do_not_loop(
-        net: Net, workers: Callable[..., Worker]) -> None:
+    net: Net, workers: Callable[..., Worker]
+) -> None:
     b_url = f"grpc://127.0.0.1:{free_port()}"
     a = net.origin("--peer", b_url, "--peer-refresh", "0")
     host, b = net.remote("--flight", b_url, "--peer", flight_url(a), "--peer-refresh", "0")
@@ -233,7 +245,8 @@ def test_brokers_that_peer_with_each_other_do_not_loop(
 
 
 def test_a_replica_is_served_as_it_is_while_its_origin_is_unreachable(
-        net: Net, workers: Callable[..., Worker]) -> None:
+    net: Net, workers: Callable[..., Worker]
+) -> None:
     a = net.origin()
     host, b = net.remote("--peer", flight_url(a), "--peer-refresh", "0", "--peer-timeout", "2")
     r = net.reader(workers, host, b)
@@ -284,11 +297,15 @@ def paused(net: Net, workers: Callable[..., Worker]) -> Iterator[Callable[..., P
 
 
 def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(
-        paused: Callable[..., Paused]) -> None:
+    paused: Callable[..., Paused],
+) -> None:
     p = paused("big", 64 * MiB)
     # What the relay let through reaches B's books a moment after the relay holds.
-    wait_for(lambda: peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url) > 0, 30,
-             what="B to count the bytes the relay let through")
+    wait_for(
+        lambda: peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url) > 0,
+        30,
+        what="B to count the bytes the relay let through",
+    )
     pulled = peer_metric(p.b.url, "peer_bytes_pulled_total", p.relay.url)
     assert 0 < pulled < 64 * MiB, pulled
     with p.b.client() as cb:  # part way: B holds an allocation nobody can see
@@ -309,7 +326,8 @@ def test_origin_killed_mid_transfer_leaves_no_replica_and_no_leak(
 
 
 def test_a_transfer_that_stalls_is_abandoned_after_the_peer_timeout(
-        paused: Callable[..., Paused]) -> None:
+    paused: Callable[..., Paused],
+) -> None:
     p = paused("w", 16 * MiB, "--peer-timeout", "1")  # the network goes quiet, nothing closes
     line = p.reader.line(60)
     assert line.startswith("error BrokerUnavailable"), line
@@ -321,7 +339,8 @@ def test_a_transfer_that_stalls_is_abandoned_after_the_peer_timeout(
 
 
 def test_a_stream_holds_a_lease_so_a_delete_mid_transfer_frees_nothing_early(
-        paused: Callable[..., Paused]) -> None:
+    paused: Callable[..., Paused],
+) -> None:
     p = paused("w", 32 * MiB, "--peer-refresh", "0")
     with p.a.client() as c:
         c.delete("w")
@@ -336,7 +355,8 @@ def test_a_stream_holds_a_lease_so_a_delete_mid_transfer_frees_nothing_early(
 
 
 def test_unreachable_peers_answer_within_the_timeout(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     silent = socket.create_server(("127.0.0.1", 0))  # accepts TCP, never speaks gRPC
     closed = socket.create_server(("127.0.0.1", 0))
     closed_port = closed.getsockname()[1]
@@ -370,10 +390,24 @@ def test_push_sends_a_version_to_another_host(net: Net, workers: Callable[..., W
     x, digest = tensor(16 * MiB, 8)
     with a.client() as c:
         c.put("ckpt", x)
-    res = subprocess.run([sys.executable, "-m", "tensordepot", "push", "ckpt", "--to",
-                          flight_url(b), "--url", a.url],
-                         env={**os.environ, "TENSORDEPOT_PEER_TOKEN": TOKEN},
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tensordepot",
+            "push",
+            "ckpt",
+            "--to",
+            flight_url(b),
+            "--url",
+            a.url,
+        ],
+        env={**os.environ, "TENSORDEPOT_PEER_TOKEN": TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"ckpt: version 1 at {flight_url(b)}"
     r = net.reader(workers, host, b)
@@ -397,9 +431,11 @@ def test_push_sends_a_version_to_another_host(net: Net, workers: Callable[..., W
 @pytest.fixture
 def scoped(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> BrokerProc:
     tokens = tmp_path / "tokens"
-    tokens.write_text("# token scope [prefix=...]: the broker's own tokens, HTTP and Flight "
-                      f"alike\n{READ_TOKEN} read\n{PUB_TOKEN} read prefix=pub/\n{WRITE_TOKEN} "
-                      "write\n")
+    tokens.write_text(
+        "# token scope [prefix=...]: the broker's own tokens, HTTP and Flight "
+        f"alike\n{READ_TOKEN} read\n{PUB_TOKEN} read prefix=pub/\n{WRITE_TOKEN} "
+        "write\n"
+    )
     tokens.chmod(0o600)
     b = broker_factory("--flight", "grpc://127.0.0.1:0", "--token-file", str(tokens), env=ENV)
     with b.client() as c:
@@ -423,8 +459,9 @@ def put_stream(client: Any, name: str, token: str, meta: dict[str, Any], data: b
     return answer
 
 
-def test_tokens_without_the_scope_are_refused(scoped: BrokerProc,
-                                              broker_factory: Callable[..., BrokerProc]) -> None:
+def test_tokens_without_the_scope_are_refused(
+    scoped: BrokerProc, broker_factory: Callable[..., BrokerProc]
+) -> None:
     url = flight_url(scoped)
     with fl.connect(url) as client:
         for token in (None, "unknown-token-0123456789"):
@@ -433,8 +470,9 @@ def test_tokens_without_the_scope_are_refused(scoped: BrokerProc,
             with pytest.raises(fl.FlightUnauthenticatedError):
                 client.do_get(fl.Ticket(b"pub/w"), options(token)).read_all()
         # A read token limited to pub/ has no read scope on other names.
-        with pytest.raises(fl.FlightUnauthorizedError,
-                           match="limited to names starting with 'pub/'"):
+        with pytest.raises(
+            fl.FlightUnauthorizedError, match="limited to names starting with 'pub/'"
+        ):
             client.do_get(fl.Ticket(b"secret"), options(PUB_TOKEN)).read_all()
         assert client.do_get(fl.Ticket(b"pub/w"), options(PUB_TOKEN)).read_all().num_rows == 40
         listed = [i.descriptor.path[0] for i in client.list_flights(options=options(PUB_TOKEN))]
@@ -448,8 +486,10 @@ def test_tokens_without_the_scope_are_refused(scoped: BrokerProc,
         assert {i.name: i.version for i in c.list()} == {"pub/w": 2, "secret": 1}
     # A broker pulling with a token that lacks the scope says so, naming the peer.
     b = broker_factory("--peer", url, env={"TENSORDEPOT_PEER_TOKEN": PUB_TOKEN})
-    with b.client() as c, pytest.raises(BrokerUnavailable,
-                                        match="refused this broker's token") as err:
+    with (
+        b.client() as c,
+        pytest.raises(BrokerUnavailable, match="refused this broker's token") as err,
+    ):
         c.get("secret")
     assert url in str(err.value) and PUB_TOKEN not in str(err.value)
 
@@ -510,20 +550,31 @@ class _LyingPeer(fl.FlightServerBase):  # type: ignore[misc]
         self.answer = answer
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
-        sch = pa.schema([("bytes", pa.uint8())],
-                        metadata={b"tensordepot": json.dumps(self.answer).encode()})
+        sch = pa.schema(
+            [("bytes", pa.uint8())], metadata={b"tensordepot": json.dumps(self.answer).encode()}
+        )
         ticket = fl.Ticket(f"{self.answer['name']}@1".encode())
         return fl.FlightInfo(sch, descriptor, [fl.FlightEndpoint(ticket, [])], 40, 40)
 
 
-@pytest.mark.parametrize("answered", [pytest.param("other", id="another-name"),
-                                      pytest.param("asked\n", id="newline")])
+@pytest.mark.parametrize(
+    "answered", [pytest.param("other", id="another-name"), pytest.param("asked\n", id="newline")]
+)
 def test_a_peer_answer_for_another_name_is_refused(
-        answered: str, broker_factory: Callable[..., BrokerProc]) -> None:
+    answered: str, broker_factory: Callable[..., BrokerProc]
+) -> None:
     """What a peer names is what this broker would allocate and publish: its
     answer must name the tensor asked for, and pass the one name check."""
-    meta = {"name": answered, "version": 1, "shape": [10], "dtype": "float32", "nbytes": 40,
-            "origin": "grpc://liar:1", "origin_instance": "liar", "origin_version": 1}
+    meta = {
+        "name": answered,
+        "version": 1,
+        "shape": [10],
+        "dtype": "float32",
+        "nbytes": 40,
+        "origin": "grpc://liar:1",
+        "origin_instance": "liar",
+        "origin_version": 1,
+    }
     liar = _LyingPeer(meta)
     try:
         b = broker_factory("--peer", f"grpc://127.0.0.1:{liar.port}")
@@ -537,14 +588,41 @@ def test_a_peer_answer_for_another_name_is_refused(
 
 def test_tls(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    res = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                          "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                          "-keyout", str(key), "-out", str(cert)],
-                         capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if res.returncode != 0:
         pytest.skip(f"openssl cannot make a test certificate: {res.stderr.strip()[:200]}")
-    a = broker_factory("--flight", "grpc+tls://127.0.0.1:0", "--flight-tls-cert", str(cert),
-                       "--flight-tls-key", str(key), env=ENV)
+    a = broker_factory(
+        "--flight",
+        "grpc+tls://127.0.0.1:0",
+        "--flight-tls-cert",
+        str(cert),
+        "--flight-tls-key",
+        str(key),
+        env=ENV,
+    )
     url = flight_url(a)
     assert url.startswith("grpc+tls://")
     b = broker_factory("--peer", url, "--peer-tls-ca", str(cert), env=ENV)
@@ -560,15 +638,25 @@ def test_tls(broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
         assert info.total_bytes == x.nbytes
 
 
-@pytest.mark.parametrize(("args", "message", "token"), [
-    pytest.param(["--flight", "grpc://127.0.0.1:0"], "needs a token", False, id="no-token"),
-    pytest.param(["--flight", "http://127.0.0.1:1"], "use grpc://HOST:PORT", True, id="scheme"),
-    pytest.param(["--peer", "127.0.0.1:8815"], "--peer '127.0.0.1:8815'", True, id="peer"),
-    pytest.param(["--flight", "grpc+tls://127.0.0.1:0"], "needs --flight-tls-cert", True, id="tls"),
-])
-def test_bad_flight_settings_fail_at_start(args: list[str], message: str, token: bool,
-                                           tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("args", "message", "token"),
+    [
+        pytest.param(["--flight", "grpc://127.0.0.1:0"], "needs a token", False, id="no-token"),
+        pytest.param(["--flight", "http://127.0.0.1:1"], "use grpc://HOST:PORT", True, id="scheme"),
+        pytest.param(["--peer", "127.0.0.1:8815"], "--peer '127.0.0.1:8815'", True, id="peer"),
+        pytest.param(
+            ["--flight", "grpc+tls://127.0.0.1:0"], "needs --flight-tls-cert", True, id="tls"
+        ),
+    ],
+)
+def test_bad_flight_settings_fail_at_start(
+    args: list[str],
+    message: str,
+    token: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``serve`` itself, in this process: it stops before the broker starts.  A
     Flight listener, loopback included, needs a token like every TCP listener."""
     from tensordepot.cli import main

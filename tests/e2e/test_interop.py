@@ -52,7 +52,10 @@ def producer_has(producer: str, dtype: str) -> bool:
 
 CELLS = [
     pytest.param(p, d, c, id=f"{p}-{d}-{c}")
-    for p in PRODUCERS for d in DTYPES if producer_has(p, d) for c in CONSUMERS
+    for p in PRODUCERS
+    for d in DTYPES
+    if producer_has(p, d)
+    for c in CONSUMERS
 ]
 
 
@@ -113,12 +116,14 @@ def test_cell(matrix: dict[str, Any], producer: str, dtype: str, consumer: str) 
             # buffers in a reference cycle of its own, so for jax the lease may
             # wait for a gc pass; "drained" above still catches a real leak.
             assert r["drained_without_gc"], (
-                f"{where}: the lease was held until a gc pass (a reference cycle)")
+                f"{where}: the lease was held until a gc pass (a reference cycle)"
+            )
         if supported:
             assert r["ok"], f"{where} raised {r['error']}"
             assert r["bitexact"], f"{where}: the bytes differ"
             assert r["zero_copy"], (
-                f"{where}: the consumer's data pointer is not the broker's memory")
+                f"{where}: the consumer's data pointer is not the broker's memory"
+            )
             if consumer.startswith("numpy"):
                 assert r["read_only"], f"{where}: a published tensor is writable in numpy"
         else:
@@ -139,11 +144,15 @@ def render(matrix: dict[str, Any]) -> str:
         row = [f"`{dtype}`"]
         row += ["yes" if dtype in matrix["puts"][p]["put"] else "—" for p in PRODUCERS]
         for consumer in CONSUMERS:
-            results = [matrix["cells"][f"{p}-{dtype}-{consumer}"][kind]
-                       for p in PRODUCERS for kind in KINDS
-                       if f"{p}-{dtype}-{consumer}" in matrix["cells"]]
-            outcomes = {"yes" if r["ok"] and r["bitexact"] else f"raises {r['error'][0]}"
-                        for r in results}
+            results = [
+                matrix["cells"][f"{p}-{dtype}-{consumer}"][kind]
+                for p in PRODUCERS
+                for kind in KINDS
+                if f"{p}-{dtype}-{consumer}" in matrix["cells"]
+            ]
+            outcomes = {
+                "yes" if r["ok"] and r["bitexact"] else f"raises {r['error'][0]}" for r in results
+            }
             row.append(outcomes.pop() if len(outcomes) == 1 else "mixed" if outcomes else "not run")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -151,12 +160,13 @@ def render(matrix: dict[str, Any]) -> str:
 
 def readme_section(text: str) -> str:
     assert BEGIN in text and END in text, f"README.md lacks the {BEGIN} ... {END} markers"
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
 
 
 def test_readme_matrix_matches(matrix: dict[str, Any]) -> None:
     assert matrix["versions"]["jax"], (
-        "jax is not installed; the matrix needs it (pip install -e '.[test]')")
+        "jax is not installed; the matrix needs it (pip install -e '.[test]')"
+    )
     assert readme_section(README.read_text()) == render(matrix), (
         "README.md's dtype matrix is out of date; run `python tests/e2e/test_interop.py` to "
         "rewrite it"

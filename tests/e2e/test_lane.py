@@ -40,8 +40,12 @@ class Raw:
         self.sock.close()
 
     def head(self, method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
-        lines = [f"{method} {path} HTTP/1.1", "Host: localhost", f"Content-Length: {len(body)}",
-                 "Content-Type: application/json"]
+        lines = [
+            f"{method} {path} HTTP/1.1",
+            "Host: localhost",
+            f"Content-Length: {len(body)}",
+            "Content-Type: application/json",
+        ]
         if self.sid:
             lines.append(f"{SESSION_HEADER}: {self.sid}")
         lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
@@ -63,15 +67,16 @@ class Raw:
                     headers[k.strip().lower().encode()] = v.strip().encode()
                 length = int(headers.get(b"content-length", b"0"))
                 if len(self._buf) >= end + 4 + length:
-                    body = self._buf[end + 4:end + 4 + length]
-                    self._buf = self._buf[end + 4 + length:]
+                    body = self._buf[end + 4 : end + 4 + length]
+                    self._buf = self._buf[end + 4 + length :]
                     return int(lines[0].split()[1]), headers, body
             chunk = self.sock.recv(65536)
             assert chunk, "the broker closed the connection"
             self._buf += chunk
 
-    def request(self, method: str, path: str, body: object = None,
-                **headers: str) -> tuple[int, dict[bytes, bytes], bytes]:
+    def request(
+        self, method: str, path: str, body: object = None, **headers: str
+    ) -> tuple[int, dict[bytes, bytes], bytes]:
         data = b"" if body is None else json.dumps(body).encode()
         self.send(self.head(method, path, data, **headers))
         return self.read()
@@ -118,9 +123,11 @@ def test_pipelined_requests_are_answered_in_order(broker: BrokerProc) -> None:
     with published(broker) as (c, raw):
         # A get that waits (lane, in a task), then an ASGI request and a lane
         # request behind it: the answers keep the order of the requests.
-        raw.send(raw.head("GET", "/v1/tensors/late?timeout=30")
-                 + raw.head("GET", "/v1/stat")
-                 + raw.head("GET", "/v1/tensors/w"))
+        raw.send(
+            raw.head("GET", "/v1/tensors/late?timeout=30")
+            + raw.head("GET", "/v1/stat")
+            + raw.head("GET", "/v1/tensors/w")
+        )
         wait_for(lambda: c.stat().waiting == 1, 10, what="the get to wait")
         c.put("late", np.ones(2, dtype=np.float32))
         answers = _read_all(raw, 3)
@@ -138,8 +145,9 @@ def test_a_resend_replays_the_first_answer(broker: BrokerProc) -> None:
         again = raw.request("GET", "/v1/tensors/w", **{REQUEST_HEADER: "rid-1"})
         assert first[0] == again[0] == 200 and first[2] == again[2]
         assert c.stat().leases == 1, "the resend took a second lease"
-        put = raw.head("POST", "/v1/put/p?dtype=float32&shape=1", b"\0\0\0\0",
-                       **{REQUEST_HEADER: "rid-2"})
+        put = raw.head(
+            "POST", "/v1/put/p?dtype=float32&shape=1", b"\0\0\0\0", **{REQUEST_HEADER: "rid-2"}
+        )
         raw.send(put)
         v1 = json.loads(raw.read()[2])["version"]
         raw.send(put)
@@ -149,8 +157,9 @@ def test_a_resend_replays_the_first_answer(broker: BrokerProc) -> None:
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["get", "get_many"])
-def test_a_client_that_hangs_up_on_a_waiting_get_gets_no_lease(broker: BrokerProc,
-                                                              many: bool) -> None:
+def test_a_client_that_hangs_up_on_a_waiting_get_gets_no_lease(
+    broker: BrokerProc, many: bool
+) -> None:
     with broker.client() as c:
         c.put("early", np.ones(2, dtype=np.float32))
         raw = Raw(broker)

@@ -41,8 +41,6 @@ RECLAIM_S = 5.0  # the issue's bound for reclaim after SIGKILL
 stat_when = functools.partial(_stat_when, timeout=RECLAIM_S)  # the bound, for every wait here
 
 
-
-
 def names(c: Client) -> set[str]:
     return {i.name for i in c.list()}
 
@@ -55,8 +53,6 @@ def readers(c: Client, name: str) -> int:
     i = info(c, name)
     assert i is not None, f"{name!r} is not listed"
     return i.readers
-
-
 
 
 def churn(c: Client, n: int = 6, fill: float = 9.0) -> None:
@@ -159,7 +155,8 @@ def test_killed_producer_write_is_reclaimed(
 
 
 def test_a_broker_starts_beside_a_folder_that_shares_its_prefix(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """The start-up sweep removes its own segments only: a directory in
     /dev/shm whose name starts with the broker's prefix stays, and the broker
     starts."""
@@ -589,8 +586,11 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
         t0 = time.monotonic()
 
         def silent_reaped() -> bool:
-            t.request("POST", f"/v1/sessions/{beating['x-tensordepot-session']}/heartbeat",
-                      headers=beating)
+            t.request(
+                "POST",
+                f"/v1/sessions/{beating['x-tensordepot-session']}/heartbeat",
+                headers=beating,
+            )
             st = b.stat()
             return st.leases == 1 and st.sessions == 2  # `beating` and the stat's own
 
@@ -602,7 +602,8 @@ def test_untracked_session_needs_heartbeats(broker_factory: Callable[..., Broker
 
 
 def test_heartbeats_outlive_a_background_chore_that_fails(
-        broker_factory: Callable[..., BrokerProc], caplog: pytest.LogCaptureFixture) -> None:
+    broker_factory: Callable[..., BrokerProc], caplog: pytest.LogCaptureFixture
+) -> None:
     """The client's background thread runs its chores (releases, heartbeats,
     forgetting unlinked segments) each on its own: one that raises what nobody
     foresaw (here, forgetting segments, which also asks the GPU code) is logged
@@ -632,8 +633,11 @@ def test_heartbeats_outlive_a_background_chore_that_fails(
         assert view.tolist() == [0, 1, 2, 3]
         del view
         c.delete("x")
-        wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
-                 what="the lease and the bytes to be given back")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0,
+            10,
+            what="the lease and the bytes to be given back",
+        )
 
 
 def _start_time(pid: int) -> int | None:
@@ -700,7 +704,8 @@ def test_reused_pid_does_not_keep_session_alive(
 
 
 def test_an_empty_dropped_unpublished_gives_its_memory_back_at_once(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """An ``empty()`` whose views are all gone can never be published: its
     memory and quota come back when its hold is released, not after
     --alloc-ttl, so the retry after an error between ``empty()`` and
@@ -716,8 +721,11 @@ def test_an_empty_dropped_unpublished_gives_its_memory_back_at_once(
         out.publish()
         del out
         assert np.from_dlpack(c.get("w"))[0] == 7
-        wait_for(lambda: c.stat().bytes_in_use == 2 << 20 and c.stat().leases == 0, 10,
-                 what="only the published version to hold memory")
+        wait_for(
+            lambda: c.stat().bytes_in_use == 2 << 20 and c.stat().leases == 0,
+            10,
+            what="only the published version to hold memory",
+        )
         held = c.empty("x", (1 << 20,), "uint8")
         c.delete("x")  # the writer still holds its view: freed when it lets go
         with pytest.raises(TensorBroken, match="allocation is gone"):

@@ -82,7 +82,8 @@ def test_timed_out_waits_leave_nothing_behind(broker: BrokerProc) -> None:
         after = _rss_kib(broker.proc.pid)
         assert c.stat().waiting == 0
         assert after - before < 1024, (
-            f"6000 timed-out waits grew the broker by {after - before} KiB")
+            f"6000 timed-out waits grew the broker by {after - before} KiB"
+        )
 
 
 def test_sessions_per_process_are_limited(broker_factory: Callable[..., BrokerProc]) -> None:
@@ -105,20 +106,26 @@ def test_oversized_requests_are_refused_without_reading_them(broker: BrokerProc,
     before = _rss_kib(broker.proc.pid)
     path = broker.sock
     if what == "head":
-        out = _raw(path,
-                   b"GET /v1/stat HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (16 * MiB) + b"\r\n\r\n")
+        out = _raw(
+            path, b"GET /v1/stat HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (16 * MiB) + b"\r\n\r\n"
+        )
         assert out.startswith(b"HTTP/1.1 431"), out[:200]
     elif what == "release ids":
         ids = ",".join(str(i) for i in range(5000)).encode()
-        out = _raw(path, b"GET /v1/stat HTTP/1.1\r\nHost: x\r\nx-tensordepot-session: s\r\n"
-                         b"x-tensordepot-release: " + ids + b"\r\n\r\n")
+        out = _raw(
+            path,
+            b"GET /v1/stat HTTP/1.1\r\nHost: x\r\nx-tensordepot-session: s\r\n"
+            b"x-tensordepot-release: " + ids + b"\r\n\r\n",
+        )
         assert out.startswith(b"HTTP/1.1 400"), out[:200]
         assert b"at most 4096" in out
     else:
         body = b"[" + b"1," * (32 * MiB) + b"1]"
-        out = _raw(path,
-                   b"POST /v1/release HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        out = _raw(
+            path,
+            b"POST /v1/release HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body,
+        )
         assert out.startswith(b"HTTP/1.1 413"), out[:200]
     err = json.loads(out.partition(b"\r\n\r\n")[2])["error"]
     assert err["message"], err
@@ -129,7 +136,8 @@ def test_oversized_requests_are_refused_without_reading_them(broker: BrokerProc,
 
 
 def test_idle_connections_cannot_starve_new_clients(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     b = broker_factory("--max-connections", "64")
     idle: list[socket.socket] = []
     try:
@@ -148,7 +156,8 @@ def test_idle_connections_cannot_starve_new_clients(
 
 
 def test_a_big_first_put_does_not_stall_other_clients(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """While one client creates (fallocate: about 1 s per GiB) and fills a 1 GiB
     segment, another client's gets keep their latency: p99 under 20 ms, a bound
     a broker that pre-faults on its event loop cannot meet."""
@@ -179,8 +188,10 @@ def test_a_big_first_put_does_not_stall_other_clients(
             th.join(30)
         assert len(during) > 20, "too few gets during the put to judge"
         p99 = statistics.quantiles(during, n=100)[98]
-        assert p99 < 0.020, (f"gets stalled while a segment was made: p99 {p99 * 1000:.1f} ms "
-                             f"over {len(during)} gets")
+        assert p99 < 0.020, (
+            f"gets stalled while a segment was made: p99 {p99 * 1000:.1f} ms "
+            f"over {len(during)} gets"
+        )
         c.delete("big")
 
 

@@ -25,29 +25,37 @@ KiB = 1024
 def _requests(b: BrokerProc, route: str) -> int:
     """Requests the broker answered on ``route`` (a POST), from its /metrics."""
     text = exchange(b.sock, encode("GET", "/metrics", [])).body.decode()
-    pattern = (r'^tensordepot_http_request_duration_seconds_count\{(?=[^}]*method="POST")'
-               rf'(?=[^}}]*route="{re.escape(route)}")[^}}]*\}} (\S+)$')
+    pattern = (
+        r'^tensordepot_http_request_duration_seconds_count\{(?=[^}]*method="POST")'
+        rf'(?=[^}}]*route="{re.escape(route)}")[^}}]*\}} (\S+)$'
+    )
     return int(sum(float(m) for m in re.findall(pattern, text, re.M)))
 
 
 def _counts(b: BrokerProc) -> tuple[int, int, int]:
-    return (_requests(b, "/v1/many/put"), _requests(b, "/v1/many/alloc"),
-            _requests(b, "/v1/many/publish"))
+    return (
+        _requests(b, "/v1/many/put"),
+        _requests(b, "/v1/many/alloc"),
+        _requests(b, "/v1/many/publish"),
+    )
 
 
 def test_a_batch_of_small_tensors_is_put_in_one_request_bit_exact(broker: BrokerProc) -> None:
     rng = np.random.default_rng(7)
     w = torch.randn(4, 8)
     sd = {f"layer.{i}.w": rng.standard_normal(64).astype(np.float32) for i in range(300)}
-    sd.update({
-        "bf16": torch.randn(3, 5).to(torch.bfloat16),
-        "f8": np.arange(16, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn),
-        "bool": np.array([True, False, True]),
-        "scalar": np.float64(2.5).reshape(()),
-        "empty": np.zeros((0, 4), np.int16),
-        "strided": np.arange(40, dtype=np.int64).reshape(5, 8)[:, ::3],  # not C-contiguous
-        "tied.a": w, "tied.b": w,  # the very same bytes: sent and stored once
-    })
+    sd.update(
+        {
+            "bf16": torch.randn(3, 5).to(torch.bfloat16),
+            "f8": np.arange(16, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn),
+            "bool": np.array([True, False, True]),
+            "scalar": np.float64(2.5).reshape(()),
+            "empty": np.zeros((0, 4), np.int16),
+            "strided": np.arange(40, dtype=np.int64).reshape(5, 8)[:, ::3],  # not C-contiguous
+            "tied.a": w,
+            "tied.b": w,  # the very same bytes: sent and stored once
+        }
+    )
     with broker.client() as producer, broker.client() as consumer:
         before = _counts(broker)
         versions = producer.put_many(sd)
@@ -71,14 +79,19 @@ def test_a_batch_of_small_tensors_is_put_in_one_request_bit_exact(broker: Broker
         assert set(again.values()) == {2}
         assert _counts(broker)[0] == before[0] + 2
         producer.delete_many(list(sd))
-        wait_for(lambda: producer.stat().bytes_in_use == 0 and producer.stat().leases == 0, 10,
-                 what="every version freed")
+        wait_for(
+            lambda: producer.stat().bytes_in_use == 0 and producer.stat().leases == 0,
+            10,
+            what="every version freed",
+        )
 
 
-@pytest.mark.parametrize(("n", "size"), [(4, 64 * KiB), (2, INLINE_BATCH_MAX)],
-                         ids=["large-average", "over-the-cap"])
-def test_batches_of_larger_tensors_are_copied_into_the_mapping(broker: BrokerProc, n: int,
-                                                              size: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "size"), [(4, 64 * KiB), (2, INLINE_BATCH_MAX)], ids=["large-average", "over-the-cap"]
+)
+def test_batches_of_larger_tensors_are_copied_into_the_mapping(
+    broker: BrokerProc, n: int, size: int
+) -> None:
     assert size > INLINE_BATCH_MEAN
     sd = {f"t{i}": np.full(size, i, np.uint8) for i in range(n)}
     with broker.client() as c:
@@ -94,9 +107,15 @@ def test_batches_of_larger_tensors_are_copied_into_the_mapping(broker: BrokerPro
 def _send(b: BrokerProc, sid: str, head: object, data: bytes) -> tuple[int, dict[str, object]]:
     text = json.dumps(head).encode()
     body = len(text).to_bytes(4, "big") + text + data
-    a = exchange(b.sock, encode("POST", "/v1/many/put",
-                                [(SESSION_HEADER, sid),
-                                 ("content-type", "application/octet-stream")], body))
+    a = exchange(
+        b.sock,
+        encode(
+            "POST",
+            "/v1/many/put",
+            [(SESSION_HEADER, sid), ("content-type", "application/octet-stream")],
+            body,
+        ),
+    )
     return a.status, json.loads(a.body or b"null")
 
 
@@ -113,11 +132,18 @@ def test_a_bad_framed_batch_is_refused_and_places_nothing(broker_factory: object
             "bad dtype": ({**head, "dtypes": ["uint8", "nope"]}, b"\1" * 32, 400, "nope"),
             "bad same": ({**head, "same": [1, -1]}, b"\1" * 16, 400, "same[0]"),
             "same bytes twice": ({**head, "same": [-1, 0]}, b"\1" * 32, 400, "need 16"),
-            "over the cap": ({"names": ["x"], "shapes": [[INLINE_BATCH_MAX + 1]],
-                              "dtypes": ["uint8"]}, b"\0" * (INLINE_BATCH_MAX + 1), 400,
-                             "at most"),
-            "over the quota": ({"names": ["x"], "shapes": [[80 * KiB]], "dtypes": ["uint8"]},
-                               b"\0" * (80 * KiB), 507, "max-memory-per-session"),
+            "over the cap": (
+                {"names": ["x"], "shapes": [[INLINE_BATCH_MAX + 1]], "dtypes": ["uint8"]},
+                b"\0" * (INLINE_BATCH_MAX + 1),
+                400,
+                "at most",
+            ),
+            "over the quota": (
+                {"names": ["x"], "shapes": [[80 * KiB]], "dtypes": ["uint8"]},
+                b"\0" * (80 * KiB),
+                507,
+                "max-memory-per-session",
+            ),
         }
         st = c.stat()
         for what, (h, data, status, says) in cases.items():
@@ -127,7 +153,10 @@ def test_a_bad_framed_batch_is_refused_and_places_nothing(broker_factory: object
             assert says in message, (what, message)
             now = c.stat()
             assert (now.tensors, now.versions, now.bytes_in_use) == (
-                st.tensors, st.versions, st.bytes_in_use), (what, now)
+                st.tensors,
+                st.versions,
+                st.bytes_in_use,
+            ), (what, now)
         assert sorted(t.name for t in c.list()) == ["keep"]
         assert c.get("keep").numpy().tolist() == [0, 1, 2, 3], "the broker keeps serving"
         c.delete("keep")
@@ -135,7 +164,8 @@ def test_a_bad_framed_batch_is_refused_and_places_nothing(broker_factory: object
 
 
 def test_batches_copied_around_freed_holes_are_bit_exact_and_need_no_numpy_in_the_broker(
-        broker: BrokerProc) -> None:
+    broker: BrokerProc,
+) -> None:
     """The broker copies a batch's bytes run by run (back-to-back blocks in
     one copy) without numpy, whose import would cost its first put_many about
     0.1 s; the library would show in the broker's mappings."""

@@ -21,8 +21,15 @@ def test_every_metric_family_is_documented(broker_factory: Callable[..., BrokerP
     named = set(re.findall(r"`(tensordepot_[a-z0-9_]+)", readme))
     events = set(re.findall(r"`([a-z0-9_]+)`", readme))
     families = _families(broker_factory()) | _families(
-        broker_factory("--flight", "grpc://127.0.0.1:0", "--insecure-no-auth"))
+        broker_factory("--flight", "grpc://127.0.0.1:0", "--insecure-no-auth")
+    )
     assert len(families) > 30, families
-    missing = sorted(f for f in families if f not in named and not (
-        f.endswith("_total") and f.removeprefix("tensordepot_").removesuffix("_total") in events))
+    missing = sorted(
+        f
+        for f in families
+        if f not in named
+        and not (
+            f.endswith("_total") and f.removeprefix("tensordepot_").removesuffix("_total") in events
+        )
+    )
     assert not missing, f"metric families the README does not name: {missing}"

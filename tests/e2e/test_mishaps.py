@@ -50,8 +50,6 @@ def same(view: np.ndarray, fill: float) -> bool:
     return bool(view.tobytes() == np.full(view.shape, fill, dtype=np.float32).tobytes())
 
 
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,8 +61,9 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("how", ["supersede", "delete", "ttl"])
-def test_writer_views_never_reach_another_tensor(broker: BrokerProc, mishap: Callable[..., Worker],
-                                                 how: str) -> None:
+def test_writer_views_never_reach_another_tensor(
+    broker: BrokerProc, mishap: Callable[..., Worker], how: str
+) -> None:
     w = mishap(broker.url)
     w.ask(f"empty a {N} 1.0" + (" 0.5" if how == "ttl" else ""), "ok")
     with broker.client() as c:
@@ -84,8 +83,9 @@ def test_writer_views_never_reach_another_tensor(broker: BrokerProc, mishap: Cal
         del held
 
 
-def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc,
-                                                     mishap: Callable[..., Worker]) -> None:
+def test_a_write_after_publish_never_reaches_readers(
+    broker: BrokerProc, mishap: Callable[..., Worker]
+) -> None:
     w = mishap(broker.url)
     w.ask(f"empty a {N} 1.0", "ok")
     with broker.client() as c:
@@ -101,14 +101,16 @@ def test_a_write_after_publish_never_reaches_readers(broker: BrokerProc,
 def _in_pid_namespace() -> list[str] | None:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return None
-    ok = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
-                        check=False)
+    ok = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, check=False
+    )
     return ["unshare", "--pid", "--fork", "--mount-proc"] if ok.returncode == 0 else None
 
 
 @pytest.mark.parametrize("holds", ["reader", "writer"])
-def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[..., BrokerProc],
-                                                   holds: str) -> None:
+def test_paused_client_past_its_ttl_keeps_its_bytes(
+    broker_factory: Callable[..., BrokerProc], holds: str
+) -> None:
     """A client in another pid namespace, over TCP: the broker cannot check its
     pid, so it lives on heartbeats.  SIGSTOP it past --session-ttl: it is
     reaped, and the memory it may still map is retired, never reused."""
@@ -136,8 +138,9 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
                 c.delete("a")  # the paused reader's version is gone now; its bytes stay retired
             # Retired: never handed out again (its segment is unlinked once nothing
             # else lives in it; the paused process keeps its own mapping).
-            stat_when(c, lambda s: s.retired_total >= MiB,
-                      "the paused client's memory to be retired")
+            stat_when(
+                c, lambda s: s.retired_total >= MiB, "the paused client's memory to be retired"
+            )
             held = churn(c, "b", N, 7.0)
             for p in [proc.pid, *_children(proc.pid)]:
                 os.kill(p, signal.SIGCONT)
@@ -149,22 +152,27 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(broker_factory: Callable[...
             # Once the resumed process lets go of its views, it says so, and the
             # retired memory is reused, though other tensors still live in its segment.
             w.ask("drop a", "ok")
-            stat_when(c, lambda s: s.bytes_retired == 0,
-                      "the resumed client to give its memory back")
+            stat_when(
+                c, lambda s: s.bytes_retired == 0, "the resumed client to give its memory back"
+            )
             assert c.stat().tensors >= 1
             w.send("exit")
             assert w.wait() == 0, w.stderr()
             del held
             c.delete("b")
-            stat_when(c, lambda s: s.bytes_retired == 0 and s.bytes_in_use == 0,
-                      "the retired segment to go once nothing else lives in it")
+            stat_when(
+                c,
+                lambda s: s.bytes_retired == 0 and s.bytes_in_use == 0,
+                "the retired segment to go once nothing else lives in it",
+            )
     finally:
         w.close()
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
-                         check=False).stdout
+    out = subprocess.run(
+        ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
+    ).stdout
     kids = [int(x) for x in out.split()]
     return kids + [g for k in kids for g in _children(k)]
 
@@ -172,8 +180,9 @@ def _children(pid: int) -> list[int]:
 # -- M1: Ctrl-C in the middle of a copy -----------------------------------------------------------
 
 
-def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., BrokerProc],
-                                                mishap: Callable[..., Worker]) -> None:
+def test_ctrl_c_during_a_big_put_stops_its_copy(
+    broker_factory: Callable[..., BrokerProc], mishap: Callable[..., Worker]
+) -> None:
     b = broker_factory(max_memory="4GiB")
     w = mishap(b.url)
     w.ask("bigput warm 512", "putting")
@@ -192,8 +201,11 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
         # interrupt that lands while the allocation's answer is read cancels it instead,
         # from the background thread); a put of the same size lands in its (warm,
         # dedicated) segment, while the aborted copy would still run.
-        wait_for(lambda: not any(i.name == "x" for i in c.list()), 10,
-                 what="the interrupted put's allocation to be given back")
+        wait_for(
+            lambda: not any(i.name == "x" for i in c.list()),
+            10,
+            what="the interrupted put's allocation to be given back",
+        )
         c.put("y", y)
         got = np.from_dlpack(c.get("y"))
         assert same(got, 7.0), "an aborted put's copy kept writing into the next tensor"
@@ -203,8 +215,9 @@ def test_ctrl_c_during_a_big_put_stops_its_copy(broker_factory: Callable[..., Br
 
 
 @pytest.mark.parametrize("op", ["put", "empty", "get", "get_many"])
-def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: BrokerProc,
-                                                                  op: str) -> None:
+def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(
+    broker: BrokerProc, op: str
+) -> None:
     """The interrupt lands after the broker's answer arrived, while the client
     parses it: nobody holds the allocation or lease yet, so the client cancels
     it (tests/_interrupt.py makes it land there every time)."""
@@ -213,8 +226,10 @@ def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: Broke
         c.put("held", big)
         before = c.stat()
         model = {"put": Handle, "empty": Handle, "get": Handle, "get_many": HandleColumns}[op]
-        parse = interrupt_at(BaseModel.model_validate_json.__code__,
-                             where=lambda frame: frame.f_locals.get("cls") is model)
+        parse = interrupt_at(
+            BaseModel.model_validate_json.__code__,
+            where=lambda frame: frame.f_locals.get("cls") is model,
+        )
         with pytest.raises(KeyboardInterrupt), parse:
             if op == "put":
                 c.put("x", big)
@@ -224,9 +239,14 @@ def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: Broke
                 c.get("held")
             else:
                 c.get_many(["held"])
-        stat_when(c, lambda s: (s.leases, s.versions, s.bytes_in_use)
-                  == (before.leases, before.versions, before.bytes_in_use),
-                  f"the interrupted {op}'s grant to be given back")
+        stat_when(
+            c,
+            lambda s: (
+                (s.leases, s.versions, s.bytes_in_use)
+                == (before.leases, before.versions, before.bytes_in_use)
+            ),
+            f"the interrupted {op}'s grant to be given back",
+        )
         assert [i.name for i in c.list()] == ["held"]
         c.put("x", big)  # the client carries on
         assert same(np.from_dlpack(c.get("x")), 2.0)
@@ -236,8 +256,8 @@ def test_ctrl_c_while_an_answer_is_read_gives_back_what_it_granted(broker: Broke
 
 
 def test_fork_child_client_works_and_inherited_views_hold(
-        broker: BrokerProc, mishap: Callable[..., Worker],
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    broker: BrokerProc, mishap: Callable[..., Worker], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     fifo = str(tmp_path_factory.mktemp("fork") / "cmds")
     os.mkfifo(fifo)
     w = mishap(broker.url)
@@ -282,8 +302,11 @@ def test_ctrl_c_during_fork_leaves_every_client_working(broker: BrokerProc, wher
     landed = "KeyboardInterrupt" in res.stderr or "interrupted" in out
     assert landed and "logging" not in res.stderr, f"the Ctrl-C landed elsewhere:\n{res.stderr}"
     with broker.client() as c:
-        stat_when(c, lambda s: (s.sessions, s.leases, s.versions) == (1, 0, 0),
-                  "the worker's and its child's sessions to end")
+        stat_when(
+            c,
+            lambda s: (s.sessions, s.leases, s.versions) == (1, 0, 0),
+            "the worker's and its child's sessions to end",
+        )
 
 
 # -- M3: versions only grow ------------------------------------------------------------------------
@@ -313,8 +336,9 @@ def test_versions_never_go_backwards(broker: BrokerProc, mishap: Callable[..., W
 # -- M4: leases nobody holds -----------------------------------------------------------------------
 
 
-def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
-                                               mishap: Callable[..., Worker]) -> None:
+def test_ctrl_c_in_a_long_poll_leaves_no_lease(
+    broker: BrokerProc, mishap: Callable[..., Worker]
+) -> None:
     w = mishap(broker.url)
     w.send("waitget later")
     w.expect("waiting")  # said just before the call: the get may not be parked yet
@@ -330,8 +354,7 @@ def test_ctrl_c_in_a_long_poll_leaves_no_lease(broker: BrokerProc,
         assert c.stat().leases == 1
 
 
-def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(
-        broker: BrokerProc) -> None:
+def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(broker: BrokerProc) -> None:
     """A user holding Ctrl-C: SIGINT every 2 ms for 4 s at a worker that gets,
     gets many, puts many, empties and publishes in a loop, catching each
     KeyboardInterrupt.  Once it drops its views, neither its client nor the
@@ -356,8 +379,23 @@ def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(
     assert (live, held) == (0, 0), f"{live} leases left in the client, {held} in the broker"
     # A Ctrl-C may still cut Python's own weakref callbacks short (a WeakSet
     # forgetting an entry); never one of the client's finalizers or a generator.
-    ours = [ln for ln in err.splitlines() if "ignored" in ln and any(
-        n in ln for n in ("tensordepot", "_Lease", "Window", "Lent", "KeptMap", "SharedTensor",
-                          "GeneratorExit", "generator"))]
+    ours = [
+        ln
+        for ln in err.splitlines()
+        if "ignored" in ln
+        and any(
+            n in ln
+            for n in (
+                "tensordepot",
+                "_Lease",
+                "Window",
+                "Lent",
+                "KeptMap",
+                "SharedTensor",
+                "GeneratorExit",
+                "generator",
+            )
+        )
+    ]
     assert not ours, err[-3000:]
     broker.check_clean()

@@ -92,7 +92,8 @@ def test_a_prefix_delete_of_10000_names_is_one_request(broker: BrokerProc) -> No
 
 
 def test_a_prefix_limited_token_deletes_only_within_its_prefix(
-        broker_factory: Any, tmp_path: Any) -> None:
+    broker_factory: Any, tmp_path: Any
+) -> None:
     tokens = tmp_path / "tokens"
     admin_token, team_token = secrets.token_hex(16), secrets.token_hex(16)
     tokens.write_text(f"{admin_token} admin\n{team_token} write prefix=team/\n")
@@ -125,7 +126,10 @@ def test_cli_lists_and_removes_by_prefix_and_many_at_once(broker: BrokerProc) ->
     listed = json.loads(ok("ls", "--prefix", "run1/", "--json", "--url", broker.url))
     assert [i["name"] for i in listed] == ["run1/a", "run1/b"]
     assert json.loads(ok("rm", "--prefix", "run1/", "--json", "--url", broker.url)) == {
-        "deleted": ["run1/a", "run1/b"], "missing": [], "refused": {}}
+        "deleted": ["run1/a", "run1/b"],
+        "missing": [],
+        "refused": {},
+    }
     none = cli("rm", "--prefix", "run1/", "--url", broker.url)
     assert none.returncode == 0, none.stderr
     assert none.stderr == "tensordepot rm: no tensor name starts with 'run1/'\n"
@@ -141,7 +145,8 @@ def test_cli_lists_and_removes_by_prefix_and_many_at_once(broker: BrokerProc) ->
 
 
 def test_wait_any_returns_once_one_name_is_newer_with_every_names_newest(
-        api: Api, broker: BrokerProc) -> None:
+    api: Api, broker: BrokerProc
+) -> None:
     with broker.client() as producer:
         producer.put_many({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})
         first = api.get_many(["a", "b"])
@@ -171,8 +176,11 @@ def test_wait_any_returns_once_one_name_is_newer_with_every_names_newest(
         now = api.get_many(["a", "b"], timeout=5, newer_than=floors, wait="any")
         assert now["b"].version > floors["b"]
         del now
-        with pytest.raises(TensorNotFound, match=r"no version of 'a' newer than v1 was published "
-                                                 r"within 0\.3 s"):
+        with pytest.raises(
+            TensorNotFound,
+            match=r"no version of 'a' newer than v1 was published "
+            r"within 0\.3 s",
+        ):
             api.get_many(["a", "b"], timeout=0.3, newer_than=floors, wait="all")
         with pytest.raises(TensorNotFound) as info:
             api.get_many(["a", "b"], timeout=0.3, newer_than={"a": 1, "b": 2}, wait="any")
@@ -188,8 +196,9 @@ def test_a_batch_that_misses_names_every_missing_name(api: Api) -> None:
         with pytest.raises(TensorNotFound) as info:
             api.get_many(["here", "gone1", "gone2"], timeout=timeout)
         msg = str(info.value)
-        assert f"2 of the 3 tensors {said}: 'gone1' (not published), 'gone2' (not published)" \
-            in msg, msg
+        assert (
+            f"2 of the 3 tensors {said}: 'gone1' (not published), 'gone2' (not published)" in msg
+        ), msg
     with pytest.raises(TensorNotFound, match=r"'gone1' was not published within 0\.2 s"):
         api.get_many(["here", "gone1"], timeout=0.2)  # one missing: the message of a get
     api.delete("here")
@@ -226,31 +235,43 @@ def test_wait_any_and_many_delete_over_raw_http(broker: BrokerProc) -> None:
         status, answer = raw.send("POST", "/v1/many/delete", {"prefix": "a"})
         assert status == 200 and answer == {"names": ["a"]}, answer
         # The broker holds the client's dtype rule for what comes over the wire.
-        status, answer = raw.send("POST", "/v1/many/alloc",
-                                  {"names": ["y"], "shapes": [[2]], "dtypes": ["float"]})
+        status, answer = raw.send(
+            "POST", "/v1/many/alloc", {"names": ["y"], "shapes": [[2]], "dtypes": ["float"]}
+        )
         assert status == 400 and "ambiguous" in answer["error"]["message"], answer
     finally:
         raw.close()
     with broker.client() as c:
-        wait_for(lambda: c.stat().leases == 0 and c.stat().tensors == 0, 10,
-                 what="the raw session's lease to go with it")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().tensors == 0,
+            10,
+            what="the raw session's lease to go with it",
+        )
 
 
 # -- dtype names ----------------------------------------------------------------------------------
 
 
 def test_dtype_names_that_mean_two_things_are_refused(api: Api) -> None:
-    for bare, torch_means, numpy_means in (("float", "float32", "float64"),
-                                           ("int", "int32", "int64")):
+    for bare, torch_means, numpy_means in (
+        ("float", "float32", "float64"),
+        ("int", "int32", "int64"),
+    ):
         with pytest.raises(InvalidRequest) as info:
             api.empty("x", (2,), bare)
         msg = str(info.value)
         assert f"torch reads it as {torch_means}, numpy as {numpy_means}" in msg, msg
-    for spelled, want in (("float32", "float32"), ("bfloat16", "bfloat16"),
-                          (torch.float32, "float32"), (torch.float, "float32"),
-                          (torch.int, "int32"), (np.float64, "float64"),
-                          (np.dtype("int16"), "int16"), ("torch.float", "float32"),
-                          ("double", "float64")):
+    for spelled, want in (
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        (torch.float32, "float32"),
+        (torch.float, "float32"),
+        (torch.int, "int32"),
+        (np.float64, "float64"),
+        (np.dtype("int16"), "int16"),
+        ("torch.float", "float32"),
+        ("double", "float64"),
+    ):
         t = api.empty("x", (2,), spelled)
         assert t.dtype == want, (spelled, t.dtype)
         api.publish(t) if api.kind == "async" else t.publish()

@@ -41,13 +41,20 @@ def test_import_and_app_without_cupy() -> None:
         "assert not [m for m in sys.modules if m.startswith('cupy')], 'cupy was imported'\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         check=False, env={**os.environ, **no_cupy_env()})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **no_cupy_env()},
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-def request(url: str, method: str, path: str, body: Any = None,
-            headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def request(
+    url: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     sock_path = url.removeprefix("unix://")
 
     class Conn(http.client.HTTPConnection):
@@ -58,8 +65,12 @@ def request(url: str, method: str, path: str, body: Any = None,
 
     conn = Conn("localhost", timeout=30)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None,
-                     {"content-type": "application/json", **(headers or {})})
+        conn.request(
+            method,
+            path,
+            json.dumps(body) if body is not None else None,
+            {"content-type": "application/json", **(headers or {})},
+        )
         r = conn.getresponse()
         return r.status, json.loads(r.read() or b"null")
     finally:
@@ -72,11 +83,17 @@ def test_broker_and_cpu_paths_without_cupy(broker_factory: Callable[..., BrokerP
     status, session = request(b.url, "POST", "/v1/sessions", {"pid": os.getpid()})
     assert status == 200
     headers = {"x-tensordepot-session": session["session"]}
-    for device, match in ((f"cuda:{UUID}", "cannot hold GPU memory: cupy is not installed"),
-                          ("cuda:0", "name the GPU by UUID")):
-        status, body = request(b.url, "POST", "/v1/alloc",
-                               {"name": "g", "shape": [4], "dtype": "float32",
-                                                              "device": device}, headers)
+    for device, match in (
+        (f"cuda:{UUID}", "cannot hold GPU memory: cupy is not installed"),
+        ("cuda:0", "name the GPU by UUID"),
+    ):
+        status, body = request(
+            b.url,
+            "POST",
+            "/v1/alloc",
+            {"name": "g", "shape": [4], "dtype": "float32", "device": device},
+            headers,
+        )
         assert status == 400 and match in body["error"]["message"], body
     status, body = request(b.url, "GET", "/v1/stat")
     assert status == 200 and body["devices"] == [] and body["tensors"] == 0

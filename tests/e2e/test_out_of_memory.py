@@ -16,10 +16,13 @@ MiB = 1 << 20
 
 
 def test_a_max_memory_below_the_segment_size_still_stores_a_small_put(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     b = broker_factory(max_memory="64MiB")  # segments are 256 MiB by default
-    assert "--segment-size 256MiB is more than --max-memory 64MiB: segments are 16777216 " \
-           "bytes instead" in b.log(), b.log()
+    assert (
+        "--segment-size 256MiB is more than --max-memory 64MiB: segments are 16777216 "
+        "bytes instead" in b.log()
+    ), b.log()
     with b.client() as c:
         assert c.put("small", np.arange(256, dtype=np.float32)) == 1  # 1 KiB
         assert np.array_equal(np.from_dlpack(c.get("small")), np.arange(256, dtype=np.float32))
@@ -65,8 +68,9 @@ def test_a_full_dev_shm_is_named_as_the_cause(broker_factory: Callable[..., Brok
         b = broker_factory(max_memory="1GiB", launcher=host.launcher, shm_dir=host.shm_dir)
         with b.client() as c:
             msg = _refusal(c, "w", 64 * MiB)
-            assert "/dev/shm (`df -h /dev/shm`; in docker compose, shm_size) itself is full" \
-                in msg, msg
+            assert (
+                "/dev/shm (`df -h /dev/shm`; in docker compose, shm_size) itself is full" in msg
+            ), msg
             assert "No space left on device" in msg and "larger --max-memory" not in msg, msg
             assert c.list() == [] and c.stat().bytes_in_use == 0
         b.check_clean()

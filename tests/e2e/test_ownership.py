@@ -56,11 +56,16 @@ emit({
 
 
 def test_someone_elses_session_is_403_and_the_owners_views_stay(
-        other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     token = secrets.token_urlsafe(24)
     port = free_port()
-    b = broker_factory("--listen", f"http://127.0.0.1:{port}",
-                       "--token-file", token_file(tmp_path, f"{token} write name=intruder\n"))
+    b = broker_factory(
+        "--listen",
+        f"http://127.0.0.1:{port}",
+        "--token-file",
+        token_file(tmp_path, f"{token} write name=intruder\n"),
+    )
     want = np.arange(MiB // 4, dtype=np.float32)
     with b.client() as owner:
         owner.put("w", want)
@@ -99,19 +104,28 @@ conn.close()
 
 
 def test_a_claimed_pid_1_gets_a_heartbeat_session_and_loses_its_allocation(
-        other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     token = secrets.token_urlsafe(24)
     port = free_port()
-    b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--session-ttl", "1",
-                       "--segment-size", "16MiB", max_memory="96MiB",
-                       env={"TENSORDEPOT_TOKEN": token})
+    b = broker_factory(
+        "--listen",
+        f"http://127.0.0.1:{port}",
+        "--session-ttl",
+        "1",
+        "--segment-size",
+        "16MiB",
+        max_memory="96MiB",
+        env={"TENSORDEPOT_TOKEN": token},
+    )
     [got] = other.emits(CLAIM_PID_1, str(port), token, str(64 * MiB))  # then it exits, silent
     assert got["alloc"] == 200, got
     info = got["session"]
     assert not info["tracked"] and info["heartbeat_interval"] is not None, info
     with b.client() as c:
-        wait_for(lambda: c.stat().bytes_in_use == 0, 10,
-                 what="the silent session's allocation to go")
+        wait_for(
+            lambda: c.stat().bytes_in_use == 0, 10, what="the silent session's allocation to go"
+        )
         st = c.stat()
         assert st.sessions == 1 and st.retired_total >= 64 * MiB, st
         # Its dedicated segment is unlinked: the memory is the owner's again.
@@ -142,13 +156,21 @@ emit(out)
 
 
 def test_per_session_and_per_token_quotas_are_507(
-        other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    other: User, broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     token = secrets.token_urlsafe(24)
     port = free_port()
     tcp = f"http://127.0.0.1:{port}"
-    b = broker_factory("--listen", tcp, "--max-memory-per-session", "400KiB",
-                       "--max-memory-per-token", "700KiB",
-                       "--token-file", token_file(tmp_path, f"{token} write name=tenant\n"))
+    b = broker_factory(
+        "--listen",
+        tcp,
+        "--max-memory-per-session",
+        "400KiB",
+        "--max-memory-per-token",
+        "700KiB",
+        "--token-file",
+        token_file(tmp_path, f"{token} write name=tenant\n"),
+    )
     want = np.arange(64 << 10, dtype=np.float32)  # 256 KiB: within the limits, which bind everyone
     with b.client() as c:
         c.put("owner/w", want)

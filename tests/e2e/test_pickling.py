@@ -52,8 +52,12 @@ def test_a_dataloader_hands_shared_tensors_back_zero_copy(broker: BrokerProc, me
         names = [f"sample/{i}" for i in range(6)]
         c.put_many({n: np.full(1024, i, np.float32) for i, n in enumerate(names)})
         loader = torch.utils.data.DataLoader(
-            Named(c, names, broker.prefix), batch_size=2, num_workers=2,
-            multiprocessing_context=method, collate_fn=keep)
+            Named(c, names, broker.prefix),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context=method,
+            collate_fn=keep,
+        )
         seen = []
         for batch in loader:
             for t, worker_zero_copy in batch:
@@ -64,19 +68,24 @@ def test_a_dataloader_hands_shared_tensors_back_zero_copy(broker: BrokerProc, me
             del batch
         del loader
         assert sorted(seen) == [(n, float(i)) for i, n in enumerate(names)]
-        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
-                 what="the workers' sessions and every lease to end")
+        wait_for(
+            lambda: c.stat().sessions == 1 and c.stat().leases == 0,
+            30,
+            what="the workers' sessions and every lease to end",
+        )
         c.delete(prefix="sample/")
 
 
 def _receiver(q: Any, back: Any, prefix: str) -> None:
     """A spawned process: reads what arrives, answers with what it found."""
     client, tensors, theirs = q.get()
-    out = {"client": type(client).__name__,
-           "read": {t.name: float(np.from_dlpack(t).sum()) for t in tensors},
-           "zero_copy": all(in_segment(address_of(t), prefix) for t in tensors),
-           "torch_copy_ok": float(theirs.sum()),
-           "torch_zero_copy": in_segment(theirs.untyped_storage().data_ptr(), prefix)}
+    out = {
+        "client": type(client).__name__,
+        "read": {t.name: float(np.from_dlpack(t).sum()) for t in tensors},
+        "zero_copy": all(in_segment(address_of(t), prefix) for t in tensors),
+        "torch_copy_ok": float(theirs.sum()),
+        "torch_zero_copy": in_segment(theirs.untyped_storage().data_ptr(), prefix),
+    }
     client.put("from-child", np.arange(3, dtype=np.float32))  # the client works there too
     back.put("read")
     older = q.get()  # an older version, which its sender still holds
@@ -123,8 +132,11 @@ def test_a_torch_queue_carries_shared_tensors_and_a_client(broker: BrokerProc) -
         assert "the broker has v2 now" in out["stale"], out
         assert np.from_dlpack(c.get("from-child")).tolist() == [0.0, 1.0, 2.0]
         del got, torch_view, old
-        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
-                 what="the child's session and every lease to end")
+        wait_for(
+            lambda: c.stat().sessions == 1 and c.stat().leases == 0,
+            30,
+            what="the child's session and every lease to end",
+        )
         c.delete_many(["w", "b", "g", "from-child"])
 
 
@@ -161,7 +173,8 @@ def test_pickles_name_what_they_carry_and_refuse_what_they_cannot(broker: Broker
 
 @pytest.mark.parametrize("how", ["get", "get_many"])
 def test_a_pickle_from_before_a_broker_restart_never_names_the_new_tensor(
-        broker: BrokerProc, how: str) -> None:
+    broker: BrokerProc, how: str
+) -> None:
     """Versions start again at 1 in a new broker: the pickle of the old ``w``
     v1 must not unpickle as the new ``w`` v1."""
     with broker.client() as c:
@@ -196,7 +209,8 @@ def _drain(q: Any, back: Any, n: int) -> None:
 
 
 def test_a_queue_of_200_tensors_loses_none_while_new_versions_are_published(
-        broker: BrokerProc) -> None:
+    broker: BrokerProc,
+) -> None:
     """The sender holds what it sent, as with torch.multiprocessing: each
     arrives, though a newer version of its name was published right after."""
     ctx = tmp.get_context("spawn")
@@ -215,8 +229,11 @@ def test_a_queue_of_200_tensors_loses_none_while_new_versions_are_published(
         assert p.exitcode == 0
         assert seen == [(i + 1, float(i)) for i in range(200)], [x for x in seen if x[0] == "lost"]
         del sent, t
-        wait_for(lambda: c.stat().leases == 0 and c.stat().sessions == 1, 30,
-                 what="every lease and the child's session to end")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().sessions == 1,
+            30,
+            what="every lease and the child's session to end",
+        )
         assert c.stat().versions == 1
         with pytest.raises(TensorNotFound, match="'step' v3 is not kept"):
             c.get("step", version=3)

@@ -20,10 +20,12 @@ def _write_until(a: np.ndarray, stop: threading.Event) -> None:
         i += 1
 
 
-@pytest.mark.parametrize("nbytes", [pytest.param(8 << 10, id="8KiB"),
-                                    pytest.param(8 << 20, id="8MiB")])
+@pytest.mark.parametrize(
+    "nbytes", [pytest.param(8 << 10, id="8KiB"), pytest.param(8 << 20, id="8MiB")]
+)
 def test_a_writer_thread_racing_publish_never_changes_what_a_reader_got(
-        broker: BrokerProc, nbytes: int) -> None:
+    broker: BrokerProc, nbytes: int
+) -> None:
     """The writer's window turns private before the broker publishes, so a
     thread that keeps writing during and after ``publish()`` writes into the
     writer's own pages: the reader, woken by the publish, sees one value."""
@@ -45,7 +47,8 @@ def test_a_writer_thread_racing_publish_never_changes_what_a_reader_got(
                     stop.set()
                     writer.join()
                 assert got == ["got", str(out.version), "1"], (
-                    f"round {rnd}: element 0 changed after the reader's get returned ({got})")
+                    f"round {rnd}: element 0 changed after the reader's get returned ({got})"
+                )
                 del a, out, writer
             c.delete("raced")
             wait_for(lambda: c.stat().leases == 0, 10, what="the reader's leases to end")
@@ -54,8 +57,7 @@ def test_a_writer_thread_racing_publish_never_changes_what_a_reader_got(
     broker.check_clean()
 
 
-def test_a_reader_that_locks_its_memory_never_reads_stray_or_dead_bytes(
-        broker: BrokerProc) -> None:
+def test_a_reader_that_locks_its_memory_never_reads_stray_or_dead_bytes(broker: BrokerProc) -> None:
     """Under ``mlockall`` the kernel copies every page of a private mapping
     and refuses to drop locked pages: the reader's stray write must not
     reach its later gets, and a new tensor placed in a dead one's bytes must
@@ -75,8 +77,11 @@ def test_a_reader_that_locks_its_memory_never_reads_stray_or_dead_bytes(
             assert reader.ask("read m", "read") == "read 5", "a stray write reached a later get"
             for rnd in range(6):
                 c.delete("m" if rnd == 0 else f"n{rnd - 1}")
-                wait_for(lambda: c.stat().tensors == 0 and c.stat().leases == 0, 10,
-                         what="the deleted tensor's memory to be freed")
+                wait_for(
+                    lambda: c.stat().tensors == 0 and c.stat().leases == 0,
+                    10,
+                    what="the deleted tensor's memory to be freed",
+                )
                 c.put(f"n{rnd}", np.full(2048, 6 + rnd, np.int64))  # into the freed bytes
                 got = reader.ask(f"read n{rnd}", "read")
                 assert got == f"read {6 + rnd}", f"round {rnd}: a new tensor read {got}"

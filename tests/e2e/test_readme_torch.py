@@ -23,26 +23,50 @@ def example(name: str) -> str:
     return found.group(1)
 
 
-@pytest.mark.parametrize(("name", "says"), [
-    ("dataloader", ["torch.Size([4, 16]) [0.0, 1.0, 2.0, 3.0]",
-                    "torch.Size([4, 16]) [4.0, 5.0, 6.0, 7.0]"]),
-    ("queue", ["worker read 523776.0", "done: 1"]),
-    ("tied", ["one tensor: True", "same logits: True"]),
-    ("dcp", ["restored: True 100", "zero copy: True"]),
-    ("safetensors", ["['llama/__metadata__', 'llama/embed', 'llama/head']", "served: True",
-                     "round trip: True"]),
-])
-def test_the_readme_torch_example_runs(broker: BrokerProc, tmp_path: Path, name: str,
-                                       says: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        (
+            "dataloader",
+            [
+                "torch.Size([4, 16]) [0.0, 1.0, 2.0, 3.0]",
+                "torch.Size([4, 16]) [4.0, 5.0, 6.0, 7.0]",
+            ],
+        ),
+        ("queue", ["worker read 523776.0", "done: 1"]),
+        ("tied", ["one tensor: True", "same logits: True"]),
+        ("dcp", ["restored: True 100", "zero copy: True"]),
+        (
+            "safetensors",
+            [
+                "['llama/__metadata__', 'llama/embed', 'llama/head']",
+                "served: True",
+                "round trip: True",
+            ],
+        ),
+    ],
+)
+def test_the_readme_torch_example_runs(
+    broker: BrokerProc, tmp_path: Path, name: str, says: list[str]
+) -> None:
     script = tmp_path / f"readme_{name}.py"  # not queue.py: that would shadow the stdlib
     script.write_text(example(name))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORDEPOT_")}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path, env={**env, "TENSORDEPOT_URL": broker.url},
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**env, "TENSORDEPOT_URL": broker.url},
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == says, res.stdout
     with broker.client() as c:
         assert c.list() == []
-        wait_for(lambda: c.stat().sessions == 1 and c.stat().leases == 0, 30,
-                 what="the example's sessions and leases to end")
+        wait_for(
+            lambda: c.stat().sessions == 1 and c.stat().leases == 0,
+            30,
+            what="the example's sessions and leases to end",
+        )

@@ -67,16 +67,20 @@ def test_the_cli_loads_and_saves_a_file_bit_exact(broker: BrokerProc, tmp_path: 
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_both_clients_round_trip_with_progress(broker: BrokerProc, tmp_path: Path,
-                                               kind: str) -> None:
+def test_both_clients_round_trip_with_progress(
+    broker: BrokerProc, tmp_path: Path, kind: str
+) -> None:
     api = Api(broker.url, kind)
     try:
-        sd = {"big": torch.arange(80 << 20, dtype=torch.int32).to(torch.bfloat16),  # 160 MiB
-              "w": torch.ones(3, dtype=torch.bfloat16)}
+        sd = {
+            "big": torch.arange(80 << 20, dtype=torch.int32).to(torch.bfloat16),  # 160 MiB
+            "w": torch.ones(3, dtype=torch.bfloat16),
+        }
         save_file(sd, str(tmp_path / "in.safetensors"))
         heard: list[tuple[int, int]] = []
-        versions = api.load_file(tmp_path / "in.safetensors", "m/",
-                                 progress=lambda d, t: heard.append((d, t)))
+        versions = api.load_file(
+            tmp_path / "in.safetensors", "m/", progress=lambda d, t: heard.append((d, t))
+        )
         assert versions == {"m/big": 1, "m/w": 1}  # no metadata in the file: none kept
         total = sum(t.numel() * 2 for t in sd.values())
         assert heard and heard[-1] == (total, total), heard
@@ -92,34 +96,64 @@ def test_both_clients_round_trip_with_progress(broker: BrokerProc, tmp_path: Pat
 
 def _file(path: Path, header: Any, body: bytes = b"", length: int | None = None) -> Path:
     text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little")
-                     + text + body)
+    path.write_bytes((len(text) if length is None else length).to_bytes(8, "little") + text + body)
     return path
 
 
-@pytest.mark.parametrize(("header", "body", "length", "says"), [
-    (b"", b"", 0, "its header is not JSON"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, None,
-     "data_offsets [0, 8]"),
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None,
-     "spans 8 bytes"),
-    ({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", None,
-     "has dtype 'F4'"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, 10 ** 9,
-     "its header claims"),
-    ([1, 2], b"", None, "not a JSON object"),
-    ({"__metadata__": {"a": 1}}, b"", None, "not a map of strings"),
-    (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None, "nests too deeply"),
-    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
-     "has dtype \"['F32']\""),
-    ({"a": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
-     "has dtype \"{'F32': 1}\""),
-    ({"a": {"dtype": "U8", "shape": [1] * 40, "data_offsets": [0, 1]}}, b"\0", None,
-     "at most 32 dimensions"),
-])
+@pytest.mark.parametrize(
+    ("header", "body", "length", "says"),
+    [
+        (b"", b"", 0, "its header is not JSON"),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 4,
+            None,
+            "data_offsets [0, 8]",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            "spans 8 bytes",
+        ),
+        (
+            {"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}},
+            b"\0",
+            None,
+            "has dtype 'F4'",
+        ),
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            10**9,
+            "its header claims",
+        ),
+        ([1, 2], b"", None, "not a JSON object"),
+        ({"__metadata__": {"a": 1}}, b"", None, "not a map of strings"),
+        (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"", None, "nests too deeply"),
+        (
+            {"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}},
+            b"\0" * 4,
+            None,
+            "has dtype \"['F32']\"",
+        ),
+        (
+            {"a": {"dtype": {"F32": 1}, "shape": [1], "data_offsets": [0, 4]}},
+            b"\0" * 4,
+            None,
+            "has dtype \"{'F32': 1}\"",
+        ),
+        (
+            {"a": {"dtype": "U8", "shape": [1] * 40, "data_offsets": [0, 1]}},
+            b"\0",
+            None,
+            "at most 32 dimensions",
+        ),
+    ],
+)
 def test_a_file_it_cannot_read_says_why_and_puts_nothing(
-        broker: BrokerProc, tmp_path: Path, header: Any, body: bytes, length: int | None,
-        says: str) -> None:
+    broker: BrokerProc, tmp_path: Path, header: Any, body: bytes, length: int | None, says: str
+) -> None:
     bad = _file(tmp_path / "bad.safetensors", header, body, length)
     res = cli("load", str(bad), "--url", broker.url)
     assert res.returncode == 1 and says in res.stderr, res.stderr
@@ -131,8 +165,9 @@ def test_a_file_it_cannot_read_says_why_and_puts_nothing(
             c.load_file(tmp_path / "missing.safetensors")
 
 
-def test_a_save_never_writes_through_a_planted_temporary_file(broker: BrokerProc,
-                                                              tmp_path: Path) -> None:
+def test_a_save_never_writes_through_a_planted_temporary_file(
+    broker: BrokerProc, tmp_path: Path
+) -> None:
     """In a shared directory another user can plant a symlink where a save's
     temporary file would go (``<path>.tmp-<pid>`` was guessable): the save
     must create its own, and the file the link points to stays as it was."""
@@ -174,18 +209,28 @@ with Client(url) as c:
 
 
 def test_a_file_that_shrinks_while_it_is_loaded_is_refused_not_fatal(
-        broker: BrokerProc, tmp_path: Path) -> None:
+    broker: BrokerProc, tmp_path: Path
+) -> None:
     """Loading through a mapping, a file truncated mid-copy killed the loading
     process with SIGBUS; read, it is an error, and nothing is put."""
     path = tmp_path / "big.safetensors"
     mib = 1 << 20
-    header = {f"t{i}": {"dtype": "U8", "shape": [300 * mib], "data_offsets": [i * 300 * mib,
-                                                                           (i + 1) * 300 * mib]}
-              for i in range(2)}
+    header = {
+        f"t{i}": {
+            "dtype": "U8",
+            "shape": [300 * mib],
+            "data_offsets": [i * 300 * mib, (i + 1) * 300 * mib],
+        }
+        for i in range(2)
+    }
     _file(path, header)
     os.truncate(path, path.stat().st_size + 600 * mib)  # sparse: no disk written
-    res = subprocess.run([sys.executable, "-c", _SHRINKER, broker.url, str(path)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", _SHRINKER, broker.url, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, f"exit {res.returncode}: {res.stderr[-2000:]}"
     assert "changed while it was read" in res.stdout and "listed 0" in res.stdout, res.stdout
     broker.check_clean()
@@ -207,14 +252,18 @@ def test_a_refused_load_says_what_the_broker_said(broker_factory: Any, tmp_path:
     b.check_clean()
 
 
-@pytest.mark.parametrize(("meta", "says"), [
-    (np.frombuffer(b"\xff\xfe", np.uint8), "not JSON text"),
-    (np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8), "nests too deeply"),
-    (np.frombuffer(b'{"a": 1}', np.uint8), "not a map of strings"),
-    (np.zeros(3, np.float32), "float32 tensor"),
-])
+@pytest.mark.parametrize(
+    ("meta", "says"),
+    [
+        (np.frombuffer(b"\xff\xfe", np.uint8), "not JSON text"),
+        (np.frombuffer(b"[" * 100_000 + b"]" * 100_000, np.uint8), "nests too deeply"),
+        (np.frombuffer(b'{"a": 1}', np.uint8), "not a map of strings"),
+        (np.zeros(3, np.float32), "float32 tensor"),
+    ],
+)
 def test_a_planted_metadata_tensor_is_refused_before_anything_is_written(
-        broker: BrokerProc, tmp_path: Path, meta: Any, says: str) -> None:
+    broker: BrokerProc, tmp_path: Path, meta: Any, says: str
+) -> None:
     out = tmp_path / "out.safetensors"
     with broker.client() as c:
         c.put_many({"p/w": np.arange(3.0), "p/__metadata__": meta})

@@ -23,8 +23,9 @@ from tensordepot import AuthError, Client
 from tensordepot.shm import PosixSegment
 
 
-def test_socket_is_0600_in_a_0700_directory(broker_factory: Callable[..., BrokerProc],
-                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_socket_is_0600_in_a_0700_directory(
+    broker_factory: Callable[..., BrokerProc], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # The broker creates a missing socket directory itself; AF_UNIX paths are short.
     parent = os.path.join(str(tmp_path_factory.mktemp("sec", numbered=True)), "run")
     sock = os.path.join(parent, "b.sock")
@@ -37,7 +38,8 @@ def test_socket_is_0600_in_a_0700_directory(broker_factory: Callable[..., Broker
 
 
 def test_segments_are_0600_with_128_bit_random_names(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     broker = broker_factory("--segment-size", "16MiB")
     with broker.client() as c:
         c.put("small", np.zeros(10))
@@ -54,7 +56,8 @@ def test_segments_are_0600_with_128_bit_random_names(
 
 
 def test_a_precreated_segment_name_is_never_attached(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     """Segments are created O_EXCL: a name someone planted is an error, not a shared mapping."""
     name = f"{TEST_PREFIX}planted-{secrets.token_hex(16)}"
     path = f"/dev/shm/{name}"
@@ -71,16 +74,23 @@ def test_a_precreated_segment_name_is_never_attached(
         os.unlink(path)
 
 
-@pytest.mark.parametrize("host", [pytest.param("0.0.0.0", id="ipv4-any"),
-                                  pytest.param("[::]", id="ipv6-any"),
-                                  pytest.param("127.0.0.1", id="loopback")])
+@pytest.mark.parametrize(
+    "host",
+    [
+        pytest.param("0.0.0.0", id="ipv4-any"),
+        pytest.param("[::]", id="ipv6-any"),
+        pytest.param("127.0.0.1", id="loopback"),
+    ],
+)
 def test_tcp_without_token_refuses_to_start(host: str) -> None:
     """Loopback too: every local user can reach it."""
     port = free_port("0.0.0.0")
     prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
     url = f"http://{host}:{port}"
-    for res in (serve_once("--listen", url, "--shm-prefix", prefix),
-                serve_once(env={"TENSORDEPOT_LISTEN": url, "TENSORDEPOT_SHM_PREFIX": prefix})):
+    for res in (
+        serve_once("--listen", url, "--shm-prefix", prefix),
+        serve_once(env={"TENSORDEPOT_LISTEN": url, "TENSORDEPOT_SHM_PREFIX": prefix}),
+    ):
         assert res.returncode == 1, (res.returncode, res.stderr)
         assert f"--listen {url} needs a token" in res.stderr, res.stderr
         assert "--token-file PATH (or TENSORDEPOT_TOKEN)" in res.stderr, res.stderr
@@ -92,13 +102,15 @@ def test_tcp_without_token_refuses_to_start(host: str) -> None:
         s.connect(("127.0.0.1", port))  # nothing was left listening
 
 
-def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., BrokerProc],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tcp_needs_the_token_and_unix_does_not(
+    broker_factory: Callable[..., BrokerProc], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("TENSORDEPOT_TOKEN", raising=False)
     token = secrets.token_urlsafe(24)
     port = free_port("0.0.0.0")
-    b = broker_factory("--listen", f"http://0.0.0.0:{port}",
-                       env={"TENSORDEPOT_TOKEN": token})  # env, not argv: argv is world-readable
+    b = broker_factory(
+        "--listen", f"http://0.0.0.0:{port}", env={"TENSORDEPOT_TOKEN": token}
+    )  # env, not argv: argv is world-readable
     tcp = f"http://127.0.0.1:{port}"
 
     with pytest.raises(AuthError, match="missing or wrong token"):
@@ -130,14 +142,16 @@ def test_tcp_needs_the_token_and_unix_does_not(broker_factory: Callable[..., Bro
     res = subprocess.run(cli, check=False, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 1 and "missing or wrong token" in res.stderr, res.stderr
     # --token=VALUE: a random token may start with "-", which argparse would take for an option.
-    res = subprocess.run([*cli, f"--token={token}"], check=False, capture_output=True, text=True,
-                         timeout=60, env=env)
+    res = subprocess.run(
+        [*cli, f"--token={token}"], check=False, capture_output=True, text=True, timeout=60, env=env
+    )
     assert res.returncode == 0 and "bytes_in_use" in res.stdout, res.stderr
     assert "--token is visible to every local user in the process list" in res.stderr
 
 
 def test_insecure_no_auth_starts_and_warns_on_each_connection(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     port = free_port()
     b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--insecure-no-auth")
     assert "TCP listeners run with --insecure-no-auth" in b.log()
@@ -165,14 +179,19 @@ def test_insecure_no_auth_starts_and_warns_on_each_connection(
     assert warnings() == 2
 
     # A token and --insecure-no-auth contradict each other.
-    res = serve_once("--listen", f"http://127.0.0.1:{free_port()}", "--insecure-no-auth",
-                     env={"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)})
+    res = serve_once(
+        "--listen",
+        f"http://127.0.0.1:{free_port()}",
+        "--insecure-no-auth",
+        env={"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)},
+    )
     assert res.returncode == 2 and "drop one of the two" in res.stderr, res.stderr
 
 
 def test_token_on_the_command_line_warns(broker_factory: Callable[..., BrokerProc]) -> None:
-    b = broker_factory("--listen", f"http://127.0.0.1:{free_port()}",
-                       f"--token={secrets.token_urlsafe(24)}")
+    b = broker_factory(
+        "--listen", f"http://127.0.0.1:{free_port()}", f"--token={secrets.token_urlsafe(24)}"
+    )
     assert "--token is visible to every local user in the process list (/proc/" in b.log()
 
 
@@ -184,11 +203,12 @@ def test_short_tokens_and_bad_token_files_refuse_to_start(tmp_path: Path) -> Non
     secret = secrets.token_urlsafe(24)
     path = tmp_path / "tokens"
     for text, mode, expect in (
-            (f"{secret} admin\n", 0o644, "other users can read or change the tokens; chmod 600"),
-            (f"{secret} superuser\n", 0o600, "line 1: write '<token> <scope>"),
-            (f"# ops\n\n{secret} read path=x\n", 0o600, "line 3: unknown option 'path'"),
-            (f"{secret} read\n{secret} write\n", 0o600, "configured twice"),
-            ("# nothing\n", 0o600, "holds no token")):
+        (f"{secret} admin\n", 0o644, "other users can read or change the tokens; chmod 600"),
+        (f"{secret} superuser\n", 0o600, "line 1: write '<token> <scope>"),
+        (f"# ops\n\n{secret} read path=x\n", 0o600, "line 3: unknown option 'path'"),
+        (f"{secret} read\n{secret} write\n", 0o600, "configured twice"),
+        ("# nothing\n", 0o600, "holds no token"),
+    ):
         path.write_text(text)
         path.chmod(mode)
         res = serve_once("--listen", tcp, "--token-file", str(path))

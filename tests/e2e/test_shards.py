@@ -23,9 +23,15 @@ SHARD = 200_000  # bytes: the model below makes 5 shards of it
 def _model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()  # random weights, no download
 
@@ -44,7 +50,8 @@ def _got(c: object, prefix: str, names: list[str]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_sharded_transformers_checkpoint_loads_and_saves_bit_exact(
-        broker: BrokerProc, tmp_path: Path, kind: str) -> None:
+    broker: BrokerProc, tmp_path: Path, kind: str
+) -> None:
     from transformers import LlamaForCausalLM
 
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -68,19 +75,28 @@ def test_a_sharded_transformers_checkpoint_loads_and_saves_bit_exact(
         assert sorted(versions) == sorted(["api/" + n for n in names] + ["api/__metadata__"])
         total = sum(t.nbytes for t in want.values())
         assert heard[-1][0] == heard[-1][1] >= total  # the metadata's few bytes too
-        assert api.load_file(shards, "list/").keys() == {"list/" + n for n in
-                                                         [*names, "__metadata__"]}
+        assert api.load_file(shards, "list/").keys() == {
+            "list/" + n for n in [*names, "__metadata__"]
+        }
         for prefix in ("folder/", "index/", "files/", "api/", "list/"):
             _bits(want, _got(api, prefix, names))
 
         written = api.save_file("api/", dst, max_shard_size=SHARD)
         assert written == total
         assert len(list(dst.glob("model-*-of-00005.safetensors"))) == 5
-        res = cli("save", "index/", str(tmp_path / "cli"), "--max-shard-size", "200kB",
-                  "--url", broker.url)
+        res = cli(
+            "save",
+            "index/",
+            str(tmp_path / "cli"),
+            "--max-shard-size",
+            "200kB",
+            "--url",
+            broker.url,
+        )
         assert res.returncode == 0, res.stderr
-        assert json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text()
-                          )["metadata"] == {"total_size": total}
+        assert json.loads((tmp_path / "cli" / "model.safetensors.index.json").read_text())[
+            "metadata"
+        ] == {"total_size": total}
         for name in ("config.json", "generation_config.json"):
             if (src / name).exists():
                 shutil.copy(src / name, dst / name)
@@ -94,15 +110,18 @@ def test_a_sharded_transformers_checkpoint_loads_and_saves_bit_exact(
 
 
 def test_a_second_save_with_fewer_shards_leaves_no_stale_shard(
-        broker: BrokerProc, tmp_path: Path) -> None:
+    broker: BrokerProc, tmp_path: Path
+) -> None:
     with broker.client() as c:
         c.put_many({f"m/t{i}": torch.full((1000,), float(i)) for i in range(6)})  # 4 kB each
         c.save_file("m/", tmp_path, max_shard_size=8000)
         assert len(list(tmp_path.glob("model-*.safetensors"))) == 3
         c.save_file("m/", tmp_path, max_shard_size="12kB")
         assert sorted(p.name for p in tmp_path.iterdir()) == [
-            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json"]
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ]
         assert sorted(c.load_file(tmp_path, "again/")) == [f"again/t{i}" for i in range(6)]
         with pytest.raises(InvalidRequest, match="max_shard_size must be a size > 0"):
             c.save_file("m/", tmp_path, max_shard_size="lots")
@@ -118,21 +137,31 @@ def _shards(folder: Path) -> Path:
 
         save_file({n: torch.ones(2) * k for n in names}, str(folder / f"s{k}.safetensors"))
     index = folder / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {}, "weight_map": {
-        "a": "s0.safetensors", "b": "s0.safetensors", "c": "s1.safetensors"}}))
+    index.write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {"a": "s0.safetensors", "b": "s0.safetensors", "c": "s1.safetensors"},
+            }
+        )
+    )
     return index
 
 
-@pytest.mark.parametrize(("change", "says"), [
-    (lambda m: m.pop("b"), "its index does not name"),
-    (lambda m: m.update(b="s1.safetensors"), "which its index puts in"),
-    (lambda m: m.update(d="s1.safetensors"), "the index names tensor 'd'"),
-    (lambda m: m.update(c="../s1.safetensors"), "is not a safetensors index"),
-    (lambda m: m.update(c="gone.safetensors"), "cannot read"),
-    (lambda m: m.clear(), "is not a safetensors index"),
-])
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda m: m.pop("b"), "its index does not name"),
+        (lambda m: m.update(b="s1.safetensors"), "which its index puts in"),
+        (lambda m: m.update(d="s1.safetensors"), "the index names tensor 'd'"),
+        (lambda m: m.update(c="../s1.safetensors"), "is not a safetensors index"),
+        (lambda m: m.update(c="gone.safetensors"), "cannot read"),
+        (lambda m: m.clear(), "is not a safetensors index"),
+    ],
+)
 def test_an_index_that_does_not_match_its_shards_is_refused_and_puts_nothing(
-        broker: BrokerProc, tmp_path: Path, change: object, says: str) -> None:
+    broker: BrokerProc, tmp_path: Path, change: object, says: str
+) -> None:
     index = _shards(tmp_path / "ckpt")
     doc = json.loads(index.read_text())
     change(doc["weight_map"])  # type: ignore[operator]

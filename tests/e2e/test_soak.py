@@ -58,7 +58,12 @@ def test_soak_kill_and_respawn(
     token = secrets.token_urlsafe(24)
     tcp = f"http://127.0.0.1:{free_port()}"
     b = broker_factory(
-        "--listen", tcp, "--session-ttl", str(SESSION_TTL), "--lapse-grace", str(LAPSE_GRACE),
+        "--listen",
+        tcp,
+        "--session-ttl",
+        str(SESSION_TTL),
+        "--lapse-grace",
+        str(LAPSE_GRACE),
         env={"TENSORDEPOT_TOKEN": token},
     )
     t_start = time.monotonic()
@@ -145,8 +150,9 @@ def test_soak_kill_and_respawn(
                 candidates = sorted((alive & ready) - done - killed - set(paused) - set(hung))
                 if candidates:
                     pid = rng.choice(candidates)
-                    what = rng.choices(["kill", "interrupt", "pause", "hang", "storm"],
-                                       [2, 2, 1, 0.5, 0.5])[0]
+                    what = rng.choices(
+                        ["kill", "interrupt", "pause", "hang", "storm"], [2, 2, 1, 0.5, 0.5]
+                    )[0]
                     if what == "kill":
                         os.kill(pid, signal.SIGKILL)
                         killed.add(pid)
@@ -207,8 +213,11 @@ def test_soak_kill_and_respawn(
         for name in remaining:
             c.delete(name)
         # Retired memory of the last sessions to lapse comes back after the grace.
-        wait_for(lambda: c.stat().bytes_retired == 0, LAPSE_GRACE + 10,
-                 what=f"retired memory to come back within --lapse-grace ({LAPSE_GRACE:g} s)")
+        wait_for(
+            lambda: c.stat().bytes_retired == 0,
+            LAPSE_GRACE + 10,
+            what=f"retired memory to come back within --lapse-grace ({LAPSE_GRACE:g} s)",
+        )
         st = c.stat()
     assert (st.leases, st.bytes_in_use, st.versions, st.tensors) == (0, 0, 0, 0), st
     broker_counts = metrics(b.url)

@@ -31,8 +31,9 @@ def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _same(a: Any, b: Any, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8)
-                           if b.dim() else b), path
+        assert torch.equal(
+            a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b
+        ), path
         return
     assert type(a) is type(b), (path, type(a), type(b))
     if isinstance(a, dict):
@@ -47,8 +48,7 @@ def _same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def test_an_adamw_state_round_trips_bit_exact_and_zero_copy(api: Api,
-                                                            broker: BrokerProc) -> None:
+def test_an_adamw_state_round_trips_bit_exact_and_zero_copy(api: Api, broker: BrokerProc) -> None:
     _, opt = _trained()
     sd = opt.state_dict()
     assert set(sd["state"]) == {0, 1, 2, 3} and isinstance(sd["param_groups"][0]["betas"], tuple)
@@ -71,7 +71,9 @@ def test_an_adamw_state_round_trips_bit_exact_and_zero_copy(api: Api,
     assert again["step"] == 7 and again["nested"]["w"][1] == (None, "x", 1.5)
     assert np.array_equal(again["nested"]["w"][0], np.arange(3.0))
     assert sorted(i.name for i in api.list(prefix="opt/")) == [
-        "opt/__structure__", "opt/nested.w.0"], "the first put's tensors are gone"
+        "opt/__structure__",
+        "opt/nested.w.0",
+    ], "the first put's tensors are gone"
     del again
     gc.collect()  # an optimizer lives in reference cycles (its hooks): collected, not freed
     api.delete(prefix="opt/")

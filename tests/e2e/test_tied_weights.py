@@ -14,8 +14,7 @@ KiB = 1024
 
 def test_put_many_stores_tied_tensors_once_and_get_many_keeps_the_tie(broker: BrokerProc) -> None:
     w = torch.randn(256, 64)  # 64 KiB: whole pages, so the bytes in use add up exactly
-    sd = {"embed": w, "head": w, "other": torch.randn(1024), "rows": w[64:],
-          "as_numpy": w.numpy()}
+    sd = {"embed": w, "head": w, "other": torch.randn(1024), "rows": w[64:], "as_numpy": w.numpy()}
     with broker.client() as c:
         c.put_many(sd)
         st = c.stat()
@@ -36,12 +35,16 @@ def test_put_many_stores_tied_tensors_once_and_get_many_keeps_the_tie(broker: Br
         assert c.stat().bytes_in_use == (64 + 4 + 48) * KiB
         assert torch.equal(torch.from_dlpack(c.get("head")), w)
         c.delete_many(["head", "as_numpy", "other", "rows"])
-        wait_for(lambda: c.stat().bytes_in_use == 0 and c.stat().leases == 0, 10,
-                 what="the tie's bytes to be freed with its last name")
+        wait_for(
+            lambda: c.stat().bytes_in_use == 0 and c.stat().leases == 0,
+            10,
+            what="the tie's bytes to be freed with its last name",
+        )
 
 
 def test_numpy_arrays_are_tied_when_they_are_one_array_or_view_the_same_bytes(
-        broker: BrokerProc) -> None:
+    broker: BrokerProc,
+) -> None:
     import numpy as np
 
     a = np.arange(16 * KiB, dtype=np.float32)  # 64 KiB each
@@ -63,16 +66,23 @@ def test_numpy_arrays_are_tied_when_they_are_one_array_or_view_the_same_bytes(
             assert np.array_equal(np.from_dlpack(got[name]), x), name
         del got
         c.delete_many(list(mixed))
-        wait_for(lambda: c.stat().bytes_in_use == 0 and c.stat().leases == 0, 10,
-                 what="every byte freed")
+        wait_for(
+            lambda: c.stat().bytes_in_use == 0 and c.stat().leases == 0, 10, what="every byte freed"
+        )
 
 
 def test_a_transformers_model_keeps_its_tied_weights(broker: BrokerProc) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     trainer = LlamaForCausalLM(config).eval()  # random weights, no download
     sd = trainer.state_dict()
@@ -96,29 +106,47 @@ def test_a_transformers_model_keeps_its_tied_weights(broker: BrokerProc) -> None
             assert torch.equal(worker(ids).logits, want), "bit-exact"
         del got, worker
         producer.delete(prefix="llama/")
-        wait_for(lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0, 10,
-                 what="the model's leases and bytes to go")
+        wait_for(
+            lambda: c.stat().leases == 0 and c.stat().bytes_in_use == 0,
+            10,
+            what="the model's leases and bytes to go",
+        )
 
 
 def test_a_same_column_that_cannot_be_meant_is_refused(broker: BrokerProc) -> None:
     raw = Session(broker.sock)
     try:
         base = {"names": ["a", "b"], "shapes": [[4], [4]], "dtypes": ["float32", "float32"]}
-        for same, says in (([1, -1], "earlier tensor"), ([-1, 1], "earlier tensor"),
-                           ([-1], "one entry per name"), ([-1, -2], "greater than or equal")):
+        for same, says in (
+            ([1, -1], "earlier tensor"),
+            ([-1, 1], "earlier tensor"),
+            ([-1], "one entry per name"),
+            ([-1, -2], "greater than or equal"),
+        ):
             status, answer = raw.send("POST", "/v1/many/alloc", {**base, "same": same})
             assert status in (400, 422), (same, answer)
             assert says in answer["error"]["message"], (same, answer)
-        status, answer = raw.send("POST", "/v1/many/alloc",
-                                  {**base, "shapes": [[4], [2, 2]], "same": [-1, 0]})
+        status, answer = raw.send(
+            "POST", "/v1/many/alloc", {**base, "shapes": [[4], [2, 2]], "same": [-1, 0]}
+        )
         assert status == 400 and "shapes differ" in answer["error"]["message"], answer
-        status, answer = raw.send("POST", "/v1/many/alloc",
-                                  {"names": ["a", "b", "c"], "shapes": [[4]] * 3,
-                                   "dtypes": ["float32"] * 3, "same": [-1, 0, 1]})
+        status, answer = raw.send(
+            "POST",
+            "/v1/many/alloc",
+            {
+                "names": ["a", "b", "c"],
+                "shapes": [[4]] * 3,
+                "dtypes": ["float32"] * 3,
+                "same": [-1, 0, 1],
+            },
+        )
         assert status == 400 and "not itself another's" in answer["error"]["message"], answer
     finally:
         raw.close()
     with broker.client() as c:
-        wait_for(lambda: c.stat().sessions == 1 and c.stat().bytes_in_use == 0
-                 and c.stat().tensors == 0, 10, what="nothing to be left of the refused batches")
+        wait_for(
+            lambda: c.stat().sessions == 1 and c.stat().bytes_in_use == 0 and c.stat().tensors == 0,
+            10,
+            what="nothing to be left of the refused batches",
+        )
         assert c.list() == []

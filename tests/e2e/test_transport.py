@@ -30,7 +30,8 @@ def test_a_put_whose_answer_was_cut_is_applied_once(broker: BrokerProc) -> None:
         assert c.put("big", big) == 1
         st = c.stat()
         assert (st.versions, st.bytes_in_use) == (2, 32 + big.nbytes), (
-            "an orphaned allocation was left")
+            "an orphaned allocation was left"
+        )
         assert np.array_equal(np.from_dlpack(c.get("big")), big)
 
 
@@ -110,8 +111,11 @@ def test_an_idle_connection_the_broker_closed_is_not_reused(broker: BrokerProc) 
         for conn in idle:  # the broker closes them, as after its keep-alive timeout
             assert conn.sock is not None
             conn.sock.shutdown(socket.SHUT_WR)
-            wait_for(lambda s=conn.sock: select.select([s], [], [], 0)[0], 5,
-                     what="the broker to close the connection")
+            wait_for(
+                lambda s=conn.sock: select.select([s], [], [], 0)[0],
+                5,
+                what="the broker to close the connection",
+            )
         del t  # the release (a POST that is never resent) must not go out on a closed connection
         wait_for(lambda: broker.stat().leases == 0, 5, what="the release to reach the broker")
 
@@ -186,8 +190,11 @@ def test_forever_is_forever_for_get_and_get_many(broker: BrokerProc, timeout: fl
         reader.start()
         wait_for(lambda: producer.stat().waiting == 1, 5, what="the reader to wait")
         producer.put("late", np.zeros(2, dtype=np.float32))
-        wait_for(lambda: len(got) == 1 and producer.stat().waiting == 1, 10,
-                 what="the get to return and get_many to wait")
+        wait_for(
+            lambda: len(got) == 1 and producer.stat().waiting == 1,
+            10,
+            what="the get to return and get_many to wait",
+        )
         producer.put("later", np.zeros(2, dtype=np.float32))
         reader.join(10)
         assert got == [1, ["late", "later"]]
@@ -203,14 +210,24 @@ def test_get_many_forever_sends_json(broker: BrokerProc) -> None:
         assert parsed["timeout"] is None
 
 
-@pytest.mark.parametrize("bad,exc", [(math.nan, InvalidRequest), (-1, InvalidRequest),
-                                     ("5", InvalidType), ([], InvalidType), (True, InvalidType)],
-                         ids=["nan", "negative", "str", "list", "bool"])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (math.nan, InvalidRequest),
+        (-1, InvalidRequest),
+        ("5", InvalidType),
+        ([], InvalidType),
+        (True, InvalidType),
+    ],
+    ids=["nan", "negative", "str", "list", "bool"],
+)
 def test_bad_timeouts_are_refused(broker: BrokerProc, bad: object, exc: type[Exception]) -> None:
     with broker.client() as c:
         c.put("x", np.zeros(1, dtype=np.float32))
-        for call in (lambda: c.get("x", timeout=bad),  # type: ignore[arg-type]
-                     lambda: c.get_many(["x"], timeout=bad)):  # type: ignore[arg-type]
+        for call in (
+            lambda: c.get("x", timeout=bad),  # type: ignore[arg-type]
+            lambda: c.get_many(["x"], timeout=bad),
+        ):  # type: ignore[arg-type]
             with pytest.raises(exc, match="timeout"):
                 call()
         assert c.stat().leases == 0
@@ -263,7 +280,8 @@ def test_publish_many_is_all_or_nothing(broker: BrokerProc) -> None:
 
 
 def test_put_of_a_tensor_from_a_dead_broker_copies_it(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """A lease id from before a broker restart may name another lease now: a
     re-put of such a tensor copies its bytes, it never links by that id."""
     b = broker_factory()
@@ -281,7 +299,8 @@ def test_put_of_a_tensor_from_a_dead_broker_copies_it(
 
 @pytest.mark.parametrize("target", ["/v1/nope", "/v1/sessions//heartbeat"])
 def test_a_refused_request_with_a_small_body_is_answered_on_a_live_connection(
-        broker: BrokerProc, target: str) -> None:
+    broker: BrokerProc, target: str
+) -> None:
     """A POST with a JSON body to a route that does not exist: the broker reads
     the small body before answering, so the answer is never lost to a reset
     (closing a socket with unread bytes resets it), and the connection stays

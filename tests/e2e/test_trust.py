@@ -31,8 +31,9 @@ def write_tokens(path: Path, text: str) -> str:
     return str(path)
 
 
-def request(port: int, method: str, path: str, token: str, body: Any = None,
-            session: str | None = None) -> tuple[int, dict[str, Any]]:
+def request(
+    port: int, method: str, path: str, token: str, body: Any = None, session: str | None = None
+) -> tuple[int, dict[str, Any]]:
     headers = [("content-type", "application/json"), ("authorization", f"Bearer {token}")]
     headers += [("x-tensordepot-session", session)] if session else []
     data = None if body is None else json.dumps(body).encode()
@@ -42,8 +43,10 @@ def request(port: int, method: str, path: str, token: str, body: Any = None,
 
 # -- 1. a prefix token learns no other tenant's names ---------------------------------------
 
+
 def test_a_prefix_token_is_told_only_of_names_within_its_prefix(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     team, admin = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     tokens = write_tokens(tmp_path / "tokens", f"{admin} admin\n{team} write prefix=team-a/\n")
     port = free_port()
@@ -62,24 +65,30 @@ def test_a_prefix_token_is_told_only_of_names_within_its_prefix(
         with pytest.raises(TensorNotFound) as err:
             c.get("team-a/nothing")
         assert "known: team-a/mine)" in str(err.value), err.value
-    sessions = {t: request(port, "POST", "/v1/sessions", t, {"pid": os.getpid()})[1]["session"]
-                for t in (team, admin)}
-    for method, path, body in (("GET", "/v1/tensors/team-a/nothing", None),
-                               ("DELETE", "/v1/tensors/team-a/nothing", None),
-                               ("POST", "/v1/many/get", {"names": ["team-a/nothing"]})):
+    sessions = {
+        t: request(port, "POST", "/v1/sessions", t, {"pid": os.getpid()})[1]["session"]
+        for t in (team, admin)
+    }
+    for method, path, body in (
+        ("GET", "/v1/tensors/team-a/nothing", None),
+        ("DELETE", "/v1/tensors/team-a/nothing", None),
+        ("POST", "/v1/many/get", {"names": ["team-a/nothing"]}),
+    ):
         status, answer = request(port, method, path, team, body, sessions[team])
         assert status == 404, (path, answer)
         assert "team-b" not in answer["error"]["message"], (path, answer)
         assert "known: team-a/mine" in answer["error"]["message"], (path, answer)
-    status, answer = request(port, "GET", "/v1/tensors/team-a/nothing", admin, None,
-                             sessions[admin])
+    status, answer = request(
+        port, "GET", "/v1/tensors/team-a/nothing", admin, None, sessions[admin]
+    )
     assert "team-b/ceo-salary-table" in answer["error"]["message"], answer  # admin sees all
     for t, sid in sessions.items():
         assert request(port, "DELETE", f"/v1/sessions/{sid}", t, None, sid)[0] == 204
 
 
 def test_over_flight_a_prefix_token_is_told_only_of_names_within_its_prefix(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     pytest.importorskip("pyarrow")
     fl = pytest.importorskip("pyarrow.flight")
     from _hosts import flight_url
@@ -90,12 +99,16 @@ def test_over_flight_a_prefix_token_is_told_only_of_names_within_its_prefix(
     with b.client() as owner:
         owner.put("team-b/ceo-salary-table", np.ones(3))
     with fl.connect(flight_url(b)) as client:
+
         def opts(token: str) -> Any:
-            return fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())],
-                                        timeout=10)
-        for call in (lambda o: client.get_flight_info(
-                         fl.FlightDescriptor.for_path("team-a/nothing"), o),
-                     lambda o: client.do_get(fl.Ticket(b"team-a/nothing"), o).read_all()):
+            return fl.FlightCallOptions(
+                headers=[(b"authorization", f"Bearer {token}".encode())], timeout=10
+            )
+
+        for call in (
+            lambda o: client.get_flight_info(fl.FlightDescriptor.for_path("team-a/nothing"), o),
+            lambda o: client.do_get(fl.Ticket(b"team-a/nothing"), o).read_all(),
+        ):
             with pytest.raises(fl.FlightServerError) as err:
                 call(opts(team))
             assert "team-b" not in str(err.value), err.value
@@ -104,6 +117,7 @@ def test_over_flight_a_prefix_token_is_told_only_of_names_within_its_prefix(
 
 
 # -- 6. a get for a version that is not there yet -------------------------------------------
+
 
 def test_a_get_newer_than_the_newest_says_no_newer_version_exists_yet(broker: BrokerProc) -> None:
     with broker.client() as c:
@@ -118,11 +132,20 @@ def test_a_get_newer_than_the_newest_says_no_newer_version_exists_yet(broker: Br
 
 # -- 2. the prefix lock cannot be squatted -----------------------------------------------------
 
+
 def serve_refused(prefix: str, sock_dir: str) -> subprocess.CompletedProcess[str]:
     """``tensordepot serve`` on ``prefix``, which must refuse to start (a broker
     that starts anyway is stopped at the deadline, and the test fails)."""
-    args = ["--listen", f"unix://{sock_dir}/broker.sock", "--shm-prefix", prefix,
-            "--max-memory", "64MiB", "--prealloc", "0"]
+    args = [
+        "--listen",
+        f"unix://{sock_dir}/broker.sock",
+        "--shm-prefix",
+        prefix,
+        "--max-memory",
+        "64MiB",
+        "--prealloc",
+        "0",
+    ]
     try:
         return serve_once(*args)
     except subprocess.TimeoutExpired:
@@ -142,8 +165,9 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="plants files as anothe
 
 
 @root_only
-def test_a_symlink_planted_at_the_lock_path_is_not_followed(squat: tuple[str, str],
-                                                            tmp_path: Path) -> None:
+def test_a_symlink_planted_at_the_lock_path_is_not_followed(
+    squat: tuple[str, str], tmp_path: Path
+) -> None:
     prefix, sock_dir = squat
     target = tmp_path / "made-by-root"
     os.symlink(target, f"/dev/shm/{prefix}lock")
@@ -158,7 +182,8 @@ def test_a_symlink_planted_at_the_lock_path_is_not_followed(squat: tuple[str, st
 @root_only
 @pytest.mark.parametrize("uid, mode", [(65534, 0o600), (0, 0o666)])
 def test_a_lock_file_of_another_uid_or_writable_by_others_is_refused(
-        squat: tuple[str, str], uid: int, mode: int) -> None:
+    squat: tuple[str, str], uid: int, mode: int
+) -> None:
     prefix, sock_dir = squat
     path = f"/dev/shm/{prefix}lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
@@ -174,8 +199,9 @@ def test_a_lock_file_of_another_uid_or_writable_by_others_is_refused(
     assert os.stat(path).st_uid == uid, "the squatter's file is left for its owner to see"
 
 
-def test_a_second_broker_on_the_same_prefix_exits_1_with_one_line(broker: BrokerProc,
-                                                                 tmp_path: Path) -> None:
+def test_a_second_broker_on_the_same_prefix_exits_1_with_one_line(
+    broker: BrokerProc, tmp_path: Path
+) -> None:
     res = serve_refused(broker.prefix, str(tmp_path))
     assert res.returncode == 1, res
     lines = res.stderr.strip().splitlines()
@@ -184,6 +210,7 @@ def test_a_second_broker_on_the_same_prefix_exits_1_with_one_line(broker: Broker
 
 
 # -- 4. --max-connections holds under a burst ---------------------------------------------
+
 
 def still_open(s: socket.socket) -> bool:
     """Whether the broker has not closed ``s`` (an answer it sent before closing is read)."""
@@ -198,7 +225,8 @@ def still_open(s: socket.socket) -> bool:
 
 
 def test_a_burst_of_connections_is_held_to_max_connections(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     limit, burst = 5, 60
     b = broker_factory("--max-connections", str(limit))
     socks = []
@@ -207,8 +235,11 @@ def test_a_burst_of_connections_is_held_to_max_connections(
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(b.sock)
             socks.append(s)
-        wait_for(lambda: sum(map(still_open, socks)) <= limit, 10,
-                 what=f"the broker to keep at most {limit} of {burst} connections")
+        wait_for(
+            lambda: sum(map(still_open, socks)) <= limit,
+            10,
+            what=f"the broker to keep at most {limit} of {burst} connections",
+        )
         assert sum(map(still_open, socks)) >= limit - 1, "it keeps the newest ones"
     finally:
         for s in socks:
@@ -220,8 +251,10 @@ def test_a_burst_of_connections_is_held_to_max_connections(
 
 # -- 3. a token that starts with '#' is refused, not read as a comment ------------------------
 
+
 def test_a_token_starting_with_a_hash_is_refused_not_dropped_as_a_comment(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     hashed = "#" + secrets.token_urlsafe(24)
     bad = write_tokens(tmp_path / "bad", f"# the broker's tokens\n#\n{hashed} admin\n")
     res = serve_once("--listen", f"unix://{tmp_path}/s.sock", "--token-file", bad)
@@ -229,8 +262,9 @@ def test_a_token_starting_with_a_hash_is_refused_not_dropped_as_a_comment(
     assert f"{bad}, line 3" in res.stderr and "cannot start with '#'" in res.stderr, res.stderr
     assert hashed not in res.stderr
     # '#' then a space, or alone, is a comment still
-    good = write_tokens(tmp_path / "good", f"# the broker's tokens\n  #\n\t# admin\n{hashed[1:]} "
-                                           "admin\n")
+    good = write_tokens(
+        tmp_path / "good", f"# the broker's tokens\n  #\n\t# admin\n{hashed[1:]} admin\n"
+    )
     port = free_port()
     b = broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", good)
     with Client(f"http://127.0.0.1:{port}", token=hashed[1:]) as c:
@@ -240,8 +274,10 @@ def test_a_token_starting_with_a_hash_is_refused_not_dropped_as_a_comment(
 
 # -- 5. an unauthenticated request is refused at its head, its body never read -----------------
 
+
 def test_an_unauthenticated_request_is_refused_before_its_body_is_sent(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """48 TCP connections without a token each announce a 16 MiB body and send
     none of it: each gets 401 at once, so the broker buffers nothing for them
     (its RSS stays where it was), and keeps serving."""
@@ -255,8 +291,10 @@ def test_an_unauthenticated_request_is_refused_before_its_body_is_sent(
             return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) << 10
 
     before = rss()
-    head = (f"POST /v1/put/w?dtype=uint8&shape={16 << 20} HTTP/1.1\r\nHost: x\r\n"
-            f"Content-Length: {16 << 20}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/put/w?dtype=uint8&shape={16 << 20} HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Length: {16 << 20}\r\n\r\n"
+    ).encode()
     socks = []
     try:
         for _ in range(48):

@@ -56,9 +56,12 @@ BATCHES = ("get_many", "put_many")
 
 
 def _lies(op: str) -> list[str]:
-    return [k for k, lie in LIES.items()
-            if (op in BATCHES or "columns" not in (lie or {}))
-            and not (op in BATCHES and "strides" in (lie or {}))]
+    return [
+        k
+        for k, lie in LIES.items()
+        if (op in BATCHES or "columns" not in (lie or {}))
+        and not (op in BATCHES and "strides" in (lie or {}))
+    ]
 
 
 class FakeBroker:
@@ -105,27 +108,49 @@ class FakeBroker:
 
     def handle(self, name: str, state: str, lease: int | None, big: bool) -> dict[str, Any]:
         n = BIG if big else 4
-        h: dict[str, Any] = {"name": name, "version": 1, "kind": "posix",
-                             "segment": self.segment, "offset": 4096, "nbytes": 4 * n,
-                             "shape": [n], "strides": [1], "dtype": "float32",
-                             "device": "cpu", "state": state, "lease": lease}
+        h: dict[str, Any] = {
+            "name": name,
+            "version": 1,
+            "kind": "posix",
+            "segment": self.segment,
+            "offset": 4096,
+            "nbytes": 4 * n,
+            "shape": [n],
+            "strides": [1],
+            "dtype": "float32",
+            "device": "cpu",
+            "state": state,
+            "lease": lease,
+        }
         for key, value in (LIES[name] or {}).items():
             h[key] = [2 * n] if value == "twice" else value
         return h
 
     def columns(self, name: str, state: str, leases: bool, big: bool) -> dict[str, Any]:
         h = self.handle(name, state, None, big)
-        cols = {"names": [name], "versions": [1], "state": state, "segments": [h["segment"]],
-                "segment": [0], "offsets": [h["offset"]], "nbytes": [h["nbytes"]],
-                "shapes": [h["shape"]], "dtypes": [h["dtype"]],
-                "leases": [self.lease(name)] if leases else None}
+        cols = {
+            "names": [name],
+            "versions": [1],
+            "state": state,
+            "segments": [h["segment"]],
+            "segment": [0],
+            "offsets": [h["offset"]],
+            "nbytes": [h["nbytes"]],
+            "shapes": [h["shape"]],
+            "dtypes": [h["dtype"]],
+            "leases": [self.lease(name)] if leases else None,
+        }
         cols.update(h.get("columns", {}))
         return cols
 
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         if (method, path) == ("POST", "/v1/sessions"):
-            return 200, {"session": "fake", "pid": None, "tracked": False,
-                         "heartbeat_interval": None}
+            return 200, {
+                "session": "fake",
+                "pid": None,
+                "tracked": False,
+                "heartbeat_interval": None,
+            }
         if method == "DELETE" and path == "/v1/sessions/fake":
             self.ended += 1
             return 204, None
@@ -134,8 +159,9 @@ class FakeBroker:
             return 200, self.handle(name, "ready", self.lease(name), False)
         if path == "/v1/alloc":
             name = body["name"]
-            return 200, self.handle(name, "writing", self.lease(name) if body["hold"] else None,
-                                    not body["hold"])
+            return 200, self.handle(
+                name, "writing", self.lease(name) if body["hold"] else None, not body["hold"]
+            )
         if path == "/v1/many/get":
             return 200, self.columns(body["names"][0], "ready", True, False)
         if path == "/v1/many/alloc":
@@ -189,24 +215,39 @@ def fake() -> Iterator[tuple[str, FakeBroker]]:
         assert shm_entries(prefix) == []
 
 
-@pytest.mark.parametrize("op,driver", [
-    pytest.param("get", "sync", id="get"), pytest.param("get", "async", id="async-get"),
-    pytest.param("get_many", "sync", id="get_many"),
-    pytest.param("get_many", "async", id="async-get_many"),
-    pytest.param("empty", "sync", id="empty"), pytest.param("empty", "async", id="async-empty"),
-    pytest.param("put", "sync", id="put"), pytest.param("put_many", "async", id="async-put_many"),
-])
+@pytest.mark.parametrize(
+    "op,driver",
+    [
+        pytest.param("get", "sync", id="get"),
+        pytest.param("get", "async", id="async-get"),
+        pytest.param("get_many", "sync", id="get_many"),
+        pytest.param("get_many", "async", id="async-get_many"),
+        pytest.param("empty", "sync", id="empty"),
+        pytest.param("empty", "async", id="async-empty"),
+        pytest.param("put", "sync", id="put"),
+        pytest.param("put_many", "async", id="async-put_many"),
+    ],
+)
 def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
-        fake: tuple[str, FakeBroker], op: str, driver: str) -> None:
+    fake: tuple[str, FakeBroker], op: str, driver: str
+) -> None:
     url, broker = fake
     lies = _lies(op)
-    res = subprocess.run([sys.executable, str(WORKERS / "handle_taker.py"), url, driver, op,
-                          *lies], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(WORKERS / "handle_taker.py"), url, driver, op, *lies],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
-    assert res.returncode == 0, (f"the client died ({res.returncode}) after {list(said)}:\n"
-                                 f"{res.stderr[-2000:]}")
-    wrong = {name: (r["raised"], r["message"]) for name, r in said.items()
-             if r["raised"] != "TensorBroken"}
+    assert res.returncode == 0, (
+        f"the client died ({res.returncode}) after {list(said)}:\n{res.stderr[-2000:]}"
+    )
+    wrong = {
+        name: (r["raised"], r["message"])
+        for name, r in said.items()
+        if r["raised"] != "TensorBroken"
+    }
     assert not wrong and list(said) == lies, wrong
     for r in said.values():
         assert "refusing the broker's handle" in r["message"], r
@@ -234,13 +275,14 @@ def _expected() -> dict[str, Any]:
     return {"small": np.arange(100.0), "big": np.arange(MiB, dtype=np.float32)}
 
 
-def test_a_tensor_held_from_a_killed_broker_is_copied_by_the_first_put(
-        broker: BrokerProc) -> None:
+def test_a_tensor_held_from_a_killed_broker_is_copied_by_the_first_put(broker: BrokerProc) -> None:
     want = _expected()
     with broker.client() as c:
         c.put_many(want)
-        held = {"big": c.get("big"), **{f"many-{k}": v for k, v in
-                                        c.get_many(["small", "big"]).items()}}
+        held = {
+            "big": c.get("big"),
+            **{f"many-{k}": v for k, v in c.get_many(["small", "big"]).items()},
+        }
         _restart(broker)
         for key, t in held.items():
             assert c.put(f"again-{key}", t) >= 1  # the first put after the restart

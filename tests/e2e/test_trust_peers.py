@@ -39,13 +39,21 @@ ENV = {"TENSORDEPOT_TOKEN": TOKEN}
 
 
 def stream_schema(meta: dict[str, Any]) -> Any:
-    return pa.schema([("bytes", pa.uint8())],
-                     metadata={b"tensordepot": json.dumps(meta).encode()})
+    return pa.schema([("bytes", pa.uint8())], metadata={b"tensordepot": json.dumps(meta).encode()})
 
 
 def meta_of(name: str, shape: list[int], dtype: str, nbytes: int, **kw: Any) -> dict[str, Any]:
-    return {"name": name, "version": 1, "shape": shape, "dtype": dtype, "nbytes": nbytes,
-            "origin": "grpc://fake:1", "origin_instance": "fake", "origin_version": 1, **kw}
+    return {
+        "name": name,
+        "version": 1,
+        "shape": shape,
+        "dtype": dtype,
+        "nbytes": nbytes,
+        "origin": "grpc://fake:1",
+        "origin_instance": "fake",
+        "origin_version": 1,
+        **kw,
+    }
 
 
 class FakePeer(fl.FlightServerBase):  # type: ignore[misc]
@@ -55,8 +63,16 @@ class FakePeer(fl.FlightServerBase):  # type: ignore[misc]
     starts only once the test calls ``release()``; ``started`` is set when
     a stream was asked for."""
 
-    def __init__(self, meta: dict[str, Any], data: bytes, *, sent: dict[str, Any] | None = None,
-                 chunk: int = 4 * MiB, pace: float = 0.0, hold: bool = False) -> None:
+    def __init__(
+        self,
+        meta: dict[str, Any],
+        data: bytes,
+        *,
+        sent: dict[str, Any] | None = None,
+        chunk: int = 4 * MiB,
+        pace: float = 0.0,
+        hold: bool = False,
+    ) -> None:
         super().__init__("grpc://127.0.0.1:0")
         self.meta, self.data, self.sent = meta, data, sent or meta
         self.chunk, self.pace = chunk, pace
@@ -75,8 +91,9 @@ class FakePeer(fl.FlightServerBase):  # type: ignore[misc]
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
         ticket = fl.Ticket(f"{self.meta['name']}@1".encode())
-        return fl.FlightInfo(stream_schema(self.meta), descriptor, [fl.FlightEndpoint(ticket, [])],
-                             -1, -1)
+        return fl.FlightInfo(
+            stream_schema(self.meta), descriptor, [fl.FlightEndpoint(ticket, [])], -1, -1
+        )
 
     def do_get(self, context: Any, ticket: Any) -> Any:
         self.started.set()
@@ -86,10 +103,10 @@ class FakePeer(fl.FlightServerBase):  # type: ignore[misc]
 
     def _chunks(self, sch: Any) -> Iterator[Any]:
         for off in range(0, max(len(self.data), 1), self.chunk):
-            part = np.frombuffer(self.data[off:off + self.chunk], np.uint8)
+            part = np.frombuffer(self.data[off : off + self.chunk], np.uint8)
             yield pa.record_batch([pa.array(part)], schema=sch)
             if self.pace and self._quit.wait(self.pace):  # the network's pace, not a wait for
-                return                                    # a condition
+                return  # a condition
 
 
 @pytest.fixture
@@ -107,8 +124,11 @@ def fake_peer() -> Iterator[Callable[..., FakePeer]]:
 
 def empty_here(b: BrokerProc) -> None:
     """Nothing published, nothing allocated: the refused replica left no trace."""
-    wait_for(lambda: (st := b.stat()).versions == 0 and st.bytes_in_use == 0, 10,
-             what="the refused replica's memory to be given back")
+    wait_for(
+        lambda: (st := b.stat()).versions == 0 and st.bytes_in_use == 0,
+        10,
+        what="the refused replica's memory to be given back",
+    )
     with b.client() as c:
         assert c.list() == []
 
@@ -117,8 +137,9 @@ F32 = np.arange(10, dtype=np.float32).tobytes()
 
 
 def bearer(token: str) -> Any:
-    return fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())],
-                                timeout=10)
+    return fl.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {token}".encode())], timeout=10
+    )
 
 
 def push(client: Any, name: str, token: str, meta: dict[str, Any], data: bytes) -> Any:
@@ -137,19 +158,29 @@ READ_TOKEN = "read-token-peers-0123456789abcdef"
 
 # -- 1. what is written is what was asked for, as announced ---------------------------------
 
-@pytest.mark.parametrize(("sent", "data"), [
-    pytest.param({"shape": [5, 2]}, F32, id="other-shape"),
-    pytest.param({"dtype": "int32"}, F32, id="other-dtype"),
-    pytest.param({"name": "other"}, F32, id="other-name"),
-    pytest.param({}, F32 + F32, id="more-bytes"),
-    pytest.param({}, F32[:20], id="fewer-bytes"),
-    pytest.param({"nbytes": 48}, F32, id="nbytes-not-the-shape"),
-])
+
+@pytest.mark.parametrize(
+    ("sent", "data"),
+    [
+        pytest.param({"shape": [5, 2]}, F32, id="other-shape"),
+        pytest.param({"dtype": "int32"}, F32, id="other-dtype"),
+        pytest.param({"name": "other"}, F32, id="other-name"),
+        pytest.param({}, F32 + F32, id="more-bytes"),
+        pytest.param({}, F32[:20], id="fewer-bytes"),
+        pytest.param({"nbytes": 48}, F32, id="nbytes-not-the-shape"),
+    ],
+)
 def test_a_stream_that_is_not_what_the_peer_announced_is_refused(
-        sent: dict[str, Any], data: bytes, fake_peer: Callable[..., FakePeer],
-        broker_factory: Callable[..., BrokerProc]) -> None:
-    announced = {**meta_of("w", [10], "float32", 40), **sent} if "nbytes" in sent \
+    sent: dict[str, Any],
+    data: bytes,
+    fake_peer: Callable[..., FakePeer],
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
+    announced = (
+        {**meta_of("w", [10], "float32", 40), **sent}
+        if "nbytes" in sent
         else meta_of("w", [10], "float32", 40)
+    )
     peer = fake_peer(announced, data, sent={**announced, **sent})
     b = broker_factory("--peer", peer.url)
     with b.client() as c, pytest.raises(BrokerUnavailable) as err:
@@ -158,14 +189,17 @@ def test_a_stream_that_is_not_what_the_peer_announced_is_refused(
     empty_here(b)
 
 
-@pytest.mark.parametrize("when", [
-    pytest.param("written-before-the-get", id="written-before-the-get"),
-    pytest.param("written-during-the-pull", id="written-during-the-pull"),
-    pytest.param("published-during-the-pull", id="published-during-the-pull"),
-])
+@pytest.mark.parametrize(
+    "when",
+    [
+        pytest.param("written-before-the-get", id="written-before-the-get"),
+        pytest.param("written-during-the-pull", id="written-during-the-pull"),
+        pytest.param("published-during-the-pull", id="published-during-the-pull"),
+    ],
+)
 def test_a_pull_never_replaces_a_tensor_written_here(
-        when: str, fake_peer: Callable[..., FakePeer],
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    when: str, fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]
+) -> None:
     """The peer holds 'w' (zeros); this broker's own producer writes 'w'
     (sevens) before or while a get pulls it.  The local tensor wins: the get
     returns it, and the replica's memory is given back."""
@@ -185,8 +219,11 @@ def test_a_pull_never_replaces_a_tensor_written_here(
         out = producer.empty("w", (10,), "float32") if when == "written-before-the-get" else None
         t = threading.Thread(target=getter)
         t.start()
-        wait_for(lambda: peer.started.is_set() or b.stat().waiting, 30,
-                 what="the get to pull from the peer, or to wait")
+        wait_for(
+            lambda: peer.started.is_set() or b.stat().waiting,
+            30,
+            what="the get to pull from the peer, or to wait",
+        )
         if when == "written-during-the-pull":
             out = producer.empty("w", (10,), "float32")
         if when == "published-during-the-pull":
@@ -199,9 +236,16 @@ def test_a_pull_never_replaces_a_tensor_written_here(
         peer.release()
         if when == "written-during-the-pull":
             peer_url = peer.url
-            wait_for(lambda: metrics(b.url).get(
-                f'tensordepot_peer_bytes_pulled_total{{peer="{peer_url}"}}', 0) == 40, 30,
-                what="the pull to end")
+            wait_for(
+                lambda: (
+                    metrics(b.url).get(
+                        f'tensordepot_peer_bytes_pulled_total{{peer="{peer_url}"}}', 0
+                    )
+                    == 40
+                ),
+                30,
+                what="the pull to end",
+            )
             out.publish()
         t.join(60)
         del out
@@ -210,35 +254,52 @@ def test_a_pull_never_replaces_a_tensor_written_here(
     with b.client() as c:
         [info] = c.list()
         assert (info.name, info.origin) == ("w", None), info
-    wait_for(lambda: b.stat().versions == 1 and b.stat().bytes_in_use == 40, 10,
-             what="the dropped replica's memory to be given back")
+    wait_for(
+        lambda: b.stat().versions == 1 and b.stat().bytes_in_use == 40,
+        10,
+        what="the dropped replica's memory to be given back",
+    )
 
 
 # -- 2. the broker's own Flight sessions never lapse ------------------------------------------
 
+
 def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
-        fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]) -> None:
+    fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]
+) -> None:
     """A pull, a DoPut and a DoGet that each take several ``--session-ttl``
     and ``--alloc-ttl`` (1 s here) complete, and lapse nothing: the sessions
     they run in are the broker's own, ended by the broker when the work is
     done, and what they allocate is being written by the broker itself."""
     x = np.random.default_rng(1).integers(0, 255, 4 * MiB, dtype=np.uint8)
-    peer = fake_peer(meta_of("slow", [4 * MiB], "uint8", 4 * MiB), x.tobytes(), chunk=64 * 1024,
-                     pace=0.05)  # 64 chunks: about 3 s
-    b = broker_factory("--session-ttl", "1", "--alloc-ttl", "1", "--peer", peer.url,
-                       "--peer-timeout", "5",
-                       "--flight", "grpc://127.0.0.1:0", env=ENV)
+    peer = fake_peer(
+        meta_of("slow", [4 * MiB], "uint8", 4 * MiB), x.tobytes(), chunk=64 * 1024, pace=0.05
+    )  # 64 chunks: about 3 s
+    b = broker_factory(
+        "--session-ttl",
+        "1",
+        "--alloc-ttl",
+        "1",
+        "--peer",
+        peer.url,
+        "--peer-timeout",
+        "5",
+        "--flight",
+        "grpc://127.0.0.1:0",
+        env=ENV,
+    )
     with b.client() as c:
         assert np.array_equal(np.from_dlpack(c.get("slow", timeout=30)), x)  # the pull
-    opts = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {TOKEN}".encode())],
-                                timeout=60)
+    opts = fl.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {TOKEN}".encode())], timeout=60
+    )
     with fl.connect(flight_url(b)) as client:
         meta = meta_of("pushed", [4 * MiB], "uint8", 4 * MiB)
         sch = stream_schema(meta)
         writer, reader = client.do_put(fl.FlightDescriptor.for_path("pushed"), sch, opts)
         paced = threading.Event()
         for off in range(0, 4 * MiB, 128 * 1024):  # 32 chunks, about 3 s
-            writer.write_batch(pa.record_batch([pa.array(x[off:off + 128 * 1024])], schema=sch))
+            writer.write_batch(pa.record_batch([pa.array(x[off : off + 128 * 1024])], schema=sch))
             paced.wait(0.1)  # the producer's pace
         writer.done_writing()
         assert json.loads(reader.read().to_pybytes())["version"] == 1
@@ -261,34 +322,66 @@ def test_the_brokers_own_flight_work_outlasts_the_session_ttl(
 
 # -- 3. Flight errors carry one line, never a traceback ----------------------------------------
 
+
 def test_flight_errors_carry_the_message_and_code_but_no_traceback(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{READ_TOKEN} read\n")
     tokens.chmod(0o600)
-    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--token-file", str(tokens),
-                       "--segment-size", "4MiB", env=ENV, max_memory="8MiB")
+    b = broker_factory(
+        "--flight",
+        "grpc://127.0.0.1:0",
+        "--token-file",
+        str(tokens),
+        "--segment-size",
+        "4MiB",
+        env=ENV,
+        max_memory="8MiB",
+    )
     with b.client() as c:
         c.put("w", np.arange(10, dtype=np.float32))
     good = meta_of("x", [10], "float32", 40)
     calls: list[tuple[str, bytes, Callable[[Any], Any]]] = [
-        ("tensor 'nope' not found", b"not_found",
-         lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_path("nope"), bearer(TOKEN))),
-        ("bad descriptor", b"invalid_request",
-         lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_command(b"w"), bearer(TOKEN))),
-        ("bad ticket", b"invalid_request",
-         lambda cl: cl.do_get(fl.Ticket(b"has space"), bearer(TOKEN)).read_all()),
-        ("version 7 of 'w' is not the newest", b"not_found",
-         lambda cl: cl.do_get(fl.Ticket(b"w@7"), bearer(TOKEN)).read_all()),
-        ("unknown dtype 'float99'", b"invalid_request",
-         lambda cl: push(cl, "x", TOKEN, {**good, "dtype": "float99"}, bytes(40))),
+        (
+            "tensor 'nope' not found",
+            b"not_found",
+            lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_path("nope"), bearer(TOKEN)),
+        ),
+        (
+            "bad descriptor",
+            b"invalid_request",
+            lambda cl: cl.get_flight_info(fl.FlightDescriptor.for_command(b"w"), bearer(TOKEN)),
+        ),
+        (
+            "bad ticket",
+            b"invalid_request",
+            lambda cl: cl.do_get(fl.Ticket(b"has space"), bearer(TOKEN)).read_all(),
+        ),
+        (
+            "version 7 of 'w' is not the newest",
+            b"not_found",
+            lambda cl: cl.do_get(fl.Ticket(b"w@7"), bearer(TOKEN)).read_all(),
+        ),
+        (
+            "unknown dtype 'float99'",
+            b"invalid_request",
+            lambda cl: push(cl, "x", TOKEN, {**good, "dtype": "float99"}, bytes(40)),
+        ),
         ("carried 20 bytes", b"invalid_request", lambda cl: push(cl, "x", TOKEN, good, bytes(20))),
-        ("more than the 40 bytes", b"invalid_request",
-         lambda cl: push(cl, "x", TOKEN, good, bytes(80))),
+        (
+            "more than the 40 bytes",
+            b"invalid_request",
+            lambda cl: push(cl, "x", TOKEN, good, bytes(80)),
+        ),
         ("needs 'write'", b"forbidden", lambda cl: push(cl, "x", READ_TOKEN, good, bytes(40))),
-        ("cannot place 'x'", b"out_of_memory",
-         lambda cl: push(cl, "x", TOKEN, meta_of("x", [16 * MiB], "uint8", 16 * MiB),
-                         bytes(16 * MiB))),
+        (
+            "cannot place 'x'",
+            b"out_of_memory",
+            lambda cl: push(
+                cl, "x", TOKEN, meta_of("x", [16 * MiB], "uint8", 16 * MiB), bytes(16 * MiB)
+            ),
+        ),
     ]
     with fl.connect(flight_url(b)) as client:
         for message, code, call in calls:
@@ -304,13 +397,20 @@ def test_flight_errors_carry_the_message_and_code_but_no_traceback(
 
 # -- 4. a peer's fault is the peer's, and says what it was ------------------------------------
 
-@pytest.mark.parametrize(("meta", "cause"), [
-    pytest.param(meta_of("w", [10], "float99", 40), "unknown dtype 'float99'", id="dtype"),
-    pytest.param(meta_of("w", [1 << 40, 1 << 40], "float32", 0), "overflows", id="shape"),
-])
+
+@pytest.mark.parametrize(
+    ("meta", "cause"),
+    [
+        pytest.param(meta_of("w", [10], "float99", 40), "unknown dtype 'float99'", id="dtype"),
+        pytest.param(meta_of("w", [1 << 40, 1 << 40], "float32", 0), "overflows", id="shape"),
+    ],
+)
 def test_a_peers_bad_announcement_is_the_peers_fault(
-        meta: dict[str, Any], cause: str, fake_peer: Callable[..., FakePeer],
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    meta: dict[str, Any],
+    cause: str,
+    fake_peer: Callable[..., FakePeer],
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     peer = fake_peer(meta, bytes(40))
     b = broker_factory("--peer", peer.url)
     with b.client() as c, pytest.raises(BrokerUnavailable) as err:
@@ -320,7 +420,8 @@ def test_a_peers_bad_announcement_is_the_peers_fault(
 
 
 def test_a_transfer_past_its_whole_deadline_says_so(
-        fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]) -> None:
+    fake_peer: Callable[..., FakePeer], broker_factory: Callable[..., BrokerProc]
+) -> None:
     """--peer-timeout 1 bounds each quiet spell, and the whole transfer of
     1 MiB gets 1 s plus 1 s per MiB: a peer that keeps sending, too slowly,
     is cut off at 2 s, and the message says it was the whole transfer."""
@@ -334,11 +435,13 @@ def test_a_transfer_past_its_whole_deadline_says_so(
     empty_here(b)
 
 
-def test_out_of_memory_on_a_push_is_out_of_memory(broker_factory: Callable[..., BrokerProc],
-                                                   ) -> None:
+def test_out_of_memory_on_a_push_is_out_of_memory(
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     a = broker_factory(env=ENV)
-    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--segment-size", "4MiB", env=ENV,
-                       max_memory="8MiB")
+    b = broker_factory(
+        "--flight", "grpc://127.0.0.1:0", "--segment-size", "4MiB", env=ENV, max_memory="8MiB"
+    )
     with a.client() as c:
         c.put("big", np.zeros(16 * MiB, dtype=np.uint8))
         with pytest.raises(OutOfMemory) as err:
@@ -355,15 +458,26 @@ def test_out_of_memory_on_a_push_is_out_of_memory(broker_factory: Callable[..., 
 
 # -- 5. a push is charged to the token that pushes ----------------------------------------------
 
+
 def test_flight_pushes_are_charged_to_the_pushing_tokens_quota(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     one, two = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{one} write name=one\n{two} write name=two\n")
     tokens.chmod(0o600)
     port = free_port()
-    b = broker_factory("--flight", "grpc://127.0.0.1:0", "--listen", f"http://127.0.0.1:{port}",
-                       "--token-file", str(tokens), "--max-memory-per-token", "20MiB", env=ENV)
+    b = broker_factory(
+        "--flight",
+        "grpc://127.0.0.1:0",
+        "--listen",
+        f"http://127.0.0.1:{port}",
+        "--token-file",
+        str(tokens),
+        "--max-memory-per-token",
+        "20MiB",
+        env=ENV,
+    )
     x = bytes(16 * MiB)
     meta = meta_of("a", [16 * MiB], "uint8", 16 * MiB)
     with fl.connect(flight_url(b)) as client:
@@ -385,8 +499,10 @@ def test_flight_pushes_are_charged_to_the_pushing_tokens_quota(
 
 # -- 6. replicas are charged to the reader who pulled them, and are a cache ---------------------
 
+
 def test_replicas_are_charged_to_their_reader_and_dropped_for_room(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     """A read token's gets pull replicas here: they count against that token,
     not against an identity every reader shares, and a replica no lease
     holds is a cache, dropped (least recently checked first) when its
@@ -400,11 +516,24 @@ def test_replicas_are_charged_to_their_reader_and_dropped_for_room(
     tokens.write_text(f"{one} read name=one\n{two} read name=two\n{writer} write name=w\n")
     tokens.chmod(0o600)
     url = f"http://127.0.0.1:{free_port()}"
-    b = broker_factory("--peer", flight_url(a), "--peer-token", TOKEN, "--listen", url,
-                       "--token-file", str(tokens), "--max-memory-per-token", "20MiB",
-                       "--segment-size", "4MiB", "--warm-memory", "0", max_memory="32MiB")
-    with Client(url, token=one) as r1, Client(url, token=two) as r2, \
-            Client(url, token=writer) as w:
+    b = broker_factory(
+        "--peer",
+        flight_url(a),
+        "--peer-token",
+        TOKEN,
+        "--listen",
+        url,
+        "--token-file",
+        str(tokens),
+        "--max-memory-per-token",
+        "20MiB",
+        "--segment-size",
+        "4MiB",
+        "--warm-memory",
+        "0",
+        max_memory="32MiB",
+    )
+    with Client(url, token=one) as r1, Client(url, token=two) as r2, Client(url, token=writer) as w:
         for n in "ab":
             assert int(np.from_dlpack(r1.get(n))[0]) == ord(n)
         wait_for(lambda: r1.stat().leases == 0, 10, what="r1's leases to end")

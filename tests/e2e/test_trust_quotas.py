@@ -32,8 +32,10 @@ def published_bytes(c: Client) -> int:
 
 # -- 1. an alias is charged to whoever makes it ------------------------------------------------
 
+
 def test_an_alias_is_charged_so_deleting_the_original_frees_no_quota(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     b = broker_factory("--max-memory-per-session", "20MiB", "--max-memory-per-token", "20MiB")
     big = np.ones(16 * MiB, np.uint8)
     refused = []
@@ -70,7 +72,8 @@ def test_an_alias_is_charged_so_deleting_the_original_frees_no_quota(
 
 
 def test_an_alias_made_by_another_session_counts_against_that_session(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     b = broker_factory("--max-memory-per-session", "20MiB")
     with b.client() as owner, b.client() as other:
         owner.put("x", np.ones(16 * MiB, np.uint8))
@@ -96,9 +99,11 @@ def test_an_alias_made_by_another_session_counts_against_that_session(
 
 # -- 2. concurrent puts are checked and charged in one step ------------------------------------
 
+
 @pytest.mark.parametrize("limit", ["session", "token"])
 def test_concurrent_puts_never_publish_more_than_the_quota(
-        broker_factory: Callable[..., BrokerProc], limit: str) -> None:
+    broker_factory: Callable[..., BrokerProc], limit: str
+) -> None:
     b = broker_factory(f"--max-memory-per-{limit}", "20MiB")
     n = 8
     start = threading.Barrier(n)
@@ -145,18 +150,23 @@ def test_concurrent_puts_never_publish_more_than_the_quota(
 
 # -- 3. a put_many whose publish fails gives back its whole batch ------------------------------
 
-def call(b: BrokerProc, method: str, path: str, body: Any = None,
-         session: str | None = None) -> Answer:
+
+def call(
+    b: BrokerProc, method: str, path: str, body: Any = None, session: str | None = None
+) -> Answer:
     headers = [("content-type", "application/json")]
     headers += [("x-tensordepot-session", session)] if session else []
-    return exchange(b.sock, encode(method, path, headers,
-                                   None if body is None else json.dumps(body).encode()),
-                    method=method)
+    return exchange(
+        b.sock,
+        encode(method, path, headers, None if body is None else json.dumps(body).encode()),
+        method=method,
+    )
 
 
 @pytest.mark.parametrize("route", ["many", "batch"])
 def test_a_failed_batch_publish_gives_back_the_whole_batch(
-        broker_factory: Callable[..., BrokerProc], route: str) -> None:
+    broker_factory: Callable[..., BrokerProc], route: str
+) -> None:
     """A producer that never aborts (raw HTTP): the broker itself gives back
     every allocation of a batch whose publish fails."""
     names = [f"sd.{i}" for i in range(20)]
@@ -174,8 +184,13 @@ def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, rou
     """40 batches of ``names``, each but the first with a name deleted before its publish."""
     for k in range(40):
         if route == "many":
-            got = call(b, "POST", "/v1/many/alloc", {"names": names, "shapes": [[size]] * 20,
-                                                     "dtypes": ["uint8"] * 20}, sid)
+            got = call(
+                b,
+                "POST",
+                "/v1/many/alloc",
+                {"names": names, "shapes": [[size]] * 20, "dtypes": ["uint8"] * 20},
+                sid,
+            )
             assert got.status == 200, (k, got.json(), d.stat())
             versions = got.json()["versions"]
             pub = ("/v1/many/publish", {"names": names, "versions": versions})
@@ -184,8 +199,14 @@ def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, rou
             got = call(b, "POST", "/v1/batch/alloc", {"items": items}, sid)
             assert got.status == 200, (k, got.json(), d.stat())
             versions = [h["version"] for h in got.json()["items"]]
-            pub = ("/v1/batch/publish", {"items": [{"name": n, "version": v} for n, v
-                                                   in zip(names, versions, strict=True)]})
+            pub = (
+                "/v1/batch/publish",
+                {
+                    "items": [
+                        {"name": n, "version": v} for n, v in zip(names, versions, strict=True)
+                    ]
+                },
+            )
         if k:
             d.delete(names[k % 20])  # deleted between alloc and publish
         answer = call(b, "POST", *pub, session=sid)
@@ -201,7 +222,8 @@ def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, rou
 
 
 def test_a_put_many_loop_against_a_deleter_runs_in_bounded_memory(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """The whole scenario with real clients: a producer's put_many loop, a
     deleter and a consumer, in memory that 13 leaked batches would fill."""
     names = [f"sd.{i}" for i in range(20)]
@@ -237,6 +259,7 @@ def test_a_put_many_loop_against_a_deleter_runs_in_bounded_memory(
                 fn()
             except BaseException as exc:
                 errors.append(exc)
+
         return run
 
     helpers = [threading.Thread(target=guarded(f)) for f in (deleter, consumer)]
@@ -259,13 +282,19 @@ def test_a_put_many_loop_against_a_deleter_runs_in_bounded_memory(
                 th.join(60)
         assert not errors, errors
         # No allocation of a failed batch stays behind (they would stay until --alloc-ttl).
-        wait_for(lambda: p.stat().versions <= len(names), 10,
-                 what="only the published versions to be left")
+        wait_for(
+            lambda: p.stat().versions <= len(names),
+            10,
+            what="only the published versions to be left",
+        )
         for n in names:
             try:
                 p.delete(n)
             except TensorNotFound:
                 pass
-        wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().leases == 0, 10,
-                 what="every byte and lease to be given back")
+        wait_for(
+            lambda: p.stat().bytes_in_use == 0 and p.stat().leases == 0,
+            10,
+            what="every byte and lease to be given back",
+        )
     assert failed > 0, "the deleter never hit a batch between alloc and publish"

@@ -45,8 +45,7 @@ def steal(b: BrokerProc, sid: str, lease: int | None) -> dict[str, list[object]]
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
-        broker: BrokerProc) -> None:
+def test_a_session_id_used_by_another_process_of_the_same_user_is_403(broker: BrokerProc) -> None:
     with broker.client() as owner:
         owner.put("w", np.arange(N, dtype=np.float32))
         t = owner.get("w")
@@ -73,22 +72,25 @@ def test_a_session_id_used_by_another_process_of_the_same_user_is_403(
 GRACE = 3.0  # --lapse-grace in these tests (60 s by default)
 
 
-def tcp_reader(broker_factory: Callable[..., BrokerProc],
-               workers: Callable[..., Worker]) -> tuple[Worker, Client]:
+def tcp_reader(
+    broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]
+) -> tuple[Worker, Client]:
     """A broker on TCP (--session-ttl 1, --lapse-grace GRACE), a reader
     worker on it, and a client of the test's own."""
     tcp = f"http://127.0.0.1:{free_port()}"
     token = {"TENSORDEPOT_TOKEN": secrets.token_urlsafe(24)}
     # Through the environment, so an older broker that lacks the setting starts too.
-    broker_factory("--listen", tcp, "--session-ttl", "1",
-                   env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)})
+    broker_factory(
+        "--listen", tcp, "--session-ttl", "1", env={**token, "TENSORDEPOT_LAPSE_GRACE": str(GRACE)}
+    )
     w = workers("mishap", tcp, env=token)
     w.expect("ready")
     return w, Client(tcp, token=token["TENSORDEPOT_TOKEN"])
 
 
 def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]
+) -> None:
     """A TCP reader SIGSTOPped past --session-ttl lapses: what it leased is
     retired.  SIGKILLed then, nothing tells the broker; its memory comes back
     --lapse-grace after the lapse, not before."""
@@ -105,8 +107,12 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
         c.delete("a")
         st = c.stat()
         assert st.bytes_retired == MiB, st  # retired, not reused, while the grace runs
-        stat_when(c, lambda s: s.bytes_retired == 0, "the lapsed session's memory to come back",
-                  GRACE + 10)
+        stat_when(
+            c,
+            lambda s: s.bytes_retired == 0,
+            "the lapsed session's memory to come back",
+            GRACE + 10,
+        )
         assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
         c.delete("keep")
         drained(c, "leases", "bytes_in_use", "bytes_retired", sessions=1)
@@ -114,8 +120,8 @@ def test_a_lapsed_tcp_session_s_memory_comes_back_after_the_grace(
 
 @pytest.mark.parametrize("closed", [False, True], ids=["carries_on", "closed_its_client"])
 def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker],
-        closed: bool) -> None:
+    broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker], closed: bool
+) -> None:
     """A TCP reader SIGSTOPped past --session-ttl lapses, then resumes with its
     view alive.  Its heartbeats say which lapsed session its views still hold,
     so the grace never runs out under a live view: puts long past the grace
@@ -155,7 +161,8 @@ def test_a_lapsed_reader_that_resumes_keeps_its_views_past_the_grace(
 
 
 def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at_once(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]) -> None:
+    broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker]
+) -> None:
     """On the unix socket the broker knows the reader's pid: SIGSTOPped past
     --session-ttl it is paused, not gone, and keeps its session and its bytes;
     SIGKILLed, it is gone, and its memory is reused within --reap-interval,
@@ -169,15 +176,22 @@ def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at
         w.ask("get a", "ok")
         os.kill(w.pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: time.monotonic() - stopped > 2 and c.stat().sessions == 2, 10,
-                 what="the stopped reader's session to outlive --session-ttl")
+        wait_for(
+            lambda: time.monotonic() - stopped > 2 and c.stat().sessions == 2,
+            10,
+            what="the stopped reader's session to outlive --session-ttl",
+        )
         c.delete("a")
         assert c.stat().bytes_in_use == 2 * MiB  # the stopped reader still holds 'a'
         w.kill()
         w.wait()
         killed = time.monotonic()
-        st = stat_when(c, lambda s: s.sessions == 1 and s.bytes_in_use == MiB,
-                       "the killed reader's memory to come back", 5)
+        st = stat_when(
+            c,
+            lambda s: s.sessions == 1 and s.bytes_in_use == MiB,
+            "the killed reader's memory to come back",
+            5,
+        )
         assert (st.bytes_retired, st.retired_total) == (0, 0), st
         assert time.monotonic() - killed < 2, "slower than --reap-interval allows"
         c.delete("keep")
@@ -185,7 +199,8 @@ def test_a_unix_reader_stopped_past_the_ttl_then_killed_gives_its_memory_back_at
 
 
 def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
-        broker_factory: Callable[..., BrokerProc]) -> None:
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
     """POST /fork copies the leases into a session for a child; a child that
     never claims it (it exited, or was paused right after the fork) lapses at
     the end of the claim window: what the copies held is retired, and comes
@@ -197,8 +212,10 @@ def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
         c.put("keep", np.full(N, 1.0, dtype=np.float32))
         c.put("a", np.full(N, 2.0, dtype=np.float32))
         t = c.get("a")
-        got = exchange(b.sock, encode("POST", f"/v1/sessions/{c._sid}/fork",
-                                      [("x-tensordepot-session", c._sid)], b""))
+        got = exchange(
+            b.sock,
+            encode("POST", f"/v1/sessions/{c._sid}/fork", [("x-tensordepot-session", c._sid)], b""),
+        )
         assert got.status == 200, got
         assert len(got.json()["leases"]) == 1, got.json()
         del t
@@ -208,8 +225,12 @@ def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
         lapsed = time.monotonic()
         st = c.stat()
         assert st.bytes_retired == MiB, st  # retired, not reused, while the grace runs
-        st = stat_when(c, lambda s: s.bytes_in_use == MiB and s.bytes_retired == 0,
-                       "the unclaimed fork's memory to come back", GRACE + 10)
+        st = stat_when(
+            c,
+            lambda s: s.bytes_in_use == MiB and s.bytes_retired == 0,
+            "the unclaimed fork's memory to come back",
+            GRACE + 10,
+        )
         assert time.monotonic() - lapsed >= GRACE - 0.5, "given back before the grace"
         assert st.retired_total >= MiB, st  # it was retired, then came back
         c.delete("keep")
@@ -221,8 +242,8 @@ def test_a_fork_never_claimed_gives_its_memory_back_after_the_grace(
 
 @pytest.mark.parametrize("how", ["released", "killed"])
 def test_an_expired_empty_comes_back_once_its_hold_ends(
-        broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker],
-        how: str) -> None:
+    broker_factory: Callable[..., BrokerProc], workers: Callable[..., Worker], how: str
+) -> None:
     """An empty() left unpublished past --alloc-ttl is reclaimed, its memory
     distrusted while the writer's views live.  Once the hold is released (the
     views died) or the writer is gone, the memory is reused."""
@@ -255,7 +276,8 @@ REAPED, EXITED = "tensordepot_sessions_reaped_total", "tensordepot_sessions_exit
 
 @pytest.mark.parametrize("how", ["exits", "killed"])
 def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
-        broker: BrokerProc, workers: Callable[..., Worker], how: str) -> None:
+    broker: BrokerProc, workers: Callable[..., Worker], how: str
+) -> None:
     """A process that exits normally, a view still alive, ends its session on
     its way out (the client's exit hook): counted as exited, not reaped, and
     no "is gone; reclaiming" line.  A SIGKILLed one is a crash: reaped, logged."""
@@ -274,8 +296,9 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
         after = metrics(broker.url)
         reaped = after.get(REAPED, 0) - before.get(REAPED, 0)
         exited = after.get(EXITED, 0) - before.get(EXITED, 0)
-        crash_lines = [ln for ln in broker.log().splitlines()
-                       if f"(pid {pid}) is gone; reclaiming" in ln]
+        crash_lines = [
+            ln for ln in broker.log().splitlines() if f"(pid {pid}) is gone; reclaiming" in ln
+        ]
         if how == "exits":
             assert (reaped, exited, crash_lines) == (0, 1, []), (reaped, exited, crash_lines)
         else:
@@ -286,7 +309,8 @@ def test_a_process_that_exits_with_a_view_alive_is_not_counted_as_a_crash(
 
 @pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 def test_five_normal_exits_with_views_past_close_are_no_crash_and_a_kill_is_one(
-        broker: BrokerProc) -> None:
+    broker: BrokerProc,
+) -> None:
     """The ordinary ``with Client() as c:`` with a view kept past it, in a
     script and in the children multiprocessing and a DataLoader start (which
     leave with os._exit, never running atexit): 0 reaped, all exited; then a
@@ -294,8 +318,12 @@ def test_five_normal_exits_with_views_past_close_are_no_crash_and_a_kill_is_one(
     with broker.client() as c:
         c.put("x", np.full(N, 2.0, dtype=np.float32))
         before = metrics(broker.url)
-        res = subprocess.run([sys.executable, str(WORKERS / "exits.py"), broker.url],
-                             capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            [sys.executable, str(WORKERS / "exits.py"), broker.url],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0 and res.stdout == "done\n", res.stderr[-3000:]
         stat_when(c, lambda s: s.sessions == 1 and s.leases == 0, "the sessions to end")
         after = metrics(broker.url)
@@ -305,8 +333,9 @@ def test_five_normal_exits_with_views_past_close_are_no_crash_and_a_kill_is_one(
         # script's leases (its view lives across both forks): 7 exits, 0 crashes
         assert (reaped, exited) == (0, 7), (reaped, exited, broker.log()[-2000:])
         assert "is gone; reclaiming" not in broker.log()
-        killed = subprocess.Popen([sys.executable, "-c", KEEP_AND_WAIT, broker.url],
-                                  stdout=subprocess.PIPE, text=True)
+        killed = subprocess.Popen(
+            [sys.executable, "-c", KEEP_AND_WAIT, broker.url], stdout=subprocess.PIPE, text=True
+        )
         assert killed.stdout is not None and killed.stdout.readline() == "holding\n"
         killed.kill()
         killed.wait(30)
@@ -332,8 +361,9 @@ time.sleep(3600)
 # -- 5. what a reader pins is the reader's ------------------------------------------------
 
 
-def _producer_and_reader(broker_factory: Callable[..., BrokerProc], tmp_path: Path,
-                         **kw: object) -> tuple[str, str, str]:
+def _producer_and_reader(
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path, **kw: object
+) -> tuple[str, str, str]:
     """A TCP broker with a write token and a read token, and a 3 MiB quota per
     token: (its URL, the producer's token, the reader's)."""
     producer, reader = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
@@ -342,13 +372,15 @@ def _producer_and_reader(broker_factory: Callable[..., BrokerProc], tmp_path: Pa
     with os.fdopen(fd, "w") as f:
         f.write(f"{producer} write name=producer\n{reader} read name=reader\n")
     tcp = f"http://127.0.0.1:{free_port()}"
-    broker_factory("--listen", tcp, "--token-file", str(tokens),
-                   "--max-memory-per-token", "3MiB", **kw)
+    broker_factory(
+        "--listen", tcp, "--token-file", str(tokens), "--max-memory-per-token", "3MiB", **kw
+    )
     return tcp, producer, reader
 
 
 def test_versions_a_reader_pins_do_not_count_against_the_producer(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     """A reader that keeps every version it got pins what the producer has
     replaced; those bytes count against the reader, so the producer's
     --max-memory-per-token holds only what its names still refer to.  Once
@@ -374,15 +406,17 @@ def test_versions_a_reader_pins_do_not_count_against_the_producer(
 
 
 def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     """A read token may fork its session (a read-only consumer's DataLoader
     forks its workers).  The copies of its leases that a child never claims
     pin the versions the producer replaces: those bytes count against the
     forker's quota, so the producer keeps publishing under its own (and once
     they fill the forker's quota, its gets are refused), and they come back
     --lapse-grace after the claim window."""
-    tcp, producer, reader = _producer_and_reader(broker_factory, tmp_path,
-                                                 env={"TENSORDEPOT_LAPSE_GRACE": "2"})
+    tcp, producer, reader = _producer_and_reader(
+        broker_factory, tmp_path, env={"TENSORDEPOT_LAPSE_GRACE": "2"}
+    )
     with Client(tcp, token=producer) as p, Client(tcp, token=reader) as r:
         refused = 0
         for i in range(6):  # 6 MiB pinned by forks were a 3 MiB quota of the producer's
@@ -399,13 +433,19 @@ def test_the_pins_of_an_unclaimed_fork_count_against_the_forker_not_the_producer
         assert (st.tensors, st.bytes_in_use, refused) == (1, 4 * MiB, 3), st
         p.delete("w")
         # The forks' claim window ends, then their copies' memory comes back.
-        wait_for(lambda: p.stat().bytes_in_use == 0 and p.stat().bytes_retired == 0
-                 and p.stat().leases == 0, 30, what="the unclaimed forks' pins to go")
+        wait_for(
+            lambda: (
+                p.stat().bytes_in_use == 0 and p.stat().bytes_retired == 0 and p.stat().leases == 0
+            ),
+            30,
+            what="the unclaimed forks' pins to go",
+        )
         assert r.stat().sessions == 2  # the producer's and the reader's: the forks ended
 
 
 def test_a_release_sent_under_a_lapsed_session_gives_its_memory_back(
-        broker_factory: Callable[..., BrokerProc], tmp_path: Path) -> None:
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     """A process resumes from a pause past --session-ttl and drops a view
     before its heartbeat finds the session gone: the release goes out under
     the lapsed session's id.  The broker takes it as the client's word that
@@ -417,8 +457,16 @@ def test_a_release_sent_under_a_lapsed_session_gives_its_memory_back(
     with os.fdopen(fd, "w") as f:
         f.write(f"{token} write name=resumed\n")
     port = free_port()
-    broker_factory("--listen", f"http://127.0.0.1:{port}", "--token-file", str(tokens),
-                   "--session-ttl", "1", "--lapse-grace", "120")
+    broker_factory(
+        "--listen",
+        f"http://127.0.0.1:{port}",
+        "--token-file",
+        str(tokens),
+        "--session-ttl",
+        "1",
+        "--lapse-grace",
+        "120",
+    )
     auth = [("Authorization", f"Bearer {token}"), ("Content-Type", "application/json")]
 
     def send(method: str, path: str, body: object = None, sid: str | None = None) -> Answer:

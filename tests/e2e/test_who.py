@@ -29,10 +29,16 @@ def test_who_shows_which_process_holds_which_versions(api: Api, broker: BrokerPr
         held = [h for h in api.who() if h.label == "reader"]
         assert len(held) == 1, api.who()
         h = held[0]
-        assert (h.pid, h.leases, h.nbytes, h.writing, h.exiting) == (os.getpid(), 3, 2 * KiB, 0,
-                                                                    False)
+        assert (h.pid, h.leases, h.nbytes, h.writing, h.exiting) == (
+            os.getpid(),
+            3,
+            2 * KiB,
+            0,
+            False,
+        )
         assert [(n.name, n.versions, n.leases, n.nbytes) for n in h.names] == [
-            ("w", [1, 2], 3, 2 * KiB)]
+            ("w", [1, 2], 3, 2 * KiB)
+        ]
         assert reader._core.sid.startswith(h.session) and len(h.session) == 8
         table = ok("who", "--url", broker.url)
         line = next(ln for ln in table.splitlines() if " reader " in ln)
@@ -44,18 +50,24 @@ def test_who_shows_which_process_holds_which_versions(api: Api, broker: BrokerPr
     api.delete("w")
 
 
-def test_a_token_sees_its_own_sessions_and_names(broker_factory: Callable[..., BrokerProc],
-                                                 tmp_path: Path) -> None:
+def test_a_token_sees_its_own_sessions_and_names(
+    broker_factory: Callable[..., BrokerProc], tmp_path: Path
+) -> None:
     admin, team, other = (secrets.token_urlsafe(24) for _ in range(3))
     path = tmp_path / "tokens"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(f"{admin} admin name=ops\n{team} write prefix=team-a/ name=team-a\n"
-                f"{other} write name=other\n")
+        f.write(
+            f"{admin} admin name=ops\n{team} write prefix=team-a/ name=team-a\n"
+            f"{other} write name=other\n"
+        )
     tcp = f"http://127.0.0.1:{free_port()}"
     broker_factory("--listen", tcp, "--token-file", str(path))
-    with Client(tcp, token=admin) as a, Client(tcp, token=team, label="team") as t, \
-            Client(tcp, token=other, label="other") as o:
+    with (
+        Client(tcp, token=admin) as a,
+        Client(tcp, token=team, label="team") as t,
+        Client(tcp, token=other, label="other") as o,
+    ):
         a.put_many({"team-a/w": np.zeros(4, np.uint8), "secret": np.zeros(4, np.uint8)})
         kept = [t.get("team-a/w"), o.get("secret"), o.get("team-a/w")]
         seen_by_team = t.who()

@@ -16,7 +16,8 @@ GiB = 1 << 30
 
 
 def test_1gib_get_and_full_read_adds_no_anonymous_memory(  # type: ignore[no-untyped-def]
-        broker_factory) -> None:
+    broker_factory,
+) -> None:
     b = broker_factory(max_memory="3GiB")
     with b.client() as c:
         out = c.empty("big", (GiB // 4,), "float32")  # filled in place: no copy on our side either
@@ -24,8 +25,9 @@ def test_1gib_get_and_full_read_adds_no_anonymous_memory(  # type: ignore[no-unt
         out.publish()
         del out
         res = run_worker("zero_copy_reader", b.url, "big", timeout=300)
-        m = re.search(r"nbytes=(\d+) pages_sum=([\d.]+) expected=([\d.]+) anon_growth_kib=(-?\d+)",
-                      res.stdout)
+        m = re.search(
+            r"nbytes=(\d+) pages_sum=([\d.]+) expected=([\d.]+) anon_growth_kib=(-?\d+)", res.stdout
+        )
         assert m, res.stdout
         nbytes, got, want, growth_kib = int(m[1]), float(m[2]), float(m[3]), int(m[4])
         assert nbytes == GiB
@@ -46,7 +48,8 @@ def test_torch_write_to_published_tensor_stays_in_the_writer(broker: BrokerProc)
         assert w.returncode == 0, (w.returncode, out, err[-2000:])
         assert "WROTE" in out and "CLEAN" in out, (out, err)
         assert held.tobytes() == want.tobytes(), (
-            "a stray write in one process changed another's view")
+            "a stray write in one process changed another's view"
+        )
         got = np.from_dlpack(c.get("ro"))
         assert got.tobytes() == want.tobytes(), "a stray write reached the published bytes"
         del got, held
@@ -64,7 +67,8 @@ def _present(ptr: int, nbytes: int) -> int:
 
 @pytest.mark.parametrize("batch", [False, True], ids=["get", "get_many"])
 def test_a_torch_write_never_reaches_a_later_get_in_the_same_process(
-        broker: BrokerProc, batch: bool) -> None:
+    broker: BrokerProc, batch: bool
+) -> None:
     """Reads go through a mapping kept across gets, so a second get of 64 MiB
     finds its page tables made.  A torch write into the first view stays in
     that view while it is held, and is gone once it is released: the same
@@ -96,7 +100,8 @@ def test_a_torch_write_never_reaches_a_later_get_in_the_same_process(
         t = torch.from_dlpack(st)
         assert t.data_ptr() == ptr
         assert _present(ptr, n * 4) == n * 4 // os.sysconf("SC_PAGE_SIZE"), (
-            "a later get mapped afresh: its page tables were not kept")
+            "a later get mapped afresh: its page tables were not kept"
+        )
         del st, t
 
 

@@ -51,13 +51,31 @@ def med(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def row(cid: str, what: str, ours_s: float | None, peer_s: float | None, peer: str,
-        measured: float | None, op: str, goal: float, unit: str = "x",
-        note: str = "") -> dict[str, Any]:
+def row(
+    cid: str,
+    what: str,
+    ours_s: float | None,
+    peer_s: float | None,
+    peer: str,
+    measured: float | None,
+    op: str,
+    goal: float,
+    unit: str = "x",
+    note: str = "",
+) -> dict[str, Any]:
     ok = None if measured is None else (measured <= goal if op == "<=" else measured >= goal)
-    return {"id": cid, "what": what, "tensordepot_ms": None if ours_s is None else ours_s * 1e3,
-            "peer": peer, "peer_ms": None if peer_s is None else peer_s * 1e3, "measured": measured,
-            "unit": unit, "goal": f"{op} {goal:g}", "pass": ok, "note": note}
+    return {
+        "id": cid,
+        "what": what,
+        "tensordepot_ms": None if ours_s is None else ours_s * 1e3,
+        "peer": peer,
+        "peer_ms": None if peer_s is None else peer_s * 1e3,
+        "measured": measured,
+        "unit": unit,
+        "goal": f"{op} {goal:g}",
+        "pass": ok,
+        "note": note,
+    }
 
 
 def timed(fn: Any, reps: int, warmup: int = 2) -> list[float]:
@@ -71,8 +89,9 @@ def timed(fn: Any, reps: int, warmup: int = 2) -> list[float]:
     return out
 
 
-def g1(torch: Any, c: Any, url: str, size: int, procs: int,
-       warm: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def g1(
+    torch: Any, c: Any, url: str, size: int, procs: int, warm: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ctx = mp.get_context("spawn")
     big = torch.ones(size // 4, dtype=torch.float32, device="cuda")
     c.put("g1", big)
@@ -113,14 +132,33 @@ def g1(torch: Any, c: Any, url: str, size: int, procs: int,
     c.delete("g1.tiny")
     dc, dw, tc, tw = med(depot_cold), med(depot_warm), med(torch_cold), med(torch_warm)
     rows = [
-        row("G1.cold", f"open {size // MiB} MiB in a fresh process: get + from_dlpack + read / "
-                       "torch Queue",
-            dc, tc, "torch.multiprocessing Queue, first tensor in the process", dc / tc, "<=", 1.0),
-        row("G1.warm", f"open {size // MiB} MiB again in the same process / torch Queue",
-            dw, tw, "torch.multiprocessing Queue, later tensors", dw / tw, "<=", 1.0),
+        row(
+            "G1.cold",
+            f"open {size // MiB} MiB in a fresh process: get + from_dlpack + read / torch Queue",
+            dc,
+            tc,
+            "torch.multiprocessing Queue, first tensor in the process",
+            dc / tc,
+            "<=",
+            1.0,
+        ),
+        row(
+            "G1.warm",
+            f"open {size // MiB} MiB again in the same process / torch Queue",
+            dw,
+            tw,
+            "torch.multiprocessing Queue, later tensors",
+            dw / tw,
+            "<=",
+            1.0,
+        ),
     ]
-    return rows, {"depot_cold": depot_cold, "depot_warm": depot_warm,
-                  "torch_cold": torch_cold, "torch_warm": torch_warm}
+    return rows, {
+        "depot_cold": depot_cold,
+        "depot_warm": depot_warm,
+        "torch_cold": torch_cold,
+        "torch_warm": torch_warm,
+    }
 
 
 def g2(torch: Any, c: Any, size: int, reps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -136,14 +174,23 @@ def g2(torch: Any, c: Any, size: int, reps: int) -> tuple[list[dict[str, Any]], 
     put = timed(lambda: c.put("g2", src), reps)
     c.delete("g2")
     ratio = med(copy) / med(put)
-    return [row("G2", f"put {size // MiB} MiB on the GPU: bandwidth / device-to-device copy",
-                med(put), med(copy), "cudaMemcpy D2D (torch copy_ + synchronize)", ratio, ">=",
-                0.8)], \
-        {"put": put, "memcpy": copy}
+    return [
+        row(
+            "G2",
+            f"put {size // MiB} MiB on the GPU: bandwidth / device-to-device copy",
+            med(put),
+            med(copy),
+            "cudaMemcpy D2D (torch copy_ + synchronize)",
+            ratio,
+            ">=",
+            0.8,
+        )
+    ], {"put": put, "memcpy": copy}
 
 
-def g3(torch: Any, c: Any, url: str, iters: int, warmup: int, gap: float
-       ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def g3(
+    torch: Any, c: Any, url: str, iters: int, warmup: int, gap: float
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ctx = mp.get_context("spawn")
     total = iters + warmup
 
@@ -182,14 +229,23 @@ def g3(torch: Any, c: Any, url: str, iters: int, warmup: int, gap: float
     peer = handoffs(q.put, r)
     q.put(None)
     p.join(60)
-    return [row("G3", "4 KiB CUDA handoff: tensordepot / torch.multiprocessing Queue", med(depot),
-                med(peer), "torch.multiprocessing Queue, a new CUDA tensor per handoff",
-                med(depot) / med(peer), "<=", 1.0)], \
-        {"depot": depot, "torch": peer}
+    return [
+        row(
+            "G3",
+            "4 KiB CUDA handoff: tensordepot / torch.multiprocessing Queue",
+            med(depot),
+            med(peer),
+            "torch.multiprocessing Queue, a new CUDA tensor per handoff",
+            med(depot) / med(peer),
+            "<=",
+            1.0,
+        )
+    ], {"depot": depot, "torch": peer}
 
 
-def g4(torch: Any, c: Any, reps: int, big: int,
-       small: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def g4(
+    torch: Any, c: Any, reps: int, big: int, small: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     sd = {f"layer.{i}.weight": torch.randn(big // 4, device="cuda") for i in range(100)}
     sd.update({f"layer.{i}.norm": torch.randn(small // 4, device="cuda") for i in range(200)})
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -217,17 +273,39 @@ def g4(torch: Any, c: Any, reps: int, big: int,
         c.delete(k)
     ratio = med(ours) / med(copy)
     what = f"state dict of 300 tensors, {nbytes / GiB:.3g} GiB on the GPU: put_many + get_many"
-    return [row("G4", what + " / device copies of the same tensors", med(ours), med(copy),
-                "300 device-to-device copies + synchronize", ratio, "<=", 2.0),
-            row("G4.rt", "put_many + get_many: control round trips", None, None, "",
-                float(max(trips)),
-                "<=", 3.0, unit="round trips", note="the largest count of any repetition")], \
-        {"batch": ours, "copies": copy, "round_trips": trips, "bytes": nbytes}
+    return [
+        row(
+            "G4",
+            what + " / device copies of the same tensors",
+            med(ours),
+            med(copy),
+            "300 device-to-device copies + synchronize",
+            ratio,
+            "<=",
+            2.0,
+        ),
+        row(
+            "G4.rt",
+            "put_many + get_many: control round trips",
+            None,
+            None,
+            "",
+            float(max(trips)),
+            "<=",
+            3.0,
+            unit="round trips",
+            note="the largest count of any repetition",
+        ),
+    ], {"batch": ours, "copies": copy, "round_trips": trips, "bytes": nbytes}
 
 
 def machine(torch: Any) -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "cuda": torch.version.cuda,
+    }
     try:
         import cupy
 
@@ -235,9 +313,17 @@ def machine(torch: Any) -> dict[str, Any]:
     except ImportError:
         info["cupy"] = None
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,uuid",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
-                             check=False)
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,uuid",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         info["nvidia_smi"] = smi.stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         info["nvidia_smi"] = f"unavailable: {exc}"
@@ -247,8 +333,9 @@ def machine(torch: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu-results/gpu-bench.json")
-    ap.add_argument("--size", type=int, default=GiB,
-                    help="bytes of the G1/G2 tensor (default 1 GiB)")
+    ap.add_argument(
+        "--size", type=int, default=GiB, help="bytes of the G1/G2 tensor (default 1 GiB)"
+    )
     ap.add_argument("--only", help="comma-separated subset, e.g. G1,G3")
     args = ap.parse_args(argv)
     import torch
@@ -259,10 +346,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     only = set(args.only.split(",")) if args.only else {"G1", "G2", "G3", "G4"}
     started = time.time()
-    result: dict[str, Any] = {"schema": 1, "date": datetime.date.today().isoformat(),
-                              "machine": machine(torch), "rows": [], "samples": {}, "errors": {}}
-    broker = BrokerProc("--cuda-memory", f"{max(8, 3 * args.size // GiB + 4)}GiB",
-                        "--cuda-segment-size", "256MiB", max_memory="1GiB")
+    result: dict[str, Any] = {
+        "schema": 1,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(torch),
+        "rows": [],
+        "samples": {},
+        "errors": {},
+    }
+    broker = BrokerProc(
+        "--cuda-memory",
+        f"{max(8, 3 * args.size // GiB + 4)}GiB",
+        "--cuda-segment-size",
+        "256MiB",
+        max_memory="1GiB",
+    )
     try:
         from tensordepot import Client
 
@@ -294,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2))
     for r in result["rows"]:
         verdict = {True: "pass", False: "MISS", None: "info"}[r["pass"]]
-        print(f"{r['id']:7} {verdict:4} {r['measured']!s:>24} {r['unit']:12} goal {r['goal']:7} "
-              f"{r['what']}")
+        print(
+            f"{r['id']:7} {verdict:4} {r['measured']!s:>24} {r['unit']:12} goal {r['goal']:7} "
+            f"{r['what']}"
+        )
     for name, err in result["errors"].items():
         print(f"{name} ERROR {err}")
     print(f"wrote {out}")

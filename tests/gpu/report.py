@@ -33,10 +33,12 @@ def measured(r: dict[str, Any]) -> str:
 def table(bench: dict[str, Any], source: str) -> str:
     m = bench["machine"]
     device = f"{m.get('gpu')} ({m.get('nvidia_smi') or 'nvidia-smi unavailable'})"
-    intro = (f"Measured on {bench['date']} on {device}, with torch {m.get('torch')} (CUDA "
-             f"{m.get('cuda')}), cupy {m.get('cupy')}, Python {m.get('python')}: `bash "
-             f"tests/gpu/run.sh`, then `python tests/gpu/report.py {source}`. Every figure below "
-             "was measured on that device.")
+    intro = (
+        f"Measured on {bench['date']} on {device}, with torch {m.get('torch')} (CUDA "
+        f"{m.get('cuda')}), cupy {m.get('cupy')}, Python {m.get('python')}: `bash "
+        f"tests/gpu/run.sh`, then `python tests/gpu/report.py {source}`. Every figure below "
+        "was measured on that device."
+    )
     lines = [
         intro,
         "",
@@ -46,8 +48,10 @@ def table(bench: dict[str, Any], source: str) -> str:
     for r in bench["rows"]:
         verdict = {True: "pass", False: "miss", None: "info"}[r["pass"]]
         peer = f"{ms(r['peer_ms'])} ({r['peer']})" if r["peer"] else "—"
-        lines.append(f"| {r['id']} | {r['what']} | {ms(r['tensordepot_ms'])} | {peer} | "
-                     f"{measured(r)} | {r['goal']} | {verdict} |")
+        lines.append(
+            f"| {r['id']} | {r['what']} | {ms(r['tensordepot_ms'])} | {peer} | "
+            f"{measured(r)} | {r['goal']} | {verdict} |"
+        )
     for name, err in sorted(bench.get("errors", {}).items()):
         lines.append(f"| {name} | did not run: {err} | — | — | — | — | error |")
     return "\n".join(lines)
@@ -62,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     readme = Path(args.readme)
     text = readme.read_text()
     block = f"{BEGIN}\n{table(bench, args.bench)}\n{END}"
-    new, n = re.subn(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text,
-                     flags=re.DOTALL)
+    new, n = re.subn(
+        re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.DOTALL
+    )
     if n != 1:
         raise SystemExit(f"{readme} has no {BEGIN} ... {END} block")
     readme.write_text(new)

@@ -24,15 +24,17 @@ def tests(out: pathlib.Path) -> Any:
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return "junit.xml holds no testsuite"
-    counts: dict[str, Any] = {k: int(suite.get(k, 0))
-                              for k in ("tests", "failures", "errors", "skipped")}
+    counts: dict[str, Any] = {
+        k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")
+    }
     cases = list(suite.iter("testcase"))
 
     def named(c: ET.Element) -> str:
         return f"{c.get('classname', '')}::{c.get('name', '')}"
 
-    counts["failed"] = [named(c) for c in cases
-                        if c.find("failure") is not None or c.find("error") is not None]
+    counts["failed"] = [
+        named(c) for c in cases if c.find("failure") is not None or c.find("error") is not None
+    ]
     counts["skipped_tests"] = [named(c) for c in cases if c.find("skipped") is not None]
     return counts
 
@@ -40,9 +42,13 @@ def tests(out: pathlib.Path) -> Any:
 def bench(out: pathlib.Path) -> Any:
     try:
         data = json.loads((out / "gpu-bench.json").read_text())
-        return {"rows": [{k: r[k] for k in ("id", "measured", "unit", "goal", "pass")}
-                         for r in data["rows"]],
-                "errors": data["errors"], "machine": data["machine"]}
+        return {
+            "rows": [
+                {k: r[k] for k in ("id", "measured", "unit", "goal", "pass")} for r in data["rows"]
+            ],
+            "errors": data["errors"],
+            "machine": data["machine"],
+        }
     except (OSError, ValueError, KeyError) as exc:
         return f"no gpu-bench.json: {exc}"
 

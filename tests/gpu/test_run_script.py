@@ -20,14 +20,21 @@ def test_without_a_gpu_the_script_stops_first_and_says_why(tmp_path: Path) -> No
     env = {**os.environ, "OUT": str(tmp_path), "PATH": f"{tmp_path}:{os.defpath}"}
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
-    done = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "run.sh")], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "gpu" / "run.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 4, done
     assert "no usable GPU here: nvidia-smi finds no GPU: NVIDIA-SMI has failed" in done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["exit"] == 4
-    assert summary["steps"] == [{"step": "gpu", "exit": 4,
-                                 "why": "nvidia-smi finds no GPU: NVIDIA-SMI has failed"}]
+    assert summary["steps"] == [
+        {"step": "gpu", "exit": 4, "why": "nvidia-smi finds no GPU: NVIDIA-SMI has failed"}
+    ]
     assert not (tmp_path / "junit.xml").exists(), "no test ran"
 
 
@@ -43,10 +50,15 @@ def test_a_skipped_cuda_test_fails_the_tests_step(tmp_path: Path, skipped: int) 
     body = '<skipped type="pytest.skip" message="needs 2 GPUs"/>' if skipped else ""
     (tmp_path / "junit.xml").write_text(JUNIT.format(skipped=skipped, body=body))
     for step in ("gpu", "wheels"):
-        assert subprocess.run([sys.executable, str(SUMMARY), str(tmp_path), step, "0"],
-                              check=False).returncode == 0
-    rc = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path), "tests", "0"],
-                        check=False).returncode
+        assert (
+            subprocess.run(
+                [sys.executable, str(SUMMARY), str(tmp_path), step, "0"], check=False
+            ).returncode
+            == 0
+        )
+    rc = subprocess.run(
+        [sys.executable, str(SUMMARY), str(tmp_path), "tests", "0"], check=False
+    ).returncode
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["step"] for s in summary["steps"]] == ["gpu", "wheels", "tests"]
     assert summary["tests"]["skipped"] == skipped

@@ -33,12 +33,23 @@ from tensordepot.service._metrics import Metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def call(policy: AuthPolicy, method: str, path: str, state: dict[str, Any],
-         headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, Principal | None]:
+def call(
+    policy: AuthPolicy,
+    method: str,
+    path: str,
+    state: dict[str, Any],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> tuple[int, Principal | None]:
     """One request's head through the gate's admission; the status it answers
     (200 if it let the request through) and the principal it resolved."""
-    scope = {"type": "http", "method": method, "path": path, "headers": headers or [],
-             "state": state, "client": ("127.0.0.1", 5555)}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": headers or [],
+        "state": state,
+        "client": ("127.0.0.1", 5555),
+    }
     gate = Gate(SimpleNamespace(), policy, Metrics(lambda: None))
     try:
         return 200, gate.admit(method, path, scope).principal
@@ -63,8 +74,9 @@ def bearer(token: str) -> list[tuple[bytes, bytes]]:
 def test_the_principal_contract(tmp_path: Path) -> None:
     """What the rest of the broker may rely on: ``scope["state"]["principal"]``."""
     read = secrets.token_urlsafe(24)
-    policy = AuthPolicy(tokens=tokens_from(tmp_path, f"{read} read prefix=run/ name=inference"),
-                        broker_uid=1000)
+    policy = AuthPolicy(
+        tokens=tokens_from(tmp_path, f"{read} read prefix=run/ name=inference"), broker_uid=1000
+    )
     conn: dict[str, Any] = {}
     unix = {"unix": True, "peercred": (4242, 1000, 1000), "peergroups": (), "connection": conn}
     status, p = call(policy, "POST", "/v1/put/x", dict(unix))
@@ -79,11 +91,13 @@ def test_the_principal_contract(tmp_path: Path) -> None:
     # token's scope, with the kernel's uid and pid.
     other = {"unix": True, "peercred": (77, 1001, 1001), "peergroups": (), "connection": {}}
     status, p = call(policy, "GET", "/v1/stat", other, bearer(read))
-    assert status == 200 and p == Principal("token:inference", "unix", SCOPES[READ], uid=1001,
-                                            pid=77, prefix="run/")
+    assert status == 200 and p == Principal(
+        "token:inference", "unix", SCOPES[READ], uid=1001, pid=77, prefix="run/"
+    )
     assert call(policy, "GET", "/v1/stat", dict(other))[0] == 403
-    assert call(policy, "GET", "/healthz", dict(other))[1] == Principal("anonymous", "tcp",
-                                                                        frozenset())
+    assert call(policy, "GET", "/healthz", dict(other))[1] == Principal(
+        "anonymous", "tcp", frozenset()
+    )
     status, p = call(AuthPolicy(insecure_no_auth=True), "GET", "/v1/stat", {"connection": {}})
     assert status == 200 and p == Principal("anonymous", "tcp", SCOPES[ADMIN])
 
@@ -91,17 +105,25 @@ def test_the_principal_contract(tmp_path: Path) -> None:
 def test_scopes_prefixes_and_groups(tmp_path: Path) -> None:
     secret = {s: secrets.token_urlsafe(24) for s in (READ, WRITE)}
     text = f"{secret[READ]} read\n{secret[WRITE]} write prefix=a/"
-    policy = AuthPolicy(tokens=tokens_from(tmp_path, text),
-                        broker_uid=1000, allow_gids=frozenset({50}))
+    policy = AuthPolicy(
+        tokens=tokens_from(tmp_path, text), broker_uid=1000, allow_gids=frozenset({50})
+    )
     tcp = {"unix": False}
     for method, path, token, status in (
-            ("POST", "/v1/put/a/x", READ, 403), ("DELETE", "/v1/tensors/a/x", READ, 403),
-            ("GET", "/v1/tensors/a/x", READ, 200), ("POST", "/v1/alloc", READ, 403),
-            ("POST", "/v1/put/a/x", WRITE, 200), ("POST", "/v1/put/b/x", WRITE, 403),
-            ("GET", "/v1/tensors/b", WRITE, 403), ("GET", "/v1/tensors/", WRITE, 403),
-            ("HEAD", "/v1/tensors/a/x", WRITE, 405),  # a HEAD may not take a lease
-            ("HEAD", "/v1/stat", READ, 200), ("GET", "/v1/tensors", WRITE, 200),
-            ("GET", "/no/such/route", READ, 404), ("GET", "/no/such/route", None, 401)):
+        ("POST", "/v1/put/a/x", READ, 403),
+        ("DELETE", "/v1/tensors/a/x", READ, 403),
+        ("GET", "/v1/tensors/a/x", READ, 200),
+        ("POST", "/v1/alloc", READ, 403),
+        ("POST", "/v1/put/a/x", WRITE, 200),
+        ("POST", "/v1/put/b/x", WRITE, 403),
+        ("GET", "/v1/tensors/b", WRITE, 403),
+        ("GET", "/v1/tensors/", WRITE, 403),
+        ("HEAD", "/v1/tensors/a/x", WRITE, 405),  # a HEAD may not take a lease
+        ("HEAD", "/v1/stat", READ, 200),
+        ("GET", "/v1/tensors", WRITE, 200),
+        ("GET", "/no/such/route", READ, 404),
+        ("GET", "/no/such/route", None, 401),
+    ):
         got, _ = call(policy, method, path, dict(tcp), bearer(secret[token]) if token else [])
         assert got == status, (method, path, token)
     assert call(policy, "GET", "/v1/stat", dict(tcp), bearer("x" * 20))[0] == 401
@@ -117,8 +139,9 @@ def test_every_route_goes_through_the_gate() -> None:
     table has a scope and is matched by its own template."""
     app = create_app(Settings(token="", insecure_no_auth=True))
     documents = {(r.method, r.path) for r in ROUTES if r.handler is None}
-    fastapi_routes = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or ()
-                      if m != "HEAD"}
+    fastapi_routes = {
+        (m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or () if m != "HEAD"
+    }
     assert fastapi_routes == documents, "FastAPI serves nothing but the documents"
     assert len({(r.method, r.path) for r in ROUTES}) == len(ROUTES)
     for r in ROUTES:
@@ -133,8 +156,10 @@ def test_the_readme_route_table_is_the_route_table() -> None:
     """The README shows the route table once (SECURITY.md points to it)."""
     text = (ROOT / "README.md").read_text()
     table = text.split("<!-- routes:begin -->")[1].split("<!-- routes:end -->")[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in table.strip().splitlines()[2:]]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in table.strip().splitlines()[2:]
+    ]
     documented = [(m, p.strip("`"), None if s == "open" else s, n) for m, p, _, s, n in rows]
     assert documented == [(r.method, r.path, r.scope, r.note) for r in ROUTES]
     assert [op for _, _, op, _, _ in rows] == [r.op if r.handler else "(FastAPI)" for r in ROUTES]
@@ -144,11 +169,12 @@ def test_the_readme_route_table_is_the_route_table() -> None:
 def test_policy_refusals(tmp_path: Path) -> None:
     token = secrets.token_urlsafe(24)
     for kw, expect in (
-            ({"token": token, "insecure_no_auth": True}, "drop one of the two"),
-            ({"allow_gid": ["0", "1"]}, "carry one group"),
-            ({"allow_gid": ["0"], "shm_group": "1"}, "differs from --shm-group"),
-            ({"allow_uid": ["no-such-user-here"]}, "no user named 'no-such-user-here'"),
-            ({"token": "short"}, "at least 16")):
+        ({"token": token, "insecure_no_auth": True}, "drop one of the two"),
+        ({"allow_gid": ["0", "1"]}, "carry one group"),
+        ({"allow_gid": ["0"], "shm_group": "1"}, "differs from --shm-group"),
+        ({"allow_uid": ["no-such-user-here"]}, "no user named 'no-such-user-here'"),
+        ({"token": "short"}, "at least 16"),
+    ):
         with pytest.raises(AuthConfigError, match=re.escape(expect)):
             load_policy(Settings(**kw))
     named = tokens_from(tmp_path, f"# c\n{token} write name=t1\n")

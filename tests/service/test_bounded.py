@@ -54,11 +54,12 @@ def test_timed_out_gets_of_names_never_seen_leave_nothing(broker: Broker, many: 
             for i in range(start, start + n):
                 with pytest.raises(TensorNotFound):
                     if many:
-                        await broker.reads.get_many(sid, caller, [f"never-{i}"], 0.0001,
-                                                    request=f"r{i}")
+                        await broker.reads.get_many(
+                            sid, caller, [f"never-{i}"], 0.0001, request=f"r{i}"
+                        )
                     else:
-                        await broker.reads.get(sid, caller, f"never-{i}", 0.0001,
-                                               request=f"r{i}")
+                        await broker.reads.get(sid, caller, f"never-{i}", 0.0001, request=f"r{i}")
+
         asyncio.run(go())
 
     grown = _grown(lambda: gets(500, 2000), lambda: gets(0, 500))

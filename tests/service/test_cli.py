@@ -113,17 +113,34 @@ def test_every_serve_flag_the_readme_uses_parses() -> None:
     used = set()
     for line in readme.splitlines():
         if "tensordepot serve" in line:
-            used |= {w.split("=")[0] for w in line.split("tensordepot serve", 1)[1].split()
-                     if w.startswith("--")}
+            used |= {
+                w.split("=")[0]
+                for w in line.split("tensordepot serve", 1)[1].split()
+                if w.startswith("--")
+            }
     known = {s for a in serve_parser()._actions for s in a.option_strings}
     assert used and used <= known, sorted(used - known)
 
 
 def test_serve_flags_keep_their_kinds() -> None:
     args = build_parser().parse_args(
-        ["serve", "--listen", "unix:///a.sock", "--listen", "http://127.0.0.1:1",
-         "--peer", "grpc://h:1", "--insecure-no-auth", "--reap-interval", "0.25",
-         "--max-sessions", "8", "--max-memory", "1GiB"])
+        [
+            "serve",
+            "--listen",
+            "unix:///a.sock",
+            "--listen",
+            "http://127.0.0.1:1",
+            "--peer",
+            "grpc://h:1",
+            "--insecure-no-auth",
+            "--reap-interval",
+            "0.25",
+            "--max-sessions",
+            "8",
+            "--max-memory",
+            "1GiB",
+        ]
+    )
     assert args.listen == ["unix:///a.sock", "http://127.0.0.1:1"] and args.peer == ["grpc://h:1"]
     assert args.insecure_no_auth is True and args.reap_interval == 0.25 and args.max_sessions == 8
     assert args.max_memory == "1GiB" and args.token is None and args.allow_uid is None

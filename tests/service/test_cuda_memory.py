@@ -137,14 +137,16 @@ class Rig:
         self.callers[sid] = caller  # a unix session is its process's alone
         return sid
 
-    def alloc(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
-              sid: str | None = None) -> Any:
+    def alloc(
+        self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None
+    ) -> Any:
         req = AllocRequest(name=name, shape=[nbytes], dtype="uint8", device=device)
         v, _ = drive(self.broker.alloc(sid or self.sid, self.caller, req))
         return v
 
-    def put(self, name: str, nbytes: int, device: str = f"cuda:{U0}",
-            sid: str | None = None) -> Any:
+    def put(
+        self, name: str, nbytes: int, device: str = f"cuda:{U0}", sid: str | None = None
+    ) -> Any:
         v = self.alloc(name, nbytes, device, sid)
         return self.broker.publish(sid or self.sid, self.caller, name, v.number)
 
@@ -172,8 +174,12 @@ class Rig:
 def rig() -> Iterator[Callable[..., Rig]]:
     made: list[tuple[Broker, str]] = []
 
-    def make(uuids: list[str] | None = None, reason: str | None = None,
-             cuda_memory: int | None = 16 * MiB, **broker_options: Any) -> Rig:
+    def make(
+        uuids: list[str] | None = None,
+        reason: str | None = None,
+        cuda_memory: int | None = 16 * MiB,
+        **broker_options: Any,
+    ) -> Rig:
         prefix = f"{TEST_PREFIX}cudamem-{secrets.token_hex(4)}-"
         gpus = FakeGpus(uuids or [U0, U1], reason)
         pool = Pool(prefix, max_memory=8 * MiB, segment_size=1 * MiB, prefault=False)
@@ -236,15 +242,19 @@ def test_a_cuda_handle_carries_the_block_and_the_events(rig: Callable[..., Rig])
     run(main)
 
 
-@pytest.mark.parametrize("device,match", [
-    pytest.param("cuda:0", "name the GPU by UUID", id="ordinal"),
-    pytest.param("cuda", "name the GPU by UUID", id="plain-cuda"),
-    pytest.param(f"cuda:{HIDDEN}", "not visible", id="hidden-gpu"),
-    pytest.param("cuda:banana", "use 'cpu'", id="junk"),
-    pytest.param("tpu:0", "use 'cpu'", id="tpu"),
-])
-def test_bad_devices_are_400_and_leave_nothing(rig: Callable[..., Rig], device: str,
-                                               match: str) -> None:
+@pytest.mark.parametrize(
+    "device,match",
+    [
+        pytest.param("cuda:0", "name the GPU by UUID", id="ordinal"),
+        pytest.param("cuda", "name the GPU by UUID", id="plain-cuda"),
+        pytest.param(f"cuda:{HIDDEN}", "not visible", id="hidden-gpu"),
+        pytest.param("cuda:banana", "use 'cpu'", id="junk"),
+        pytest.param("tpu:0", "use 'cpu'", id="tpu"),
+    ],
+)
+def test_bad_devices_are_400_and_leave_nothing(
+    rig: Callable[..., Rig], device: str, match: str
+) -> None:
     r = rig()
     with pytest.raises(InvalidRequest, match=match):
         r.alloc("w", 10, device=device)
@@ -296,7 +306,8 @@ def test_a_batch_shares_one_write_event(rig: Callable[..., Rig]) -> None:
 
 @pytest.mark.parametrize("how", ["alloc-ttl", "abort"])
 def test_the_event_of_a_write_never_published_is_never_handed_out_again(
-        rig: Callable[..., Rig], how: str) -> None:
+    rig: Callable[..., Rig], how: str
+) -> None:
     """Its writer may still be alive and record it (stopped past --alloc-ttl,
     or a copy still queued when it gave up): as another lease's release event,
     that record could end the wait for a reader's kernels before they finish."""
@@ -347,7 +358,8 @@ def test_the_event_of_a_published_write_is_used_again(rig: Callable[..., Rig]) -
 
 @pytest.mark.parametrize("freed_when", ["it says so", "its session ends"])
 def test_a_block_a_reader_may_still_map_is_not_freed_and_counts_against_the_limit(
-        rig: Callable[..., Rig], freed_when: str) -> None:
+    rig: Callable[..., Rig], freed_when: str
+) -> None:
     """cudaFree under an importer's mapping is undefined, and its memory stays
     pinned: a block the pool lets go of while a reader's process may map it
     is held, counted against --cuda-memory, and freed once every session it
@@ -400,18 +412,21 @@ def test_reuse_waits_for_the_readers_release_event(rig: Callable[..., Rig]) -> N
         (dev,) = r.broker.stat().devices
         assert dev.bytes_pending == 4096
         busy = r.alloc("x", 4096)
-        assert (busy.block.segment, busy.block.offset) != (h.segment, h.offset), \
+        assert (busy.block.segment, busy.block.offset) != (h.segment, h.offset), (
             "memory a queued kernel may read is not handed out"
+        )
         await asyncio.sleep(0.05)
         assert r.broker.stat().devices[0].bytes_pending == 4096, (
-            "still pending while the kernel runs")
+            "still pending while the kernel runs"
+        )
         reading.done = True
         await until(lambda: r.broker.stat().devices[0].bytes_pending == 0)
         made = len(r.gpus.opened[U0].events)
         await asyncio.sleep(0)  # a new batch: it needs a write event
         again = r.alloc("y", 4096)
         assert (again.block.segment, again.block.offset) == (h.segment, h.offset), (
-            "reused once done")
+            "reused once done"
+        )
         assert len(r.gpus.opened[U0].events) == made, "the completed release event was reused"
         h2 = await r.get("w")
         r.release(h2.lease)
@@ -445,10 +460,18 @@ def test_an_event_whose_reader_died_counts_as_complete(rig: Callable[..., Rig]) 
         proc.wait()
 
 
-def share_request(name: str, nbytes: int, handle: bytes, offset: int = 256,
-                  alloc_size: int = 2 * MiB) -> ShareRequest:
-    return ShareRequest(name=name, shape=[nbytes // 4], dtype="float32", device=f"cuda:{U0}",
-                        ipc_handle=encode_ipc(handle), offset=offset, alloc_size=alloc_size)
+def share_request(
+    name: str, nbytes: int, handle: bytes, offset: int = 256, alloc_size: int = 2 * MiB
+) -> ShareRequest:
+    return ShareRequest(
+        name=name,
+        shape=[nbytes // 4],
+        dtype="float32",
+        device=f"cuda:{U0}",
+        ipc_handle=encode_ipc(handle),
+        offset=offset,
+        alloc_size=alloc_size,
+    )
 
 
 def test_a_share_lives_with_its_producer(rig: Callable[..., Rig]) -> None:
@@ -485,8 +508,9 @@ def test_a_share_must_fit_its_allocation(rig: Callable[..., Rig]) -> None:
     with pytest.raises(InvalidRequest, match="does not fit"):
         r.share(r.sid, share_request("s", 4096, os.urandom(64), offset=2 * MiB - 100))
     with pytest.raises(InvalidRequest, match="name the GPU by UUID"):
-        r.share(r.sid, share_request("s", 4, os.urandom(64)).model_copy(
-            update={"device": "cuda:0"}))
+        r.share(
+            r.sid, share_request("s", 4, os.urandom(64)).model_copy(update={"device": "cuda:0"})
+        )
     assert r.broker.entries == {} and r.broker.stat().bytes_in_use == 0
 
 
@@ -523,8 +547,7 @@ def test_metrics_label_each_gpu_in_use(rig: Callable[..., Rig]) -> None:
     def scrape() -> dict[tuple[str, str], float]:
         families = list(text_string_to_metric_families(generate_latest(registry).decode()))
         assert all(f.documentation.strip() for f in families), "HELP on every metric"
-        return {(s.name, s.labels.get("device", "")): s.value for f in families
-                for s in f.samples}
+        return {(s.name, s.labels.get("device", "")): s.value for f in families for s in f.samples}
 
     assert not [k for k in scrape() if k[1].startswith("cuda:")], "no GPU series before one is used"
     g0, g1 = f"cuda:{U0}", f"cuda:{U1}"
@@ -555,7 +578,8 @@ def test_metrics_label_each_gpu_in_use(rig: Callable[..., Rig]) -> None:
             assert m[("tensordepot_memory_in_use_bytes", dev)] == d.bytes_in_use > 0
             assert m[("tensordepot_memory_reserved_bytes", dev)] == d.bytes_reserved > 0
             assert m[("tensordepot_memory_warm_free_bytes", dev)] == (
-                d.bytes_reserved - d.bytes_in_use - d.bytes_pending)
+                d.bytes_reserved - d.bytes_in_use - d.bytes_pending
+            )
             assert m[("tensordepot_memory_limit_bytes", dev)] == 16 * MiB
             assert m[("tensordepot_segments", dev)] == d.segments >= 1
             assert m[("tensordepot_cuda_context_bytes", dev)] == 500 * MiB

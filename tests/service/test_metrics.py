@@ -33,8 +33,11 @@ class Scrape:
         self.samples = [s for f in self.families for s in f.samples]
 
     def find(self, name: str, **labels: str) -> list[Sample]:
-        return [s for s in self.samples
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+        return [
+            s
+            for s in self.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
 
     def value(self, name: str, **labels: str) -> float:
         found = self.find(name, **labels)
@@ -55,8 +58,10 @@ def scrape(url: str) -> Scrape:
 
 def reaped_orphan_writer(url: str) -> None:
     """A producer that allocates and dies without publishing or closing."""
-    code = ("import os, sys; from tensordepot import Client; c = Client(sys.argv[1]); "
-            "c.empty('orphan', (8,), 'float64'); os._exit(0)")
+    code = (
+        "import os, sys; from tensordepot import Client; c = Client(sys.argv[1]); "
+        "c.empty('orphan', (8,), 'float64'); os._exit(0)"
+    )
     subprocess.run([sys.executable, "-c", code, url], check=True, timeout=60)
 
 
@@ -82,15 +87,29 @@ def test_metrics_match_known_actions(broker_factory: Callable[..., BrokerProc]) 
     assert http_get(b.url, "/no/such/route")[0] == 404
     assert http_get(b.url, "/v1/tensors/some/deep/name")[0] in (400, 404, 422)
 
-    m = wait_for(lambda: (s := scrape(b.url)).value("tensordepot_sessions_reaped_total") == 1
-                 and s.value("tensordepot_leases") == 0 and s, 10,
-                 what="the orphan writer's session to be reaped and the leases released")
+    m = wait_for(
+        lambda: (
+            (s := scrape(b.url)).value("tensordepot_sessions_reaped_total") == 1
+            and s.value("tensordepot_leases") == 0
+            and s
+        ),
+        10,
+        what="the orphan writer's session to be reaped and the leases released",
+    )
 
     # Counters: the broker's own events.
     assert m.value("tensordepot_bytes_put_total", device="cpu") == 1000 + MiB + 16
     assert m.value("tensordepot_bytes_got_total", device="cpu") == 3 * 1000 + 2 * MiB
-    expected = {"gets": 5, "publishes": 3, "allocs": 4, "deletes": 2, "expired": 1,
-                "quota_refusals": 1, "sessions_reaped": 1, "writes_reclaimed": 1}
+    expected = {
+        "gets": 5,
+        "publishes": 3,
+        "allocs": 4,
+        "deletes": 2,
+        "expired": 1,
+        "quota_refusals": 1,
+        "sessions_reaped": 1,
+        "writes_reclaimed": 1,
+    }
     got = {k: m.value(f"tensordepot_{k}_total") for k in expected}
     assert got == expected
     opened, ended = "tensordepot_sessions_opened_total", "tensordepot_sessions_ended_total"
@@ -145,10 +164,12 @@ def check_histograms(m: Scrape) -> None:
 
 
 def _count(text: bytes, route: str) -> float:
-    samples: Iterable[Sample] = (s for f in text_string_to_metric_families(text.decode())
-                                 for s in f.samples)
-    return sum(s.value for s in samples
-               if s.name == f"{LATENCY}_count" and s.labels["route"] == route)
+    samples: Iterable[Sample] = (
+        s for f in text_string_to_metric_families(text.decode()) for s in f.samples
+    )
+    return sum(
+        s.value for s in samples if s.name == f"{LATENCY}_count" and s.labels["route"] == route
+    )
 
 
 def test_batches_count_each_tensor(broker_factory: Callable[..., BrokerProc]) -> None:
@@ -171,20 +192,25 @@ def test_batches_count_each_tensor(broker_factory: Callable[..., BrokerProc]) ->
         parked: list[dict[str, Any]] = []
 
         def wait_next() -> None:
-            parked.append(waiter.get_many(list(batch), timeout=60,
-                                          newer_than={n: 1 for n in batch}))
+            parked.append(
+                waiter.get_many(list(batch), timeout=60, newer_than={n: 1 for n in batch})
+            )
 
         th = threading.Thread(target=wait_next)
         th.start()
-        wait_for(lambda: scrape(b.url).value("tensordepot_waiting") == 1, 10,
-                 what="the get_many to park")
+        wait_for(
+            lambda: scrape(b.url).value("tensordepot_waiting") == 1, 10, what="the get_many to park"
+        )
         c.put_many(batch)  # the next versions: the parked get_many takes them
         th.join(30)
         assert {n: t.version for n, t in parked[0].items()} == {n: 2 for n in batch}
         del got
         parked.clear()
-        m = wait_for(lambda: (s := scrape(b.url)).value("tensordepot_leases") == 0 and s, 10,
-                     what="every lease to be released")
+        m = wait_for(
+            lambda: (s := scrape(b.url)).value("tensordepot_leases") == 0 and s,
+            10,
+            what="every lease to be released",
+        )
     assert m.value("tensordepot_bytes_put_total", device="cpu") == 2 * nbytes
     assert m.value("tensordepot_bytes_got_total", device="cpu") == 3 * nbytes
     expected = {"publishes": 6, "gets": 9, "releases": 9, "allocs": 6}
@@ -205,17 +231,22 @@ def test_each_app_has_a_registry_of_its_own() -> None:
     assert b"tensordepot_" not in generate_latest(REGISTRY)
 
 
-@pytest.mark.parametrize(("path", "template"), [
-    pytest.param("/v1/tensors/w", "/v1/tensors/{name}", id="tensor"),
-    pytest.param("/v1/tensors/a/b/c", "/v1/tensors/{name}", id="tensor-with-slashes"),
-    pytest.param("/v1/tensors", "/v1/tensors", id="list"),
-    pytest.param("/v1/put/w", "/v1/put/{name}", id="put"),
-    pytest.param("/v1/sessions/abc", "/v1/sessions/{session}", id="session"),
-    pytest.param("/v1/sessions/abc/heartbeat", "/v1/sessions/{session}/heartbeat", id="heartbeat"),
-    pytest.param("/v1/batch/alloc", "/v1/batch/alloc", id="batch"),
-    pytest.param("/metrics", "/metrics", id="metrics"),
-    pytest.param("/wp-login.php", "unmatched", id="unmatched"),
-])
+@pytest.mark.parametrize(
+    ("path", "template"),
+    [
+        pytest.param("/v1/tensors/w", "/v1/tensors/{name}", id="tensor"),
+        pytest.param("/v1/tensors/a/b/c", "/v1/tensors/{name}", id="tensor-with-slashes"),
+        pytest.param("/v1/tensors", "/v1/tensors", id="list"),
+        pytest.param("/v1/put/w", "/v1/put/{name}", id="put"),
+        pytest.param("/v1/sessions/abc", "/v1/sessions/{session}", id="session"),
+        pytest.param(
+            "/v1/sessions/abc/heartbeat", "/v1/sessions/{session}/heartbeat", id="heartbeat"
+        ),
+        pytest.param("/v1/batch/alloc", "/v1/batch/alloc", id="batch"),
+        pytest.param("/metrics", "/metrics", id="metrics"),
+        pytest.param("/wp-login.php", "unmatched", id="unmatched"),
+    ],
+)
 def test_route_templates(path: str, template: str) -> None:
     """The route label is the template of the route the path matches."""
     found = [r for r in (match(m, path)[0] for m in ("GET", "POST", "DELETE")) if r is not None]

@@ -64,23 +64,37 @@ class App:
     def headers(self, sid: str | None = None) -> dict[str, str]:
         return {SESSION: sid or self.sid}
 
-    def alloc(self, name: str, shape: list[int], dtype: str = "float32",
-              sid: str | None = None) -> Any:
-        return self.tc.post("/v1/alloc", json={"name": name, "shape": shape, "dtype": dtype},
-                            headers=self.headers(sid))
+    def alloc(
+        self, name: str, shape: list[int], dtype: str = "float32", sid: str | None = None
+    ) -> Any:
+        return self.tc.post(
+            "/v1/alloc",
+            json={"name": name, "shape": shape, "dtype": dtype},
+            headers=self.headers(sid),
+        )
 
     def put(self, name: str, data: bytes, shape: str, dtype: str = "uint8") -> Any:
-        return self.tc.post(f"/v1/put/{quote(name, safe='')}",
-                            params={"dtype": dtype, "shape": shape},
-                            content=data, headers=self.headers())
+        return self.tc.post(
+            f"/v1/put/{quote(name, safe='')}",
+            params={"dtype": dtype, "shape": shape},
+            content=data,
+            headers=self.headers(),
+        )
 
 
 def small_settings(prefix: str, **overrides: Any) -> Settings:
     """A small broker under its own prefix; the listen URL is never bound."""
-    kw: dict[str, Any] = {"listen": ["unix:///nonexistent/broker.sock"], "shm_prefix": prefix,
-                          "max_memory": str(MAX_MEMORY), "segment_size": "1MiB", "prealloc": "0",
-                          "warm_memory": "2MiB", "token": "", "shm_group": "",
-                          "insecure_no_auth": not overrides.get("token")}
+    kw: dict[str, Any] = {
+        "listen": ["unix:///nonexistent/broker.sock"],
+        "shm_prefix": prefix,
+        "max_memory": str(MAX_MEMORY),
+        "segment_size": "1MiB",
+        "prealloc": "0",
+        "warm_memory": "2MiB",
+        "token": "",
+        "shm_group": "",
+        "insecure_no_auth": not overrides.get("token"),
+    }
     return Settings(**{**kw, **overrides})
 
 
@@ -170,8 +184,11 @@ OVERFLOW = [2**31, 2**31, 4]  # 2**64 bytes of float32: no quota could hold it
 
 def test_bad_input_is_400(app: App) -> None:
     assert_error(app.alloc("x", [2], "complex512"), 400, "invalid_request", "complex512")
-    r = app.tc.post("/v1/alloc", json={"name": "x", "shape": [2], "dtype": "float32",
-                                       "device": "tpu:7"}, headers=app.headers())
+    r = app.tc.post(
+        "/v1/alloc",
+        json={"name": "x", "shape": [2], "dtype": "float32", "device": "tpu:7"},
+        headers=app.headers(),
+    )
     assert_error(r, 400, "invalid_request", "tpu:7")
     r = app.tc.post("/v1/alloc", json={"name": "x", "shape": [2], "dtype": "float32"})
     assert_error(r, 400, "invalid_request", "needs a session")
@@ -182,75 +199,102 @@ def test_bad_input_is_400(app: App) -> None:
     assert app.broker.bytes_in_use == 0
 
 
-@pytest.mark.parametrize("shape,dtype", [
-    pytest.param(OVERFLOW, "float32", id="2**64-bytes"),
-    pytest.param([2**62, 2], "uint8", id="2**63-bytes"),
-    pytest.param([10**30], "float64", id="10**31-bytes"),
-    pytest.param([2**40, 2**40, 0, 2**40], "float32", id="zero-dim-between-huge"),
-])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        pytest.param(OVERFLOW, "float32", id="2**64-bytes"),
+        pytest.param([2**62, 2], "uint8", id="2**63-bytes"),
+        pytest.param([10**30], "float64", id="10**31-bytes"),
+        pytest.param([2**40, 2**40, 0, 2**40], "float32", id="zero-dim-between-huge"),
+    ],
+)
 def test_overflowing_byte_counts_are_400_not_507(app: App, shape: list[int], dtype: str) -> None:
     assert_error(app.alloc("huge", shape, dtype), 400, "invalid_request")
     dims = ",".join(str(d) for d in shape)
     assert_error(app.put("huge", b"", dims, dtype), 400, "invalid_request")
-    r = app.tc.post("/v1/batch/alloc",
-                    json={"items": [{"name": "ok", "shape": [4], "dtype": "uint8"},
-                                    {"name": "huge", "shape": shape, "dtype": dtype}]},
-                    headers=app.headers())
+    r = app.tc.post(
+        "/v1/batch/alloc",
+        json={
+            "items": [
+                {"name": "ok", "shape": [4], "dtype": "uint8"},
+                {"name": "huge", "shape": shape, "dtype": dtype},
+            ]
+        },
+        headers=app.headers(),
+    )
     assert_error(r, 400, "invalid_request")
-    r = app.tc.post("/v1/many/alloc", json={"names": ["ok", "huge"], "shapes": [[4], shape],
-                                            "dtypes": ["uint8", dtype]}, headers=app.headers())
+    r = app.tc.post(
+        "/v1/many/alloc",
+        json={"names": ["ok", "huge"], "shapes": [[4], shape], "dtypes": ["uint8", dtype]},
+        headers=app.headers(),
+    )
     assert_error(r, 400, "invalid_request")
     check_accounting(app.broker)
     assert app.broker.bytes_in_use == 0 and app.broker.entries == {}, (
-        "a failed batch leaves nothing")
+        "a failed batch leaves nothing"
+    )
 
 
-@pytest.mark.parametrize("body", [
-    pytest.param(b"{not json", id="malformed-json"),
-    pytest.param(b"", id="empty-body"),
-    pytest.param(b"[1, 2]", id="not-an-object"),
-    pytest.param(b'{"name": "x"}', id="missing-fields"),
-    pytest.param(b'{"name": "x", "shape": [-1], "dtype": "uint8"}', id="negative-dim"),
-    pytest.param(b'{"name": "x", "shape": [1.5], "dtype": "uint8"}', id="fractional-dim"),
-    pytest.param(json.dumps({"name": "x", "shape": [1] * 33, "dtype": "uint8"}).encode(),
-                 id="33-dims"),
-    pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "bogus": 1}', id="extra-field"),
-    pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": 0}', id="zero-ttl"),
-    pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": NaN}', id="nan-ttl"),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"{not json", id="malformed-json"),
+        pytest.param(b"", id="empty-body"),
+        pytest.param(b"[1, 2]", id="not-an-object"),
+        pytest.param(b'{"name": "x"}', id="missing-fields"),
+        pytest.param(b'{"name": "x", "shape": [-1], "dtype": "uint8"}', id="negative-dim"),
+        pytest.param(b'{"name": "x", "shape": [1.5], "dtype": "uint8"}', id="fractional-dim"),
+        pytest.param(
+            json.dumps({"name": "x", "shape": [1] * 33, "dtype": "uint8"}).encode(), id="33-dims"
+        ),
+        pytest.param(
+            b'{"name": "x", "shape": [1], "dtype": "uint8", "bogus": 1}', id="extra-field"
+        ),
+        pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": 0}', id="zero-ttl"),
+        pytest.param(b'{"name": "x", "shape": [1], "dtype": "uint8", "ttl": NaN}', id="nan-ttl"),
+    ],
+)
 def test_malformed_bodies_are_422(app: App, body: bytes) -> None:
-    r = app.tc.post("/v1/alloc", content=body,
-                    headers={**app.headers(), "content-type": "application/json"})
+    r = app.tc.post(
+        "/v1/alloc", content=body, headers={**app.headers(), "content-type": "application/json"}
+    )
     assert_error(r, 422, "invalid_request")
     assert app.broker.bytes_in_use == 0
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("has space", id="space"),
-    pytest.param("", id="empty"),
-    pytest.param("x" * 513, id="long"),
-    pytest.param("w\n", id="newline"),
-    pytest.param("w\x00", id="nul"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("has space", id="space"),
+        pytest.param("", id="empty"),
+        pytest.param("x" * 513, id="long"),
+        pytest.param("w\n", id="newline"),
+        pytest.param("w\x00", id="nul"),
+    ],
+)
 def test_a_bad_name_in_a_body_is_400_as_in_a_path(app: App, name: str) -> None:
     """One name check (``check_name``) for names in bodies and in paths."""
     body = json.dumps({"name": name, "shape": [1], "dtype": "uint8"}).encode()
-    r = app.tc.post("/v1/alloc", content=body,
-                    headers={**app.headers(), "content-type": "application/json"})
+    r = app.tc.post(
+        "/v1/alloc", content=body, headers={**app.headers(), "content-type": "application/json"}
+    )
     assert_error(r, 400, "invalid_request")
     assert "is not a valid tensor name" in r.json()["error"]["message"]
     assert app.broker.bytes_in_use == 0
 
 
-@pytest.mark.parametrize("method,path", [
-    pytest.param("GET", "/v1/tensors/x?timeout=-1", id="negative-timeout"),
-    pytest.param("GET", "/v1/tensors/x?timeout=soon", id="word-timeout"),
-    pytest.param("GET", "/v1/tensors/x?timeout=nan", id="nan-timeout"),
-    pytest.param("GET", "/v1/tensors/x?newer_than=-1", id="negative-newer-than"),
-    pytest.param("GET", "/v1/tensors/x?newer_than=1.5", id="fractional-newer-than"),
-    pytest.param("POST", "/v1/put/x?shape=4", id="put-without-dtype"),
-    pytest.param("POST", "/v1/put/x?dtype=uint8&shape=4&ttl=-1", id="put-negative-ttl"),
-])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        pytest.param("GET", "/v1/tensors/x?timeout=-1", id="negative-timeout"),
+        pytest.param("GET", "/v1/tensors/x?timeout=soon", id="word-timeout"),
+        pytest.param("GET", "/v1/tensors/x?timeout=nan", id="nan-timeout"),
+        pytest.param("GET", "/v1/tensors/x?newer_than=-1", id="negative-newer-than"),
+        pytest.param("GET", "/v1/tensors/x?newer_than=1.5", id="fractional-newer-than"),
+        pytest.param("POST", "/v1/put/x?shape=4", id="put-without-dtype"),
+        pytest.param("POST", "/v1/put/x?dtype=uint8&shape=4&ttl=-1", id="put-negative-ttl"),
+    ],
+)
 def test_bad_query_parameters_are_422(app: App, method: str, path: str) -> None:
     r = app.tc.request(method, path, headers=app.headers(), content=b"abcd")
     assert_error(r, 422, "invalid_request")
@@ -259,10 +303,19 @@ def test_bad_query_parameters_are_422(app: App, method: str, path: str) -> None:
 def test_token_is_required_off_the_unix_socket(make_app: Callable[..., App]) -> None:
     token = secrets.token_urlsafe(16)
     app = make_app(token=token)
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": token},
-                    {"authorization": f"Basic {token}"}):
-        for method, path in (("GET", "/v1/stat"), ("GET", "/v1/tensors"), ("POST", "/v1/sessions"),
-                             ("GET", "/metrics"), ("DELETE", "/v1/tensors/x")):
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": token},
+        {"authorization": f"Basic {token}"},
+    ):
+        for method, path in (
+            ("GET", "/v1/stat"),
+            ("GET", "/v1/tensors"),
+            ("POST", "/v1/sessions"),
+            ("GET", "/metrics"),
+            ("DELETE", "/v1/tensors/x"),
+        ):
             r = app.tc.request(method, path, headers=headers, json={"pid": 1})
             assert_error(r, 401, "unauthorized", "Authorization: Bearer")
     ok = {"authorization": f"Bearer {token}"}
@@ -273,10 +326,15 @@ def test_token_is_required_off_the_unix_socket(make_app: Callable[..., App]) -> 
 
 def test_unknown_name_is_404(app: App) -> None:
     app.put("present", b"\x01", "1")
-    assert_error(app.tc.get("/v1/tensors/missing", headers=app.headers()), 404, "not_found",
-                 "known: present")
-    assert_error(app.tc.get("/v1/tensors/missing?timeout=0.01", headers=app.headers()), 404,
-                 "timed_out", "not published within")
+    assert_error(
+        app.tc.get("/v1/tensors/missing", headers=app.headers()), 404, "not_found", "known: present"
+    )
+    assert_error(
+        app.tc.get("/v1/tensors/missing?timeout=0.01", headers=app.headers()),
+        404,
+        "timed_out",
+        "not published within",
+    )
     assert_error(app.tc.delete("/v1/tensors/missing"), 404, "not_found")
     r = app.tc.post("/v1/publish", json={"name": "missing", "version": 1}, headers=app.headers())
     assert_error(r, 404, "not_found")
@@ -285,13 +343,18 @@ def test_unknown_name_is_404(app: App) -> None:
     r = app.tc.post("/v1/many/get", json={"names": ["present", "missing"]}, headers=app.headers())
     assert_error(r, 404, "not_found")
     assert app.broker.leases == {}, "a failed batch get holds no lease"
-    assert_error(app.tc.post("/v1/batch/get", json={"names": ["present"]},
-                             headers=app.headers()), 404, "no_such_route")
-    r = app.tc.post("/v1/many/get", json={"names": ["present"], "newer_than": [1, 2]},
-                    headers=app.headers())
+    assert_error(
+        app.tc.post("/v1/batch/get", json={"names": ["present"]}, headers=app.headers()),
+        404,
+        "no_such_route",
+    )
+    r = app.tc.post(
+        "/v1/many/get", json={"names": ["present"], "newer_than": [1, 2]}, headers=app.headers()
+    )
     assert_error(r, 400, "invalid_request", "one per name")
-    r = app.tc.post("/v1/many/publish", json={"names": ["present"], "versions": [1, 2]},
-                    headers=app.headers())
+    r = app.tc.post(
+        "/v1/many/publish", json={"names": ["present"], "versions": [1, 2]}, headers=app.headers()
+    )
     assert_error(r, 400, "invalid_request", "one version per name")
     assert app.tc.delete("/v1/tensors/present").status_code == 204
 
@@ -305,8 +368,9 @@ def test_unknown_route_is_404_and_wrong_method_405(app: App) -> None:
 def test_conflicts_are_409(app: App) -> None:
     other = app.open_session()
     h = app.alloc("w", [4], sid=other).json()
-    r = app.tc.post("/v1/publish", json={"name": "w", "version": h["version"]},
-                    headers=app.headers())
+    r = app.tc.post(
+        "/v1/publish", json={"name": "w", "version": h["version"]}, headers=app.headers()
+    )
     assert_error(r, 409, "conflict", "another session")
     assert_error(app.alloc("x", [4], sid="0" * 32), 409, "unknown_session", "open a new one")
     assert_error(app.tc.delete("/v1/sessions/" + "0" * 32), 409, "unknown_session")
@@ -322,13 +386,23 @@ def test_out_of_memory_is_507(app: App) -> None:
     assert [r.status_code for r in held] == [200, 200]
     assert_error(app.alloc("w2", [3 * MiB], "uint8"), 507, "out_of_memory", "delete()")
     check_accounting(app.broker)
-    r = app.tc.post("/v1/batch/alloc", headers=app.headers(), json={"items": [
-        {"name": "b0", "shape": [MiB], "dtype": "uint8"},
-        {"name": "b1", "shape": [3 * MiB], "dtype": "uint8"}]})
+    r = app.tc.post(
+        "/v1/batch/alloc",
+        headers=app.headers(),
+        json={
+            "items": [
+                {"name": "b0", "shape": [MiB], "dtype": "uint8"},
+                {"name": "b1", "shape": [3 * MiB], "dtype": "uint8"},
+            ]
+        },
+    )
     assert_error(r, 507, "out_of_memory")
     assert "b0" not in app.broker.entries, "a batch that does not fit leaves nothing behind"
-    r = app.tc.post("/v1/many/alloc", headers=app.headers(), json={
-        "names": ["b0", "b1"], "shapes": [[MiB], [3 * MiB]], "dtypes": ["uint8", "uint8"]})
+    r = app.tc.post(
+        "/v1/many/alloc",
+        headers=app.headers(),
+        json={"names": ["b0", "b1"], "shapes": [[MiB], [3 * MiB]], "dtypes": ["uint8", "uint8"]},
+    )
     assert_error(r, 507, "out_of_memory")
     assert "b0" not in app.broker.entries, "a batch that does not fit leaves nothing behind"
     check_accounting(app.broker)
@@ -350,8 +424,11 @@ def test_leases_are_released_only_by_their_session(app: App) -> None:
 def test_shutting_down_is_503(app: App) -> None:
     app.put("w", b"\x01", "1")
     results: list[Any] = []
-    waiter = threading.Thread(target=lambda: results.append(
-        app.tc.get("/v1/tensors/never?timeout=60", headers=app.headers())))
+    waiter = threading.Thread(
+        target=lambda: results.append(
+            app.tc.get("/v1/tensors/never?timeout=60", headers=app.headers())
+        )
+    )
     waiter.start()
     wait_for(lambda: "never" in app.broker.waits, 10, what="the get to wait")
     app.on_loop(app.broker.begin_shutdown)
@@ -420,14 +497,24 @@ def test_openapi_is_complete(app: App) -> None:
 
 # -- fuzzing --------------------------------------------------------------------
 
-_JSON_LEAVES = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-                | st.text(max_size=20))
-any_json = st.recursive(_JSON_LEAVES, lambda kids: st.lists(kids, max_size=4)
-                        | st.dictionaries(st.text(max_size=10), kids, max_size=4), max_leaves=12)
-header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=40)
+_JSON_LEAVES = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+)
+any_json = st.recursive(
+    _JSON_LEAVES,
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
+header_text = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40)
 NAMES = ["w", "x", "run/1/w", "a.b"]
-names = (st.sampled_from(NAMES) | st.sampled_from(NAMES) | st.text(max_size=30)
-         | st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7e), min_size=1, max_size=600))
+names = (
+    st.sampled_from(NAMES)
+    | st.sampled_from(NAMES)
+    | st.text(max_size=30)
+    | st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=600)
+)
 big_ints = st.sampled_from([0, 1, -1, 2**31, 2**32, 2**62, 2**63, 2**64, 10**30, -(2**63)])
 dims = st.integers(0, 64) | big_ints
 dtypes = st.sampled_from(sorted(DTYPES)) | st.text(max_size=12)
@@ -441,8 +528,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "shape": st.lists(dims, max_size=4) | any_json,
     "dtype": dtypes,
     "device": st.sampled_from(["cpu", "cpu:0", "cuda:0", "", "CPU"]) | st.text(max_size=70),
-    "ttl": (st.none() | st.floats(min_value=1e-3, max_value=1e308)
-            | st.sampled_from([0, -1, math.inf])),
+    "ttl": (
+        st.none() | st.floats(min_value=1e-3, max_value=1e308) | st.sampled_from([0, -1, math.inf])
+    ),
     "version": st.integers(-1, 4) | big_ints,
     "leases": st.lists(st.integers(-1, 20) | big_ints, max_size=5),
     "pid": st.sampled_from([os.getpid(), 1, 0, -1, 2**62, 2**80]),
@@ -454,8 +542,9 @@ PARAMS: dict[str, st.SearchStrategy[str]] = {
     "timeout": query_timeouts,
     "newer_than": st.sampled_from(["0", "1", "-1", "x", str(2**64)]),
     "dtype": dtypes.filter(lambda s: "\x00" not in s),
-    "shape": st.sampled_from(["", "1", "4", "2,2", "0", "-1", "x", ",", "1,,2", " 3 ", "1_0",
-                              "4294967296,4294967296"]),
+    "shape": st.sampled_from(
+        ["", "1", "4", "2,2", "0", "-1", "x", ",", "1,,2", " 3 ", "1_0", "4294967296,4294967296"]
+    ),
     "ttl": st.sampled_from(["0.001", "1", "0", "-1", "inf", "nan", "x"]),
 }
 
@@ -487,12 +576,14 @@ def body_for(doc: dict[str, Any], schema: dict[str, Any]) -> st.SearchStrategy[A
         return st.one_of(good, good, good, any_json)
 
     fields = {k: field(k, v) for k, v in props.items()}
-    near = st.fixed_dictionaries({k: s for k, s in fields.items() if k in required},
-                                 optional={k: s for k, s in fields.items() if k not in required})
+    near = st.fixed_dictionaries(
+        {k: s for k, s in fields.items() if k in required},
+        optional={k: s for k, s in fields.items() if k not in required},
+    )
     dropped = st.fixed_dictionaries({}, optional=fields)
-    extra = st.tuples(near,
-                      st.dictionaries(st.text(max_size=8), _JSON_LEAVES, min_size=1, max_size=2)
-                      ).map(lambda t: {**t[1], **t[0]})
+    extra = st.tuples(
+        near, st.dictionaries(st.text(max_size=8), _JSON_LEAVES, min_size=1, max_size=2)
+    ).map(lambda t: {**t[1], **t[0]})
     # Any JSON at the top level, but never one that carries a "timeout".
     junk = any_json.filter(lambda x: not isinstance(x, dict) or "timeout" not in x)
     return st.one_of(near, near, near, dropped, extra, junk)
@@ -503,19 +594,25 @@ def request_for(doc: dict[str, Any], path: str, method: str) -> st.SearchStrateg
     parts: dict[str, st.SearchStrategy[Any]] = {"path": st.just(path), "method": st.just(method)}
     for p in op.get("parameters", []):
         if p["in"] == "path":
-            values = (st.sampled_from(["$session", "$other"]) if p["name"] == "session" else names)
+            values = st.sampled_from(["$session", "$other"]) if p["name"] == "session" else names
             parts["path:" + p["name"]] = values | header_text
         elif p["in"] == "query":
             parts["query:" + p["name"]] = st.none() | PARAMS.get(p["name"], header_text)
         elif p["in"] == "header" and p["name"] == SESSION:
             parts[p["name"]] = st.sampled_from(["$session", "$session", "$other", None, "", "nope"])
     # Any request may piggyback lease releases, documented or not.
-    parts[RELEASE] = st.none() | st.lists(st.integers(-1, 20) | big_ints, max_size=3).map(
-        lambda xs: ",".join(map(str, xs))) | header_text
+    parts[RELEASE] = (
+        st.none()
+        | st.lists(st.integers(-1, 20) | big_ints, max_size=3).map(
+            lambda xs: ",".join(map(str, xs))
+        )
+        | header_text
+    )
     content = op.get("requestBody", {}).get("content", {})
     if "application/json" in content:
-        parts["json"] = (body_for(doc, content["application/json"]["schema"])
-                         | st.binary(max_size=40))
+        parts["json"] = body_for(doc, content["application/json"]["schema"]) | st.binary(
+            max_size=40
+        )
     elif "application/octet-stream" in content:
         parts["bytes"] = st.binary(max_size=64) | st.integers(0, 64).map(bytes)
     return st.fixed_dictionaries(parts)
@@ -534,8 +631,9 @@ def send(app: App, other: str, req: dict[str, Any]) -> Any:
         body = req["json"]
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers["content-type"] = "application/json"
-    return app.tc.request(req["method"].upper(), path, params=params, headers=headers,
-                          content=content)
+    return app.tc.request(
+        req["method"].upper(), path, params=params, headers=headers, content=content
+    )
 
 
 def check_response(doc: dict[str, Any], req: dict[str, Any], r: Any) -> None:
@@ -546,7 +644,8 @@ def check_response(doc: dict[str, Any], req: dict[str, Any], r: Any) -> None:
     # router's 404/405 and its trailing-slash redirect are fine there.
     routing = {307, 404, 405}
     assert str(r.status_code) in responses or r.status_code in routing, (
-        f"{where} -> undocumented {r.status_code}: {r.text}")
+        f"{where} -> undocumented {r.status_code}: {r.text}"
+    )
     if r.is_redirect:
         return
     if r.status_code >= 400:
@@ -588,16 +687,22 @@ def _operations() -> list[tuple[str, str]]:
     return [(p, m) for p, ops in doc["paths"].items() for m in ops]
 
 
-FUZZ = settings(max_examples=25, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
-@pytest.mark.parametrize("path,method",
-                         [pytest.param(p, m, id=f"{m}-{p}") for p, m in _operations()])
+@pytest.mark.parametrize(
+    "path,method", [pytest.param(p, m, id=f"{m}-{p}") for p, m in _operations()]
+)
 @FUZZ
 @given(data=st.data())
-def test_fuzz_every_route(fuzz_app: tuple[App, dict[str, Any]], path: str, method: str,
-                          data: st.DataObject) -> None:
+def test_fuzz_every_route(
+    fuzz_app: tuple[App, dict[str, Any]], path: str, method: str, data: st.DataObject
+) -> None:
     app, doc = fuzz_app
     other = app.open_session()
     # Something to find: a published tensor, a leased one, and one being written.
@@ -651,7 +756,8 @@ def test_inline_bytes_roundtrip(app: App) -> None:
 
 
 def test_an_app_with_flight_settings_binds_flight_with_the_brokers_policy(
-        make_app: Callable[..., App]) -> None:
+    make_app: Callable[..., App],
+) -> None:
     """Without the CLI, the lifespan binds --flight itself, on the broker's own
     tokens and scopes (the CLI binds it before the app when it serves)."""
     fl = pytest.importorskip("pyarrow.flight")

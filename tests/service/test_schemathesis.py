@@ -38,8 +38,12 @@ from tensordepot.service import Settings, create_app
 
 EXAMPLES = int(os.environ.get("TENSORDEPOT_SCHEMATHESIS_EXAMPLES", "40"))
 SESSION = "x-tensordepot-session"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 class Live:
@@ -50,9 +54,19 @@ class Live:
             f.write(f"{team} write prefix=w name=team\n")
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.broker = BrokerProc("--listen", self.base, "--max-memory", "64MiB", "--segment-size",
-                                 "4MiB", "--session-ttl", "1", "--token-file", tokens,
-                                 env={"TENSORDEPOT_TOKEN": self.token})
+        self.broker = BrokerProc(
+            "--listen",
+            self.base,
+            "--max-memory",
+            "64MiB",
+            "--segment-size",
+            "4MiB",
+            "--session-ttl",
+            "1",
+            "--token-file",
+            tokens,
+            env={"TENSORDEPOT_TOKEN": self.token},
+        )
         self.auth = {"Authorization": f"Bearer {self.token}"}
         self.team = {"Authorization": f"Bearer {team}"}
         try:
@@ -65,8 +79,9 @@ class Live:
         # Over TCP every session lives on heartbeats (a claimed pid is never
         # trusted): ours is kept alive by a thread, and the sessions the fuzz
         # opens lapse within a second.
-        r = requests.post(f"{self.base}/v1/sessions", json={"pid": os.getpid()},
-                          headers=self.auth, timeout=30)
+        r = requests.post(
+            f"{self.base}/v1/sessions", json={"pid": os.getpid()}, headers=self.auth, timeout=30
+        )
         assert r.status_code == 200, r.text
         assert not r.json()["tracked"], r.json()
         self.sid: str = r.json()["session"]
@@ -77,8 +92,11 @@ class Live:
     def _beat(self) -> None:
         with requests.Session() as http:
             while not self.stop.wait(0.2):
-                http.post(f"{self.base}/v1/sessions/{self.sid}/heartbeat",
-                          headers={**self.auth, SESSION: self.sid}, timeout=30)
+                http.post(
+                    f"{self.base}/v1/sessions/{self.sid}/heartbeat",
+                    headers={**self.auth, SESSION: self.sid},
+                    timeout=30,
+                )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +108,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         yield lv
         lv.stop.set()
         lv.beat.join(30)
-        requests.delete(f"{lv.base}/v1/sessions/{lv.sid}", headers={**lv.auth, SESSION: lv.sid},
-                        timeout=30)
+        requests.delete(
+            f"{lv.base}/v1/sessions/{lv.sid}", headers={**lv.auth, SESSION: lv.sid}, timeout=30
+        )
         lv.broker.check_clean()
         assert lv.broker.stop() == 0, lv.broker.log()
         assert lv.broker.segments() == []
@@ -129,8 +148,9 @@ def _tame(case: Any, live: Live) -> dict[str, str]:
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 def test_every_route_conforms_and_never_fails(case: Any, live: Live) -> None:
     credentials = _tame(case, live)
     case.call_and_validate(base_url=live.base, headers=credentials, checks=CHECKS, timeout=30)

@@ -49,7 +49,8 @@ def _big_strided(mib: int) -> np.ndarray:
 
 
 def test_an_interrupt_between_submits_leaves_no_copy_writing(
-        interrupted_at_second_submit: None) -> None:
+    interrupted_at_second_submit: None,
+) -> None:
     src = _big_strided(128)
     dst = np.zeros(src.shape, dtype=np.float32)
     with pytest.raises(KeyboardInterrupt):
@@ -60,7 +61,8 @@ def test_an_interrupt_between_submits_leaves_no_copy_writing(
 
 
 def test_an_interrupt_between_submits_of_a_batch_leaves_no_copy_writing(
-        interrupted_at_second_submit: None) -> None:
+    interrupted_at_second_submit: None,
+) -> None:
     srcs = [_big_strided(64), _big_strided(64)]
     dsts = [np.zeros(s.shape, dtype=np.float32) for s in srcs]
     with pytest.raises(KeyboardInterrupt):
@@ -76,17 +78,26 @@ def test_a_copy_that_is_not_interrupted_copies_everything() -> None:
     dst = np.zeros(src.shape, dtype=np.float32)
     _copy.copy_into(dst, src)
     assert np.array_equal(dst, src)
-    pairs = [(np.zeros(s.shape, dtype=np.float32), s)
-             for s in [_big_strided(16), np.arange(1000, dtype=np.float32), _big_strided(9)]]
+    pairs = [
+        (np.zeros(s.shape, dtype=np.float32), s)
+        for s in [_big_strided(16), np.arange(1000, dtype=np.float32), _big_strided(9)]
+    ]
     _copy.copy_many(pairs)
     assert all(np.array_equal(d, s) for d, s in pairs)
 
 
-@pytest.mark.parametrize("sizes", [
-    [1, 1, 1, 1, 7], [7, 1], [3, 3, 2, 2, 2], [1, 10, 1], [5] * 7,
-    [2_621_440, 30_720, 30_720] * 100,  # B7's state dict: in order, a weight then two small
-    [int(x) for x in np.random.default_rng(7).integers(1, 1 << 20, 500)],
-])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [1, 1, 1, 1, 7],
+        [7, 1],
+        [3, 3, 2, 2, 2],
+        [1, 10, 1],
+        [5] * 7,
+        [2_621_440, 30_720, 30_720] * 100,  # B7's state dict: in order, a weight then two small
+        [int(x) for x in np.random.default_rng(7).integers(1, 1 << 20, 500)],
+    ],
+)
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_batch_is_cut_in_order_into_runs_of_about_equal_bytes(sizes: list[int], n: int) -> None:
     pairs = [(np.empty(k, np.uint8), np.empty(k, np.uint8)) for k in sizes]

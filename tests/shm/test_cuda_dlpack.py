@@ -32,28 +32,34 @@ from tensordepot.shm._dlpack import (
 POINTER = 0x7F3A_1C00_0000  # what a cudaStream_t looks like
 
 
-@pytest.mark.parametrize("stream,want", [
-    pytest.param(None, STREAM_LEGACY, id="None-is-legacy"),
-    pytest.param(1, STREAM_LEGACY, id="1-legacy"),
-    pytest.param(2, STREAM_PER_THREAD, id="2-per-thread"),
-    pytest.param(-1, None, id="-1-no-sync"),
-    pytest.param(POINTER, POINTER, id="pointer"),
-    pytest.param(3, 3, id="small-pointer"),
-    pytest.param((1 << 64) - 1, (1 << 64) - 1, id="largest-pointer"),
-])
+@pytest.mark.parametrize(
+    "stream,want",
+    [
+        pytest.param(None, STREAM_LEGACY, id="None-is-legacy"),
+        pytest.param(1, STREAM_LEGACY, id="1-legacy"),
+        pytest.param(2, STREAM_PER_THREAD, id="2-per-thread"),
+        pytest.param(-1, None, id="-1-no-sync"),
+        pytest.param(POINTER, POINTER, id="pointer"),
+        pytest.param(3, 3, id="small-pointer"),
+        pytest.param((1 << 64) - 1, (1 << 64) - 1, id="largest-pointer"),
+    ],
+)
 def test_stream_values_the_array_api_allows(stream: Any, want: int | None) -> None:
     assert parse_stream(stream) == want
 
 
-@pytest.mark.parametrize("stream,exc,match", [
-    pytest.param(0, ValueError, "ambiguous", id="0"),
-    pytest.param(-2, ValueError, "not a cudaStream_t", id="-2"),
-    pytest.param(1 << 64, ValueError, "not a cudaStream_t", id="too-big"),
-    pytest.param(True, TypeError, "is an int", id="bool"),
-    pytest.param(1.0, TypeError, "is an int", id="float"),
-    pytest.param("1", TypeError, "is an int", id="str"),
-    pytest.param(object(), TypeError, "cuda_stream", id="a-stream-object"),
-])
+@pytest.mark.parametrize(
+    "stream,exc,match",
+    [
+        pytest.param(0, ValueError, "ambiguous", id="0"),
+        pytest.param(-2, ValueError, "not a cudaStream_t", id="-2"),
+        pytest.param(1 << 64, ValueError, "not a cudaStream_t", id="too-big"),
+        pytest.param(True, TypeError, "is an int", id="bool"),
+        pytest.param(1.0, TypeError, "is an int", id="float"),
+        pytest.param("1", TypeError, "is an int", id="str"),
+        pytest.param(object(), TypeError, "cuda_stream", id="a-stream-object"),
+    ],
+)
 def test_bad_streams_say_what_is_allowed(stream: Any, exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         parse_stream(stream)
@@ -65,17 +71,27 @@ class Owner:
         self.buf = np.arange(nbytes, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("max_version",
-                         [pytest.param(None, id="legacy"), pytest.param((1, 1), id="versioned")])
+@pytest.mark.parametrize(
+    "max_version", [pytest.param(None, id="legacy"), pytest.param((1, 1), id="versioned")]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn", "int64", "complex128"])
-def test_cuda_capsule_names_the_gpu_and_keeps_its_owner(max_version: tuple[int, int] | None,
-                                                       dtype: str) -> None:
+def test_cuda_capsule_names_the_gpu_and_keeps_its_owner(
+    max_version: tuple[int, int] | None, dtype: str
+) -> None:
     dt = dtype_from_name(dtype)
     shape, strides = (3, 5), (5, 1)
     owner = Owner(15 * dt.itemsize)
     address = owner.buf.ctypes.data
-    cap = export_capsule(address, shape, strides, dt, owner, read_only=True,
-                         max_version=max_version, device=(kDLCUDA, 3))
+    cap = export_capsule(
+        address,
+        shape,
+        strides,
+        dt,
+        owner,
+        read_only=True,
+        max_version=max_version,
+        device=(kDLCUDA, 3),
+    )
     ref = weakref.ref(owner)
     del owner
     gc.collect()
@@ -100,8 +116,17 @@ def test_cuda_capsule_names_the_gpu_and_keeps_its_owner(max_version: tuple[int, 
 def test_device_memory_is_never_copied_through_numpy() -> None:
     owner = Owner(8)
     with pytest.raises(ValueError, match="host memory only"):
-        export_capsule(owner.buf.ctypes.data, (8,), (1,), dtype_from_name("uint8"), owner,
-                       read_only=False, max_version=(1, 0), copy=True, device=(kDLCUDA, 0))
+        export_capsule(
+            owner.buf.ctypes.data,
+            (8,),
+            (1,),
+            dtype_from_name("uint8"),
+            owner,
+            read_only=False,
+            max_version=(1, 0),
+            copy=True,
+            device=(kDLCUDA, 0),
+        )
 
 
 def test_patch_capsule_sets_flags_and_device() -> None:

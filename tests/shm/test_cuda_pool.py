@@ -68,8 +68,7 @@ def make_pool(gpu: FakeGpu) -> Iterator[Callable[..., Pool]]:
     def make(**kw: object) -> Pool:
         kw.setdefault("max_memory", 64 * MiB)
         kw.setdefault("segment_size", SEG)
-        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE,
-                    **kw)  # type: ignore[arg-type]
+        pool = Pool("tdtest-cuda-", segment_factory=gpu.factory, device=DEVICE, **kw)  # type: ignore[arg-type]
         pools.append(pool)
         return pool
 
@@ -93,8 +92,9 @@ def check(pool: Pool, live: list[Block], gpu: FakeGpu) -> None:
             assert a.offset + a.size <= c.offset or c.offset + c.size <= a.offset, (a, c)
 
 
-def test_nothing_is_allocated_until_first_used(make_pool: Callable[..., Pool],
-                                               gpu: FakeGpu) -> None:
+def test_nothing_is_allocated_until_first_used(
+    make_pool: Callable[..., Pool], gpu: FakeGpu
+) -> None:
     pool = make_pool()
     assert gpu.mallocs == 0 and pool.reserved == 0
     b = pool.alloc(1000)
@@ -102,8 +102,9 @@ def test_nothing_is_allocated_until_first_used(make_pool: Callable[..., Pool],
     check(pool, [b], gpu)
 
 
-def test_small_tensors_share_one_block_and_reuse_freed_ranges(make_pool: Callable[..., Pool],
-                                                             gpu: FakeGpu) -> None:
+def test_small_tensors_share_one_block_and_reuse_freed_ranges(
+    make_pool: Callable[..., Pool], gpu: FakeGpu
+) -> None:
     pool = make_pool()
     blocks = [pool.alloc(n) for n in (1, 255, 256, 257, 10_000, 0)]
     assert gpu.mallocs == 1, "small tensors are ranges of one cudaMalloc"
@@ -112,13 +113,15 @@ def test_small_tensors_share_one_block_and_reuse_freed_ranges(make_pool: Callabl
     pool.free(victim)
     again = pool.alloc(9_000)
     assert (again.segment, again.offset) == (victim.segment, victim.offset), (
-        "the warm range is reused")
+        "the warm range is reused"
+    )
     assert gpu.mallocs == 1 and gpu.frees == 0
     check(pool, [*blocks, again], gpu)
 
 
-def test_large_tensors_get_a_dedicated_block_that_stays_warm(make_pool: Callable[..., Pool],
-                                                            gpu: FakeGpu) -> None:
+def test_large_tensors_get_a_dedicated_block_that_stays_warm(
+    make_pool: Callable[..., Pool], gpu: FakeGpu
+) -> None:
     pool = make_pool()
     big = pool.alloc(3 * MiB + 5)  # above segment_size / 2
     assert big.offset == 0 and big.size == 4 * MiB, "dedicated blocks round to 2 MiB"
@@ -130,8 +133,9 @@ def test_large_tensors_get_a_dedicated_block_that_stays_warm(make_pool: Callable
     check(pool, [again], gpu)
 
 
-def test_the_per_gpu_limit_is_507_material_and_warm_memory_gives_way(make_pool: Callable[..., Pool],
-                                                                     gpu: FakeGpu) -> None:
+def test_the_per_gpu_limit_is_507_material_and_warm_memory_gives_way(
+    make_pool: Callable[..., Pool], gpu: FakeGpu
+) -> None:
     pool = make_pool(max_memory=16 * MiB)
     a = pool.alloc(6 * MiB)
     b = pool.alloc(6 * MiB)
@@ -149,8 +153,13 @@ def test_a_failed_cudamalloc_is_pool_exhausted_naming_cuda() -> None:
     failing = FakeGpu(fail_after=0)
     factory = functools.partial(failing.factory)
     factory.kind = KIND  # type: ignore[attr-defined]  # as the broker labels its CUDA factories
-    pool = Pool("tdtest-cuda-", max_memory=64 * MiB, segment_size=SEG, segment_factory=factory,
-                device=DEVICE)
+    pool = Pool(
+        "tdtest-cuda-",
+        max_memory=64 * MiB,
+        segment_size=SEG,
+        segment_factory=factory,
+        device=DEVICE,
+    )
     try:
         with pytest.raises(PoolExhausted, match="could not create a 4194304 byte CUDA segment"):
             pool.alloc(100)
@@ -168,8 +177,9 @@ def test_close_frees_every_block_once(make_pool: Callable[..., Pool], gpu: FakeG
     assert gpu.frees == made and gpu.live == {} and pool.reserved == 0
 
 
-def test_on_drop_names_each_block_the_pool_frees(make_pool: Callable[..., Pool],
-                                                 gpu: FakeGpu) -> None:
+def test_on_drop_names_each_block_the_pool_frees(
+    make_pool: Callable[..., Pool], gpu: FakeGpu
+) -> None:
     pool = make_pool(max_memory=8 * MiB, warm_bytes=0)
     dropped: list[str] = []
     pool.on_drop = dropped.append
@@ -177,4 +187,5 @@ def test_on_drop_names_each_block_the_pool_frees(make_pool: Callable[..., Pool],
     name = a.segment
     pool.free(a)
     assert dropped == [name] and name not in gpu.live, (
-        "with no warm budget, a free block goes at once")
+        "with no warm budget, a free block goes at once"
+    )

@@ -31,18 +31,21 @@ PHYSICAL = [U0, U1, U2]
 # -- names ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,want", [
-    pytest.param("cpu", CPU, id="cpu"),
-    pytest.param("cpu:0", CPU, id="cpu:0"),
-    pytest.param(" CPU ", CPU, id="CPU-spaced"),
-    pytest.param("cuda", Device("cuda"), id="cuda"),
-    pytest.param("cuda:0", Device("cuda", ordinal=0), id="cuda:0"),
-    pytest.param("cuda:12", Device("cuda", ordinal=12), id="cuda:12"),
-    pytest.param(f"cuda:{U0}", Device("cuda", uuid=U0), id="uuid"),
-    pytest.param(f"cuda:{U0.upper()}", Device("cuda", uuid=U0), id="uuid-upper"),
-    pytest.param(f"cuda:gpu-{U0[4:]}", Device("cuda", uuid=U0), id="uuid-lower-prefix"),
-    pytest.param(f"cuda:{MIG}", Device("cuda", uuid=MIG), id="mig"),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        pytest.param("cpu", CPU, id="cpu"),
+        pytest.param("cpu:0", CPU, id="cpu:0"),
+        pytest.param(" CPU ", CPU, id="CPU-spaced"),
+        pytest.param("cuda", Device("cuda"), id="cuda"),
+        pytest.param("cuda:0", Device("cuda", ordinal=0), id="cuda:0"),
+        pytest.param("cuda:12", Device("cuda", ordinal=12), id="cuda:12"),
+        pytest.param(f"cuda:{U0}", Device("cuda", uuid=U0), id="uuid"),
+        pytest.param(f"cuda:{U0.upper()}", Device("cuda", uuid=U0), id="uuid-upper"),
+        pytest.param(f"cuda:gpu-{U0[4:]}", Device("cuda", uuid=U0), id="uuid-lower-prefix"),
+        pytest.param(f"cuda:{MIG}", Device("cuda", uuid=MIG), id="mig"),
+    ],
+)
 def test_device_names_parse(text: str, want: Device) -> None:
     got = parse_device(text)
     assert got == want
@@ -54,20 +57,38 @@ class TorchLikeDevice:
         self.type, self.index = type, index
 
 
-@pytest.mark.parametrize("dev,want", [
-    pytest.param(TorchLikeDevice("cuda", 1), Device("cuda", ordinal=1), id="cuda-1"),
-    pytest.param(TorchLikeDevice("cuda", None), Device("cuda"), id="cuda"),
-    pytest.param(TorchLikeDevice("cpu", None), CPU, id="cpu"),
-])
+@pytest.mark.parametrize(
+    "dev,want",
+    [
+        pytest.param(TorchLikeDevice("cuda", 1), Device("cuda", ordinal=1), id="cuda-1"),
+        pytest.param(TorchLikeDevice("cuda", None), Device("cuda"), id="cuda"),
+        pytest.param(TorchLikeDevice("cpu", None), CPU, id="cpu"),
+    ],
+)
 def test_device_objects_parse(dev: object, want: Device) -> None:
     assert parse_device(dev) == want
 
 
-@pytest.mark.parametrize("text", [
-    "", "gpu", "cuda:", "cuda:-1", "cuda: 1", "cuda:1.0", "cuda:0x1", "cuda0",
-    "cuda:GPU-1234", f"cuda:{U0}0", "cuda:GPU-zzzzzzzz-d72c-4106-c12f-20bd9faed9f6",
-    f"cuda:XPU-{U0[4:]}", "cpu:1", "mps", "cuda:\u0661",  # an Arabic-Indic one: not an ordinal
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "gpu",
+        "cuda:",
+        "cuda:-1",
+        "cuda: 1",
+        "cuda:1.0",
+        "cuda:0x1",
+        "cuda0",
+        "cuda:GPU-1234",
+        f"cuda:{U0}0",
+        "cuda:GPU-zzzzzzzz-d72c-4106-c12f-20bd9faed9f6",
+        f"cuda:XPU-{U0[4:]}",
+        "cpu:1",
+        "mps",
+        "cuda:\u0661",  # an Arabic-Indic one: not an ordinal
+    ],
+)
 def test_bad_device_names_say_what_is_allowed(text: str) -> None:
     with pytest.raises(DeviceError, match=r"cuda:N|device UUID"):
         parse_device(text)
@@ -103,27 +124,30 @@ def test_gpu_and_mig_spellings_name_the_same_device() -> None:
 # -- CUDA_VISIBLE_DEVICES ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("env,want", [
-    pytest.param(None, PHYSICAL, id="unset"),
-    pytest.param("", [], id="empty-hides-all"),
-    pytest.param("0", [U0], id="0"),
-    pytest.param("2,0", [U2, U0], id="reordered"),
-    pytest.param(" 1 , 2 ", [U1, U2], id="spaces"),
-    pytest.param("0,2,-1,1", [U0, U2], id="stops-at-negative"),
-    pytest.param("3", [], id="out-of-range"),
-    pytest.param("1,7,0", [U1], id="stops-at-out-of-range"),
-    pytest.param("0,0", [U0], id="repeat-stops"),
-    pytest.param("x,0", [], id="junk-first"),
-    pytest.param("\u0661", [], id="non-ascii-digit"),
-    pytest.param(U2, [U2], id="uuid"),
-    pytest.param(f"{U2},{U0}", [U2, U0], id="uuid-list"),
-    pytest.param("GPU-1b2c3d4e", [U2], id="uuid-prefix"),
-    pytest.param("GPU-8932f937", [], id="ambiguous-prefix"),
-    pytest.param("GPU-8932f937-d", [U0], id="long-enough-prefix"),
-    pytest.param(f"1,{U0.upper()}", [U1, U0], id="index-and-uuid"),
-    pytest.param("GPU-", [], id="empty-prefix"),
-    pytest.param(f"MIG-{U0[4:]}", [], id="mig-name-of-a-gpu"),
-])
+@pytest.mark.parametrize(
+    "env,want",
+    [
+        pytest.param(None, PHYSICAL, id="unset"),
+        pytest.param("", [], id="empty-hides-all"),
+        pytest.param("0", [U0], id="0"),
+        pytest.param("2,0", [U2, U0], id="reordered"),
+        pytest.param(" 1 , 2 ", [U1, U2], id="spaces"),
+        pytest.param("0,2,-1,1", [U0, U2], id="stops-at-negative"),
+        pytest.param("3", [], id="out-of-range"),
+        pytest.param("1,7,0", [U1], id="stops-at-out-of-range"),
+        pytest.param("0,0", [U0], id="repeat-stops"),
+        pytest.param("x,0", [], id="junk-first"),
+        pytest.param("\u0661", [], id="non-ascii-digit"),
+        pytest.param(U2, [U2], id="uuid"),
+        pytest.param(f"{U2},{U0}", [U2, U0], id="uuid-list"),
+        pytest.param("GPU-1b2c3d4e", [U2], id="uuid-prefix"),
+        pytest.param("GPU-8932f937", [], id="ambiguous-prefix"),
+        pytest.param("GPU-8932f937-d", [U0], id="long-enough-prefix"),
+        pytest.param(f"1,{U0.upper()}", [U1, U0], id="index-and-uuid"),
+        pytest.param("GPU-", [], id="empty-prefix"),
+        pytest.param(f"MIG-{U0[4:]}", [], id="mig-name-of-a-gpu"),
+    ],
+)
 def test_visible_devices_follow_cudas_rules(env: str | None, want: list[str]) -> None:
     assert visible_devices(env, PHYSICAL) == want
 
@@ -139,14 +163,18 @@ def test_visible_devices_with_a_mig_device() -> None:
 # -- the mapping -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("broker_env,worker_env", [
-    pytest.param(None, None, id="both-unset"),
-    pytest.param("2,1,0", None, id="reversed-vs-unset"),
-    pytest.param(f"{U1},{U2}", "2,1", id="uuids-vs-indices"),
-    pytest.param("1", f"{U1}", id="one-gpu-by-index-and-by-uuid"),
-])
-def test_processes_that_number_gpus_differently_agree_by_uuid(broker_env: str | None,
-                                                             worker_env: str | None) -> None:
+@pytest.mark.parametrize(
+    "broker_env,worker_env",
+    [
+        pytest.param(None, None, id="both-unset"),
+        pytest.param("2,1,0", None, id="reversed-vs-unset"),
+        pytest.param(f"{U1},{U2}", "2,1", id="uuids-vs-indices"),
+        pytest.param("1", f"{U1}", id="one-gpu-by-index-and-by-uuid"),
+    ],
+)
+def test_processes_that_number_gpus_differently_agree_by_uuid(
+    broker_env: str | None, worker_env: str | None
+) -> None:
     broker = DeviceMap.for_environment(broker_env, PHYSICAL)
     worker = DeviceMap.for_environment(worker_env, PHYSICAL)
     for ordinal, uuid in enumerate(broker.uuids):

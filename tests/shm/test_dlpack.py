@@ -37,13 +37,29 @@ VERSIONS = [pytest.param(None, id="legacy"), pytest.param((1, 0), id="versioned"
 
 # DLDataTypeCode in dlpack.h (v1.1+), written out here rather than read from the table under test.
 DLPACK_CODES = {
-    "bool": (6, 8), "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
-    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64),
-    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
-    "complex64": (5, 64), "complex128": (5, 128),
-    "float8_e3m4": (7, 8), "float8_e4m3": (8, 8), "float8_e4m3b11fnuz": (9, 8),
-    "float8_e4m3fn": (10, 8), "float8_e4m3fnuz": (11, 8), "float8_e5m2": (12, 8),
-    "float8_e5m2fnuz": (13, 8), "float8_e8m0fnu": (14, 8),
+    "bool": (6, 8),
+    "int8": (0, 8),
+    "int16": (0, 16),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "uint8": (1, 8),
+    "uint16": (1, 16),
+    "uint32": (1, 32),
+    "uint64": (1, 64),
+    "float16": (2, 16),
+    "float32": (2, 32),
+    "float64": (2, 64),
+    "bfloat16": (4, 16),
+    "complex64": (5, 64),
+    "complex128": (5, 128),
+    "float8_e3m4": (7, 8),
+    "float8_e4m3": (8, 8),
+    "float8_e4m3b11fnuz": (9, 8),
+    "float8_e4m3fn": (10, 8),
+    "float8_e4m3fnuz": (11, 8),
+    "float8_e5m2": (12, 8),
+    "float8_e5m2fnuz": (13, 8),
+    "float8_e8m0fnu": (14, 8),
 }
 
 
@@ -54,20 +70,31 @@ class Owner:
         self.buf = np.random.default_rng(nbytes).integers(0, 2, nbytes, dtype=np.uint8)
 
 
-
-def capsule(dtype: str, shape: tuple[int, ...] = (4, 6), *,
-            max_version: tuple[int, int] | None = (1, 0),
-            read_only: bool = True, copy: bool = False, strides: tuple[int, ...] | None = None
-            ) -> tuple[Any, Owner]:
+def capsule(
+    dtype: str,
+    shape: tuple[int, ...] = (4, 6),
+    *,
+    max_version: tuple[int, int] | None = (1, 0),
+    read_only: bool = True,
+    copy: bool = False,
+    strides: tuple[int, ...] | None = None,
+) -> tuple[Any, Owner]:
     d = DTYPES[dtype]
     n = int(np.prod(shape)) if shape else 1
     owner = Owner(n * d.itemsize * 2)  # room for every-other-element strides
     if strides is None:
         strides = tuple(int(s) for s in np.empty(shape, np.uint8).strides)
-    cap = export_capsule(owner.buf.ctypes.data, shape, strides, d, owner, read_only=read_only,
-                         max_version=max_version, copy=copy)
+    cap = export_capsule(
+        owner.buf.ctypes.data,
+        shape,
+        strides,
+        d,
+        owner,
+        read_only=read_only,
+        max_version=max_version,
+        copy=copy,
+    )
     return cap, owner
-
 
 
 # -- the dtype table ---------------------------------------------------------------
@@ -97,13 +124,15 @@ def test_array_at_every_dtype(dtype: str) -> None:
     d = DTYPES[dtype]
     owner = Owner(5 * 2 * d.itemsize)
     npdt = numpy_dtype(d)
-    arr = array_at(owner.buf.ctypes.data, (5,), (2 * d.itemsize,), npdt, writable=False,
-                   owner=owner)
+    arr = array_at(
+        owner.buf.ctypes.data, (5,), (2 * d.itemsize,), npdt, writable=False, owner=owner
+    )
     assert arr.dtype == npdt and not arr.flags.writeable
     want = owner.buf.reshape(5, 2, d.itemsize)[:, 0].tobytes()
     assert np.ascontiguousarray(arr).tobytes() == want
-    assert array_at(owner.buf.ctypes.data, (5,), None, npdt, writable=True,
-                    owner=owner).flags.writeable
+    assert array_at(
+        owner.buf.ctypes.data, (5,), None, npdt, writable=True, owner=owner
+    ).flags.writeable
 
 
 # -- capsules we export ------------------------------------------------------------
@@ -126,8 +155,14 @@ def test_capsule_dtype_and_strides(dtype: str, max_version: tuple[int, int] | No
         assert (mt.version.major, mt.version.minor) == want
 
 
-@pytest.mark.parametrize("shape", [pytest.param((7,), id="1d"), pytest.param((2, 3, 4), id="3d"),
-                                   pytest.param((0, 5), id="empty")])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((7,), id="1d"),
+        pytest.param((2, 3, 4), id="3d"),
+        pytest.param((0, 5), id="empty"),
+    ],
+)
 def test_contiguous_strides_are_filled(shape: tuple[int, ...]) -> None:
     for mv in (None, (1, 0)):
         cap, _ = capsule("float32", shape, max_version=mv)
@@ -137,12 +172,15 @@ def test_contiguous_strides_are_filled(shape: tuple[int, ...]) -> None:
         assert [t.strides[i] for i in range(len(shape))] == want
 
 
-@pytest.mark.parametrize("read_only,copy,flags", [
-    pytest.param(True, False, FLAG_READ_ONLY, id="read-only"),
-    pytest.param(False, False, 0, id="writable"),
-    pytest.param(True, True, FLAG_IS_COPIED, id="copy-of-read-only"),
-    pytest.param(False, True, FLAG_IS_COPIED, id="copy-of-writable"),
-])
+@pytest.mark.parametrize(
+    "read_only,copy,flags",
+    [
+        pytest.param(True, False, FLAG_READ_ONLY, id="read-only"),
+        pytest.param(False, False, 0, id="writable"),
+        pytest.param(True, True, FLAG_IS_COPIED, id="copy-of-read-only"),
+        pytest.param(False, True, FLAG_IS_COPIED, id="copy-of-writable"),
+    ],
+)
 def test_versioned_flags(read_only: bool, copy: bool, flags: int) -> None:
     cap, owner = capsule("bfloat16", read_only=read_only, copy=copy)
     mt, t = managed(cap)
@@ -219,8 +257,9 @@ def test_import_unknown_dtype_calls_the_deleter() -> None:
     weird = DType("float4_e2m1fn", 17, 8)  # a DLPack 1.1 code outside our table
     owner = Owner(16)
     ref = weakref.ref(owner)
-    cap = export_capsule(owner.buf.ctypes.data, (16,), (1,), weird, owner, read_only=True,
-                         max_version=(1, 0))
+    cap = export_capsule(
+        owner.buf.ctypes.data, (16,), (1,), weird, owner, read_only=True, max_version=(1, 0)
+    )
     del owner
     with pytest.raises(UnsupportedDType, match="code=17"):
         import_dlpack(OneCapsule(cap))

@@ -18,8 +18,10 @@ from tensordepot.shm import PosixSegment, _kept
 from tensordepot.shm._posix import PAGE, SegmentFile, byte_view
 
 
-@pytest.fixture(params=[(True, False), (False, False), (True, True)],
-                ids=["pagemap_scan", "pagemap_read", "pagemap_both"])
+@pytest.fixture(
+    params=[(True, False), (False, False), (True, True)],
+    ids=["pagemap_scan", "pagemap_read", "pagemap_both"],
+)
 def pagemap(request: pytest.FixtureRequest) -> _kept._Pagemap:
     """Scanned, read, or (what a client uses where both are truthful) read
     for ranges of a few pages and scanned for longer ones."""
@@ -171,20 +173,29 @@ def test_every_way_of_asking_finds_the_same_private_pages() -> None:
         written = [0, 1, 2, 7, 17, 40, 41, n - 1]
         for p in written:
             ctypes.memset(base + p * PAGE + 5, 9, 3)
-        want = [(base, base + 3 * PAGE), (base + 7 * PAGE, base + 8 * PAGE),
-                (base + 17 * PAGE, base + 18 * PAGE), (base + 40 * PAGE, base + 42 * PAGE),
-                (base + (n - 1) * PAGE, base + n * PAGE)]
-        ways = {"read": _kept._Pagemap(use_scan=False),
-                "scan": _kept._Pagemap(use_scan=True),
-                "both": _kept._Pagemap(use_scan=True, read_small=True)}
+        want = [
+            (base, base + 3 * PAGE),
+            (base + 7 * PAGE, base + 8 * PAGE),
+            (base + 17 * PAGE, base + 18 * PAGE),
+            (base + 40 * PAGE, base + 42 * PAGE),
+            (base + (n - 1) * PAGE, base + n * PAGE),
+        ]
+        ways = {
+            "read": _kept._Pagemap(use_scan=False),
+            "scan": _kept._Pagemap(use_scan=True),
+            "both": _kept._Pagemap(use_scan=True, read_small=True),
+        }
         if not _kept._probe(ways["scan"]):
             del ways["scan"], ways["both"]  # no PAGEMAP_SCAN here
         assert _kept._probe(ways["read"]), "no /proc/self/pagemap here"
         for how, pm in ways.items():
             assert pm.dirty(base, base + n * PAGE) == want, how
             for lo, hi in [(0, 3), (0, 16), (6, 9), (3, 7), (30, 46)]:  # short and long ranges
-                part = [(max(a, base + lo * PAGE), min(b, base + hi * PAGE)) for a, b in want
-                        if a < base + hi * PAGE and b > base + lo * PAGE]
+                part = [
+                    (max(a, base + lo * PAGE), min(b, base + hi * PAGE))
+                    for a, b in want
+                    if a < base + hi * PAGE and b > base + lo * PAGE
+                ]
                 assert pm.dirty(base + lo * PAGE, base + hi * PAGE) == part, (how, lo, hi)
         del lent, k, f
         gc.collect()

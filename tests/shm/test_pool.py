@@ -55,8 +55,9 @@ def make_pool(prefix: str) -> Iterator[Callable[..., Pool]]:
 def on_disk(pool: Pool) -> dict[str, int]:
     """The pool's segments as /dev/shm sees them: name -> size."""
     mine = re.compile(re.escape(pool.prefix) + "[0-9a-f]{32}")
-    return {e: os.stat(f"/dev/shm/{e}").st_size for e in shm_entries(pool.prefix)
-            if mine.fullmatch(e)}
+    return {
+        e: os.stat(f"/dev/shm/{e}").st_size for e in shm_entries(pool.prefix) if mine.fullmatch(e)
+    }
 
 
 def check_invariants(pool: Pool, live: list[Block]) -> None:
@@ -72,8 +73,10 @@ def check_invariants(pool: Pool, live: list[Block]) -> None:
             assert len(mine) <= 1 and s.free_off == []
             continue
         # Live blocks and free ranges tile the segment exactly.
-        pieces = sorted([(b.offset, b.size, "live") for b in mine]
-                        + [(o, n, "free") for o, n in zip(s.free_off, s.free_len, strict=True)])
+        pieces = sorted(
+            [(b.offset, b.size, "live") for b in mine]
+            + [(o, n, "free") for o, n in zip(s.free_off, s.free_len, strict=True)]
+        )
         pos = 0
         for off, size, _ in pieces:
             assert off == pos, f"gap or overlap at {off} in {name}: {pieces}"
@@ -128,7 +131,8 @@ def test_free_ranges_coalesce(make_pool: Callable[..., Pool]) -> None:
 
 
 def test_a_batch_of_small_blocks_goes_back_to_back_and_frees_block_by_block(
-        make_pool: Callable[..., Pool]) -> None:
+    make_pool: Callable[..., Pool],
+) -> None:
     pool = make_pool(align=256)
     pool.prewarm(SEG)
     first = pool.alloc(1000)  # the batch goes after it
@@ -148,7 +152,8 @@ def test_a_batch_of_small_blocks_goes_back_to_back_and_frees_block_by_block(
 
 
 def test_a_batch_that_fits_only_piece_by_piece_or_not_at_all(
-        make_pool: Callable[..., Pool]) -> None:
+    make_pool: Callable[..., Pool],
+) -> None:
     pool = make_pool(align=4096)
     pool.prewarm(SEG)
     pieces = [pool.alloc(4096) for _ in range(SEG // 4096)]

@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64, "uint8": torch.uint8, "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "float64": torch.float64,
+}
 
 
 def expected(dtype: str, n: int, seed: int) -> Any:

@@ -41,8 +41,10 @@ os.setuid(uid)  # as root this sets the real, effective and saved uid: no way ba
 assert (os.getuid(), os.geteuid(), os.getgid(), os.getegid()) == (uid, uid, gid, gid)
 os.chdir("/")
 try:
-    exec(compile(sys.argv[4], "<as_user snippet>", "exec"),  # the tests' own code
-         {"__name__": "__snippet__", "ARGS": sys.argv[5:], "emit": emit})
+    exec(
+        compile(sys.argv[4], "<as_user snippet>", "exec"),  # the tests' own code
+        {"__name__": "__snippet__", "ARGS": sys.argv[5:], "emit": emit},
+    )
 except SystemExit:
     raise
 except BaseException:  # print it while traceback is importable, then fail

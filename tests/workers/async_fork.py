@@ -25,6 +25,7 @@ async def main(url: str) -> None:
         if pid == 0:  # the child: a new event loop, the same AsyncClient
             code = 1
             try:
+
                 async def child() -> None:
                     t = await c.get("w")
                     assert np.array_equal(np.from_dlpack(t), held)

@@ -78,8 +78,9 @@ async def ping() -> dict[str, str]:
 @app.get("/sum/{name}")
 async def checksum(name: str, timeout: float = 0.0, newer_than: int = 0) -> Any:
     try:
-        t = await client.get(name, timeout=None if math.isinf(timeout) else timeout,
-                             newer_than=newer_than)
+        t = await client.get(
+            name, timeout=None if math.isinf(timeout) else timeout, newer_than=newer_than
+        )
     except TensorNotFound as exc:
         return JSONResponse({"error": str(exc)}, status_code=404)
     return digest(t)

@@ -32,6 +32,8 @@ def ctrl_c(signum: int, frame: object) -> None:
         except KeyboardInterrupt:
             armed = False
             raise
+
+
 with Client(url) as c:
     client_handler = signal.getsignal(signal.SIGINT)
     assert callable(client_handler)

@@ -50,7 +50,8 @@ def consume(t: Any, lib: str) -> list[bytes]:
         assert y.device.id == torch.cuda.current_device()
         if lib == "both":
             assert y.data.ptr == x.data_ptr(), (
-                "torch and cupy see the same device memory: zero copy")
+                "torch and cupy see the same device memory: zero copy"
+            )
         out.append(bytes(cupy.asnumpy(y.view(f"u{y.dtype.itemsize}")).tobytes()))
     if lib == "jax":
         import jax
@@ -143,8 +144,13 @@ def main() -> None:
             elif cmd == "devices":
                 from tensordepot.shm import _cuda
 
-                print("devices", json.dumps({"uuids": _cuda.local_devices().uuids,
-                                             "torch": torch.cuda.device_count()}), flush=True)
+                print(
+                    "devices",
+                    json.dumps(
+                        {"uuids": _cuda.local_devices().uuids, "torch": torch.cuda.device_count()}
+                    ),
+                    flush=True,
+                )
             elif cmd == "exit":
                 print("bye", flush=True)
                 return

@@ -84,8 +84,9 @@ def digest(sd: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank_i,
-                        world_size=world_i)
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank_i, world_size=world_i
+)
 mesh = init_device_mesh("cpu", (world_i,))
 if mode == "save":
     sd = state(seed)
@@ -107,8 +108,12 @@ else:
     print("digest", after, flush=True)
     if planner is not None:
         shard = sd["sharded"].to_local()  # the DTensor's local shard: adopted too
-        print("adopted", sum(in_shared_memory(t.data_ptr()) for t in sd["model"].values())
-              + in_shared_memory(shard.data_ptr()), flush=True)
+        print(
+            "adopted",
+            sum(in_shared_memory(t.data_ptr()) for t in sd["model"].values())
+            + in_shared_memory(shard.data_ptr()),
+            flush=True,
+        )
     dist.barrier()
     del sd
 dist.destroy_process_group()

@@ -43,8 +43,11 @@ def main() -> None:
         assert p.exitcode == 0, (method, p.exitcode)
     import torch.utils.data
 
-    loader = torch.utils.data.DataLoader(_Data(url), num_workers=1,  # type: ignore[arg-type]
-                                         multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        _Data(url),
+        num_workers=1,  # type: ignore[arg-type]
+        multiprocessing_context="fork",
+    )
     assert [int(b) for b in loader] == [0]
     del loader
     print("done", flush=True)

@@ -26,8 +26,9 @@ with Client(sys.argv[1]) as c:
         cmd, *args = line.split()
         if cmd == "many":
             got = c.get_many(args[0].split(","))
-            digests = [hashlib.sha256(np.from_dlpack(t).data.cast("B")).hexdigest()
-                       for t in got.values()]
+            digests = [
+                hashlib.sha256(np.from_dlpack(t).data.cast("B")).hexdigest() for t in got.values()
+            ]
             print("ok", *digests, flush=True)
             del got
             continue

@@ -42,8 +42,16 @@ def touch(got: Any) -> None:
 
 
 def report(name: str, exc: BaseException | None) -> None:
-    print(json.dumps({"name": name, "raised": type(exc).__name__ if exc else None,
-                      "message": str(exc) if exc else None}), flush=True)
+    print(
+        json.dumps(
+            {
+                "name": name,
+                "raised": type(exc).__name__ if exc else None,
+                "message": str(exc) if exc else None,
+            }
+        ),
+        flush=True,
+    )
 
 
 async def take_all(c: Any) -> None:

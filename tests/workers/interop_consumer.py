@@ -102,8 +102,13 @@ def drained(c: Client, timeout: float) -> bool:
 
 
 def read(c: Client, producer: str, dtype: str, kind: str, consumer: str) -> dict[str, Any]:
-    res: dict[str, Any] = {"ok": False, "error": None, "bitexact": False, "zero_copy": False,
-                           "read_only": None}
+    res: dict[str, Any] = {
+        "ok": False,
+        "error": None,
+        "bitexact": False,
+        "zero_copy": False,
+        "read_only": None,
+    }
     t = c.get(tensor_name(producer, dtype, kind))
     want_shape = select(np.empty(full_shape(dtype, kind), np.uint8), kind).shape  # type: ignore[attr-defined]
     res["meta"] = t.dtype == dtype and t.shape == want_shape
@@ -130,9 +135,12 @@ def read(c: Client, producer: str, dtype: str, kind: str, consumer: str) -> dict
 
 url, producers = sys.argv[1], sys.argv[2:]
 out: dict[str, Any] = {
-    "versions": {"numpy": np.__version__, "torch": torch.__version__,
-                 "ml_dtypes": ml_dtypes.__version__,
-                 "jax": jax.__version__ if jax is not None else None},
+    "versions": {
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "jax": jax.__version__ if jax is not None else None,
+    },
     "has": {cons: [d for d in DTYPES if HAS[cons](d)] for cons in CONSUMERS},
     "cells": {},
 }

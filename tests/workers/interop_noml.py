@@ -42,8 +42,9 @@ with Client(url) as c:
         t = c.get(f"noml.{dtype}")
         y = torch.from_dlpack(t)
         res = {
-            "torch_bitexact": (y.contiguous().view(torch.uint8).numpy().tobytes()
-                               == expected(dtype, "small")),
+            "torch_bitexact": (
+                y.contiguous().view(torch.uint8).numpy().tobytes() == expected(dtype, "small")
+            ),
             "numpy_method": error_of(t.numpy),
             "np_from_dlpack": error_of(partial(np.from_dlpack, t)),
             "np_native": error_of(partial(np.from_dlpack, x)),  # numpy on torch's own tensor

@@ -25,8 +25,9 @@ class _Unix(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def call(path: str, method: str, target: str, body: object = None,
-         headers: dict[str, str] | None = None) -> list[object]:
+def call(
+    path: str, method: str, target: str, body: object = None, headers: dict[str, str] | None = None
+) -> list[object]:
     conn = _Unix(path)
     try:
         h = {"content-type": "application/json", **(headers or {})}
@@ -45,10 +46,16 @@ def main() -> None:
     tried = {
         "heartbeat": call(path, "POST", f"/v1/sessions/{sid}/heartbeat", headers=mine),
         "release": call(path, "POST", "/v1/release", {"leases": [int(lease)]}, headers=mine),
-        "piggyback": call(path, "GET", "/v1/stat", headers={**mine,
-                                                            "x-tensordepot-release": lease}),
-        "put": call(path, "POST", "/v1/alloc", {"name": "stolen", "shape": [1 << 20],
-                                                "dtype": "uint8"}, headers=mine),
+        "piggyback": call(
+            path, "GET", "/v1/stat", headers={**mine, "x-tensordepot-release": lease}
+        ),
+        "put": call(
+            path,
+            "POST",
+            "/v1/alloc",
+            {"name": "stolen", "shape": [1 << 20], "dtype": "uint8"},
+            headers=mine,
+        ),
         "fork": call(path, "POST", f"/v1/sessions/{sid}/fork", headers=mine),
         "get": call(path, "GET", "/v1/tensors/w", headers=mine),
         "close": call(path, "DELETE", f"/v1/sessions/{sid}", headers=mine),

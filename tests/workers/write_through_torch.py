@@ -19,7 +19,8 @@ with Client(url) as c:
     x[0] = 42.0
     x.add_(1.0)
     assert x[0].item() == 43.0 and torch.equal(x[1:], want[1:] + 1), (
-        "the write did not land locally")
+        "the write did not land locally"
+    )
     print("WROTE", flush=True)
     again = np.from_dlpack(c.get(name))  # a new view of the same published version
     assert np.array_equal(again, want.numpy()), "a fresh get shows this process's own stray write"

@@ -30,6 +30,7 @@ with Client(url) as c:
     total = float(a.reshape(-1)[::step].sum(dtype=np.float64))
     after = anonymous_kib()
     expected = float(a.size // step)  # the producer filled it with ones
-    print(f"nbytes={a.nbytes} pages_sum={total} expected={expected} "
-          f"anon_growth_kib={after - before}")
+    print(
+        f"nbytes={a.nbytes} pages_sum={total} expected={expected} anon_growth_kib={after - before}"
+    )
     del a, t

@@ -16,13 +16,23 @@ TAG = "batch"
 
 
 def _handles(broker: Broker, pairs: list[tuple[Version, int | None]]) -> bytes:
-    return HandleList(items=[broker.handle(v, lease) for v, lease in pairs]) \
-        .model_dump_json().encode()
+    return (
+        HandleList(items=[broker.handle(v, lease) for v, lease in pairs]).model_dump_json().encode()
+    )
 
 
-@route("POST", "/v1/batch/alloc", WRITE, "alloc_batch", tag=TAG, body=BatchAlloc,
-       answers=HandleList, once=True, note="every name within the prefix",
-       summary="Allocate many versions at once (all of them, or none)")
+@route(
+    "POST",
+    "/v1/batch/alloc",
+    WRITE,
+    "alloc_batch",
+    tag=TAG,
+    body=BatchAlloc,
+    answers=HandleList,
+    once=True,
+    note="every name within the prefix",
+    summary="Allocate many versions at once (all of them, or none)",
+)
 def batch_alloc(call: Call[BatchAlloc]) -> Reply:
     assert call.body is not None
     broker, sid, who, items = call.broker, call.session, call.who, call.body.items
@@ -44,14 +54,24 @@ def batch_alloc(call: Call[BatchAlloc]) -> Reply:
     return later()
 
 
-@route("POST", "/v1/batch/publish", WRITE, "publish_batch", tag=TAG, body=BatchPublish,
-       answers=HandleList, once=True, note="every name within the prefix",
-       summary="Publish many versions at once (all of them, or none)")
+@route(
+    "POST",
+    "/v1/batch/publish",
+    WRITE,
+    "publish_batch",
+    tag=TAG,
+    body=BatchPublish,
+    answers=HandleList,
+    once=True,
+    note="every name within the prefix",
+    summary="Publish many versions at once (all of them, or none)",
+)
 def batch_publish(call: Call[BatchPublish]) -> Reply:
     assert call.body is not None
     broker = call.broker
-    versions = broker.publish_many(call.session, call.who,
-                                   [(i.name, i.version) for i in call.body.items])
+    versions = broker.publish_many(
+        call.session, call.who, [(i.name, i.version) for i in call.body.items]
+    )
     return 200, _handles(broker, [(v, None) for v in versions])
 
 

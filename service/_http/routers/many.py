@@ -20,9 +20,18 @@ from .._handler import Answer, Call, Reply, route, routes_of
 TAG = "batch"
 
 
-@route("POST", "/v1/many/alloc", WRITE, "alloc_many", tag=TAG, body=ManyAlloc,
-       answers=HandleColumns, once=True, note="every name within the prefix",
-       summary="Allocate a version of each tensor (all of them, or none)")
+@route(
+    "POST",
+    "/v1/many/alloc",
+    WRITE,
+    "alloc_many",
+    tag=TAG,
+    body=ManyAlloc,
+    answers=HandleColumns,
+    once=True,
+    note="every name within the prefix",
+    summary="Allocate a version of each tensor (all of them, or none)",
+)
 def alloc_many(call: Call[ManyAlloc]) -> Reply:
     assert call.body is not None
     broker, sid, who, body, rid = call.broker, call.session, call.who, call.body, call.request_id
@@ -36,30 +45,69 @@ def alloc_many(call: Call[ManyAlloc]) -> Reply:
     return later()
 
 
-@route("POST", "/v1/many/publish", WRITE, "publish_many", tag=TAG, body=ManyPublish,
-       answers=Versions, once=True, note="every name within the prefix",
-       summary="Publish many versions at once (all of them, or none)")
+@route(
+    "POST",
+    "/v1/many/publish",
+    WRITE,
+    "publish_many",
+    tag=TAG,
+    body=ManyPublish,
+    answers=Versions,
+    once=True,
+    note="every name within the prefix",
+    summary="Publish many versions at once (all of them, or none)",
+)
 def publish_many(call: Call[ManyPublish]) -> Reply:
     assert call.body is not None
     return 200, _many.publish(call.broker, call.session, call.who, call.body)
 
 
-_PUT_DOCS = {"requestBody": {"required": True, "content": {"application/octet-stream": {
-    "schema": {"type": "string", "format": "binary", "description": (
-        "framed: the length of a JSON head in 4 bytes, big-endian; the head (a ManyAlloc: "
-        "names, shapes, dtypes, ttl, same); then each tensor's C-ordered bytes, in order, "
-        "none for a tensor that is an earlier one's (same), at most "
-        f"{INLINE_BATCH_MAX} bytes in all")}}}}}
+_PUT_DOCS = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/octet-stream": {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": (
+                        "framed: the length of a JSON head in 4 bytes, big-endian; the head "
+                        "(a ManyAlloc: names, shapes, dtypes, ttl, same); then each tensor's "
+                        "C-ordered bytes, in order, none for a tensor that is an earlier one's "
+                        f"(same), at most {INLINE_BATCH_MAX} bytes in all"
+                    ),
+                }
+            }
+        },
+    }
+}
 
 
-@route("POST", "/v1/many/put", WRITE, "put_many", tag=TAG, body=ManyAlloc, framed=True,
-       answers=Versions, once=True, docs=_PUT_DOCS, note="every name within the prefix",
-       summary="Allocate, fill and publish a batch of small tensors in one round trip (all of "
-               "them, or none)")
+@route(
+    "POST",
+    "/v1/many/put",
+    WRITE,
+    "put_many",
+    tag=TAG,
+    body=ManyAlloc,
+    framed=True,
+    answers=Versions,
+    once=True,
+    docs=_PUT_DOCS,
+    note="every name within the prefix",
+    summary="Allocate, fill and publish a batch of small tensors in one round trip (all of "
+    "them, or none)",
+)
 def put_many(call: Call[ManyAlloc]) -> Reply:
     assert call.body is not None and call.rest is not None
-    broker, sid, who, body, rid, data = (call.broker, call.session, call.who, call.body,
-                                         call.request_id, call.rest)
+    broker, sid, who, body, rid, data = (
+        call.broker,
+        call.session,
+        call.who,
+        call.body,
+        call.request_id,
+        call.rest,
+    )
     out = _many.put_now(broker, sid, who, body, data, rid)
     if out is not None:
         return 200, out
@@ -70,9 +118,18 @@ def put_many(call: Call[ManyAlloc]) -> Reply:
     return later()
 
 
-@route("POST", "/v1/many/get", READ, "get_many", tag=TAG, body=BatchGet, answers=HandleColumns,
-       once=True, note="every name within the prefix",
-       summary="Lease many tensors at once, under one deadline (all of them, or none)")
+@route(
+    "POST",
+    "/v1/many/get",
+    READ,
+    "get_many",
+    tag=TAG,
+    body=BatchGet,
+    answers=HandleColumns,
+    once=True,
+    note="every name within the prefix",
+    summary="Lease many tensors at once, under one deadline (all of them, or none)",
+)
 def get_many(call: Call[BatchGet]) -> Reply:
     assert call.body is not None
     broker, sid, who, body, rid = call.broker, call.session, call.who, call.body, call.request_id
@@ -88,10 +145,19 @@ def get_many(call: Call[BatchGet]) -> Reply:
     return later()
 
 
-@route("POST", "/v1/many/delete", WRITE, "delete_many", tag=TAG, body=ManyDelete,
-       answers=Deleted, once=True, note="every name (or the prefix) within the token's prefix",
-       summary="Delete many names at once: those listed (all of them, or none), or every name "
-               "with a prefix")
+@route(
+    "POST",
+    "/v1/many/delete",
+    WRITE,
+    "delete_many",
+    tag=TAG,
+    body=ManyDelete,
+    answers=Deleted,
+    once=True,
+    note="every name (or the prefix) within the token's prefix",
+    summary="Delete many names at once: those listed (all of them, or none), or every name "
+    "with a prefix",
+)
 def delete_many(call: Call[ManyDelete]) -> Reply:
     body = call.body
     assert body is not None

@@ -10,59 +10,121 @@ from ..._auth import READ
 from .._handler import Call, Reply, route, routes_of
 
 TAG = "sessions"
-_SESSION = {"parameters": [{"name": "session", "in": "path", "required": True,
-                            "schema": {"type": "string"},
-                            "description": "the id from POST /v1/sessions"}]}
+_SESSION = {
+    "parameters": [
+        {
+            "name": "session",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string"},
+            "description": "the id from POST /v1/sessions",
+        }
+    ]
+}
 
 
-@route("POST", "/v1/sessions", READ, "open_session", tag=TAG, body=SessionOpen,
-       answers=SessionInfo, summary="Open a session for a client process")
+@route(
+    "POST",
+    "/v1/sessions",
+    READ,
+    "open_session",
+    tag=TAG,
+    body=SessionOpen,
+    answers=SessionInfo,
+    summary="Open a session for a client process",
+)
 def open_session(call: Call[SessionOpen]) -> Reply:
     assert call.body is not None
     # The pid in the body is informational: only SO_PEERCRED makes a session tracked.
-    return 200, call.broker.open_session(call.who, call.body.label, call.body.holding) \
-        .model_dump_json().encode()
+    return 200, call.broker.open_session(
+        call.who, call.body.label, call.body.holding
+    ).model_dump_json().encode()
 
 
-_HOLDING = {"name": "holding", "in": "query", "required": False, "schema": {"type": "string"},
-            "description": "comma-separated ids of earlier sessions of this process that lapsed "
-                           "(it was paused) and whose leases its views still hold: their memory "
-                           "stays retired while this session lives (README, Lifetime)"}
+_HOLDING = {
+    "name": "holding",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "comma-separated ids of earlier sessions of this process that lapsed "
+    "(it was paused) and whose leases its views still hold: their memory "
+    "stays retired while this session lives (README, Lifetime)",
+}
 
 
-@route("POST", "/v1/sessions/{session}/heartbeat", READ, "heartbeat", tag=TAG, status=204,
-       docs={"parameters": [*_SESSION["parameters"], _HOLDING]}, note="the session's owner",
-       summary="Keep a heartbeat session alive")
+@route(
+    "POST",
+    "/v1/sessions/{session}/heartbeat",
+    READ,
+    "heartbeat",
+    tag=TAG,
+    status=204,
+    docs={"parameters": [*_SESSION["parameters"], _HOLDING]},
+    note="the session's owner",
+    summary="Keep a heartbeat session alive",
+)
 def heartbeat(call: Call[Any]) -> Reply:
     holding = [sid for sid in call.query.get("holding", "").split(",") if sid]
     call.broker.heartbeat(call.params["session"], call.who, holding)
     return 204, b""
 
 
-@route("POST", "/v1/sessions/{session}/fork", READ, "fork_session", tag=TAG, answers=ForkInfo,
-       once=True, docs=_SESSION, note="the session's owner",
-       summary="Copy this session's leases into a session for a child about to be forked")
+@route(
+    "POST",
+    "/v1/sessions/{session}/fork",
+    READ,
+    "fork_session",
+    tag=TAG,
+    answers=ForkInfo,
+    once=True,
+    docs=_SESSION,
+    note="the session's owner",
+    summary="Copy this session's leases into a session for a child about to be forked",
+)
 def fork(call: Call[Any]) -> Reply:
-    return 200, call.broker.fork_session(call.params["session"], call.who) \
-        .model_dump_json().encode()
+    return 200, call.broker.fork_session(
+        call.params["session"], call.who
+    ).model_dump_json().encode()
 
 
-@route("POST", "/v1/sessions/{session}/claim", READ, "claim_session", tag=TAG,
-       answers=SessionInfo, docs=_SESSION, note="the identity that forked it",
-       summary="Take over the session a parent made for this forked child")
+@route(
+    "POST",
+    "/v1/sessions/{session}/claim",
+    READ,
+    "claim_session",
+    tag=TAG,
+    answers=SessionInfo,
+    docs=_SESSION,
+    note="the identity that forked it",
+    summary="Take over the session a parent made for this forked child",
+)
 def claim(call: Call[Any]) -> Reply:
-    return 200, call.broker.claim_session(call.params["session"], call.who) \
-        .model_dump_json().encode()
+    return 200, call.broker.claim_session(
+        call.params["session"], call.who
+    ).model_dump_json().encode()
 
 
-_EXIT = {"name": "exit", "in": "query", "required": False, "schema": {"type": "boolean"},
-         "description": "the process is exiting, perhaps with views alive: the session ends "
-                        "once the process is gone, counted as an exit, not a crash"}
+_EXIT = {
+    "name": "exit",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "boolean"},
+    "description": "the process is exiting, perhaps with views alive: the session ends "
+    "once the process is gone, counted as an exit, not a crash",
+}
 
 
-@route("DELETE", "/v1/sessions/{session}", READ, "close_session", tag=TAG, status=204,
-       docs={"parameters": [*_SESSION["parameters"], _EXIT]}, note="the session's owner, or admin",
-       summary="Close a session, releasing its leases")
+@route(
+    "DELETE",
+    "/v1/sessions/{session}",
+    READ,
+    "close_session",
+    tag=TAG,
+    status=204,
+    docs={"parameters": [*_SESSION["parameters"], _EXIT]},
+    note="the session's owner, or admin",
+    summary="Close a session, releasing its leases",
+)
 def close_session(call: Call[Any]) -> Reply:
     exiting = call.query.get("exit", "").lower() in ("1", "true")
     call.broker.close_session(call.params["session"], call.who, exiting=exiting)

@@ -13,11 +13,13 @@ _BLOCKED = ("cupy", "cupyx", "cupy_backends")
 
 
 class _NoCupy(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if name.split(".")[0] in _BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)",
-                                      name=name)
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (blocked for this test)", name=name
+            )
         return None
 
 
