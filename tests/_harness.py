@@ -25,7 +25,12 @@ from tensordepot import Client, Stat
 
 # Per test run: engineers and CI jobs that share a host (and /dev/shm) run the
 # suite at the same time, and each run checks and sweeps only its own segments.
-TEST_PREFIX = f"tdtest-{os.getpid()}-"
+# The workers of one parallel run (pytest -n) share the run's prefix: the
+# controller names it (tests/conftest.py) and they inherit it.
+RUN_VAR = "TDTEST_RUN"
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ and os.environ.get(RUN_VAR)
+RUN_ID = os.environ[RUN_VAR] if _WORKER else str(os.getpid())
+TEST_PREFIX = f"tdtest-{RUN_ID}-"
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from _both import Api
-from _harness import TEST_PREFIX, BrokerProc, shm_entries
+from _harness import RUN_ID, RUN_VAR, TEST_PREFIX, BrokerProc, shm_entries
 from _workerio import Worker
 
 REQUIRE_CUDA = "TENSORDEPOT_REQUIRE_CUDA"  # =1 on a GPU machine: a missing GPU fails the run
@@ -135,8 +135,19 @@ def api(request: pytest.FixtureRequest, broker: BrokerProc) -> Iterator[Api]:
         a.close()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's segment prefix, for the workers of ``pytest -n`` to inherit
+    (they start after this, with this process's environment)."""
+    if not hasattr(config, "workerinput"):
+        os.environ[RUN_VAR] = RUN_ID
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """After the whole suite, nothing of ours may be left in /dev/shm."""
+    """After the whole suite, nothing of ours may be left in /dev/shm.  Run by
+    the process that reports the outcome (not by a ``pytest -n`` worker, whose
+    neighbours may still be using their segments)."""
+    if hasattr(session.config, "workerinput"):
+        return
     left = shm_entries(TEST_PREFIX)
     if left:
         for entry in left:
