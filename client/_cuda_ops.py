@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from .._errors import InvalidRequest
 from .._wire import (
     AllocRequest,
-    BatchAlloc,
-    BatchPublish,
     Handle,
-    HandleList,
+    HandleColumns,
     LinkRequest,
-    PublishRequest,
+    ManyAlloc,
+    ManyPublish,
     ShareRequest,
+    c_strides,
     decode_ipc,
     encode_ipc,
 )
@@ -40,6 +40,7 @@ from ..shm._device import DeviceError
 from ..shm._dlpack import Borrowed, borrow_dlpack, parse_stream
 from ._core import Core
 from ._cuda_handles import _cuda, on_gpu, open_block, state, wire_device
+from ._extent import broken, check_columns
 from ._http import Op
 from ._tensor import SharedTensor
 
@@ -248,25 +249,25 @@ def put_many(
     cuda = _cuda()
     with _Inputs() as inputs:
         sources: dict[str, Any] = {}
-        items = []
+        shapes: list[list[int]] = []
+        dtypes: list[str] = []
+        devices: list[str] = []
         for name, x in tensors.items():
             src, shape, dtype, cuda_source = inputs.take(x)
             sources[name] = src
-            items.append(
-                AllocRequest.model_construct(
-                    name=name,
-                    shape=list(shape),
-                    dtype=dtype,
-                    device=_target(x, device, cuda_source),
-                    ttl=ttl,
-                    hold=False,
-                )
-            )
-        handles = (
-            yield from client.alloc(
-                BatchAlloc.model_construct(items=items), HandleList, "/v1/batch/alloc"
-            )
-        ).items
+            shapes.append(list(shape))
+            dtypes.append(dtype)
+            devices.append(_target(x, device, cuda_source))
+        body = ManyAlloc.model_construct(
+            names=list(sources), shapes=shapes, dtypes=dtypes, ttl=ttl, same=None, devices=devices
+        )
+        cols = yield from client.alloc(body, HandleColumns, "/v1/many/alloc")
+        try:
+            handles = _handles_of(cols, body.names)
+        except BaseException:
+            for name, version in zip(cols.names, cols.versions, strict=False):
+                yield from client.abort(name, version)
+            raise
         try:
             host_pairs = []
             cross: set[int] = set()
@@ -296,20 +297,52 @@ def put_many(
         except BaseException:
             yield from client.give_back(handles)
             raise
-    done = [PublishRequest.model_construct(name=h.name, version=h.version) for h in handles]
+    done = ManyPublish.model_construct(
+        names=[h.name for h in handles], versions=[h.version for h in handles]
+    )
     try:
         yield from client.call(
-            "POST",
-            "/v1/batch/publish",
-            BatchPublish.model_construct(items=done),
-            rid=client.rid(),
-            keep=True,
+            "POST", "/v1/many/publish", done, rid=client.rid(), raw=True, keep=True
         )
     except BaseException:
         # If the broker published them, or gave them back itself, it finds nothing to abort.
         yield from client.give_back(handles)
         raise
     return {h.name: h.version for h in handles}
+
+
+def _handles_of(cols: HandleColumns, names: list[str]) -> list[Handle]:
+    """A batch's allocations, one handle per name in order: a shared-memory
+    one from the columns, a GPU one as the broker gave it (``others``)."""
+    check_columns(cols)
+    if cols.names != names or cols.state != "writing":
+        raise broken(f"a batch of {len(names)} tensor(s)", "it is not the batch asked for")
+    handles = []
+    for i, name in enumerate(names):
+        h = cols.others.get(i)
+        if h is None:
+            shape = cols.shapes[i]
+            h = Handle.model_validate(
+                {
+                    "name": name,
+                    "version": cols.versions[i],
+                    "kind": "posix",
+                    "segment": cols.segments[cols.segment[i]],
+                    "offset": cols.offsets[i],
+                    "nbytes": cols.nbytes[i],
+                    "shape": shape,
+                    "strides": list(c_strides(tuple(shape))),
+                    "dtype": cols.dtypes[i],
+                    "device": "cpu",
+                    "state": "writing",
+                    "lease": None,
+                    "cuda": None,
+                }
+            )
+        elif h.name != name or h.version != cols.versions[i]:
+            raise broken(f"a batch of {len(names)} tensor(s)", f"its handle {i} is not {name!r}'s")
+        handles.append(h)
+    return handles
 
 
 # -- share -------------------------------------------------------------------------------

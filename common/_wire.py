@@ -427,14 +427,6 @@ class LiveReply(_Answer):
     )
 
 
-class BatchAlloc(_Frozen):
-    items: list[AllocRequest] = Field(max_length=MAX_BATCH)
-
-
-class BatchPublish(_Frozen):
-    items: list[PublishRequest] = Field(max_length=MAX_BATCH)
-
-
 class BatchGet(_Frozen):
     names: Names
     timeout: float | None = Field(
@@ -453,10 +445,6 @@ class BatchGet(_Frozen):
         description='"all": until every name has a version newer than its newer_than; '
         '"any": until one has, then the newest ready version of every name',
     )
-
-
-class HandleList(_Answer):
-    items: list[Handle]
 
 
 def check_prefix(prefix: Any) -> str:
@@ -504,6 +492,13 @@ class ManyAlloc(_Frozen):
         max_length=MAX_BATCH,
         description="per tensor: the position of an earlier tensor of the batch whose bytes it "
         "is (tied weights: stored once, under both names), or -1",
+    )
+    devices: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        None,
+        max_length=MAX_BATCH,
+        description='per tensor: where to place it, as AllocRequest.device ("cpu", '
+        '"cuda:<uuid>"); null: all in host memory.  A GPU tensor\'s whole handle comes '
+        "back in the answer's others; /v1/many/put carries host tensors only",
     )
 
 

@@ -5,7 +5,8 @@ A state dict is hundreds or thousands of tensors; a whole ``Handle`` model
 per tensor, validated, built and serialised in the broker and again in the
 client, would cost more than the tensors' bytes.  These routes carry the
 facts as columns (``ManyAlloc``, ``ManyPublish``, ``BatchGet`` in;
-``HandleColumns`` out), so a batch costs a few list operations per tensor.
+``HandleColumns`` out, made by ``_render.columns``), so a batch costs a few
+list operations per tensor.
 The routers (routers/many.py) and
 the fast lane (service/_http/_lane.py) call the functions here; ``*_now``
 answers without awaiting, or returns None when the request must wait (a
@@ -14,7 +15,6 @@ new segment, an unpublished version).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -25,53 +25,13 @@ from ..._wire import BatchGet, ManyAlloc, ManyPublish
 from .._registry._broker import Broker
 from .._registry._records import Version
 from .._registry._sessions import Caller
-
-
-def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: str) -> bytes:
-    """``HandleColumns`` for these versions (with their leases, if any), as JSON."""
-    index: dict[str, int] = {}
-    segments: list[str] = []
-    segment, offsets, nbytes = [], [], []
-    others: dict[int, Any] = {}
-    for i, (v, lease) in enumerate(pairs):
-        blk = v.block
-        if blk.device != "cpu":
-            others[i] = json.loads(broker.handle(v, lease).model_dump_json())
-            segment.append(-1)
-            offsets.append(0)
-        else:
-            j = index.get(blk.segment)
-            if j is None:
-                j = index[blk.segment] = len(segments)
-                segments.append(blk.segment)
-            segment.append(j)
-            offsets.append(blk.offset)
-        nbytes.append(blk.nbytes)
-    leases = [lease for _, lease in pairs]
-    # pydantic_core's encoder: a 1,000-tensor answer in a quarter of json.dumps' time.
-    return to_json(
-        {
-            "names": [v.name for v, _ in pairs],
-            "versions": [v.number for v, _ in pairs],
-            "state": state,
-            "segments": segments,
-            "segment": segment,
-            "offsets": offsets,
-            "nbytes": nbytes,
-            "shapes": [v.shape for v, _ in pairs],
-            "dtypes": [v.dtype for v, _ in pairs],
-            "leases": None if all(lease is None for lease in leases) else leases,
-            "others": others,
-        }
-    )
+from ._render import columns
 
 
 def alloc_now(
     broker: Broker, sid: str | None, who: Caller, req: ManyAlloc, request: str | None
 ) -> bytes | None:
-    got = broker.try_alloc_many(
-        sid, who, req.names, req.shapes, req.dtypes, req.ttl, request, req.same
-    )
+    got = broker.try_alloc_many(sid, who, req, request)
     return None if got is None else columns(broker, [(v, None) for v in got], "writing")
 
 
@@ -80,9 +40,7 @@ async def alloc(
 ) -> bytes:
     """``request``: the request id, which cancels the allocations if the
     answer is never read (``Broker.release``)."""
-    got = await broker.alloc_many(
-        sid, who, req.names, req.shapes, req.dtypes, req.ttl, request, req.same
-    )
+    got = await broker.alloc_many(sid, who, req, request)
     return columns(broker, [(v, None) for v in got], "writing")
 
 

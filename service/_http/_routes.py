@@ -18,13 +18,12 @@ from pydantic import BaseModel
 
 from ..._wire import ErrorBody
 from ._handler import JSON, Route
-from .routers import batch, cuda, many, sessions, system, tensors
+from .routers import cuda, many, sessions, system, tensors
 
 ROUTES: tuple[Route, ...] = (
     *system.ROUTES,
     *sessions.ROUTES,
     *tensors.ROUTES,
-    *batch.ROUTES,
     *many.ROUTES,
     *cuda.ROUTES,
 )

@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._errors import BrokerUnavailable, Forbidden, InvalidRequest, TensorNotFound
-from ..._wire import ForkInfo, Handle, HeldName, Holder, SessionInfo, Stat, TensorInfo, c_strides
+from ..._wire import ForkInfo, HeldName, Holder, SessionInfo, Stat, TensorInfo
 from ...shm._pool import Pool
 from ._cuda import CudaMemory
 from ._leases import Leases
@@ -201,29 +201,6 @@ class Broker:
 
     def _count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
-
-    def handle(self, v: Version, lease: int | None = None) -> Handle:
-        if v.block.device != "cpu":
-            return self.cuda.handle(v, lease, list(c_strides(v.shape)))
-        # model_validate, though valid by construction: pydantic validates a
-        # dict in Rust in half the time model_construct takes in Python.
-        return Handle.model_validate(
-            {
-                "name": v.name,
-                "version": v.number,
-                "kind": "posix",
-                "segment": v.block.segment,
-                "offset": v.block.offset,
-                "nbytes": v.block.nbytes,
-                "shape": list(v.shape),
-                "strides": list(c_strides(v.shape)),
-                "dtype": v.dtype,
-                "device": "cpu",
-                "state": v.state,
-                "lease": lease,
-                "cuda": None,
-            }
-        )
 
     # -- sessions ----------------------------------------------------------
     def open_session(

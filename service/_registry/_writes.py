@@ -187,20 +187,15 @@ class Writes:
 
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(
-        self,
-        sid: str | None,
-        caller: Caller,
-        names: list[str],
-        shapes: list[list[int]],
-        dtypes: list[str],
-        same: list[int] | None,
-        carried: int | None = None,
+        self, sid: str | None, caller: Caller, req: ManyAlloc, carried: int | None
     ) -> tuple[Session, list[Checked], Charge]:
-        """The session, every item checked (CPU memory) and the batch's bytes
-        charged, before anything is placed.  A tensor that is another's bytes
-        (``same``) is charged as a copy would be, as ``link`` charges it.
-        ``carried``: the bytes the request carries for the batch (``put_many``)."""
+        """The session, every item checked (and the GPUs ``req.devices``
+        names) and the batch's bytes charged, before anything is placed.  A
+        tensor that is another's bytes (``same``) is charged as a copy would
+        be, as ``link`` charges it.  ``carried``: the bytes the request
+        carries for the batch (``put_many``)."""
         s = self.sessions.admit(sid, caller)
+        names, shapes, dtypes, same = req.names, req.shapes, req.dtypes, req.same
         if not len(names) == len(shapes) == len(dtypes):
             raise InvalidRequest(
                 f"a batch needs one shape and one dtype per name: {len(names)} "
@@ -208,6 +203,8 @@ class Writes:
             )
         if len(set(names)) != len(names):
             raise InvalidRequest("a batch allocates each name once")
+        if req.devices is not None:
+            self._check_devices(req.devices, len(names), same, carried)
         seen: dict[tuple[str, tuple[int, ...]], Checked] = {}
         items = []
         # A state dict repeats a few (dtype, shape) pairs: each is checked once.
@@ -225,21 +222,42 @@ class Writes:
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
         return s, items, self.quotas.charge(s, total, what)
 
+    def _check_devices(
+        self, devices: list[str], n: int, same: list[int] | None, carried: int | None
+    ) -> None:
+        if len(devices) != n:
+            raise InvalidRequest(
+                f"a batch that names devices names one per tensor: {n} names, "
+                f"{len(devices)} devices"
+            )
+        gpus = {d for d in devices if d not in CPU}
+        if not gpus:
+            return
+        if carried is not None:
+            raise InvalidRequest(
+                "the bytes a put_many carries go to host memory: allocate GPU tensors "
+                "with /v1/many/alloc and publish them with /v1/many/publish"
+            )
+        if same is not None and any(j >= 0 for j in same):
+            raise InvalidRequest("same (tensors stored once) is for host memory only")
+        for d in sorted(gpus):
+            self.cuda.check_device(d)
+
     def try_alloc_many(
         self,
         sid: str | None,
         caller: Caller,
-        names: list[str],
-        shapes: list[list[int]],
-        dtypes: list[str],
-        ttl: float | None = None,
+        req: ManyAlloc,
         request: str | None = None,
-        same: list[int] | None = None,
         carried: int | None = None,
     ) -> list[Version] | None:
         """``alloc_many`` when every tensor fits in existing memory, without
-        awaiting; None (and nothing allocated) when one does not."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
+        awaiting; None (and nothing allocated) when one does not, or when
+        one goes to a GPU."""
+        if req.devices is not None and any(d not in CPU for d in req.devices):
+            return None
+        s, items, charge = self._batch(sid, caller, req, carried)
+        same = req.same
         with charge:
             own = [i for i in range(len(items)) if same is None or same[i] < 0]
             got = self.pool.try_alloc_many([items[i][3] for i in own])
@@ -248,29 +266,34 @@ class Writes:
             blocks: list[Block | None] = [None] * len(items)  # None: in its original's block
             for i, blk in zip(own, got, strict=True):
                 blocks[i] = blk
-            return self._place_all(s, names, items, blocks, charge, ttl, request, same)
+            return self._place_all(s, req, items, blocks, charge, request)
 
     async def alloc_many(
         self,
         sid: str | None,
         caller: Caller,
-        names: list[str],
-        shapes: list[list[int]],
-        dtypes: list[str],
-        ttl: float | None = None,
+        req: ManyAlloc,
         request: str | None = None,
-        same: list[int] | None = None,
         carried: int | None = None,
     ) -> list[Version]:
-        """A new writing version of each name (CPU memory), all or none;
-        ``same``: see ``ManyAlloc``; ``carried``: see ``_batch``."""
-        s, items, charge = self._batch(sid, caller, names, shapes, dtypes, same, carried)
+        """A new writing version of each name of ``req``, all or none, in
+        host memory or on the GPU ``req.devices`` names for it; ``carried``:
+        see ``_batch``."""
+        s, items, charge = self._batch(sid, caller, req, carried)
+        same, devices = req.same, req.devices
         with charge:
             blocks: list[Block | None] = []
             try:
-                for i, (name, item) in enumerate(zip(names, items, strict=True)):
+                for i, (name, item) in enumerate(zip(req.names, items, strict=True)):
                     if same is not None and same[i] >= 0:
                         blocks.append(None)  # placed in its original's block
+                        continue
+                    device = "cpu" if devices is None else devices[i]
+                    if device not in CPU:
+                        one = AllocRequest.model_construct(
+                            name=name, shape=list(item[0]), dtype=item[1], device=device
+                        )
+                        blocks.append(self.cuda.alloc(s, one, item[3]))
                         continue
                     try:
                         blocks.append(await self.memory.block(item[3]))
@@ -282,21 +305,20 @@ class Writes:
             except BaseException:
                 for b in blocks:
                     if b is not None:
-                        self.pool.free(b)  # nobody maps them yet
+                        self.memory.give_back(b)  # nobody maps them yet
                 raise
-            return self._place_all(s, names, items, blocks, charge, ttl, request, same)
+            return self._place_all(s, req, items, blocks, charge, request)
 
     def _place_all(
         self,
         s: Session,
-        names: list[str],
+        req: ManyAlloc,
         items: list[Checked],
         blocks: list[Block | None],
         charge: Charge,
-        ttl: float | None,
         request: str | None,
-        same: list[int] | None = None,
     ) -> list[Version]:
+        names, ttl, same = req.names, req.ttl, req.same
         placed: list[Version] = []
         for i, (name, (shape, dtype, itemsize, _)) in enumerate(zip(names, items, strict=True)):
             j = -1 if same is None else same[i]
@@ -332,9 +354,7 @@ class Writes:
     ) -> list[Version] | None:
         """``put_many`` when it needs no new segment, without awaiting; None
         (and nothing allocated) when it does."""
-        placed = self.try_alloc_many(
-            sid, caller, req.names, req.shapes, req.dtypes, req.ttl, request, req.same, len(data)
-        )
+        placed = self.try_alloc_many(sid, caller, req, request, len(data))
         return None if placed is None else self._fill_many(sid, caller, placed, req.same, data)
 
     async def put_many(
@@ -348,9 +368,7 @@ class Writes:
         """Allocate, fill and publish a batch of small tensors whose bytes came
         in the request (``data``: each tensor's C-ordered bytes in order, once
         for tensors that are an earlier one's, ``same``); all or none."""
-        placed = await self.alloc_many(
-            sid, caller, req.names, req.shapes, req.dtypes, req.ttl, request, req.same, len(data)
-        )
+        placed = await self.alloc_many(sid, caller, req, request, len(data))
         return self._fill_many(sid, caller, placed, req.same, data)
 
     def _fill_many(

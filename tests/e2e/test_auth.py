@@ -274,7 +274,6 @@ def test_a_prefix_limited_write_token_cannot_touch_other_names(
     for method, path, body in (
         ("POST", "/v1/publish", item),
         ("POST", "/v1/abort", item),
-        ("POST", "/v1/batch/publish", {"items": [item]}),
         ("POST", "/v1/many/publish", {"names": ["prod/w"], "versions": [1]}),
         ("POST", "/v1/many/get", {"names": ["prod/w"]}),
         ("GET", "/v1/tensors/prod/w", None),

@@ -261,21 +261,20 @@ def test_get_many_has_one_deadline(broker: BrokerProc) -> None:
 
 def test_publish_many_is_all_or_nothing(broker: BrokerProc) -> None:
     with broker.client() as c:
-        items = [{"name": n, "shape": [2], "dtype": "float32"} for n in ("p", "q")]
-        hs = c._call("POST", "/v1/batch/alloc", {"items": items}, rid=c._rid())["items"]
-        bad = [{"name": "p", "version": hs[0]["version"]}, {"name": "q", "version": 99}]
+        body = {"names": ["p", "q"], "shapes": [[2], [2]], "dtypes": ["float32"] * 2}
+        vs = c._call("POST", "/v1/many/alloc", body, rid=c._rid())["versions"]
+        bad = {"names": ["p", "q"], "versions": [vs[0], 99]}
         with pytest.raises(TensorNotFound, match="given back: put the batch again"):
-            c._call("POST", "/v1/batch/publish", {"items": bad}, rid=c._rid())
+            c._call("POST", "/v1/many/publish", bad, rid=c._rid())
         # Nothing of it is published, and what it named is given back (q's own
         # allocation, which it did not name, is still being written).
         assert {i.name: i.state for i in c.list()} == {"q": "writing"}
-        good = [{"name": h["name"], "version": h["version"]} for h in hs]
+        good = {"names": ["p", "q"], "versions": vs}
         with pytest.raises(TensorNotFound):  # p is gone: the whole batch is refused
-            c._call("POST", "/v1/batch/publish", {"items": good}, rid=c._rid())
+            c._call("POST", "/v1/many/publish", good, rid=c._rid())
         assert c.list() == [] and c.stat().bytes_in_use == 0
-        hs = c._call("POST", "/v1/batch/alloc", {"items": items}, rid=c._rid())["items"]
-        good = [{"name": h["name"], "version": h["version"]} for h in hs]
-        c._call("POST", "/v1/batch/publish", {"items": good}, rid=c._rid())
+        vs = c._call("POST", "/v1/many/alloc", body, rid=c._rid())["versions"]
+        c._call("POST", "/v1/many/publish", {"names": ["p", "q"], "versions": vs}, rid=c._rid())
         assert sorted(i.name for i in c.list() if i.state == "ready") == ["p", "q"]
 
 

@@ -163,7 +163,7 @@ def call(
     )
 
 
-@pytest.mark.parametrize("route", ["many", "batch"])
+@pytest.mark.parametrize("route", ["many", "many-devices"])
 def test_a_failed_batch_publish_gives_back_the_whole_batch(
     broker_factory: Callable[..., BrokerProc], route: str
 ) -> None:
@@ -181,32 +181,17 @@ def test_a_failed_batch_publish_gives_back_the_whole_batch(
 
 
 def batches(b: BrokerProc, d: Client, sid: str, names: list[str], size: int, route: str) -> None:
-    """40 batches of ``names``, each but the first with a name deleted before its publish."""
+    """40 batches of ``names``, each but the first with a name deleted before
+    its publish; ``route`` "many-devices" names each tensor's device (host)."""
     for k in range(40):
-        if route == "many":
-            got = call(
-                b,
-                "POST",
-                "/v1/many/alloc",
-                {"names": names, "shapes": [[size]] * 20, "dtypes": ["uint8"] * 20},
-                sid,
-            )
-            assert got.status == 200, (k, got.json(), d.stat())
-            versions = got.json()["versions"]
-            pub = ("/v1/many/publish", {"names": names, "versions": versions})
-        else:
-            items = [{"name": n, "shape": [size], "dtype": "uint8"} for n in names]
-            got = call(b, "POST", "/v1/batch/alloc", {"items": items}, sid)
-            assert got.status == 200, (k, got.json(), d.stat())
-            versions = [h["version"] for h in got.json()["items"]]
-            pub = (
-                "/v1/batch/publish",
-                {
-                    "items": [
-                        {"name": n, "version": v} for n, v in zip(names, versions, strict=True)
-                    ]
-                },
-            )
+        body = {"names": names, "shapes": [[size]] * 20, "dtypes": ["uint8"] * 20}
+        if route == "many-devices":
+            body["devices"] = ["cpu"] * 10 + ["cpu:0"] * 10
+        got = call(b, "POST", "/v1/many/alloc", body, sid)
+        assert got.status == 200, (k, got.json(), d.stat())
+        assert got.json()["others"] == {}, "host tensors come back as columns"
+        versions = got.json()["versions"]
+        pub = ("/v1/many/publish", {"names": names, "versions": versions})
         if k:
             d.delete(names[k % 20])  # deleted between alloc and publish
         answer = call(b, "POST", *pub, session=sid)

@@ -31,6 +31,7 @@ from tensordepot._wire import (
     encode_ipc,
 )
 from tensordepot.service import Broker
+from tensordepot.service._http._render import handle
 from tensordepot.service._registry._cuda import CudaMemory
 from tensordepot.service._registry._quotas import Limits
 from tensordepot.service._registry._sessions import Caller
@@ -153,7 +154,7 @@ class Rig:
     async def get(self, name: str, sid: str | None = None) -> Handle:
         sid = sid or self.sid
         v, lease = await self.broker.get(sid, self.callers.get(sid, self.caller), name, 0)
-        return self.broker.handle(v, lease)
+        return handle(self.broker, v, lease)
 
     def release(self, lease: int | None) -> None:
         self.broker.release(self.sid, self.caller, [lease or 0])
@@ -296,7 +297,7 @@ def test_a_batch_shares_one_write_event(rig: Callable[..., Rig]) -> None:
         c = r.alloc("c", 100, sid=other)
         await asyncio.sleep(0)
         d = r.alloc("d", 100)
-        ev = [r.broker.handle(v).cuda.event for v in (a, b, c, d)]  # type: ignore[union-attr]
+        ev = [handle(r.broker, v).cuda.event for v in (a, b, c, d)]  # type: ignore[union-attr]
         assert ev[0] == ev[1], "one event per batch"
         assert len({ev[0], ev[2], ev[3]}) == 3, "not across sessions or loop passes"
         r.end(other)
@@ -316,7 +317,7 @@ def test_the_event_of_a_write_never_published_is_never_handed_out_again(
 
     async def main() -> None:
         v = r.alloc("w", 4096)
-        written = r.broker.handle(v).cuda
+        written = handle(r.broker, v).cuda
         assert written is not None and written.event_handle is not None
         await asyncio.sleep(0)  # the batch, whose own hold kept the event, ends
         if how == "abort":
@@ -342,7 +343,7 @@ def test_the_event_of_a_published_write_is_used_again(rig: Callable[..., Rig]) -
 
     async def main() -> None:
         v = r.put("w", 4096)
-        written = r.broker.handle(v).cuda
+        written = handle(r.broker, v).cuda
         assert written is not None and written.event_handle is not None
         await asyncio.sleep(0)
         r.broker.delete("w")

@@ -242,7 +242,7 @@ def test_each_app_has_a_registry_of_its_own() -> None:
         pytest.param(
             "/v1/sessions/abc/heartbeat", "/v1/sessions/{session}/heartbeat", id="heartbeat"
         ),
-        pytest.param("/v1/batch/alloc", "/v1/batch/alloc", id="batch"),
+        pytest.param("/v1/many/alloc", "/v1/many/alloc", id="batch"),
         pytest.param("/metrics", "/metrics", id="metrics"),
         pytest.param("/wp-login.php", "unmatched", id="unmatched"),
     ],

@@ -213,13 +213,8 @@ def test_overflowing_byte_counts_are_400_not_507(app: App, shape: list[int], dty
     dims = ",".join(str(d) for d in shape)
     assert_error(app.put("huge", b"", dims, dtype), 400, "invalid_request")
     r = app.tc.post(
-        "/v1/batch/alloc",
-        json={
-            "items": [
-                {"name": "ok", "shape": [4], "dtype": "uint8"},
-                {"name": "huge", "shape": shape, "dtype": dtype},
-            ]
-        },
+        "/v1/many/alloc",
+        json={"names": ["ok", "huge"], "shapes": [[4], shape], "dtypes": ["uint8", dtype]},
         headers=app.headers(),
     )
     assert_error(r, 400, "invalid_request")
@@ -343,11 +338,12 @@ def test_unknown_name_is_404(app: App) -> None:
     r = app.tc.post("/v1/many/get", json={"names": ["present", "missing"]}, headers=app.headers())
     assert_error(r, 404, "not_found")
     assert app.broker.leases == {}, "a failed batch get holds no lease"
-    assert_error(
-        app.tc.post("/v1/batch/get", json={"names": ["present"]}, headers=app.headers()),
-        404,
-        "no_such_route",
-    )
+    for gone in ("get", "alloc", "publish"):  # one batch protocol: /v1/many/*
+        assert_error(
+            app.tc.post(f"/v1/batch/{gone}", json={"names": ["present"]}, headers=app.headers()),
+            404,
+            "no_such_route",
+        )
     r = app.tc.post(
         "/v1/many/get", json={"names": ["present"], "newer_than": [1, 2]}, headers=app.headers()
     )
@@ -387,14 +383,9 @@ def test_out_of_memory_is_507(app: App) -> None:
     assert_error(app.alloc("w2", [3 * MiB], "uint8"), 507, "out_of_memory", "delete()")
     check_accounting(app.broker)
     r = app.tc.post(
-        "/v1/batch/alloc",
+        "/v1/many/alloc",
         headers=app.headers(),
-        json={
-            "items": [
-                {"name": "b0", "shape": [MiB], "dtype": "uint8"},
-                {"name": "b1", "shape": [3 * MiB], "dtype": "uint8"},
-            ]
-        },
+        json={"names": ["b0", "b1"], "shapes": [[MiB], [3 * MiB]], "dtypes": ["uint8", "uint8"]},
     )
     assert_error(r, 507, "out_of_memory")
     assert "b0" not in app.broker.entries, "a batch that does not fit leaves nothing behind"

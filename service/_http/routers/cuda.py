@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...._wire import Handle, LiveReply, LiveRequest, ShareRequest
 from ..._auth import READ, WRITE
 from .._handler import Answer, Call, Reply, route, routes_of
+from .._render import handle_json
 
 TAG = "cuda"
 
@@ -27,7 +28,7 @@ def share(call: Call[ShareRequest]) -> Reply:
 
     async def later() -> Answer:
         v = await broker.cuda.share(broker, call.session, call.who, req)
-        return 200, broker.handle(v).model_dump_json().encode()
+        return 200, handle_json(broker, v)
 
     return later()
 

@@ -30,7 +30,7 @@ TAG = "batch"
     answers=HandleColumns,
     once=True,
     note="every name within the prefix",
-    summary="Allocate a version of each tensor (all of them, or none)",
+    summary="Allocate a version of each tensor, on the host or a GPU (all of them, or none)",
 )
 def alloc_many(call: Call[ManyAlloc]) -> Reply:
     assert call.body is not None

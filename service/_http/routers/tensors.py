@@ -23,28 +23,14 @@ from ...._wire import (
     check_prefix,
 )
 from ..._auth import READ, WRITE
-from ..._registry._broker import Broker
 from .._handler import Answer, Call, Reply, get_params, put_params, route, routes_of
+from .._render import handle_json
 
 TAG = "tensors"
 
 
 class Released(BaseModel):
     released: int
-
-
-def handle_json(broker: Broker, v: Any, lease: int | None = None) -> bytes:
-    """``broker.handle(v, lease)`` as JSON.  A published CPU version's handle
-    never changes but for the lease: its JSON is made once, around the lease."""
-    if v.state != "ready" or v.block.device != "cpu":
-        return broker.handle(v, lease).model_dump_json().encode()
-    wire = v.wire
-    if wire is None:
-        text = broker.handle(v, None).model_dump_json().encode()
-        head, lease_null, tail = text.rpartition(b'"lease":null')
-        assert lease_null, text
-        wire = v.wire = (head + b'"lease":', tail)
-    return b"%s%s%s" % (wire[0], b"null" if lease is None else b"%d" % lease, wire[1])
 
 
 SESSION_PARAM = {
