@@ -389,9 +389,10 @@ class CudaMemory:
             self._unref(e)
 
     # -- broker hooks -----------------------------------------------------------------
-    def alloc(self, session: Session, req: AllocRequest, nbytes: int) -> Block:
-        """A block on the GPU ``req.device`` names; OutOfMemory past --cuda-memory."""
-        dev = self._device(self.wire_uuid(req.device))
+    def alloc(self, session: Session, name: str, device: str, nbytes: int) -> Block:
+        """A block for ``name`` on the GPU ``device`` names; OutOfMemory past
+        --cuda-memory."""
+        dev = self._device(self.wire_uuid(device))
         try:
             block = dev.pool.alloc(nbytes)
         except PoolExhausted as exc:
@@ -409,7 +410,7 @@ class CudaMemory:
                 f"GPU {dev.uuid} (nvidia-smi shows who holds it)",
             )
             raise OutOfMemory(
-                f"cannot place {req.name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}{why}; {fix}"
+                f"cannot place {name!r} ({nbytes} bytes) on GPU {dev.uuid}: {exc}{why}; {fix}"
             ) from None
         self._write[block] = self._write_event(session.id, dev)
         self._mapped(dev, block.segment, session.id)

@@ -47,6 +47,7 @@ from ..._errors import BrokerUnavailable, OutOfMemory
 from ...shm import PosixMapping, byte_view
 from ...shm._base import Segment
 from ...shm._pool import Block, Pool, PoolExhausted
+from ._records import CPU
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
@@ -101,6 +102,31 @@ class Memory:
         self.superseded: dict[tuple[str, int], Version] = {}
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
+
+    # -- devices: the one place memory is chosen by where a tensor lives --------------
+    def check_device(self, device: str) -> None:
+        """Refuse a device this broker cannot place tensors on (a GPU it lacks)."""
+        if device not in CPU:
+            self.cuda.check_device(device)
+
+    async def place(self, s: Session, name: str, device: str, nbytes: int) -> Block:
+        """A block for ``name`` on ``device``: host memory (the pool, ``block``)
+        or a GPU (``CudaMemory.alloc``); OutOfMemory, with its fix, when it
+        does not fit."""
+        if device not in CPU:
+            return self.cuda.alloc(s, name, device, nbytes)
+        try:
+            return await self.block(nbytes)
+        except PoolExhausted as exc:
+            raise self.refused(name, nbytes, exc) from None
+
+    def _free(self, block: Block, *, written: bool = True) -> None:
+        """``block`` back to the memory it came from.  ``written``: its version
+        was published (a GPU block's writer records its event no more)."""
+        if block.device == "cpu":
+            self.pool.free(block)
+        else:
+            self.cuda.free(block, written=written)
 
     # -- placing -------------------------------------------------------------------
     async def block(self, nbytes: int) -> Block:
@@ -180,7 +206,7 @@ class Memory:
 
     def give_back(self, block: Block) -> None:
         """A block that was never handed out: nobody maps it, so reuse it at once."""
-        (self.pool if block.device == "cpu" else self.cuda).free(block)
+        self._free(block)
 
     # -- memory safety (the invariant in the module docstring) -------------------------
     def free_if_unreachable(self, v: Version) -> None:
@@ -194,10 +220,7 @@ class Memory:
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
                 # A block with stale holders is retired instead of freed.
-                if block.device == "cpu":
-                    self.pool.free(block)
-                else:  # an unpublished version's writer may still record its event
-                    self.cuda.free(block, written=v.state == "ready")
+                self._free(block, written=v.state == "ready")
                 self.bytes_in_use -= block.nbytes
 
     def retire(self, v: Version) -> None:

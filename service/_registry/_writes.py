@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
 from ..._proto import INLINE_BATCH_MAX
 from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
-from ...shm._pool import Block, PoolExhausted
+from ...shm._pool import Block
 from ._records import CPU, Checked, Version, check_item
 
 if TYPE_CHECKING:
@@ -66,8 +66,7 @@ class Writes:
 
     # -- placing -------------------------------------------------------------
     def _check_item(self, device: str, dtype: str, dims: list[int]) -> Checked:
-        if device not in CPU:
-            self.cuda.check_device(device)
+        self.memory.check_device(device)
         return check_item(dtype, dims)
 
     async def alloc(
@@ -84,15 +83,8 @@ class Writes:
         shape, dtype, itemsize, nbytes = self._check_item(req.device, req.dtype, req.shape)
         # Charged before the first await: concurrent allocations see each other's bytes.
         with self.quotas.charge(s, nbytes, req.name) as charge:
-            try:
-                if block is None:
-                    block = (
-                        await self.memory.block(nbytes)
-                        if req.device in CPU
-                        else self.cuda.alloc(s, req, nbytes)
-                    )
-            except PoolExhausted as exc:
-                raise self.memory.refused(req.name, nbytes, exc) from None
+            if block is None:
+                block = await self.memory.place(s, req.name, req.device, nbytes)
             sessions = self.sessions
             if sessions.closing or sessions.get(s.id) is not s:  # it ended meanwhile
                 self.memory.give_back(block)
@@ -241,7 +233,7 @@ class Writes:
         if same is not None and any(j >= 0 for j in same):
             raise InvalidRequest("same (tensors stored once) is for host memory only")
         for d in sorted(gpus):
-            self.cuda.check_device(d)
+            self.memory.check_device(d)
 
     def try_alloc_many(
         self,
@@ -289,16 +281,7 @@ class Writes:
                         blocks.append(None)  # placed in its original's block
                         continue
                     device = "cpu" if devices is None else devices[i]
-                    if device not in CPU:
-                        one = AllocRequest.model_construct(
-                            name=name, shape=list(item[0]), dtype=item[1], device=device
-                        )
-                        blocks.append(self.cuda.alloc(s, one, item[3]))
-                        continue
-                    try:
-                        blocks.append(await self.memory.block(item[3]))
-                    except PoolExhausted as exc:
-                        raise self.memory.refused(name, item[3], exc) from None
+                    blocks.append(await self.memory.place(s, name, device, item[3]))
                 sessions = self.sessions
                 if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
                     self.sessions.admit(sid, caller)  # raises the reason
