@@ -34,8 +34,8 @@ def handle(broker: Broker, v: Version, lease: int | None = None) -> Handle:
             "version": v.number,
             "kind": "posix",
             "segment": v.block.segment,
-            "offset": v.block.offset,
-            "nbytes": v.block.nbytes,
+            "offset": v.offset,
+            "nbytes": v.nbytes,
             "shape": list(v.shape),
             "strides": list(c_strides(v.shape)),
             "dtype": v.dtype,
@@ -81,8 +81,8 @@ def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: 
                 j = index[blk.segment] = len(segments)
                 segments.append(blk.segment)
             segment.append(j)
-            offsets.append(blk.offset)
-        nbytes.append(blk.nbytes)
+            offsets.append(v.offset)
+        nbytes.append(v.nbytes)
     leases = [lease for _, lease in pairs]
     # pydantic_core's encoder: a 1,000-tensor answer in a quarter of json.dumps' time.
     return to_json(

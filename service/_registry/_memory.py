@@ -100,6 +100,9 @@ class Memory:
         # (name, number) -> version, so that a get of that exact version
         # finds it while it lives (numbers never repeat within a run).
         self.superseded: dict[tuple[str, int], Version] = {}
+        # Packs (``_packs``): block -> its versions already gone, still charged:
+        # what a pack keeps pinned counts against whoever put it until it goes.
+        self.packs: dict[Block, list[Version]] = {}
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -216,12 +219,18 @@ class Memory:
             self.superseded.pop((v.name, v.number), None)
             block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
-            self.quotas.uncharge(v)
+            gone = self.packs.get(block)
+            if gone is None:
+                self.quotas.uncharge(v)
+            else:  # charged until its pack goes
+                gone.append(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
                 # A block with stale holders is retired instead of freed.
                 self._free(block, written=v.state == "ready")
                 self.bytes_in_use -= block.nbytes
+                for w in self.packs.pop(block, ()):
+                    self.quotas.uncharge(w)
 
     def retire(self, v: Version) -> None:
         """Its name no longer refers to ``v``: freed once its last lease ends.
@@ -343,12 +352,12 @@ class Memory:
         """The bytes of ``v`` as a flat uint8 numpy array over the broker's own
         mapping.  The array keeps the mapping alive after the pool unlinks the
         segment."""
-        return byte_view(self._map(v.block.segment), v.block.offset, v.nbytes, writable=writable)
+        return byte_view(self._map(v.block.segment), v.offset, v.nbytes, writable=writable)
 
     def fill(self, v: Version, data: bytes) -> None:
         """Copy ``data`` (``v.nbytes`` of them, checked) into an unpublished ``v``."""
         if v.nbytes:
-            ctypes.memmove(self._map(v.block.segment).address + v.block.offset, data, v.nbytes)
+            ctypes.memmove(self._map(v.block.segment).address + v.offset, data, v.nbytes)
 
     def fill_many(self, versions: list[Version], data: memoryview) -> None:
         """Copy ``data`` into unpublished ``versions``, one after another: each
@@ -358,7 +367,7 @@ class Memory:
         for v in versions:
             if not v.nbytes:
                 continue
-            to = self._map(v.block.segment).address + v.block.offset
+            to = self._map(v.block.segment).address + v.offset
             if runs and runs[-1][0] + runs[-1][1] == to:
                 runs[-1][1] += v.nbytes
             else:

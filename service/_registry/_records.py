@@ -85,10 +85,13 @@ class Version:
     reader: int = 0  # the id of the last get's lease of it (writers' holds excluded)
     got: int = 0  # live leases of gets (writers' holds excluded)
     wire: tuple[bytes, bytes] | None = None  # its published handle's JSON around the lease (lane)
+    nbytes: int = 0  # its bytes, from ``at`` in its block
+    at: int = 0  # where its bytes start in its block: a batch's pack holds many versions
 
     @property
-    def nbytes(self) -> int:
-        return self.block.nbytes
+    def offset(self) -> int:
+        """Where its bytes start in its segment."""
+        return self.block.offset + self.at
 
 
 @dataclass(eq=False)

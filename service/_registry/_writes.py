@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
-from ..._proto import INLINE_BATCH_MAX
 from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
 from ...shm._pool import Block
+from ._packs import PACK_MOST, Where, check_carried, check_same, layout, packed
 from ._records import CPU, Checked, Version, check_item
 
 if TYPE_CHECKING:
@@ -150,16 +150,30 @@ class Writes:
         count: bool = True,
         request: str | None = None,
         shared: bool = False,
+        at: int = 0,
+        nbytes: int | None = None,
     ) -> tuple[Version, int | None]:
         """The new writing version of ``name`` in ``block``, carrying its bytes
         of ``charge`` (``count``: in the metrics now; a batch counts its
         versions at once).  ``request``: the id of the request that allocated
         it, which cancels it if its answer was never read (and its hold, if
-        any).  ``shared``: ``block`` is another version's, whose bytes this one
-        is (``link``, tied weights in a batch)."""
+        any).  ``shared``: ``block`` is another version's too (``link``, tied
+        weights and packs in a batch).  ``at``, ``nbytes``: where in
+        ``block`` its bytes are (all of it by default)."""
         e = self.records.entry(name)
         v = Version(
-            name, e.next_version, block, shape, dtype, itemsize, "writing", s.id, ttl=ttl, entry=e
+            name,
+            e.next_version,
+            block,
+            shape,
+            dtype,
+            itemsize,
+            "writing",
+            s.id,
+            ttl=ttl,
+            entry=e,
+            nbytes=block.nbytes if nbytes is None else nbytes,
+            at=at,
         )
         if self.alloc_ttl:
             v.deadline = self.clock() + self.alloc_ttl
@@ -207,10 +221,10 @@ class Writes:
                 item = seen[key] = check_item(d, shape)
             items.append(item)
         if same is not None:
-            _check_same(names, items, same)
+            check_same(names, items, same)
         total = sum(item[3] for item in items)
         if carried is not None:
-            _check_carried(items, same, carried)
+            check_carried(items, same, carried)
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
         return s, items, self.quotas.charge(s, total, what)
 
@@ -249,16 +263,12 @@ class Writes:
         if req.devices is not None and any(d not in CPU for d in req.devices):
             return None
         s, items, charge = self._batch(sid, caller, req, carried)
-        same = req.same
         with charge:
-            own = [i for i in range(len(items)) if same is None or same[i] < 0]
-            got = self.pool.try_alloc_many([items[i][3] for i in own])
+            sizes, where = self._layout(req, items)
+            got = self.pool.try_alloc_many(sizes)
             if got is None:
                 return None
-            blocks: list[Block | None] = [None] * len(items)  # None: in its original's block
-            for i, blk in zip(own, got, strict=True):
-                blocks[i] = blk
-            return self._place_all(s, req, items, blocks, charge, request)
+            return self._place_all(s, req, items, packed(got, where, items), charge, request)
 
     async def alloc_many(
         self,
@@ -272,41 +282,53 @@ class Writes:
         host memory or on the GPU ``req.devices`` names for it; ``carried``:
         see ``_batch``."""
         s, items, charge = self._batch(sid, caller, req, carried)
-        same, devices = req.same, req.devices
         with charge:
-            blocks: list[Block | None] = []
+            sizes, where = self._layout(req, items)
+            first = {k: i for i, (k, _) in reversed(list(enumerate(where))) if k >= 0}
+            blocks: list[Block] = []
             try:
-                for i, (name, item) in enumerate(zip(req.names, items, strict=True)):
-                    if same is not None and same[i] >= 0:
-                        blocks.append(None)  # placed in its original's block
-                        continue
-                    device = "cpu" if devices is None else devices[i]
-                    blocks.append(await self.memory.place(s, name, device, item[3]))
+                for k, n in enumerate(sizes):
+                    i = first[k]
+                    device = "cpu" if req.devices is None else req.devices[i]
+                    blocks.append(await self.memory.place(s, req.names[i], device, n))
                 sessions = self.sessions
                 if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
                     self.sessions.admit(sid, caller)  # raises the reason
             except BaseException:
                 for b in blocks:
-                    if b is not None:
-                        self.memory.give_back(b)  # nobody maps them yet
+                    self.memory.give_back(b)  # nobody maps them yet
                 raise
-            return self._place_all(s, req, items, blocks, charge, request)
+            return self._place_all(s, req, items, packed(blocks, where, items), charge, request)
+
+    def _layout(self, req: ManyAlloc, items: list[Checked]) -> tuple[list[int], list[Where]]:
+        most = min(PACK_MOST, self.pool.dedicated_threshold)
+        return layout(items, req.same, req.devices, self.pool.align, most)
 
     def _place_all(
         self,
         s: Session,
         req: ManyAlloc,
         items: list[Checked],
-        blocks: list[Block | None],
+        blocks: list[tuple[Block, int] | None],
         charge: Charge,
         request: str | None,
     ) -> list[Version]:
         names, ttl, same = req.names, req.ttl, req.same
         placed: list[Version] = []
-        for i, (name, (shape, dtype, itemsize, _)) in enumerate(zip(names, items, strict=True)):
+        seen: set[int] = set()  # the blocks a version of the batch is in already
+        packs = self.memory.packs
+        for i, (name, (shape, dtype, itemsize, n)) in enumerate(zip(names, items, strict=True)):
             j = -1 if same is None else same[i]
-            blk = blocks[i] if j < 0 else placed[j].block
-            assert blk is not None
+            if j >= 0:
+                blk, at = placed[j].block, placed[j].at
+            else:
+                place = blocks[i]
+                assert place is not None
+                blk, at = place
+            shared = id(blk) in seen
+            seen.add(id(blk))
+            if shared and j < 0 and blk not in packs:
+                packs[blk] = []  # a pack: two tensors of the batch in one block
             placed.append(
                 self._place(
                     s,
@@ -320,7 +342,9 @@ class Writes:
                     charge,
                     False,
                     request,
-                    shared=j >= 0,
+                    shared=shared,
+                    at=at,
+                    nbytes=n,
                 )[0]
             )
         self._count("allocs", len(placed))
@@ -536,47 +560,8 @@ class Writes:
                 charge,
                 count=False,
                 shared=True,
+                at=src.at,
+                nbytes=src.nbytes,
             )
         self._count("links")
         return self._publish(s, v)
-
-
-def _check_same(names: list[str], items: list[Checked], same: list[int]) -> None:
-    """A batch's ``same`` column: each tensor is -1 or an earlier tensor that
-    is no one else's copy, of its own dtype and shape."""
-    if len(same) != len(names):
-        raise InvalidRequest(
-            f"a batch's same column needs one entry per name: {len(names)} "
-            f"names, {len(same)} entries"
-        )
-    for i, j in enumerate(same):
-        if j < 0:
-            continue
-        if j >= i or same[j] >= 0:
-            raise InvalidRequest(
-                f"same[{i}] is {j}: a tensor can only be the bytes of an earlier "
-                f"tensor of the batch that is not itself another's (-1: its own)"
-            )
-        if items[i][:3] != items[j][:3]:
-            raise InvalidRequest(
-                f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
-                f"dtypes or shapes differ"
-            )
-
-
-def _check_carried(items: list[Checked], same: list[int] | None, carried: int) -> None:
-    """The bytes a batch's request carries are its tensors' (those of its own,
-    ``same``), and no more than ``INLINE_BATCH_MAX``."""
-    need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
-    if carried != need:
-        raise InvalidRequest(
-            f"the body carries {carried} bytes after its head, but the batch's "
-            f"tensors need {need} (each one's C-ordered bytes, in order; none "
-            f"for a tensor that is an earlier one's bytes)"
-        )
-    if need > INLINE_BATCH_MAX:
-        raise InvalidRequest(
-            f"a batch carries at most {INLINE_BATCH_MAX} bytes in its request; "
-            f"this one has {need}: put larger batches with /v1/many/alloc and "
-            f"/v1/many/publish"
-        )

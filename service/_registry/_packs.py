@@ -1,0 +1,115 @@
+"""A batch's geometry: which of its tensors share a pack, where each lies in
+its block, and the checks of its columns (``same``, the bytes it carries).
+
+A ``put_many`` of many small tensors would cost the broker a pool block per
+tensor, allocated and freed one by one.  Its small host tensors share
+*packs* instead: one block each, the tensors back to back at the pool's
+alignment, so that a client sees each at the offset it would have had in a
+block of its own.  A pack is allocated once and freed once, when its last
+version goes (``Block.refs`` counts the versions in it, as it counts
+``link`` and ``same`` sharers): a version superseded or deleted keeps its
+bytes, at most the rest of its pack, until then.  A tensor larger than
+``PACK_MEMBER_MAX``, or on a GPU, has a block of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..._errors import InvalidRequest
+from ..._proto import INLINE_BATCH_MAX
+from ..._wire import INLINE_MAX
+from ._records import CPU, Checked
+
+if TYPE_CHECKING:
+    from ...shm._pool import Block
+
+PACK_MEMBER_MAX = INLINE_MAX  # a tensor this small goes in its batch's pack (a put sends it inline)
+PACK_MOST = 8 << 20  # the most bytes one pack holds
+Where = tuple[int, int]  # (a batch's block, where in it)
+
+
+def layout(
+    items: list[Checked],
+    same: list[int] | None,
+    devices: list[str] | None,
+    align: int,
+    most: int,
+) -> tuple[list[int], list[Where]]:
+    """The blocks a batch needs (their sizes) and, per tensor, (its block,
+    where in it); (-1, 0) for a tensor that is an earlier one's bytes
+    (``same``).  Packs hold at most ``most`` bytes, each tensor at ``align``."""
+    sizes: list[int] = []
+    where: list[Where] = []
+    pack = -1  # the pack being filled: its bytes so far are sizes[pack]
+    for i, item in enumerate(items):
+        n = item[3]
+        if same is not None and same[i] >= 0:
+            where.append((-1, 0))
+        elif n > PACK_MEMBER_MAX or (devices is not None and devices[i] not in CPU):
+            where.append((len(sizes), 0))
+            sizes.append(n)
+        else:
+            step = max(-(-n // align) * align, align)
+            if pack < 0 or sizes[pack] + step > most:
+                pack = len(sizes)
+                sizes.append(0)
+            where.append((pack, sizes[pack]))
+            sizes[pack] += step
+    return sizes, where
+
+
+def packed(
+    blocks: list[Block], where: list[Where], items: list[Checked]
+) -> list[tuple[Block, int] | None]:
+    """Per tensor, its block and where in it (None: an earlier one's bytes).
+    A pack's ``nbytes`` becomes what its tensors need, so that the broker's
+    bytes in use count them as they would count a block each."""
+    used = [0] * len(blocks)
+    for (k, _), item in zip(where, items, strict=True):
+        if k >= 0:
+            used[k] += item[3]
+    for b, n in zip(blocks, used, strict=True):
+        b.nbytes = n
+    return [None if k < 0 else (blocks[k], at) for k, at in where]
+
+
+def check_same(names: list[str], items: list[Checked], same: list[int]) -> None:
+    """A batch's ``same`` column: each tensor is -1 or an earlier tensor that
+    is no one else's copy, of its own dtype and shape."""
+    if len(same) != len(names):
+        raise InvalidRequest(
+            f"a batch's same column needs one entry per name: {len(names)} "
+            f"names, {len(same)} entries"
+        )
+    for i, j in enumerate(same):
+        if j < 0:
+            continue
+        if j >= i or same[j] >= 0:
+            raise InvalidRequest(
+                f"same[{i}] is {j}: a tensor can only be the bytes of an earlier "
+                f"tensor of the batch that is not itself another's (-1: its own)"
+            )
+        if items[i][:3] != items[j][:3]:
+            raise InvalidRequest(
+                f"{names[i]!r} cannot share the bytes of {names[j]!r}: their "
+                f"dtypes or shapes differ"
+            )
+
+
+def check_carried(items: list[Checked], same: list[int] | None, carried: int) -> None:
+    """The bytes a batch's request carries are its tensors' (those of its own,
+    ``same``), and no more than ``INLINE_BATCH_MAX``."""
+    need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
+    if carried != need:
+        raise InvalidRequest(
+            f"the body carries {carried} bytes after its head, but the batch's "
+            f"tensors need {need} (each one's C-ordered bytes, in order; none "
+            f"for a tensor that is an earlier one's bytes)"
+        )
+    if need > INLINE_BATCH_MAX:
+        raise InvalidRequest(
+            f"a batch carries at most {INLINE_BATCH_MAX} bytes in its request; "
+            f"this one has {need}: put larger batches with /v1/many/alloc and "
+            f"/v1/many/publish"
+        )
