@@ -76,6 +76,21 @@ def drained(source: Any, *fields: str, sessions: int | None = None, timeout: flo
     )
 
 
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/bench/<script>`` with ``args`` in a process of its own, from
+    the repository root; fail with its output if it fails."""
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    return res
+
+
 def file_position(ptr: int) -> tuple[str, int]:
     """(file, offset in it) of the memory at ``ptr`` in this process, from /proc/self/maps."""
     with open("/proc/self/maps") as f:

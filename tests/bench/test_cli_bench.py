@@ -9,34 +9,23 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
-from _harness import ROOT, TEST_PREFIX, shm_entries
+from _harness import TEST_PREFIX, run_bench, shm_entries
 
 
 def test_cli_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "cli.json"
     prefix = f"{TEST_PREFIX}clibench-{secrets.token_hex(4)}-"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "bench" / "cli.py"),
-            "--reps",
-            "1",
-            "--out",
-            str(out),
-            "--shm-prefix",
-            prefix,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
+    res = run_bench(
+        "cli.py",
+        "--reps",
+        "1",
+        "--out",
+        str(out),
+        "--shm-prefix",
+        prefix,
     )
-    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     r = json.loads(out.read_text())
     assert set(r["series"]) == {"python", "import", "help", "ls", "stat"}
     for s in r["series"].values():

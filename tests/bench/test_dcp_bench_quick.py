@@ -7,37 +7,26 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _harness import ROOT, TEST_PREFIX, shm_entries
+from _harness import TEST_PREFIX, run_bench, shm_entries
 
 
 @pytest.mark.slow
 def test_dcp_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "dcp.json"
     prefix = f"{TEST_PREFIX}dbench-{secrets.token_hex(4)}-"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "bench" / "dcp.py"),
-            "--quick",
-            "--out",
-            str(out),
-            "--shm-prefix",
-            prefix,
-            "--disk",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
+    res = run_bench(
+        "dcp.py",
+        "--quick",
+        "--out",
+        str(out),
+        "--shm-prefix",
+        prefix,
+        "--disk",
+        str(tmp_path),
     )
-    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     r = json.loads(out.read_text())
     assert r["mode"] == "quick"
     assert set(r["benchmarks"]) == {

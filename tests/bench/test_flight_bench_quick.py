@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _harness import ROOT, TEST_PREFIX, shm_entries
+from _harness import TEST_PREFIX, run_bench, shm_entries
 
 pytest.importorskip("pyarrow.flight")
 
@@ -24,23 +22,14 @@ pytest.importorskip("pyarrow.flight")
 def test_flight_benchmarks_quick(tmp_path: Path) -> None:
     out = tmp_path / "flight.json"
     prefix = f"{TEST_PREFIX}fbench-{secrets.token_hex(4)}-"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tests" / "bench" / "flight.py"),
-            "--quick",
-            "--out",
-            str(out),
-            "--shm-prefix",
-            prefix,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        check=False,
+    res = run_bench(
+        "flight.py",
+        "--quick",
+        "--out",
+        str(out),
+        "--shm-prefix",
+        prefix,
     )
-    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     r = json.loads(out.read_text())
     assert r["mode"] == "quick" and r["versions"]["pyarrow"]
     assert set(r["benchmarks"]) == {"F1", "F2"}

@@ -1,0 +1,26 @@
+"""The batch handoff CPU benchmark (tests/bench/handoff_cpu.py) keeps working.
+
+Nothing is timed here: a few handoffs run end to end, every process gets a
+CPU figure, and the broker it started leaves nothing in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+from _harness import TEST_PREFIX, run_bench, shm_entries
+
+
+def test_handoff_cpu_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    prefix = f"{TEST_PREFIX}cpubench-{secrets.token_hex(4)}-"
+    args = ["--tensors", "50", "--handoffs", "3", "--out", str(out), "--shm-prefix", prefix]
+    run_bench("handoff_cpu.py", *args)
+    r = json.loads(out.read_text())
+    assert (r["tensors"], r["nbytes"], r["handoffs"]) == (50, 1024, 3)
+    assert r["wall_ms"] > 0, r
+    for who in ("broker", "producer", "consumer"):
+        assert r[f"{who}_cpu_ms"] >= 0, r
+    assert shm_entries(prefix) == [], "the benchmark's broker left segments"
