@@ -325,8 +325,10 @@ def _get_batch(
             yield Offload(_tensors, core, cols, tensors)
     except BaseException:
         if core.bg is not None:  # ``leases`` may be longer than ``tensors``
-            for i, lid in enumerate(cols.leases or ()):
-                if lid is not None and (i >= len(tensors) or tensors[i] is None):
+            leases = cols.leases or ()
+            held = {leases[i] for i, t in enumerate(tensors) if t is not None and i < len(leases)}
+            for lid in dict.fromkeys(leases):  # a pack's tensors share one lease
+                if lid is not None and lid not in held:
                     core.bg.release_later(sid, lid)
         raise
     return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
@@ -342,6 +344,7 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
     windows = _windows(client, cols)
     ref = weakref.ref[Publisher](client)
     release = None if bg is None else functools.partial(bg.release_later, sid)
+    made: dict[int, _Lease] = {}  # the tensors of one pack share its one lease
     with client.gate:  # no fork while leases are registered
         for i in range(n):
             if cols.segment[i] < 0:
@@ -349,8 +352,10 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
             window, flats, base = windows[i]
             lid, lease = leases[i], None
             if lid is not None and release is not None:
-                lease = _Lease(lid, release)
-                bg.track(sid, lid)  # type: ignore[union-attr]
+                lease = made.get(lid)
+                if lease is None:
+                    lease = made[lid] = _Lease(lid, release)
+                    bg.track(sid, lid)  # type: ignore[union-attr]
             shape = tuple(cols.shapes[i])
             t = SharedTensor._of(
                 ref,

@@ -348,7 +348,7 @@ class Core:
         lease = t._lease_id()
         if lease is None or t._lease_session != self.sid:
             return None
-        body = LinkRequest.model_construct(name=name, lease=lease, ttl=ttl)
+        body = LinkRequest.model_construct(name=name, lease=lease, ttl=ttl, source=t.name)
         try:
             answer = yield from self.call("POST", "/v1/link", body, rid=self.rid(), bound=True)
         except _SessionEnded:

@@ -207,7 +207,7 @@ def put(client: Core, name: str, x: Any, *, device: object, ttl: float | None) -
     lease = x._lease_id() if isinstance(x, SharedTensor) else None
     if lease is not None and x._client() is client and target == _wire_of(x):
         # Already in broker memory on that device: the new version shares the bytes.
-        link = LinkRequest.model_construct(name=name, lease=lease, ttl=ttl)
+        link = LinkRequest.model_construct(name=name, lease=lease, ttl=ttl, source=x.name)
         return int((yield from client.call("POST", "/v1/link", link, rid=client.rid()))["version"])
     with _Inputs() as inputs:
         src, shape, dtype, _ = inputs.take(x)

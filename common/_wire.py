@@ -275,6 +275,11 @@ class LinkRequest(_Frozen):
     name: Name
     lease: int = Field(description="a lease this session holds on the source version")
     ttl: float | None = Field(None, gt=0)
+    source: Name | None = Field(
+        None,
+        description="the source's name: needed when the lease holds several versions "
+        "(a get_many's lease of a pack)",
+    )
 
 
 class ReleaseRequest(_Frozen):

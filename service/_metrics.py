@@ -68,7 +68,8 @@ COUNTERS = {
     "allocs": "Tensor versions allocated (put, empty, put_many).",
     "publishes": "Tensor versions published.",
     "links": "Versions published by sharing another tensor's bytes, without a copy.",
-    "gets": "Leases handed out by get and get_many.",
+    "gets": "Tensors handed out by get and get_many (a get_many's tensors of one pack share "
+    "one lease).",
     "waits": "Gets that had to wait for a publish.",
     "releases": "Leases released.",
     "deletes": "Names deleted, by delete or by their ttl running out.",

@@ -274,10 +274,7 @@ class Broker:
         )
         mapping = {}
         for lid in sorted(parent.leases):
-            src = self.leases[lid]
-            mapping[str(lid)] = self.lending.take(
-                child, src.version, count=False, hold=src.hold, copy=True
-            )
+            mapping[str(lid)] = self.lending.copy(child, self.leases[lid])
         self._count("forks")
         return ForkInfo(session=child.id, leases=mapping, claim_within=child.ttl)
 
@@ -493,10 +490,10 @@ class Broker:
                 continue
             held: dict[str, dict[int, list[int]]] = {}  # name -> version -> [leases, nbytes]
             for lid in s.leases:
-                v = self.leases[lid].version
-                if may_use(v.name):
-                    per = held.setdefault(v.name, {}).setdefault(v.number, [0, v.nbytes])
-                    per[0] += 1
+                for v in self.leases[lid].versions:
+                    if may_use(v.name):
+                        per = held.setdefault(v.name, {}).setdefault(v.number, [0, v.nbytes])
+                        per[0] += 1
             names = [
                 HeldName(
                     name=n,

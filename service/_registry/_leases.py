@@ -73,33 +73,36 @@ class Leases:
         *,
         hold: bool = False,
         copy: bool = False,
-    ) -> range:
-        """A new lease of each of ``versions`` for ``s``, as ``take`` (not
-        counted: a batch is counted by its caller): their ids, consecutive.
-        Raises ``LimitExceeded``, taking none, past ``--max-leases-per-session``."""
+    ) -> list[int]:
+        """Leases of ``versions`` for ``s``, as ``take`` (not counted: a batch
+        is counted by its caller): per version, the id of the lease that
+        holds it.  The versions of a get that lie in one pack
+        (``Memory.packs``) share one lease, which keeps the pack; any other
+        version has a lease of its own.  Raises ``LimitExceeded``, taking
+        none, past ``--max-leases-per-session``."""
         if versions and not (hold or copy):
             self.memory.quotas.check_reader(s, versions[0].name)
-        if len(s.leases) + len(versions) > self.per_session:
+        groups = self._group(versions) if len(versions) > 1 and not hold else None
+        n = len(versions) if groups is None else len(groups)
+        if len(s.leases) + n > self.per_session:
             self._count("lease_refusals")
             raise LimitExceeded(
-                f"this session holds {len(s.leases)} leases, and {len(versions)} more would pass "
+                f"this session holds {len(s.leases)} leases, and {n} more would pass "
                 f"--max-leases-per-session ({self.per_session}): release what you no longer read "
                 f"(drop its views, or t.release()), or get fewer tensors at once"
             )
         first = self._next
-        self._next = first + len(versions)
-        lids = range(first, self._next)
-        table, sid, on_lease = self.table, s.id, self.cuda.on_lease
-        for lid, v in zip(lids, versions, strict=True):
-            table[lid] = Lease(lid, sid, v, request, hold)
-            v.readers += 1
-            if not hold:
-                v.reader = lid
-                v.got += 1
-                if v.entry is not None:
-                    v.entry.readers += 1
-            on_lease(lid, v, s)
-        s.leases.update(lids)
+        self._next = first + n
+        if groups is None:
+            lids = list(range(first, self._next))
+            for lid, v in zip(lids, versions, strict=True):
+                self._lend(s, lid, (v,), request, hold)
+        else:
+            lids = [0] * len(versions)
+            for lid, (held, at) in enumerate(groups, first):
+                self._lend(s, lid, held, request, hold)
+                for i in at:
+                    lids[i] = lid
         if request is not None and lids:  # no entry for nothing: a get that finds
             # nothing and times out never comes back to remove one
             ids = s.by_request.get(request)
@@ -108,6 +111,46 @@ class Leases:
             else:
                 ids.update(lids)
         return lids
+
+    def _group(self, versions: Sequence[Version]) -> list[tuple[tuple[Version, ...], list[int]]]:
+        """(versions, their positions) per lease: those in one pack together
+        (each once, however often it was asked for), any other alone."""
+        packs = self.memory.packs
+        by_block: dict[int, int] = {}  # id(pack) -> its group
+        groups: list[tuple[dict[Version, None], list[int]]] = []
+        for i, v in enumerate(versions):
+            if v.block in packs:
+                k = by_block.get(id(v.block))
+                if k is None:
+                    k = by_block[id(v.block)] = len(groups)
+                    groups.append(({}, []))
+                groups[k][0][v] = None
+                groups[k][1].append(i)
+            else:
+                groups.append(({v: None}, [i]))
+        return [(tuple(held), at) for held, at in groups]
+
+    def _lend(
+        self, s: Session, lid: int, held: tuple[Version, ...], request: str | None, hold: bool
+    ) -> None:
+        self.table[lid] = Lease(lid, s.id, held, request, hold)
+        for v in held:
+            v.readers += 1
+            if not hold:
+                v.reader = lid
+                v.got += 1
+                if v.entry is not None:
+                    v.entry.readers += 1
+            self.cuda.on_lease(lid, v, s)
+        s.leases.add(lid)
+
+    def copy(self, s: Session, lease: Lease) -> int:
+        """A copy of ``lease`` for ``s`` (a forked child's): the same versions,
+        one lease, never refused for what the reader pins."""
+        lid = self._next
+        self._next += 1
+        self._lend(s, lid, lease.versions, None, lease.hold)
+        return lid
 
     def reader_of(self, v: Version) -> Session | None:
         """A session holding a get's lease of ``v`` (None: only writers' holds
@@ -118,7 +161,7 @@ class Leases:
         if last is not None:
             return self.sessions.get(last.session)
         for lease in self.table.values():  # rare: the last reader let go, others still hold
-            if lease.version is v and not lease.hold:
+            if v in lease.versions and not lease.hold:
                 return self.sessions.get(lease.session)
         return None
 
@@ -158,17 +201,18 @@ class Leases:
                     ids.discard(lid)  # a set: a batch's thousand releases stay linear
                     if not ids:
                         del s.by_request[lease.request]
-        v = lease.version
         if lease.doubt:  # its views are gone: nothing maps the expired write any more
-            self.memory.trust(v.block)
-        v.readers -= 1
-        if not lease.hold:
-            v.got -= 1
-            if v.entry is not None:
-                v.entry.readers -= 1
+            self.memory.trust(lease.versions[0].block)
+        for v in lease.versions:
+            v.readers -= 1
+            if not lease.hold:
+                v.got -= 1
+                if v.entry is not None:
+                    v.entry.readers -= 1
         self.cuda.on_release(lease)
-        if lease.hold and v.readers == 0 and v.state == "writing" and self.abandoned:
-            # An empty() whose every view is gone, unpublished: nobody can
-            # publish it now, so its memory and quota come back at once.
-            self.abandoned(v)
-        self.memory.free_if_unreachable(v)
+        for v in lease.versions:
+            if lease.hold and v.readers == 0 and v.state == "writing" and self.abandoned:
+                # An empty() whose every view is gone, unpublished: nobody can
+                # publish it now, so its memory and quota come back at once.
+                self.abandoned(v)
+            self.memory.free_if_unreachable(v)

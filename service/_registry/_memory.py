@@ -263,7 +263,7 @@ class Memory:
         ends (its views are gone), or ``s`` ends verified."""
         self.distrust(v.block)
         for lease in leases:
-            if lease.hold and lease.version is v and not lease.doubt:
+            if lease.hold and v in lease.versions and not lease.doubt:
                 lease.doubt = True
                 return
         self._doubts.setdefault(s.id, []).append(v.block)
@@ -280,10 +280,11 @@ class Memory:
         resumes and its views die, can give them back (``release_stale``)."""
         held = {}
         for lease in leases:
-            if lease.version.block is not None:
-                self.distrust(lease.version.block)
-                held[lease.id] = lease.version.block
-        holds = {lease.version for lease in leases if lease.hold}
+            block = lease.versions[0].block  # a pack lease's versions share it
+            if block is not None:
+                self.distrust(block)
+                held[lease.id] = block
+        holds = {v for lease in leases if lease.hold for v in lease.versions}
         unleased = self._doubts.pop(s.id, [])  # distrusted already
         for v in s.writing:
             if v not in holds and v.block not in unleased:

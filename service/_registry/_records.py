@@ -108,7 +108,9 @@ class Entry:
 class Lease:
     id: int
     session: str
-    version: Version
+    # What it holds: one version, or several of one pack that a get_many
+    # found together (``Leases.take_many``): one lease keeps the pack.
+    versions: tuple[Version, ...]
     request: str | None = None  # the request id that took it, so the client can cancel it
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
     doubt: bool = False  # its block was distrusted while it lived: trusted again when it ends

@@ -529,20 +529,34 @@ class Writes:
         return self.publish(sid, caller, v.name, v.number)
 
     def link(
-        self, sid: str | None, caller: Caller, name: str, lease_id: int, ttl: float | None = None
+        self,
+        sid: str | None,
+        caller: Caller,
+        name: str,
+        lease_id: int,
+        ttl: float | None = None,
+        source: str | None = None,
     ) -> Version:
         """Publish the bytes a lease holds as the next version of ``name``, without a copy.
 
-        The new version shares the block; the memory is freed when every
-        version that shares it is gone.  It is charged to this session and its
-        identity like a put of the same bytes (``_quotas``)."""
+        ``source``: which of the lease's versions, by name (a pack's lease
+        holds several).  The new version shares the block; the memory is
+        freed when every version that shares it is gone.  It is charged to
+        this session and its identity like a put of the same bytes (``_quotas``)."""
         s = self.sessions.admit(sid, caller)
         lease = self.lending.table.get(lease_id)
-        if lease is None or lease.session != s.id or lease.version.block is None:
+        if lease is None or lease.session != s.id:
             raise TensorNotFound(
                 f"lease {lease_id} is not held by this session; get the source tensor again"
             )
-        src = lease.version
+        held = [v for v in lease.versions if source is None or v.name == source]
+        if len(held) != 1 or held[0].block is None:
+            raise TensorNotFound(
+                f"lease {lease_id} holds {len(held)} tensors: name the one to link (source)"
+                if len(held) > 1
+                else f"lease {lease_id} holds no {source!r}; get the source tensor again"
+            )
+        src = held[0]
         if src.state != "ready":
             raise Conflict(f"{src.name!r} v{src.number} is not published yet; publish it first")
         # An alias is charged to whoever makes it, as a copy would be: when the

@@ -197,11 +197,14 @@ def test_a_big_first_put_does_not_stall_other_clients(
 
 def test_leases_per_session_are_limited(broker_factory: Callable[..., BrokerProc]) -> None:
     """A session that gets without releasing is refused past
-    --max-leases-per-session (429), taking nothing; releasing makes room."""
+    --max-leases-per-session (429), taking nothing; releasing makes room.
+    (Put one by one: a get_many of one put_many's small tensors, a pack,
+    takes a single lease.)"""
     b = broker_factory("--max-leases-per-session", "100")
     with b.client() as c:
         names = [f"l{i}" for i in range(60)]
-        c.put_many({n: np.zeros(4, np.float32) for n in names})
+        for n in names:
+            c.put(n, np.zeros(4, np.float32))
         first = c.get_many(names)
         with pytest.raises(LimitExceeded, match="--max-leases-per-session"):
             c.get_many(names)

@@ -5,8 +5,15 @@ broker counts what a pack keeps (its bytes in use) until it goes."""
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Callable
+
 import numpy as np
+import pytest
 from _harness import BrokerProc, drained, stat_when
+from _workerio import Worker
+from tensordepot import TensorNotFound
 
 KIB = 1024
 
@@ -69,3 +76,42 @@ def test_a_reader_of_one_tensor_keeps_its_pack_while_every_name_is_replaced(
         del now, held
         drained(reader, "leases")
         stat_when(producer, lambda st: st.bytes_in_use == 10 * KIB, "only the newest pack")
+
+
+def test_a_get_many_of_a_pack_holds_one_lease_that_a_sigkill_gives_back(
+    broker: BrokerProc, workers: Callable[..., Worker]
+) -> None:
+    """A consumer that get_many's a pack's 20 tensors holds one lease, which
+    keeps the whole pack through the producer's deletes; SIGKILLed, its
+    session is reaped and the pack goes."""
+    sd = {f"p{i}": np.full(KIB, i, dtype=np.uint8) for i in range(20)}
+    with broker.client() as c:
+        c.put_many(sd)
+        h = workers("lifetime_holder", broker.url, ready="ready")
+        h.send("many p 20")
+        assert h.expect("got many") == "got many 20"
+        assert c.stat().leases == 1, "one lease for the pack"
+        c.delete_many(list(sd))
+        assert c.stat().bytes_in_use == 20 * KIB, "the lease keeps the pack"
+        h.send("check")
+        assert h.expect("ok") == "ok 20"
+        os.kill(h.pid, signal.SIGKILL)
+        drained(c, "leases", "bytes_in_use", sessions=1)
+
+
+def test_a_tensor_of_a_pack_lease_links_by_its_name(broker: BrokerProc) -> None:
+    """put(name, t) of a tensor got in a batch shares its bytes (no copy): the
+    link names which of the pack lease's tensors it means."""
+    with broker.client() as c:
+        c.put_many(_batch(5))
+        got = c.get_many([f"w{i}" for i in range(5)])
+        lease = got["w2"]._lease_id()
+        assert lease is not None and got["w3"]._lease_id() == lease, "one lease for the pack"
+        with pytest.raises(TensorNotFound, match="name the one to link"):
+            c._call("POST", "/v1/link", {"name": "alias", "lease": lease}, rid=c._rid())
+        assert c.put("alias", got["w2"]) == 1
+        assert np.all(np.from_dlpack(c.get("alias")) == 2)
+        assert c.stat().bytes_in_use == 5 * KIB, "the alias shares w2's bytes"
+        del got
+        c.delete_many(["alias", *(f"w{i}" for i in range(5))])
+        drained(c, "leases", "bytes_in_use")

@@ -147,7 +147,7 @@ def live_versions(broker: Broker) -> set[Any]:
         live |= set(e.writing.values())
         if e.ready is not None:
             live.add(e.ready)
-    live |= {lease.version for lease in broker.leases.values()}
+    live |= {v for lease in broker.leases.values() for v in lease.versions}
     for s in broker.sessions.values():
         live |= s.writing
     return live
@@ -177,7 +177,7 @@ def check_accounting(broker: Broker) -> None:
     for s in broker.sessions.values():
         assert s.leases <= set(broker.leases)
     for v in live:
-        assert v.readers == sum(1 for lease in broker.leases.values() if lease.version is v)
+        assert v.readers == sum(1 for lease in broker.leases.values() if v in lease.versions)
 
 
 # -- error paths --------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Lifetime worker driven over stdin: one command per line, one answer per line.
 
     get NAME FILL numpy|torch   lease NAME, keep a view, check every element == FILL
+    many PREFIX N               get_many PREFIX0..PREFIX<N-1>, keep a view of each,
+                                check every element of PREFIX<i> == i
     check                       re-check every view kept so far
     drop NAME                   drop the views of NAME (the lease ends when they are freed)
     empty NAME N                empty() N float64 elements, fill them, never publish
@@ -44,6 +46,14 @@ def main() -> None:
             views[name] = (view, fill)
             del t, view  # only the kept view holds the lease now
             print(f"got {name} v{version}" if ok else f"bad {name}", flush=True)
+        elif cmd == "many":
+            names = [f"{args[0]}{i}" for i in range(int(args[1]))]
+            got = c.get_many(names, timeout=10)
+            for i, n in enumerate(names):
+                views[n] = (np.from_dlpack(got[n]), float(i))
+            ok = all(np.all(v == fill) for v, fill in views.values())
+            del got  # only the kept views hold the lease now
+            print(f"got many {len(names)}" if ok else "bad many", flush=True)
         elif cmd == "check":
             bad = [n for n, (v, fill) in views.items() if not np.all(np.asarray(v) == fill)]
             print(f"ok {len(views)}" if not bad else f"bad {' '.join(bad)}", flush=True)

@@ -252,7 +252,7 @@ def link(call: Call[LinkRequest]) -> Reply:
     assert call.body is not None
     broker, req = call.broker, call.body
     return 200, handle_json(
-        broker, broker.link(call.session, call.who, req.name, req.lease, req.ttl)
+        broker, broker.link(call.session, call.who, req.name, req.lease, req.ttl, req.source)
     )
 
 
