@@ -234,6 +234,8 @@ def test_soak_kill_and_respawn(
     assert restarts == 1 and mishaps["storm"] >= 1, (restarts, mishaps)
     assert totals["race_publishes"] >= 1 and totals["race_reads"] >= 1, totals
     assert totals["pickles_read"] + totals["pickles_refused"] >= 1, totals
+    assert totals["batch_views_kept"] >= 1, totals  # a pack's lease held across the mishaps
+    assert totals["prefix_deletes"] >= 1, totals
     reaped = int(broker_counts.get("tensordepot_sessions_ended_total", 0))
     with capsys.disabled():
         print(
@@ -247,6 +249,7 @@ def test_soak_kill_and_respawn(
             f"{totals['reads']} verified reads "
             f"+ {totals['rechecks']} re-checks of held views, {totals['puts']} puts "
             f"({totals['strided']} non-contiguous), {totals['batches']} put_many of 3 names, "
+            f"{totals['batch_views_kept']} views of get_many tensors kept (their packs' leases), "
             f"{totals['forks']} forks with views alive "
             f"(and {totals['unclaimed_forks']} whose child never claimed its session), "
             f"{totals['publishes']} empty+publish, {totals['abandoned']} abandoned writes, "
@@ -255,7 +258,8 @@ def test_soak_kill_and_respawn(
             f"{totals['mlocked']} workers under mlockall ({totals['mlock_refused']} refused), "
             f"{totals['pickles_read']} pickles read back and {totals['pickles_refused']} refused "
             f"(gone, replaced, or from the broker's earlier run), "
-            f"{totals['deletes']} deletes, {totals['misses']} not-found, "
+            f"{totals['deletes']} deletes and {totals['prefix_deletes']} by prefix, "
+            f"{totals['misses']} not-found, "
             f"{totals['reconnects']} reconnects; broker: {reaped} sessions ended, "
             f"{int(broker_counts.get('tensordepot_writes_reclaimed_total', 0))} writes reclaimed, "
             f"{int(broker_counts.get('tensordepot_expired_total', 0))} ttl expiries, "

@@ -1,13 +1,13 @@
-"""Soak workers: random put/put_many/get/delete/empty on a few shared names until a
-deadline, with the mishaps users cause: Ctrl-C (SIGINT) anywhere, including in the
-middle of a copy, and in storms; non-contiguous sources; fork() with views alive
-(half of the children never use the Client they inherited, so their sessions are
-never claimed); a thread still writing while ``publish()`` runs (``race*``
-names: a reader checks that the bytes it got never change); workers that lock
-their memory (``mlockall``, one seed in eight); and SharedTensors pickled
-before the broker restarts and unpickled after (they must fail, never
-resolve to the new run's tensor of the same name and version).  The broker
-may be unavailable for a while (the test restarts it): calls that fail then
+"""Soak workers: random put/put_many/get/get_many/delete (by name and by prefix)/empty
+on a few shared names until a deadline, with the mishaps users cause: Ctrl-C
+(SIGINT) anywhere, including in the middle of a copy, and in storms; non-contiguous
+sources; fork() with views alive (half of the children never use the Client they
+inherited, so their sessions are never claimed); a thread still writing while
+``publish()`` runs (``race*`` names: a reader checks that the bytes it got never
+change); workers that lock their memory (``mlockall``, one seed in eight); and
+SharedTensors pickled before the broker restarts and unpickled after (they must
+fail, never resolve to the new run's tensor of the same name and version). The
+broker may be unavailable for a while (the test restarts it): calls that fail then
 are counted and the worker carries on.
 
 This process is a zygote: it imports everything once, then forks one worker
@@ -189,6 +189,14 @@ def work(url: str, seed: int, deadline: float) -> int:
     def report(tag: str) -> None:
         emit(tag + " " + " ".join(f"{k}={v}" for k, v in sorted(count.items())))
 
+    def keep(view: np.ndarray, s: int, what: str) -> None:
+        """Hold ``view`` (and its lease) past this operation, to check it again later."""
+        if len(held) >= MAX_HELD:
+            old = held.pop(rng.randrange(len(held)))
+            verify(old[0], old[2], old[1])
+            count["rechecks"] += 1
+        held.append((view, s, what))
+
     def check_held() -> None:
         for view, s, what in held:
             verify(view, what, s)
@@ -254,21 +262,29 @@ def work(url: str, seed: int, deadline: float) -> int:
                 s = verify(view, what)
                 count["reads"] += 1
                 if rng.random() < 0.3:
-                    if len(held) >= MAX_HELD:
-                        old = held.pop(rng.randrange(len(held)))
-                        verify(old[0], old[2], old[1])
-                        count["rechecks"] += 1
-                    held.append((view, s, what))
+                    keep(view, s, what)
                 del view
             elif op < 0.75:
                 got = c.get_many(rng.sample(NAMES, 2))
                 for nm, t in got.items():
-                    verify(np.from_dlpack(t), f"{nm} v{t.version}")
+                    view = np.from_dlpack(t)
+                    what = f"{nm} v{t.version} (get_many)"
+                    s = verify(view, what)
                     count["reads"] += 1
-                del got
+                    if rng.random() < 0.15:
+                        # A batch's view kept: with it, the lease of its pack
+                        # (a put_many's small tensors), checked again later.
+                        keep(view, s, what)
+                        count["batch_views_kept"] += 1
+                del got, t, view
             elif op < 0.87:
-                c.delete(name)
-                count["deletes"] += 1
+                if rng.random() < 0.1:
+                    # soak1 deletes soak1, soak10 and soak11 in one request
+                    c.delete(prefix=f"soak{rng.randrange(1, 10)}")
+                    count["prefix_deletes"] += 1
+                else:
+                    c.delete(name)
+                    count["deletes"] += 1
             elif op < 0.91:
                 if rng.random() < 0.4:
                     race_publish(c, rng.choice(RACED))
