@@ -18,6 +18,7 @@ from ..._errors import LimitExceeded
 from ._records import Lease
 
 if TYPE_CHECKING:
+    from ...shm._pool import Block
     from ._cuda import CudaMemory
     from ._memory import Memory
     from ._records import Version
@@ -116,18 +117,17 @@ class Leases:
         """(versions, their positions) per lease: those in one pack together
         (each once, however often it was asked for), any other alone."""
         packs = self.memory.packs
-        by_block: dict[int, int] = {}  # id(pack) -> its group
+        of_pack: dict[Block, tuple[dict[Version, None], list[int]]] = {}
         groups: list[tuple[dict[Version, None], list[int]]] = []
         for i, v in enumerate(versions):
-            if v.block in packs:
-                k = by_block.get(id(v.block))
-                if k is None:
-                    k = by_block[id(v.block)] = len(groups)
-                    groups.append(({}, []))
-                groups[k][0][v] = None
-                groups[k][1].append(i)
-            else:
-                groups.append(({v: None}, [i]))
+            group = of_pack.get(v.block)
+            if group is None:
+                group = ({}, [])
+                groups.append(group)
+                if v.block in packs:
+                    of_pack[v.block] = group
+            group[0][v] = None
+            group[1].append(i)
         return [(tuple(held), at) for held, at in groups]
 
     def _lend(

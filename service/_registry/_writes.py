@@ -284,7 +284,10 @@ class Writes:
         s, items, charge = self._batch(sid, caller, req, carried)
         with charge:
             sizes, where = self._layout(req, items)
-            first = {k: i for i, (k, _) in reversed(list(enumerate(where))) if k >= 0}
+            first: dict[int, int] = {}  # block -> the first tensor in it
+            for i, (k, _) in enumerate(where):
+                if k >= 0:
+                    first.setdefault(k, i)
             blocks: list[Block] = []
             try:
                 for k, n in enumerate(sizes):
@@ -315,7 +318,7 @@ class Writes:
     ) -> list[Version]:
         names, ttl, same = req.names, req.ttl, req.same
         placed: list[Version] = []
-        seen: set[int] = set()  # the blocks a version of the batch is in already
+        seen: set[Block] = set()  # the blocks a version of the batch is in already
         packs = self.memory.packs
         for i, (name, (shape, dtype, itemsize, n)) in enumerate(zip(names, items, strict=True)):
             j = -1 if same is None else same[i]
@@ -325,8 +328,8 @@ class Writes:
                 place = blocks[i]
                 assert place is not None
                 blk, at = place
-            shared = id(blk) in seen
-            seen.add(id(blk))
+            shared = blk in seen
+            seen.add(blk)
             if shared and j < 0 and blk not in packs:
                 packs[blk] = []  # a pack: two tensors of the batch in one block
             placed.append(

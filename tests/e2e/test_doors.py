@@ -547,12 +547,15 @@ def _release(env: Env) -> Req:
     return env.req("POST", "/v1/release", {"leases": [env.lease(env.put())]})
 
 
-def _many_alloc_body(env: Env) -> dict[str, Any]:
-    return {
+def _many_alloc_body(env: Env, devices: list[str] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "names": [env.name("a"), env.name("b")],
         "shapes": [[NBYTES], [NBYTES]],
         "dtypes": ["uint8", "uint8"],
     }
+    if devices is not None:
+        body["devices"] = devices
+    return body
 
 
 def _many_publish(env: Env) -> Req:
@@ -586,12 +589,15 @@ def _many_put(
     return env.req("POST", "/v1/many/put", _framed(head, data), who=who, ctype=ctype)
 
 
+NO_GPU = "cuda:GPU-00000000-0000-0000-0000-000000000000"  # a GPU no broker has
+
+
 def _share_body(env: Env) -> dict[str, Any]:
     return {
         "name": env.name(),
         "shape": [4],
         "dtype": "float32",
-        "device": "cuda:GPU-00000000-0000-0000-0000-000000000000",
+        "device": NO_GPU,
         "ipc_handle": base64.b64encode(b"\1" * 64).decode(),
         "offset": 0,
         "alloc_size": 16,
@@ -800,9 +806,7 @@ GOOD = [
     pytest.param(
         Case(
             R_MANY_ALLOC,
-            lambda e: e.req(
-                "POST", "/v1/many/alloc", {**_many_alloc_body(e), "devices": ["cpu", "cpu:0"]}
-            ),
+            lambda e: e.req("POST", "/v1/many/alloc", _many_alloc_body(e, ["cpu", "cpu:0"])),
             200,
             delta=TWO,
             created=frozenset("ab"),
@@ -812,7 +816,7 @@ GOOD = [
     pytest.param(
         Case(
             R_MANY_ALLOC,
-            lambda e: e.req("POST", "/v1/many/alloc", {**_many_alloc_body(e), "devices": ["cpu"]}),
+            lambda e: e.req("POST", "/v1/many/alloc", _many_alloc_body(e, ["cpu"])),
             400,
             "invalid_request",
         ),
@@ -824,7 +828,7 @@ GOOD = [
             lambda e: e.req(
                 "POST",
                 "/v1/many/alloc",
-                {**_many_alloc_body(e), "devices": ["cpu", _share_body(e)["device"]]},
+                _many_alloc_body(e, ["cpu", NO_GPU]),
             ),
             (400, 404, 409, 422),
             ANY,
@@ -838,7 +842,7 @@ GOOD = [
                 "POST",
                 "/v1/many/put",
                 _framed(
-                    {**_many_alloc_body(e), "devices": ["cpu", _share_body(e)["device"]]},
+                    _many_alloc_body(e, ["cpu", NO_GPU]),
                     b"\1" * 2 * NBYTES,
                 ),
                 ctype=OCTETS,

@@ -18,8 +18,8 @@ from tensordepot import TensorNotFound
 KIB = 1024
 
 
-def _batch(n: int, base: int = 0) -> dict[str, np.ndarray]:
-    return {f"w{i}": np.full(KIB, base + i, dtype=np.uint8) for i in range(n)}
+def _batch(n: int, base: int = 0, prefix: str = "w") -> dict[str, np.ndarray]:
+    return {f"{prefix}{i}": np.full(KIB, base + i, dtype=np.uint8) for i in range(n)}
 
 
 def test_a_packs_memory_goes_with_its_last_name(broker: BrokerProc) -> None:
@@ -84,7 +84,7 @@ def test_a_get_many_of_a_pack_holds_one_lease_that_a_sigkill_gives_back(
     """A consumer that get_many's a pack's 20 tensors holds one lease, which
     keeps the whole pack through the producer's deletes; SIGKILLed, its
     session is reaped and the pack goes."""
-    sd = {f"p{i}": np.full(KIB, i, dtype=np.uint8) for i in range(20)}
+    sd = _batch(20, prefix="p")
     with broker.client() as c:
         c.put_many(sd)
         h = workers("lifetime_holder", broker.url, ready="ready")
