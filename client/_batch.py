@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from .._errors import BrokerUnavailable, DepotError, InvalidRequest, TensorBroken
+from .._errors import BrokerUnavailable, InvalidRequest, TensorBroken
 from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
 from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish, c_strides
 from ..shm import UnsupportedDType, dtype_from_numpy
@@ -43,7 +43,7 @@ from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl, check_wait
 from ._core import Core
-from ._extent import broken, check_allocations, check_columns, check_segment, dtype_of
+from ._extent import Layout, broken, check_allocations, check_columns, check_packs
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
@@ -239,16 +239,18 @@ def _fill(
     if cols.others or len(cols.names) != len(arrays):
         raise broken(f"a batch of {len(arrays)} tensor(s)", "it is not the batch asked for")
     flats = [core.segments.fill_flat(seg) for seg in cols.segments]
-    check_allocations(cols, [f.size for f in flats], shapes, dtypes, [a.nbytes for a in arrays])
+    check_packs(cols, [f.size for f in flats])
+    check_allocations(cols, shapes, dtypes, [a.nbytes for a in arrays])
+    packs = cols.packs
     pairs = []
-    for i, (a, seg, off, n) in enumerate(
-        zip(arrays, cols.segment, cols.offsets, cols.nbytes, strict=True)
-    ):
+    for i, (a, k, at) in enumerate(zip(arrays, cols.pack, cols.at, strict=True)):
         j = -1 if same is None else same[i]
-        if j >= 0 and (cols.segment[j], cols.offsets[j]) == (seg, off):
+        if j >= 0 and (cols.pack[j], cols.at[j]) == (k, at):
             continue  # the bytes of tensor j, copied there
-        if n:
-            pairs.append((flats[seg][off : off + n].view(a.dtype).reshape(a.shape), a))
+        if a.nbytes:
+            seg, base, _, _ = packs[k]
+            off = base + at
+            pairs.append((flats[seg][off : off + a.nbytes].view(a.dtype).reshape(a.shape), a))
     if progress is None:
         copy_many(pairs)
         return
@@ -318,57 +320,64 @@ def _get_batch(
     # that no tensor holds yet: the others go when their tensors do.
     sid = core.sid
     tensors: list[SharedTensor | None] = [None] * len(cols.names)
+    made: dict[int, _Lease] = {}  # the leases a tensor holds (a pack's tensors share one)
     try:
         if core.map_cheaply("cuda" if cols.others else "posix"):
-            _tensors(core, cols, tensors)
+            _tensors(core, cols, tensors, made)
         else:
-            yield Offload(_tensors, core, cols, tensors)
+            yield Offload(_tensors, core, cols, tensors, made)
     except BaseException:
-        if core.bg is not None:  # ``leases`` may be longer than ``tensors``
-            leases = cols.leases or ()
-            held = {leases[i] for i, t in enumerate(tensors) if t is not None and i < len(leases)}
-            for lid in dict.fromkeys(leases):  # a pack's tensors share one lease
+        if core.bg is not None:
+            held: set[int | None] = set(made)
+            held.update(t._lease_id() for t in tensors if t is not None)
+            lids = [p[3] for p in cols.packs] + [h.lease for h in cols.others.values()]
+            for lid in dict.fromkeys(lids):
                 if lid is not None and lid not in held:
                     core.bg.release_later(sid, lid)
         raise
     return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
 
 
-def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | None]) -> None:
-    """Make the batch's tensors into ``tensors``, one per name, each as soon
-    as it holds its lease."""
-    n = len(cols.names)
-    leases: list[int | None] = list(cols.leases) if cols.leases is not None else [None] * n
+def _tensors(
+    client: Core, cols: HandleColumns, tensors: list[SharedTensor | None], made: dict[int, _Lease]
+) -> None:
+    """Make the batch's tensors into ``tensors``, one per name, and the
+    leases they hold into ``made``, each as soon as a tensor holds it."""
     bg, sid, instance = client.bg, client.sid, client.instance
-    check_columns(cols)
-    windows = _windows(client, cols)
+    layouts = check_columns(cols)
+    offsets, windows = _windows(client, cols, layouts)
     ref = weakref.ref[Publisher](client)
     release = None if bg is None else functools.partial(bg.release_later, sid)
-    made: dict[int, _Lease] = {}  # the tensors of one pack share its one lease
+    strides = [c_strides(shape) for shape, _, _ in layouts]
+    packs, names, versions, layout = cols.packs, cols.names, cols.versions, cols.layout
     with client.gate:  # no fork while leases are registered
-        for i in range(n):
-            if cols.segment[i] < 0:
-                continue  # below: tensor() takes the gate itself
-            window, flats, base = windows[i]
-            lid, lease = leases[i], None
+        leases: list[_Lease | None] = []
+        for _, _, _, lid in packs:
+            lease = None
             if lid is not None and release is not None:
                 lease = made.get(lid)
                 if lease is None:
                     lease = made[lid] = _Lease(lid, release)
                     bg.track(sid, lid)  # type: ignore[union-attr]
-            shape = tuple(cols.shapes[i])
+            leases.append(lease)
+        for i, k in enumerate(cols.pack):
+            if k < 0:
+                continue  # below: tensor() takes the gate itself
+            window, flats, base = windows[i]
+            m = layout[i]
+            shape, dt, nbytes = layouts[m]
             t = SharedTensor._of(
                 ref,
-                cols.names[i],
-                cols.versions[i],
+                names[i],
+                versions[i],
                 shape,
-                c_strides(shape),
-                dtype_of(cols.names[i], cols.dtypes[i]),
-                cols.nbytes[i],
+                strides[m],
+                dt,
+                nbytes,
                 window,
                 flats,
-                cols.offsets[i] - base,
-                lease,
+                offsets[i] - base,
+                leases[k],
             )
             t._lease_session, t._instance = sid, instance
             tensors[i] = t
@@ -376,36 +385,46 @@ def _tensors(client: Core, cols: HandleColumns, tensors: list[SharedTensor | Non
         tensors[i] = tensor(client, h, False)
 
 
-def _windows(client: Core, cols: HandleColumns) -> list[tuple[Any, Any, int]]:
-    """Per tensor: (its window, the window as flat uint8 arrays, writable and
-    read-only, the segment offset the window starts at)."""
+def _windows(
+    client: Core, cols: HandleColumns, layouts: list[Layout]
+) -> tuple[list[int], list[tuple[Any, Any, int]]]:
+    """Per tensor: its offset in its segment, and (its window, the window as
+    flat uint8 arrays, writable and read-only, the segment offset the window
+    starts at)."""
+    packs = cols.packs
     n = len(cols.names)
+    offsets = [0] * n
+    nbytes = [0] * n
     by_segment: dict[int, list[int]] = {}
-    for i in range(n):
-        if cols.segment[i] >= 0:
-            by_segment.setdefault(cols.segment[i], []).append(i)
+    for i, (k, a, m) in enumerate(zip(cols.pack, cols.at, cols.layout, strict=True)):
+        if k >= 0:
+            j, base, _, _ = packs[k]
+            offsets[i] = base + a
+            nbytes[i] = layouts[m][2]
+            by_segment.setdefault(j, []).append(i)
     out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
-    offsets, nbytes = cols.offsets, cols.nbytes
-    for j, members in by_segment.items():
-        try:
-            f = client.segments.file(cols.segments[j], False)
-            check_segment(cols, members, f.size)
+    segment = ""
+    try:
+        sizes = []
+        for segment in cols.segments:
+            sizes.append(client.segments.file(segment, False).size)
+        check_packs(cols, sizes)
+        for j, members in by_segment.items():
+            segment = cols.segments[j]
             shared, alone = _layout(members, offsets, nbytes)
             if shared:
                 lo = min(offsets[i] for i in shared)
                 hi = max(offsets[i] + nbytes[i] for i in shared)
-                window = _window(client, cols.segments[j], lo, hi - lo)
+                window = _window(client, segment, lo, hi - lo)
                 for i in shared:
                     out[i] = window
             for one in alone:  # the tensors of one range
-                window = _window(client, cols.segments[j], offsets[one[0]], nbytes[one[0]])
+                window = _window(client, segment, offsets[one[0]], nbytes[one[0]])
                 for i in one:
                     out[i] = window
-        except (DepotError, OSError) as exc:
-            if isinstance(exc, DepotError):
-                raise
-            raise BrokerUnavailable(f"cannot map segment {cols.segments[j]}: {exc}") from exc
-    return out
+    except OSError as exc:
+        raise BrokerUnavailable(f"cannot map segment {segment}: {exc}") from exc
+    return offsets, out
 
 
 def _window(client: Core, segment: str, lo: int, n: int) -> tuple[Any, Any, int]:

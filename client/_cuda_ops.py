@@ -321,18 +321,19 @@ def _handles_of(cols: HandleColumns, names: list[str]) -> list[Handle]:
     for i, name in enumerate(names):
         h = cols.others.get(i)
         if h is None:
-            shape = cols.shapes[i]
+            seg, base, _, _ = cols.packs[cols.pack[i]]
+            shape, dtype, nbytes = cols.layouts[cols.layout[i]]
             h = Handle.model_validate(
                 {
                     "name": name,
                     "version": cols.versions[i],
                     "kind": "posix",
-                    "segment": cols.segments[cols.segment[i]],
-                    "offset": cols.offsets[i],
-                    "nbytes": cols.nbytes[i],
+                    "segment": cols.segments[seg],
+                    "offset": base + cols.at[i],
+                    "nbytes": nbytes,
                     "shape": shape,
                     "strides": list(c_strides(tuple(shape))),
-                    "dtype": cols.dtypes[i],
+                    "dtype": dtype,
                     "device": "cpu",
                     "state": "writing",
                     "lease": None,

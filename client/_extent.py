@@ -10,8 +10,9 @@ fault: SIGBUS past the end of the file, SIGSEGV past the mapping.  A real
 broker never sends one; a broken or impostor one may.  So before a window
 is mapped, every handle passes ``check_extent``: the one check, which get,
 get_many, empty, put and put_many (``Client`` and ``AsyncClient`` alike)
-reach (a batch's handles through ``check_segment`` and
-``check_allocations``, which pass in bulk only what it would pass).  What
+reach (a batch's handles through ``check_columns``, which passes each
+layout through it once and checks each tensor's bytes within its pack, and
+``check_packs``, each pack within its segment).  What
 fails raises ``TensorBroken``, and the operation gives back what the broker
 handed out (the lease, or the allocation).
 """
@@ -46,12 +47,20 @@ def broken(where: Where, problem: str) -> TensorBroken:
         where = describe(where)
     elif isinstance(where, tuple) and isinstance(where[0], HandleColumns):
         cols, i = where
-        where = (cols.names[i], cols.versions[i], cols.segments[cols.segment[i]])
+        where = (cols.names[i], cols.versions[i], _segment_of(cols, i))
     what = where if isinstance(where, str) else f"{where[0]!r} v{where[1]} in segment {where[2]}"
     return TensorBroken(
         f"refusing the broker's handle for {what}: {problem}. Nothing was read or "
         f"written through it, and what the broker handed out is given back. {_FIX}"
     )
+
+
+def _segment_of(cols: HandleColumns, i: int) -> str:
+    """The segment tensor ``i`` of checked columns names, in words (any columns)."""
+    try:
+        return cols.segments[cols.packs[cols.pack[i]][0]]
+    except (IndexError, TypeError):
+        return "(none)"
 
 
 _DTYPES: dict[str, DType] = {}  # dtype names seen so far
@@ -140,88 +149,89 @@ def check_extent(
     return dt
 
 
-def check_segment(cols: HandleColumns, members: list[int], size: int) -> None:
-    """``check_extent`` for the handles at ``members`` of a batch's columns,
-    which all name one segment of ``size`` bytes.  The columns carry no
-    strides (C order), and a batch repeats a few layouts: when every one has
-    passed before and every tensor's bytes lie within the segment, they pass
-    in bulk; otherwise each goes through ``check_extent``."""
-    offsets, nbytes, shapes, dtypes = cols.offsets, cols.nbytes, cols.shapes, cols.dtypes
-    if (
-        all(offsets[i] >= 0 and nbytes[i] >= 0 and offsets[i] + nbytes[i] <= size for i in members)
-        and {(nbytes[i], tuple(shapes[i]), None, dtypes[i]) for i in members} <= _GOOD.keys()
-    ):
-        return
-    for i in members:
-        check_extent((cols, i), size, offsets[i], nbytes[i], shapes[i], None, dtypes[i])
+Layout = tuple[tuple[int, ...], DType, int]  # (shape, dtype, nbytes) of a batch's tensors
+
+
+def check_columns(cols: HandleColumns) -> list[Layout]:
+    """The columns of a batch's handles, checked before anything is mapped:
+    one entry per tensor; each names a pack and a layout of the batch (or -1
+    for both: its handle is in ``others``); each pack a segment of the
+    batch; each layout passes ``check_extent`` (its elements are its
+    bytes); each tensor's bytes lie within its pack.  (That each pack lies
+    within its segment, ``check_packs`` finds once the segments are open.)
+    Returns the layouts as (shape, dtype, nbytes)."""
+    n = len(cols.names)
+    what = f"a batch of {n} tensor(s)"
+    lengths = [len(c) for c in (cols.versions, cols.pack, cols.at, cols.layout)]
+    if any(k != n for k in lengths):
+        raise broken(what, f"its columns have {sorted({n, *lengths})} entries, not {n} each")
+    nseg = len(cols.segments)
+    for k, (j, offset, nbytes, _) in enumerate(cols.packs):
+        if not 0 <= j < nseg or offset < 0 or nbytes < 0:
+            raise broken(
+                what, f"its pack {k} names bytes [{offset}, {offset}+{nbytes}) of segment {j}"
+            )
+    layouts: list[Layout] = []
+    for m, (shape, dtype, nbytes) in enumerate(cols.layouts):
+        dt = check_extent(f"layout {m} of {what}", nbytes, 0, nbytes, shape, None, dtype)
+        layouts.append((tuple(shape), dt, nbytes))
+    pack, at, layout = cols.pack, cols.at, cols.layout
+    npack, nlay = len(cols.packs), len(layouts)
+    if not cols.others and (not n or (min(pack) >= 0 and max(pack) < npack)):
+        if n and (min(layout) < 0 or max(layout) >= nlay):
+            raise broken(what, f"its tensors name layouts {sorted(set(layout))} of {nlay}")
+    else:
+        for i, (k, m) in enumerate(zip(pack, layout, strict=True)):
+            if not (-1 <= k < npack) or (k == -1) != (i in cols.others) or (k == -1) != (m == -1):
+                raise broken(what, f"tensor {cols.names[i]!r} names pack {k} of {npack}")
+            if not -1 <= m < nlay:
+                raise broken(what, f"tensor {cols.names[i]!r} names layout {m} of {nlay}")
+        if any(not 0 <= i < n for i in cols.others):
+            raise broken(what, f"it has handles for positions {sorted(cols.others)} of {n}")
+    sizes = [p[2] for p in cols.packs]
+    for i, (k, a, m) in enumerate(zip(pack, at, layout, strict=True)):
+        if k >= 0 and not (a >= 0 and a + layouts[m][2] <= sizes[k]):
+            raise broken(
+                (cols, i),
+                f"its bytes [{a}, {a}+{layouts[m][2]}) are not within its pack of {sizes[k]} bytes",
+            )
+    return layouts
+
+
+def check_packs(cols: HandleColumns, sizes: Sequence[int]) -> None:
+    """The packs of a batch's columns lie within their segments, of
+    ``sizes`` bytes (in the order of ``cols.segments``); their tensors lie
+    within them (``check_columns``)."""
+    for k, (j, offset, nbytes, _) in enumerate(cols.packs):
+        if offset + nbytes > sizes[j]:
+            raise broken(
+                (cols, cols.pack.index(k)) if k in cols.pack else f"pack {k} of a batch",
+                f"its pack's bytes [{offset}, {offset}+{nbytes}) are not within "
+                f"its segment of {sizes[j]} bytes",
+            )
 
 
 def check_allocations(
     cols: HandleColumns,
-    sizes: Sequence[int],
     shapes: list[list[int]],
     dtypes: list[str],
     nbytes: list[int],
 ) -> None:
-    """``check_extent`` for every allocation of a put_many whose columns
-    passed ``check_columns`` and hold every handle: ``sizes`` of its
-    segments; ``shapes``, ``dtypes`` and ``nbytes``, what each tensor asked
-    for.  Allocations are C-ordered, so when each is the shape and dtype
-    asked for, its byte count the asked tensor's, and its bytes within its
-    segment, ``check_extent`` passes them all: that is found in a few bulk
-    comparisons.  Otherwise each goes through ``check_extent``, which names
-    the first that fails."""
+    """What a put_many allocated, after ``check_columns``, is what it asked
+    for: tensor ``i`` is of ``shapes[i]`` and ``dtypes[i]``, ``nbytes[i]``
+    long; the first that is not is named."""
+    lays, layout = cols.layouts, cols.layout
     if (
-        cols.shapes == shapes
-        and cols.dtypes == dtypes
-        and cols.nbytes == nbytes
-        and max(map(len, shapes), default=0) <= MAX_NDIM
-        and all(
-            off >= 0 and off + n <= sizes[seg]
-            for seg, off, n in zip(cols.segment, cols.offsets, nbytes, strict=True)
-        )
+        [lays[m][0] for m in layout] == shapes
+        and [lays[m][1] for m in layout] == dtypes
+        and [lays[m][2] for m in layout] == nbytes
     ):
         return
-    for i, (seg, off, n) in enumerate(zip(cols.segment, cols.offsets, cols.nbytes, strict=True)):
-        check_extent(
-            (cols, i),
-            sizes[seg],
-            off,
-            n,
-            cols.shapes[i],
-            None,
-            cols.dtypes[i],
-            (tuple(shapes[i]), dtypes[i]),
-        )
-
-
-def check_columns(cols: HandleColumns) -> None:
-    """The columns of a batch's handles hold one entry per tensor, and each
-    names a segment of the batch (or -1: its handle is in ``others``)."""
-    n = len(cols.names)
-    lengths = [
-        len(c)
-        for c in (
-            cols.versions,
-            cols.segment,
-            cols.offsets,
-            cols.nbytes,
-            cols.shapes,
-            cols.dtypes,
-            cols.names if cols.leases is None else cols.leases,
-        )
-    ]
-    what = f"a batch of {n} tensor(s)"
-    if any(k != n for k in lengths):
-        raise broken(what, f"its columns have {sorted(set(lengths))} entries, not {n} each")
-    if not cols.others and (
-        not n or (min(cols.segment) >= 0 and max(cols.segment) < len(cols.segments))
-    ):
-        return  # the usual batch: every handle in the columns, each naming a segment of it
-    for i, j in enumerate(cols.segment):
-        if not (-1 <= j < len(cols.segments)) or (j == -1) != (i in cols.others):
+    for i, m in enumerate(layout):
+        shape, dtype, n = lays[m]
+        if shape != list(shapes[i]) or dtype != dtypes[i] or n != nbytes[i]:
             raise broken(
-                what, f"tensor {cols.names[i]!r} names segment {j} of {len(cols.segments)}"
+                (cols, i),
+                f"it is {shape} of {dtype!r} ({n} bytes), not the {list(shapes[i])} of "
+                f"{dtypes[i]!r} ({nbytes[i]} bytes) asked for",
             )
-    if any(not 0 <= i < n for i in cols.others):
-        raise broken(what, f"it has handles for positions {sorted(cols.others)} of {n}")

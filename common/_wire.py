@@ -520,21 +520,32 @@ class Versions(_Answer):
 
 
 class HandleColumns(_Answer):
-    """Many handles as columns: entry ``i`` of each list describes tensor
-    ``i``.  Shared-memory tensors are C-ordered (strides follow from shapes);
-    a tensor of another kind (CUDA) has segment -1 and its whole handle in
-    ``others`` under its position."""
+    """Many handles as columns: entry ``i`` of each per-tensor list describes
+    tensor ``i``.
+
+    Shared-memory tensors lie in packs, each named once: a pack is a range
+    of one segment, under one lease for a get (a ``put_many``'s small
+    tensors share one block: a get of them takes one lease on it), as
+    ``[segment, offset, nbytes, lease]``.  A tensor gives its pack, where its
+    bytes start in it (``at``), and its layout: an index in ``layouts``, the
+    batch's distinct ``[shape, dtype, nbytes]``, C-ordered (strides follow
+    from the shape).  A tensor of another kind (CUDA) has pack -1, layout -1
+    and its whole handle in ``others`` under its position."""
 
     names: list[str]
     versions: list[int]
     state: Literal["writing", "ready"]
     segments: list[str] = Field(description="the segments these tensors live in, each once")
-    segment: list[int] = Field(description="per tensor: its index in segments, or -1")
-    offsets: list[int]
-    nbytes: list[int]
-    shapes: list[list[int]]
-    dtypes: list[str]
-    leases: list[int] | None = Field(None, description="per tensor: the lease to release (get)")
+    packs: list[tuple[int, int, int, int | None]] = Field(
+        description="[segment (an index in segments), offset, nbytes, lease]: each range of a "
+        "segment the tensors lie in, once, with the lease that keeps it (get; null: none)"
+    )
+    pack: list[int] = Field(description="per tensor: its index in packs, or -1")
+    at: list[int] = Field(description="per tensor: where its bytes start in its pack")
+    layouts: list[tuple[list[int], str, int]] = Field(
+        description="[shape, dtype, nbytes]: each layout of the batch, once"
+    )
+    layout: list[int] = Field(description="per tensor: its index in layouts, or -1")
     others: dict[int, Handle] = Field(default_factory=dict)
 
 

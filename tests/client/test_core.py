@@ -265,11 +265,11 @@ COLUMNS = {
     "versions": [1, 4],
     "state": "writing",
     "segments": ["seg"],
-    "segment": [0, 0],
-    "offsets": [0, 65536],
-    "nbytes": [65536, 16],
-    "shapes": [[16384], [4]],
-    "dtypes": ["float32", "float32"],
+    "packs": [[0, 0, 65536, None], [0, 65536, 256, None]],
+    "pack": [0, 1],
+    "at": [0, 0],
+    "layouts": [[[16384], "float32", 65536], [[4], "float32", 16]],
+    "layout": [0, 1],
 }
 
 

@@ -14,7 +14,7 @@ from tensordepot.client._extent import (
     check_allocations,
     check_columns,
     check_extent,
-    check_segment,
+    check_packs,
 )
 
 
@@ -66,37 +66,45 @@ def test_a_put_gets_the_shape_and_dtype_it_asked_for_even_after_a_pass() -> None
         check_extent("t", 4096, 0, 64, [16], None, "float32", ((4, 4), "float32"))
 
 
-def _cols(segment: list[int], others: dict[int, object] | None = None) -> HandleColumns:
-    n = len(segment)
-    return HandleColumns.model_construct(
+def _cols(
+    pack: list[int], layout: list[int], others: dict[int, object] | None = None, **change: Any
+) -> HandleColumns:
+    n = len(pack)
+    cols = dict(
         names=[f"t{i}" for i in range(n)],
         versions=[1] * n,
-        segment=segment,
         segments=["td-a", "td-b"],
-        offsets=[0] * n,
-        nbytes=[4] * n,
-        shapes=[[1]] * n,
-        dtypes=["float32"] * n,
-        leases=None,
+        packs=[(0, 0, 4096, None), (1, 0, 4096, None)],
+        pack=pack,
+        at=[0] * n,
+        layouts=[([1], "float32", 4)],
+        layout=layout,
         others=others or {},
     )
+    return HandleColumns.model_construct(**{**cols, **change})
 
 
 @pytest.mark.parametrize(
-    "segment,others,ok",
+    "pack,layout,others,change,ok",
     [
-        ([0, 1, 0], None, True),
-        ([], None, True),
-        ([0, 2], None, False),  # there are two segments
-        ([0, -1], None, False),  # -1 says "in others", and others is empty
-        ([0, -1], {1: object()}, True),
-        ([0, 1], {1: object()}, False),  # in others and in a segment
+        ([0, 1, 0], [0, 0, 0], None, {}, True),
+        ([], [], None, {}, True),
+        ([0, 2], [0, 0], None, {}, False),  # there are two packs
+        ([0, -1], [0, -1], None, {}, False),  # -1 says "in others", and others is empty
+        ([0, -1], [0, -1], {1: object()}, {}, True),
+        ([0, 1], [0, 0], {1: object()}, {}, False),  # in others and in a pack
+        ([0, -1], [0, 0], {1: object()}, {}, False),  # in others, with a layout
+        ([0, 0], [0, 1], None, {}, False),  # there is one layout
+        ([0, 0], [0, -1], None, {}, False),
+        ([0], [0], None, {"packs": [(2, 0, 4096, None)]}, False),  # there are two segments
+        ([0], [0], None, {"packs": [(0, -64, 4096, None)]}, False),
+        ([0], [0], None, {"versions": [1, 1]}, False),  # a column too long
     ],
 )
-def test_batch_columns_name_segments_of_the_batch(
-    segment: list[int], others: Any, ok: bool
+def test_batch_columns_name_packs_layouts_and_segments_of_the_batch(
+    pack: list[int], layout: list[int], others: Any, change: dict[str, Any], ok: bool
 ) -> None:
-    cols = _cols(segment, others)
+    cols = _cols(pack, layout, others, **change)
     if ok:
         check_columns(cols)
     else:
@@ -106,32 +114,44 @@ def test_batch_columns_name_segments_of_the_batch(
 
 def _allocated(**change: Any) -> HandleColumns:
     """The answer to a put_many of a [4, 4] and a [16] float32 tensor, in two
-    segments of 4096 bytes, with ``change`` made to its columns."""
+    segments of 4096 bytes, one pack each, with ``change`` made to its columns."""
     cols = dict(
         names=["a", "b"],
         versions=[1, 1],
-        segment=[0, 1],
         segments=["td-a", "td-b"],
-        offsets=[0, 4032],
-        nbytes=[64, 64],
-        shapes=[[4, 4], [16]],
-        dtypes=["float32", "float32"],
-        leases=None,
+        packs=[(0, 0, 4096, None), (1, 0, 4096, None)],
+        pack=[0, 1],
+        at=[0, 4032],
+        layouts=[([4, 4], "float32", 64), ([16], "float32", 64)],
+        layout=[0, 1],
         others={},
     )
     return HandleColumns.model_construct(**{**cols, **change})
+
+
+def _checked(cols: HandleColumns, asked: tuple[Any, ...] | None = None) -> None:
+    """What a get_many (and, ``asked``, a put_many) checks of its columns."""
+    check_columns(cols)
+    check_packs(cols, [4096, 4096])
+    if asked is not None:
+        check_allocations(cols, *asked)
+
+
+F32 = "float32"
 
 
 @pytest.mark.parametrize(
     "change,problem",
     [
         ({}, None),
-        ({"shapes": [[4, 4], [4, 4]]}, "asked for"),  # the right bytes, not the shape asked for
-        ({"dtypes": ["float32", "int32"]}, "asked for"),
-        ({"nbytes": [64, 32]}, "bytes, not its 32"),
-        ({"offsets": [0, 4040]}, "not within its segment of 4096 bytes"),  # ends past the end
-        ({"offsets": [-64, 4032]}, "not within its segment"),
-        ({"segment": [1, 1], "offsets": [4032, 4032]}, None),  # two in one segment, both within
+        ({"layouts": [([4, 4], F32, 64), ([4, 4], F32, 64)]}, "asked for"),  # the right bytes
+        ({"layouts": [([4, 4], F32, 64), ([16], "int32", 64)]}, "asked for"),
+        ({"layouts": [([4, 4], F32, 64), ([16], F32, 32)]}, "bytes, not its 32"),
+        ({"at": [0, 4040]}, "not within its pack of 4096 bytes"),  # ends past the end
+        ({"at": [-64, 4032]}, "not within its pack"),
+        ({"packs": [(0, 0, 4096, None), (1, 64, 4096, None)]}, "not within its segment of 4096"),
+        ({"pack": [1, 1], "at": [0, 4032]}, None),  # two in one pack, both within
+        ({"layout": [1, 0]}, "asked for"),
     ],
 )
 def test_a_batch_of_allocations_passes_in_bulk_only_when_each_would_pass_alone(
@@ -140,30 +160,31 @@ def test_a_batch_of_allocations_passes_in_bulk_only_when_each_would_pass_alone(
     cols = _allocated(**change)
     asked = ([[4, 4], [16]], ["float32", "float32"], [64, 64])
     if problem is None:
-        check_allocations(cols, [4096, 4096], *asked)
+        _checked(cols, asked)
     else:
         with pytest.raises(TensorBroken, match=problem):
-            check_allocations(cols, [4096, 4096], *asked)
+            _checked(cols, asked)
 
 
 @pytest.mark.parametrize(
     "change,problem",
     [
         ({}, None),
-        ({"offsets": [0, 4040]}, "not within its segment of 4096 bytes"),  # a layout that passed
-        ({"offsets": [-64, 4032]}, "not within its segment"),
-        ({"nbytes": [64, 32]}, "bytes, not its 32"),  # a layout never seen
-        ({"shapes": [[4, 4], [-16]]}, "dimensions >= 0"),
-        ({"dtypes": ["float32", "float99"]}, "unknown"),
+        ({"at": [0, 4040]}, "not within its pack of 4096 bytes"),  # a layout that passed
+        ({"at": [-64, 4032]}, "not within its pack"),
+        ({"packs": [(0, 0, 4096, None), (1, 32, 4096, None)]}, "not within its segment"),
+        ({"layouts": [([4, 4], F32, 64), ([16], F32, 32)]}, "bytes, not its 32"),  # never seen
+        ({"layouts": [([4, 4], F32, 64), ([-16], F32, 64)]}, "dimensions >= 0"),
+        ({"layouts": [([4, 4], F32, 64), ([16], "float99", 64)]}, "unknown"),
     ],
 )
-def test_a_segment_of_a_batch_passes_in_bulk_only_when_each_handle_would_pass_alone(
+def test_a_batch_got_passes_in_bulk_only_when_each_handle_would_pass_alone(
     change: dict[str, Any], problem: str | None
 ) -> None:
-    check_segment(_allocated(segment=[0, 0]), [0, 1], 4096)  # both layouts pass and are kept
-    cols = _allocated(segment=[0, 0], **change)
+    _checked(_allocated())  # both layouts pass and are kept
+    cols = _allocated(**change)
     if problem is None:
-        check_segment(cols, [0, 1], 4096)
+        _checked(cols)
     else:
         with pytest.raises(TensorBroken, match=problem):
-            check_segment(cols, [0, 1], 4096)
+            _checked(cols)

@@ -48,8 +48,11 @@ LIES: dict[str, dict[str, Any] | None] = {
     "nbytes-past-segment": {"nbytes": SIZE, "shape": [SIZE // 4]},
     "unknown-dtype": {"dtype": "float33"},
     "segment-not-a-name": {"segment": "../../etc/passwd"},
-    "uneven-columns": {"columns": {"offsets": [4096, 4096]}},
-    "segment-index-past-segments": {"columns": {"segment": [3]}},
+    "uneven-columns": {"columns": {"at": [0, 0]}},
+    "pack-index-past-packs": {"columns": {"pack": [3]}},
+    "layout-index-past-layouts": {"columns": {"layout": [1]}},
+    "segment-index-past-segments": {"columns": {"packs": "segment 3"}},
+    "at-past-pack": {"columns": {"at": [64]}},
     "not-a-handle": {"shape": "x"},  # given back by its request id: no lease id can be read
 }
 BATCHES = ("get_many", "put_many")
@@ -133,14 +136,15 @@ class FakeBroker:
             "versions": [1],
             "state": state,
             "segments": [h["segment"]],
-            "segment": [0],
-            "offsets": [h["offset"]],
-            "nbytes": [h["nbytes"]],
-            "shapes": [h["shape"]],
-            "dtypes": [h["dtype"]],
-            "leases": [self.lease(name)] if leases else None,
+            "packs": [[0, h["offset"], h["nbytes"], self.lease(name) if leases else None]],
+            "pack": [0],
+            "at": [0],
+            "layouts": [[h["shape"], h["dtype"], h["nbytes"]]],
+            "layout": [0],
         }
         cols.update(h.get("columns", {}))
+        if cols["packs"] == "segment 3":
+            cols["packs"] = [[3, h["offset"], h["nbytes"], self.lease(name) if leases else None]]
         return cols
 
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
