@@ -47,6 +47,7 @@ from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
 from ._tensor import SharedTensor
+from ._tensormap import TensorMap
 from ._transport import Transport
 
 if TYPE_CHECKING:
@@ -348,7 +349,7 @@ class AsyncClient:
         newer_than: int | Mapping[str, int] = 0,
         wait: str = "all",
         out: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> TensorMap:
         """Lease many tensors in one round trip, under one deadline (all of them,
         or an error and none), as ``Client.get_many``; ``newer_than``,
         ``wait`` and ``out`` too."""

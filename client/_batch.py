@@ -3,9 +3,10 @@ dict in one request per step, cheap per tensor.
 
 The requests and answers are columns (``ManyAlloc``, ``ManyPublish``,
 ``BatchGet``; ``HandleColumns``), so a thousand tensors cost a thousand
-list entries, not a thousand validated models.  Per tensor the client then
-does only what it must: a slice of the cached fill mapping to copy into, or
-a ``SharedTensor`` with its lease.
+list entries, not a thousand validated models; an answer names each pack
+(and its lease) and each layout once.  Per tensor the client then does only
+what it must: a slice of the cached fill mapping to copy into, or, when it
+is first read, a ``SharedTensor`` sharing its pack's lease (``TensorMap``).
 
 Reader mappings.  A ``get`` reads through a copy-on-write range lent from
 the segment's kept mapping (``shm._kept``; a fresh window where it cannot be
@@ -48,6 +49,7 @@ from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
 from ._tensor import Publisher, SharedTensor, _Lease
+from ._tensormap import TensorMap
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
 _STEP = 256 << 20  # bytes copied between two progress reports
@@ -272,37 +274,30 @@ def _abort(core: Core, cols: HandleColumns) -> Op[None]:
 
 def get_many(
     core: Core, names: Iterable[str], timeout: Any, newer_than: Any, until: Any = "all"
-) -> Op[dict[str, SharedTensor]]:
-    """One request, one window per segment, a tensor per name; ``until``:
-    get_many's ``wait`` ("all" or "any").  More than ``MAX_BATCH`` names
-    (the most one request carries) go as several requests under the one
-    deadline: all of them, or an error and none."""
+) -> Op[TensorMap]:
+    """One request, one window per segment, a tensor per name, made when
+    first read (``TensorMap``); ``until``: get_many's ``wait`` ("all" or
+    "any").  More than ``MAX_BATCH`` names (the most one request carries)
+    go as several requests under the one deadline: all of them, or an error
+    and none."""
     names = check_names(names)
     wait = check_timeout(timeout)
     floors = check_floors(newer_than, names)
     how = check_wait(until)
+    got = TensorMap()  # dropped, with its leases, if a later part fails
     if len(names) <= MAX_BATCH:
-        return (yield from _get_batch(core, names, wait, floors, how))
+        yield from _get_batch(core, names, wait, floors, how, got)
+        return got
     if how == "any":
         raise InvalidRequest(
             f"get_many(wait='any') waits on at most {MAX_BATCH} names; this "
             f"asks for {len(names)}: wait on fewer, or wait='all'"
         )
     deadline = None if wait is None else time.monotonic() + wait
-    got: dict[str, SharedTensor] = {}  # dropped, with its leases, if a later part fails
     for k in range(0, len(names), MAX_BATCH):
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        got.update(
-            (
-                yield from _get_batch(
-                    core,
-                    names[k : k + MAX_BATCH],
-                    left,
-                    None if floors is None else floors[k : k + MAX_BATCH],
-                    how,
-                )
-            )
-        )
+        part = None if floors is None else floors[k : k + MAX_BATCH]
+        yield from _get_batch(core, names[k : k + MAX_BATCH], left, part, how, got)
     return got
 
 
@@ -312,47 +307,96 @@ def _get_batch(
     wait: float | None,
     floors: list[int] | None,
     until: Literal["all", "any"],
-) -> Op[dict[str, SharedTensor]]:
+    into: TensorMap,
+) -> Op[None]:
     body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
     io = None if wait is None else wait + core.timeout
     cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
     # From here on, whatever raises (Ctrl-C included) gives back the leases
-    # that no tensor holds yet: the others go when their tensors do.
-    sid = core.sid
-    tensors: list[SharedTensor | None] = [None] * len(cols.names)
-    made: dict[int, _Lease] = {}  # the leases a tensor holds (a pack's tensors share one)
+    # that no object holds yet: the others go when their holders do.
+    made: dict[int, _Lease] = {}  # the leases of the batch's packs, once made
+    ready: dict[int, Any] = {}  # the tensors made now (GPU ones)
     try:
         if core.map_cheaply("cuda" if cols.others else "posix"):
-            _tensors(core, cols, tensors, made)
+            got = _got(core, cols, made, ready)
         else:
-            yield Offload(_tensors, core, cols, tensors, made)
+            got = yield Offload(_got, core, cols, made, ready)
     except BaseException:
         if core.bg is not None:
             held: set[int | None] = set(made)
-            held.update(t._lease_id() for t in tensors if t is not None)
+            held.update(t._lease_id() for t in ready.values())
             lids = [p[3] for p in cols.packs] + [h.lease for h in cols.others.values()]
             for lid in dict.fromkeys(lids):
                 if lid is not None and lid not in held:
-                    core.bg.release_later(sid, lid)
+                    core.bg.release_later(core.sid, lid)
         raise
-    return dict(zip(cols.names, tensors, strict=True))  # type: ignore[arg-type]
+    into.add(got, cols.names, ready)
 
 
-def _tensors(
-    client: Core, cols: HandleColumns, tensors: list[SharedTensor | None], made: dict[int, _Lease]
-) -> None:
-    """Make the batch's tensors into ``tensors``, one per name, and the
-    leases they hold into ``made``, each as soon as a tensor holds it."""
-    bg, sid, instance = client.bg, client.sid, client.instance
+class _Got:
+    """A get_many's answer, checked and mapped: it makes the tensor at each
+    position of the batch when asked (``TensorMap``)."""
+
+    __slots__ = (
+        "cols",
+        "instance",
+        "layouts",
+        "leases",
+        "offsets",
+        "ref",
+        "sid",
+        "strides",
+        "windows",
+    )
+
+    def __init__(
+        self,
+        core: Core,
+        cols: HandleColumns,
+        layouts: list[Layout],
+        leases: list[_Lease | None],
+        offsets: list[int],
+        windows: list[tuple[Any, Any, int]],
+    ) -> None:
+        self.cols, self.layouts, self.leases = cols, layouts, leases
+        self.offsets, self.windows = offsets, windows
+        self.ref = weakref.ref[Publisher](core)  # the tensors' client, kept alive by none of them
+        self.sid, self.instance = core.sid, core.instance
+        self.strides = [c_strides(shape) for shape, _, _ in layouts]
+
+    def make(self, i: int) -> SharedTensor:
+        cols = self.cols
+        m = cols.layout[i]
+        shape, dt, nbytes = self.layouts[m]
+        window, flats, base = self.windows[i]
+        t = SharedTensor._of(
+            self.ref,
+            cols.names[i],
+            cols.versions[i],
+            shape,
+            self.strides[m],
+            dt,
+            nbytes,
+            window,
+            flats,
+            self.offsets[i] - base,
+            self.leases[cols.pack[i]],
+        )
+        t._lease_session, t._instance = self.sid, self.instance
+        return t
+
+
+def _got(core: Core, cols: HandleColumns, made: dict[int, _Lease], ready: dict[int, Any]) -> _Got:
+    """The batch of ``cols``, checked and mapped, with a lease object per
+    pack (into ``made``, each as soon as it exists) and its GPU tensors made
+    (into ``ready``)."""
+    bg, sid = core.bg, core.sid
     layouts = check_columns(cols)
-    offsets, windows = _windows(client, cols, layouts)
-    ref = weakref.ref[Publisher](client)
+    offsets, windows = _windows(core, cols, layouts)
     release = None if bg is None else functools.partial(bg.release_later, sid)
-    strides = [c_strides(shape) for shape, _, _ in layouts]
-    packs, names, versions, layout = cols.packs, cols.names, cols.versions, cols.layout
-    with client.gate:  # no fork while leases are registered
-        leases: list[_Lease | None] = []
-        for _, _, _, lid in packs:
+    leases: list[_Lease | None] = []
+    with core.gate:  # no fork while leases are registered
+        for _, _, _, lid in cols.packs:
             lease = None
             if lid is not None and release is not None:
                 lease = made.get(lid)
@@ -360,29 +404,9 @@ def _tensors(
                     lease = made[lid] = _Lease(lid, release)
                     bg.track(sid, lid)  # type: ignore[union-attr]
             leases.append(lease)
-        for i, k in enumerate(cols.pack):
-            if k < 0:
-                continue  # below: tensor() takes the gate itself
-            window, flats, base = windows[i]
-            m = layout[i]
-            shape, dt, nbytes = layouts[m]
-            t = SharedTensor._of(
-                ref,
-                names[i],
-                versions[i],
-                shape,
-                strides[m],
-                dt,
-                nbytes,
-                window,
-                flats,
-                offsets[i] - base,
-                leases[k],
-            )
-            t._lease_session, t._instance = sid, instance
-            tensors[i] = t
-    for i, h in cols.others.items():
-        tensors[i] = tensor(client, h, False)
+    for i, h in cols.others.items():  # tensor() takes the gate itself
+        ready[i] = tensor(core, h, False)
+    return _Got(core, cols, layouts, leases, offsets, windows)
 
 
 def _windows(

@@ -17,6 +17,7 @@ from .._errors import InvalidRequest, InvalidType
 from .._proto import MAX_WAIT
 from .._wire import NAME_RULE as NAME_RULE
 from .._wire import check_name as check_name
+from .._wire import known_names
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -32,7 +33,10 @@ def check_names(names: Any, one: str = "get()") -> list[str]:
             f"names must be a list of tensor names, not {type(names).__name__} "
             f"{shown(names)}; for one name use {one}"
         )
-    return [check_name(n, "each name") for n in names]
+    listed = list(names)
+    if known_names(listed):
+        return listed
+    return [check_name(n, "each name") for n in listed]
 
 
 def check_mapping(tensors: Any) -> Mapping[str, Any]:

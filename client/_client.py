@@ -19,6 +19,7 @@ from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._background import Background
 from ._core import Core
 from ._tensor import SharedTensor
+from ._tensormap import TensorMap
 from ._transport import Transport
 
 if TYPE_CHECKING:
@@ -283,7 +284,7 @@ class Client:
         newer_than: int | Mapping[str, int] = 0,
         wait: str = "all",
         out: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> TensorMap:
         """Lease many tensors in one round trip, under one deadline (all of
         them, or an error and none).
 
@@ -294,9 +295,11 @@ class Client:
         e.g. the versions of the previous ``get_many``.  ``wait="all"``
         waits until every name has such a version; ``wait="any"`` until one
         has, and then returns the newest version of every name (compare
-        ``.version`` to see which are new).  Returns a dict from name to
-        ``SharedTensor``.  Raises ``TensorNotFound`` naming every name that
-        was missing when the deadline passed.
+        ``.version`` to see which are new).  Returns a ``TensorMap``: a
+        dict-like mapping from name to ``SharedTensor``, each made when
+        first read, all sharing the batch's leases and mappings.  Raises
+        ``TensorNotFound`` naming every name that was missing when the
+        deadline passed.
 
         ``out={name: buffer}`` copies those names into the buffers, as
         ``get(out=)`` does (every buffer is checked before any is written),

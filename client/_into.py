@@ -16,7 +16,7 @@ the client's copy threads (``copy_many``); others through their framework
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from .._errors import InvalidRequest, InvalidType
@@ -27,6 +27,7 @@ from ._core import Core
 from ._http import Offload, Op
 from ._source import dtype_name, raw_view
 from ._tensor import SharedTensor
+from ._tensormap import TensorMap
 
 
 def _kind(name: str, dst: Any) -> str:
@@ -54,7 +55,7 @@ def check_out(names: list[str], out: Any) -> dict[str, Any]:
     return dict(out)
 
 
-def into(got: dict[str, SharedTensor], out: Mapping[str, Any]) -> dict[str, Any]:
+def into(got: MutableMapping[str, Any], out: Mapping[str, Any]) -> Any:
     """Copy each ``got[name]`` into ``out[name]`` and give its lease back;
     ``got`` with those names now mapping to their buffers.  Nothing is
     written unless every buffer matches."""
@@ -65,8 +66,12 @@ def into(got: dict[str, SharedTensor], out: Mapping[str, Any]) -> dict[str, Any]
             if pair is None:
                 _framework_copy(name, t, dst)
     except BaseException:
-        for t in got.values():  # nothing is returned: no lease outlives the error
-            t.release()
+        # Nothing is returned: no lease outlives the error.
+        if isinstance(got, TensorMap):
+            got.release()
+        else:
+            for t in got.values():
+                t.release()
         raise
     for name in out:
         got[name].release()
@@ -147,11 +152,11 @@ def get_into(
 
 def get_many_into(
     core: Core, names: Any, timeout: Any, newer_than: Any, wait: Any, out: Any
-) -> Op[dict[str, Any]]:
+) -> Op[TensorMap]:
     """``get_many(names, out={name: buffer})``: the names in ``out`` map to
     their buffers, holding the versions got; the others to SharedTensors."""
     names = check_names(names)
     out = check_out(names, out)
     got = yield from _batch.get_many(core, names, timeout, newer_than, wait)
-    filled: dict[str, Any] = yield Offload(into, got, out)
+    filled: TensorMap = yield Offload(into, got, out)
     return filled

@@ -20,6 +20,7 @@ copy-on-write); others as ``SharedTensor``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from .._errors import InvalidRequest, InvalidType, TensorNotFound
@@ -181,7 +182,7 @@ def get_state_dict(core: Core, prefix: str, timeout: Any) -> Op[Any]:
     )
 
 
-def _build(tree: Any, got: dict[str, Any]) -> Any:
+def _build(tree: Any, got: Mapping[str, Any]) -> Any:
     def dec(x: Any) -> Any:
         if not isinstance(x, dict):
             if isinstance(x, list):

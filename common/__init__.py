@@ -9,9 +9,11 @@ jax and cupy import through DLPack without a copy::
         c.put("w", array)
         t = c.get("w", timeout=5.0)
 
-``Client.list()`` answers with ``TensorInfo``, ``Client.stat()`` with
-``Stat`` (one ``DeviceStat`` per GPU in use), ``Client.who()`` with a
-``Holder`` per session (a ``HeldName`` per name it holds).  Everything raised for bad
+``Client.get_many`` answers with a ``TensorMap`` (a dict-like mapping from
+name to ``SharedTensor``), ``Client.list()`` with ``TensorInfo``,
+``Client.stat()`` with ``Stat`` (one ``DeviceStat`` per GPU in use),
+``Client.who()`` with a ``Holder`` per session (a ``HeldName`` per name it
+holds).  Everything raised for bad
 input or a broker in trouble is a ``DepotError``; each subclass below says
 when it is raised.  ``InvalidRequest`` is also a ``ValueError``,
 ``InvalidType`` also a ``TypeError``, ``TensorNotFound`` also a
@@ -60,6 +62,7 @@ if typing.TYPE_CHECKING:
     from .client import AsyncClient as AsyncClient
     from .client import Client as Client
     from .client import SharedTensor as SharedTensor
+    from .client import TensorMap as TensorMap
 
 __all__ = [
     "AsyncClient",
@@ -85,6 +88,7 @@ __all__ = [
     "Stat",
     "TensorBroken",
     "TensorInfo",
+    "TensorMap",
     "TensorNotFound",
     "TensorReleased",
     "UnknownSession",
@@ -95,5 +99,7 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = _lazy_names(
-    __name__, {"AsyncClient": ".client", "Client": ".client", "SharedTensor": ".client"}, globals()
+    __name__,
+    dict.fromkeys(["AsyncClient", "Client", "SharedTensor", "TensorMap"], ".client"),
+    globals(),
 )

@@ -3,8 +3,9 @@ the client, so nothing is defined twice.  Handles describe memory and never
 carry the tensor's bytes (a small tensor's bytes ride in the body of
 ``POST /v1/put/{name}`` and ``/v1/many/put``, never in a model).
 
-It is long, on purpose: every model that crosses HTTP is here, and
-only here, so that the broker and the client can never disagree on one."""
+It is long (over 600 lines), on purpose: every model that crosses HTTP is
+here, and only here, so that the broker and the client can never disagree
+on one."""
 
 from __future__ import annotations
 
@@ -65,10 +66,19 @@ def _valid_name(name: str) -> str:
     return check_name(name, "tensor name")
 
 
+def known_names(names: list[Any]) -> bool:
+    """Whether every one of ``names`` passed ``is_name`` before: a batch's
+    names (a state dict's, step after step) pass in one set operation, as a
+    call per name costs more than the check.  False says nothing: check each."""
+    try:
+        return _NAMES_SEEN.issuperset(names)
+    except TypeError:  # unhashable: not a name
+        return False
+
+
 def _valid_names(names: list[str]) -> list[str]:
-    """A batch's names, checked in one call for the list (a call per name
-    costs more than the check): names seen before pass in one set operation."""
-    if not _NAMES_SEEN.issuperset(names):
+    """A batch's names, checked in one call for the list."""
+    if not known_names(names):
         for i, name in enumerate(names):
             check_name(name, f"item {i}:")
     return names

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _harness import BrokerProc, drained, stat_when
 from _workerio import Worker
-from tensordepot import TensorNotFound
+from tensordepot import TensorMap, TensorNotFound, TensorReleased
 
 KIB = 1024
 
@@ -114,4 +114,106 @@ def test_a_tensor_of_a_pack_lease_links_by_its_name(broker: BrokerProc) -> None:
         assert c.stat().bytes_in_use == 5 * KIB, "the alias shares w2's bytes"
         del got
         c.delete_many(["alias", *(f"w{i}" for i in range(5))])
+        drained(c, "leases", "bytes_in_use")
+
+
+def test_a_torch_write_into_a_lazily_got_tensor_reaches_nothing_else(
+    broker: BrokerProc, workers: Callable[..., Worker]
+) -> None:
+    """get_many makes each tensor when it is first read (TensorMap), all of
+    one pack from one window under one lease.  A torch write into one of them
+    (torch ignores the read-only flag) reaches none of its pack's other
+    tensors, read before the write or made after it, no other process and no
+    later get."""
+    torch = pytest.importorskip("torch")
+    sd = {f"p{i}": np.full(100, i, dtype=np.float32) for i in range(20)}  # 400 bytes: pages shared
+    with broker.client() as c:
+        c.put_many(sd)
+        got = c.get_many(list(sd))
+        assert isinstance(got, TensorMap) and repr(got).endswith("0 made)"), repr(got)
+        before = np.from_dlpack(got["p4"])  # read before the write
+        x = torch.from_dlpack(got["p5"])
+        assert repr(got).endswith("2 made)"), "reading two tensors made only those two"
+        assert got["p4"]._window is got["p5"]._window, "one window for the batch"
+        x.fill_(-1.0)  # its neighbours share its first and last pages
+        assert float(x.sum()) == -100.0, "the write did not land in the writer's view"
+        assert np.all(before == 4), "a tensor read before the write changed"
+        for name, t in got.items():  # the other 17 are made now, after the write
+            if name != "p5":
+                assert np.all(np.from_dlpack(t) == int(name[1:])), name
+        h = workers("lifetime_holder", broker.url, ready="ready")
+        h.send("many p 20")  # checks every element of p<i> == i
+        assert h.expect("got many") == "got many 20", "another process saw the write"
+        again = c.get_many(["p5", "p6"])
+        assert np.all(np.from_dlpack(again["p5"]) == 5), "a later get saw the write"
+        assert np.all(np.from_dlpack(again["p6"]) == 6)
+        assert float(x.sum()) == -100.0, "the writer's own view lost its write"
+        del got, again, x, t, before
+        h.send("exit")
+        assert h.expect("bye") == "bye"
+        c.delete_many(list(sd))
+        drained(c, "leases", "bytes_in_use", sessions=1)
+
+
+def test_a_lazy_batch_gives_its_leases_back_with_the_map_and_on_release(
+    broker: BrokerProc,
+) -> None:
+    """The map holds its packs' leases for the tensors not read yet: they go
+    when it goes, or on ``release()`` (after which an unread name raises
+    TensorReleased, and a tensor read before keeps only its own views)."""
+    with broker.client() as c:
+        c.put_many(_batch(10))
+        names = [f"w{i}" for i in range(10)]
+        got = c.get_many(names)
+        assert c.stat().leases == 1
+        del got  # nothing read: the lease goes with the map
+        stat_when(c, lambda st: st.leases == 0, "the map's lease given back")
+        got = c.get_many(names)
+        view = np.from_dlpack(got["w1"])
+        got.release()
+        with pytest.raises(TensorReleased):
+            got["w2"]
+        with pytest.raises(TensorReleased):
+            np.from_dlpack(got["w1"])  # released, as SharedTensor.release() does
+        assert c.stat().leases == 1 and np.all(view == 1), "a view keeps the lease"
+        del view
+        stat_when(c, lambda st: st.leases == 0, "the last view's lease given back")
+        assert dict(c.get_many(names[:2])).keys() == {"w0", "w1"}
+        c.delete_many(names)
+        drained(c, "leases", "bytes_in_use")
+
+
+def test_a_lazy_batch_behaves_as_a_dict_of_its_tensors(broker: BrokerProc) -> None:
+    """What code written for a dict of SharedTensors does with a get_many's
+    answer: order, a name given twice, ``in``, ``get``, ``pop``, ``del``,
+    assignment (``get_many(out=)`` puts buffers in), ``dict()``, equality,
+    and a pickle, which is a dict of tensors pickled by name and version."""
+    import pickle
+
+    with broker.client() as c:
+        c.put_many(_batch(6))
+        got = c.get_many(["w3", "w1", "w5", "w1", "w0", "w2", "w4"])
+        assert list(got) == ["w3", "w1", "w5", "w0", "w2", "w4"] and len(got) == 6
+        assert "w1" in got and "w9" not in got and got.get("w9") is None
+        assert np.all(np.from_dlpack(got.pop("w5")) == 5) and "w5" not in got
+        del got["w0"]
+        buffer = np.zeros(4)
+        got["w2"] = buffer  # not a tensor: values() must not compare it
+        assert [type(v).__name__ for v in got.values()] == [
+            "SharedTensor",
+            "SharedTensor",
+            "ndarray",
+            "SharedTensor",
+        ]
+        assert got.get("w2") is buffer and got["w1"] is got["w1"], "made once"
+        plain = dict(got)
+        assert list(plain) == ["w3", "w1", "w2", "w4"] and plain["w3"] is got["w3"]
+        del plain["w2"], got["w2"]
+        assert got == plain
+        back = pickle.loads(pickle.dumps(got))
+        assert type(back) is dict and list(back) == ["w3", "w1", "w4"]
+        assert [(t.name, t.version) for t in back.values()] == [("w3", 1), ("w1", 1), ("w4", 1)]
+        assert all(np.all(np.from_dlpack(back[n]) == int(n[1:])) for n in back)
+        del got, plain, back
+        c.delete(prefix="w")
         drained(c, "leases", "bytes_in_use")
