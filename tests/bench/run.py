@@ -676,7 +676,7 @@ def bench_b4(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
 
     def batch() -> Any:
         c.put_many(batch_sd)
-        return c.get_many(batch_names)
+        return dict(c.get_many(batch_names))  # every SharedTensor made, as the singles' are
 
     def singles() -> Any:
         for name, a in single_sd.items():
@@ -777,7 +777,7 @@ def bench_b7(c: Client, cfg: Config) -> tuple[dict[str, Any], list[dict[str, Any
 
     def batch() -> Any:
         c.put_many(sd)
-        return c.get_many(names)
+        return dict(c.get_many(names))  # every SharedTensor made (get_many makes them lazily)
 
     ex_t, cp_t, rts = [], [], []
     with ThreadPoolExecutor(2) as ex:

@@ -17,7 +17,7 @@ import torch
 from _both import Api
 from _harness import BrokerProc, cli, free_port, ok, wait_for
 from _rawhttp import Session
-from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorNotFound
+from tensordepot import Client, Forbidden, InvalidRequest, InvalidType, TensorMap, TensorNotFound
 
 
 def _names(items: list[Any]) -> list[str]:
@@ -168,7 +168,7 @@ def test_wait_any_returns_once_one_name_is_newer_with_every_names_newest(
         waiter.join(30)
         assert not waiter.is_alive() and time.monotonic() - t0 < 20
         out = got[0]
-        assert isinstance(out, dict), out
+        assert isinstance(out, TensorMap), out
         assert out["a"].version == floors["a"] and out["b"].version > floors["b"]
         assert np.from_dlpack(out["b"]).tolist() == [1.0, 1.0]
         del out, got[:]

@@ -10,12 +10,15 @@ they are given a token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import secrets
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote
@@ -681,6 +684,20 @@ def _operations() -> list[tuple[str, str]]:
     return [(p, m) for p, ops in doc["paths"].items() for m in ops]
 
 
+@contextlib.contextmanager
+def told(what: str) -> Iterator[None]:
+    """Print what fails in ``what`` to stderr, which pytest shows with the
+    failure: when an error does not come back on hypothesis' replay, it
+    reports only that the example drew differently (FlakyStrategyDefinition),
+    and this is the one trace of the error itself."""
+    try:
+        yield
+    except BaseException:
+        print(f"fuzz: {what} raised:", file=sys.stderr)
+        traceback.print_exc()
+        raise
+
+
 FUZZ = settings(
     max_examples=25,
     deadline=None,
@@ -704,13 +721,15 @@ def test_fuzz_every_route(
     assert app.tc.get("/v1/tensors/w", headers=app.headers()).status_code == 200
     assert app.alloc("x", [3], "uint8", sid=other).status_code == 200
     try:
-        for _ in range(data.draw(st.integers(1, 3), label="repeat")):
-            req = data.draw(request_for(doc, path, method), label="request")
-            check_response(doc, req, send(app, other, req))
-            app.on_loop(check_accounting, app.broker)
-        assert app.tc.get("/healthz").json()["status"] == "ok"
+        with told("the example"):
+            for _ in range(data.draw(st.integers(1, 3), label="repeat")):
+                req = data.draw(request_for(doc, path, method), label="request")
+                check_response(doc, req, send(app, other, req))
+                app.on_loop(check_accounting, app.broker)
+            assert app.tc.get("/healthz").json()["status"] == "ok"
     finally:
-        reset(app)
+        with told("the reset after it"):
+            reset(app)
 
 
 @settings(FUZZ, max_examples=60)

@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ def call(c: Any, name: str) -> Any:
 
 
 def touch(got: Any) -> None:
-    for t in got.values() if isinstance(got, dict) else [got]:
+    for t in got.values() if isinstance(got, Mapping) else [got]:
         if OP == "empty":
             np.from_dlpack(t)[...] = 1
         elif not isinstance(t, int):
