@@ -72,6 +72,7 @@ class LaneRequest:
         "path",
         "query",
         "scope",
+        "seen",
         "started",
     )
 
@@ -88,7 +89,8 @@ class LaneRequest:
         self.headers, self.keep_alive = headers, keep_alive
         self.admitted: Admitted | None = None
         self.error: BaseException | None = None  # refused at the head: the body is dropped
-        self.body = bytearray()
+        self.body: list[bytes] = []  # the body's chunks as they came: joined once, at its end
+        self.seen = 0  # bytes of it read
         self.busy: _Busy | None = None  # set while the answer waits in a task
         self.started = time.perf_counter()
 
@@ -192,11 +194,12 @@ class Lane:
     def body(self, req: LaneRequest, chunk: bytes) -> None:
         if req.error is not None:
             return
-        req.error = body_refused(None, len(req.body) + len(chunk))
+        req.seen += len(chunk)
+        req.error = body_refused(None, req.seen)
         if req.error is not None:
-            req.body = bytearray()
+            req.body = []
         else:
-            req.body += chunk
+            req.body.append(chunk)
 
     def run(self, proto: PeerCredProtocol, req: LaneRequest) -> None:
         """At the end of a request's body: answer it now, or start a task that will."""
@@ -213,7 +216,7 @@ class Lane:
                     req.scope,
                     req.headers,
                     req.query,
-                    bytes(req.body),
+                    req.body[0] if len(req.body) == 1 else b"".join(req.body),
                     req.lost,
                 )
             except BaseException as exc:  # every error becomes an answer
