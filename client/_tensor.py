@@ -214,7 +214,6 @@ class SharedTensor:
             return export_view(
                 self._flats,
                 self._flat_offset,
-                self.nbytes,
                 self.shape,
                 self._dt,
                 owner,

@@ -181,22 +181,19 @@ def _owned_type() -> Any:
     return _OWNED
 
 
-def carrier(
-    flat: Any, offset: int, nbytes: int, shape: tuple[int, ...], dtype: DType, owner: Any
-) -> Any:
-    """What ``export_capsule`` exports, made by slicing: a C-ordered view of
-    ``flat[offset:offset + nbytes]`` (a flat uint8 array over the mapping)
-    with ``dtype``'s numpy carrier type, which keeps ``owner`` alive and is
-    writable only if ``flat`` is.  A few times cheaper than an array built
-    from an address."""
+def carrier(flat: Any, offset: int, shape: tuple[int, ...], dtype: DType, owner: Any) -> Any:
+    """What ``export_capsule`` exports, made over ``flat`` (a flat uint8 array
+    over the mapping): a C-ordered array of ``shape`` at ``offset`` (within
+    ``flat``: numpy refuses one that is not), with ``dtype``'s numpy carrier type, which keeps
+    ``owner`` alive and is writable only if ``flat`` is.  A few times
+    cheaper than an array built from an address."""
     dt = _CARRIER.get(dtype.name)
     if dt is None:
         import numpy as np
 
         dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
-    arr = flat[offset : offset + nbytes].view(dtype=dt, type=_owned_type())
-    if len(shape) != 1:
-        arr = arr.reshape(shape)
+    owned = _OWNED or _owned_type()
+    arr = owned.__new__(owned, shape, dt, flat, offset)  # one array: its base is flat
     arr._owner = owner
     return arr
 
@@ -214,19 +211,18 @@ def export_carrier(
 def export_view(
     flats: tuple[Any, Any],
     offset: int,
-    nbytes: int,
     shape: tuple[int, ...],
     dtype: DType,
     owner: Any,
     max_version: tuple[int, int] | None,
 ) -> Any:
     """The read-only ``export_capsule`` of the tensor at ``offset`` of a
-    mapping, by slicing one of ``flats``: the mapping as a flat uint8 array,
+    mapping, as an array over one of ``flats``: the mapping as a flat uint8 array,
     writable (for legacy capsules, which cannot say read-only: numpy exports
     no read-only array as one) and read-only (for versioned ones: numpy sets
     READ_ONLY itself)."""
     versioned = max_version is not None and max_version[0] >= 1
-    arr = carrier(flats[versioned], offset, nbytes, shape, dtype, owner)
+    arr = carrier(flats[versioned], offset, shape, dtype, owner)
     return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
 
 
