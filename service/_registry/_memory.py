@@ -229,8 +229,7 @@ class Memory:
                 # A block with stale holders is retired instead of freed.
                 self._free(block, written=v.state == "ready")
                 self.bytes_in_use -= block.nbytes
-                for w in self.packs.pop(block, ()):
-                    self.quotas.uncharge(w)
+                self.quotas.uncharge_many(self.packs.pop(block, []))
 
     def retire(self, v: Version) -> None:
         """Its name no longer refers to ``v``: freed once its last lease ends.
@@ -365,10 +364,14 @@ class Memory:
         takes its ``nbytes`` (their sum is ``len(data)``, checked).  Without
         numpy, which the broker would otherwise import on its first batch."""
         runs: list[list[int]] = []  # [address, length]: back-to-back blocks take one copy
+        block, base = None, 0  # the last version's block, and its address: a pack's, mostly
         for v in versions:
             if not v.nbytes:
                 continue
-            to = self._map(v.block.segment).address + v.offset
+            if v.block is not block:
+                block = v.block
+                base = self._map(block.segment).address + block.offset
+            to = base + v.at
             if runs and runs[-1][0] + runs[-1][1] == to:
                 runs[-1][1] += v.nbytes
             else:

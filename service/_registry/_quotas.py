@@ -149,6 +149,21 @@ class Quotas:
             self._give(v.creator or "", v.identity, v.charged)
         v.charged, v.pinned = 0, False
 
+    def uncharge_many(self, versions: list[Version]) -> None:
+        """``uncharge`` of each (a pack's versions, freed together), their
+        bytes given back once per session and identity."""
+        given: dict[tuple[str, str], int] = {}
+        for v in versions:
+            if v.pinned:
+                self.uncharge(v)
+                continue
+            if v.charged and v.identity is not None:
+                key = (v.creator or "", v.identity)
+                given[key] = given.get(key, 0) + v.charged
+            v.charged = 0
+        for (sid, identity), n in given.items():
+            self._give(sid, identity, n)
+
 
 def _less(table: dict[str, int], identity: str, nbytes: int) -> None:
     """``nbytes`` off ``identity``'s count in ``table``, forgotten at zero."""

@@ -3,21 +3,32 @@ costs the broker, the producer and the consumer (the consumer reads every
 tensor), from /proc/<pid>/stat over many handoffs, with the wall time.
 
     python tests/bench/handoff_cpu.py [--tensors 1000] [--nbytes 1024]
-        [--handoffs 200] [--out FILE] [--shm-prefix P]
+        [--handoffs 200] [--out FILE] [--shm-prefix P] [--registry [--reps 7]]
 
 It starts its own broker (``tensordepot serve`` on a socket of its own) and a
 consumer process; the producer is this process.  Each handoff: the producer
 puts the batch (a new version of every name), the consumer gets it with
 ``newer_than`` and reads a byte of every tensor, then says so.  Issue 43's
 goal: broker <= 2 ms and consumer <= 3 ms per 1,000-tensor handoff.
+
+``--registry`` measures the broker's registry alone for the same handoff,
+without HTTP: it makes a ``Broker`` in this process (the real one, on a
+pool of its own) and drives it as the fast lane does (``try_put_many`` with
+the bytes inline, ``try_get_many`` with ``newer_than``, the answer's
+``_render.columns``, ``release``), timing ``--reps`` reps of ``--handoffs``
+with ``time.process_time``.  One process and no sockets: it moves by a few
+percent from run to run where the three processes on two cores move by
+twenty.  For comparing two versions of the registry, alternated.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,11 +116,73 @@ def run(tensors: int, nbytes: int, handoffs: int, prefix: str) -> dict[str, Any]
     }
 
 
+def run_registry(
+    tensors: int, nbytes: int, handoffs: int, reps: int, prefix: str
+) -> dict[str, Any]:
+    """``--registry``: the broker's registry alone, in this process (module doc)."""
+    from tensordepot._wire import ManyAlloc
+    from tensordepot.service import Broker
+    from tensordepot.service._http._render import columns
+    from tensordepot.service._registry._sessions import Caller
+    from tensordepot.shm._pool import Pool
+
+    need = 4 * tensors * max(nbytes, 256)  # two versions of the batch, and room
+    broker = Broker(Pool(prefix, max_memory=max(need, 64 << 20), prefault=False))
+    loop = asyncio.new_event_loop()
+    try:
+        producer, consumer = Caller("uid:0", 1), Caller("uid:0", 2)
+        ps = broker.open_session(producer).session
+        cs = broker.open_session(consumer).session
+        names = [f"t{i}" for i in range(tensors)]
+        req = ManyAlloc(names=names, shapes=[[nbytes]] * tensors, dtypes=["uint8"] * tensors)
+        data = [memoryview(np.full(tensors * nbytes, k, np.uint8).tobytes()) for k in (1, 2)]
+        floor = 0
+
+        def handoff(k: int) -> None:
+            nonlocal floor
+            body = data[k % 2]
+            if broker.try_put_many(ps, producer, req, body) is None:
+                loop.run_until_complete(broker.put_many(ps, producer, req, body))
+            got = broker.try_get_many(cs, consumer, names, floor)
+            assert got is not None and len(got) == tensors
+            floor = got[0][0].number
+            columns(broker, got, "ready")
+            broker.release(cs, consumer, sorted({lease for _, lease in got if lease is not None}))
+
+        for k in range(max(5, handoffs // 10)):  # warm: both versions' memory placed
+            handoff(k)
+        per: list[float] = []
+        for _ in range(reps):
+            t0 = time.process_time()
+            for k in range(handoffs):
+                handoff(k)
+            per.append((time.process_time() - t0) / handoffs * 1e3)
+        stat = broker.stat()
+        assert stat.leases == 0, stat
+    finally:
+        broker.close()
+        loop.close()
+    return {
+        "tensors": tensors,
+        "nbytes": nbytes,
+        "handoffs": handoffs,
+        "reps": reps,
+        "registry_cpu_ms": statistics.median(per),
+        "samples_ms": per,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--nbytes", type=int, default=1024)
     ap.add_argument("--handoffs", type=int, default=200)
+    ap.add_argument(
+        "--registry",
+        action="store_true",
+        help="the broker's registry alone, in this process, without HTTP (module doc)",
+    )
+    ap.add_argument("--reps", type=int, default=7, help="--registry: timed reps of --handoffs")
     ap.add_argument("--out", help="write the result here as JSON too")
     ap.add_argument(
         "--shm-prefix",
@@ -117,7 +190,10 @@ def main() -> None:
         help="segment prefix of the broker this run starts",
     )
     a = ap.parse_args()
-    result = run(a.tensors, a.nbytes, a.handoffs, a.shm_prefix)
+    if a.registry:
+        result = run_registry(a.tensors, a.nbytes, a.handoffs, a.reps, a.shm_prefix)
+    else:
+        result = run(a.tensors, a.nbytes, a.handoffs, a.shm_prefix)
     text = json.dumps(result, indent=2)
     print(text)
     if a.out:

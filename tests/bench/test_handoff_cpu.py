@@ -24,3 +24,16 @@ def test_handoff_cpu_benchmark_runs(tmp_path: Path) -> None:
     for who in ("broker", "producer", "consumer"):
         assert r[f"{who}_cpu_ms"] >= 0, r
     assert shm_entries(prefix) == [], "the benchmark's broker left segments"
+
+
+def test_registry_cpu_benchmark_runs(tmp_path: Path) -> None:
+    """``--registry``: the registry alone, in the benchmark's process; every
+    lease given back, its pool's segments gone."""
+    out = tmp_path / "registry.json"
+    prefix = f"{TEST_PREFIX}regbench-{secrets.token_hex(4)}-"
+    args = ["--registry", "--tensors", "50", "--handoffs", "3", "--reps", "2", "--out", str(out)]
+    run_bench("handoff_cpu.py", *args, "--shm-prefix", prefix)
+    r = json.loads(out.read_text())
+    assert (r["tensors"], r["nbytes"], r["handoffs"], r["reps"]) == (50, 1024, 3, 2)
+    assert len(r["samples_ms"]) == 2 and r["registry_cpu_ms"] > 0, r
+    assert shm_entries(prefix) == [], "the benchmark's pool left segments"
