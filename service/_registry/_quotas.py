@@ -13,7 +13,7 @@ The API, for every door that places versions::
 
     with quotas.charge(session, nbytes, name) as charge:  # checks and takes, at once
         ...                                               # awaits may follow: the bytes are held
-        charge.attach(version)                            # the version carries them from now on
+        charge.attach(versions)                           # the versions carry them from now on
     # leaving the block gives back whatever no version carries (a failure, a cancel)
 
 and ``Quotas.uncharge(version)`` when its memory is freed (``Memory``).
@@ -184,12 +184,15 @@ class Charge:
         self.identity = identity
         self.left = nbytes
 
-    def attach(self, v: Version) -> None:
-        """``v`` carries its bytes of this charge until its memory is freed."""
-        n = v.nbytes
-        assert n <= self.left, f"{v.name!r} v{v.number} needs {n} bytes of {self.left} charged"
-        self.left -= n
-        v.charged, v.creator, v.identity = n, self.session, self.identity
+    def attach(self, versions: list[Version]) -> None:
+        """Each of ``versions`` carries its bytes of this charge until its
+        memory is freed."""
+        need = sum(v.nbytes for v in versions)
+        assert need <= self.left, f"{len(versions)} versions need {need} bytes of {self.left}"
+        self.left -= need
+        session, identity = self.session, self.identity
+        for v in versions:
+            v.charged, v.creator, v.identity = v.nbytes, session, identity
 
     def give_back(self) -> None:
         """Return what no version carries (idempotent)."""

@@ -160,36 +160,61 @@ class Writes:
         any).  ``shared``: ``block`` is another version's too (``link``, tied
         weights and packs in a batch).  ``at``, ``nbytes``: where in
         ``block`` its bytes are (all of it by default)."""
-        e = self.records.entry(name)
-        v = Version(
-            name,
-            e.next_version,
-            block,
-            shape,
-            dtype,
-            itemsize,
-            "writing",
-            s.id,
-            ttl=ttl,
-            entry=e,
-            nbytes=block.nbytes if nbytes is None else nbytes,
-            at=at,
-        )
-        if self.alloc_ttl:
-            v.deadline = self.clock() + self.alloc_ttl
-        e.next_version += 1
-        e.writing[v.number] = v
-        s.writing.add(v)
-        charge.attach(v)
-        if shared:
-            block.refs += 1
-            self.memory.linked(v)
-        else:
-            self.memory.placed(v)
-        v.request = request
+        n = block.nbytes if nbytes is None else nbytes
+        item = (shape, dtype, itemsize, n)
+        (v,) = self._place_versions(s, [name], ttl, [item], [(block, at, shared)], charge, request)
         if count:
             self._count("allocs")
         return v, (self.lending.take(s, v, request, count=False, hold=True) if hold else None)
+
+    def _place_versions(
+        self,
+        s: Session,
+        names: list[str],
+        ttl: float | None,
+        items: list[Checked],
+        places: list[tuple[Block, int, bool]],
+        charge: Charge,
+        request: str | None,
+    ) -> list[Version]:
+        """``_place`` of each of ``names``, of ``items`` (shape, dtype, item
+        size, bytes), at ``places`` (its block, where in it its bytes start,
+        whether the block is another version's too), in one loop: a batch
+        places a version per tensor."""
+        entries, entry, memory = self.records.entries, self.records.entry, self.memory
+        deadline = self.clock() + self.alloc_ttl if self.alloc_ttl else None
+        sid, writing = s.id, s.writing
+        placed: list[Version] = []
+        for name, (shape, dtype, itemsize, n), (block, at, shared) in zip(
+            names, items, places, strict=True
+        ):
+            e = entries.get(name) or entry(name)
+            v = Version(
+                name,
+                e.next_version,
+                block,
+                shape,
+                dtype,
+                itemsize,
+                "writing",
+                sid,
+                ttl=ttl,
+                entry=e,
+                nbytes=n,
+                at=at,
+            )
+            v.deadline, v.request = deadline, request
+            e.next_version += 1
+            e.writing[v.number] = v
+            writing.add(v)
+            if shared:
+                block.refs += 1
+                memory.linked(v)
+            else:
+                memory.placed(v)
+            placed.append(v)
+        charge.attach(placed)
+        return placed
 
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(
@@ -316,40 +341,23 @@ class Writes:
         charge: Charge,
         request: str | None,
     ) -> list[Version]:
-        names, ttl, same = req.names, req.ttl, req.same
-        placed: list[Version] = []
+        same = req.same
+        places: list[tuple[Block, int, bool]] = []
         seen: set[Block] = set()  # the blocks a version of the batch is in already
         packs = self.memory.packs
-        for i, (name, (shape, dtype, itemsize, n)) in enumerate(zip(names, items, strict=True)):
+        for i, place in enumerate(blocks):
             j = -1 if same is None else same[i]
             if j >= 0:
-                blk, at = placed[j].block, placed[j].at
+                blk, at = places[j][0], places[j][1]
             else:
-                place = blocks[i]
                 assert place is not None
                 blk, at = place
             shared = blk in seen
             seen.add(blk)
             if shared and j < 0 and blk not in packs:
                 packs[blk] = []  # a pack: two tensors of the batch in one block
-            placed.append(
-                self._place(
-                    s,
-                    name,
-                    ttl,
-                    False,
-                    shape,
-                    dtype,
-                    itemsize,
-                    blk,
-                    charge,
-                    False,
-                    request,
-                    shared=shared,
-                    at=at,
-                    nbytes=n,
-                )[0]
-            )
+            places.append((blk, at, shared))
+        placed = self._place_versions(s, req.names, req.ttl, items, places, charge, request)
         self._count("allocs", len(placed))
         return placed
 
@@ -441,37 +449,43 @@ class Writes:
             ) from None
         return self._publish_all(s, versions)
 
-    def _publish_all(self, s: Session, versions: list[Version]) -> list[Version]:
-        """``_publish`` of each, counted in the metrics at once."""
-        publish = self._publish
-        out = [publish(s, v, count=False) for v in versions]
-        done = [v for v, got in zip(versions, out, strict=True) if got is v]
-        self._count("publishes", len(done))
-        self._count("bytes_put", sum(v.nbytes for v in done))
-        return out
+    def _publish(self, s: Session, v: Version) -> Version:
+        """``v`` becomes ready, for good: its bytes never change again."""
+        return self._publish_all(s, [v])[0]
 
-    def _publish(self, s: Session, v: Version, *, count: bool = True) -> Version:
-        """``v`` becomes ready, for good: its bytes never change again
-        (``count``: in the metrics now; a batch counts its versions at once)."""
-        e = v.entry
-        assert e is not None
-        del e.writing[v.number]
-        s.writing.discard(v)
-        v.state, v.owner, v.deadline = "ready", None, None
-        old = e.ready
-        if old is not None and old.number > v.number:
-            # A newer version was published first; this one is superseded at once.
-            self.memory.retire(v)
-            return old
-        e.ready = v
-        e.expires_at = None if v.ttl is None else self.clock() + v.ttl
-        if old is not None:
-            self.memory.retire(old)
-        if count:
-            self._count("publishes")
-            self._count("bytes_put", v.nbytes)
-        self.waits.wake(v.name)
-        return v
+    def _publish_all(self, s: Session, versions: list[Version]) -> list[Version]:
+        """Each of ``versions`` becomes ready, for good: its bytes never
+        change again.  Per version, what its name now refers to: it, or a
+        newer version published first (then it is superseded at once)."""
+        retire, wake, writing = self.memory.retire, self.waits.wake, s.writing
+        now = None
+        out: list[Version] = []
+        put = 0
+        for v in versions:
+            e = v.entry
+            assert e is not None
+            del e.writing[v.number]
+            writing.discard(v)
+            v.state, v.owner, v.deadline = "ready", None, None
+            old = e.ready
+            if old is not None and old.number > v.number:
+                retire(v)  # a newer version was published first
+                out.append(old)
+                continue
+            e.ready = v
+            if v.ttl is None:
+                e.expires_at = None
+            else:
+                now = self.clock() if now is None else now
+                e.expires_at = now + v.ttl
+            if old is not None:
+                retire(old)
+            put += v.nbytes
+            wake(v.name)
+            out.append(v)
+        self._count("publishes", sum(v is got for v, got in zip(versions, out, strict=True)))
+        self._count("bytes_put", put)
+        return out
 
     def abort(self, sid: str | None, caller: Caller, name: str, number: int) -> None:
         """Give back a version this session allocated and will not publish."""
