@@ -715,13 +715,13 @@ def test_fuzz_every_route(
     fuzz_app: tuple[App, dict[str, Any]], path: str, method: str, data: st.DataObject
 ) -> None:
     app, doc = fuzz_app
-    other = app.open_session()
-    # Something to find: a published tensor, a leased one, and one being written.
-    assert app.put("w", b"\x01\x02\x03\x04", "4").status_code == 200
-    assert app.tc.get("/v1/tensors/w", headers=app.headers()).status_code == 200
-    assert app.alloc("x", [3], "uint8", sid=other).status_code == 200
     try:
         with told("the example"):
+            other = app.open_session()
+            # Something to find: a published tensor, a leased one, and one being written.
+            assert app.put("w", b"\x01\x02\x03\x04", "4").status_code == 200
+            assert app.tc.get("/v1/tensors/w", headers=app.headers()).status_code == 200
+            assert app.alloc("x", [3], "uint8", sid=other).status_code == 200
             for _ in range(data.draw(st.integers(1, 3), label="repeat")):
                 req = data.draw(request_for(doc, path, method), label="request")
                 check_response(doc, req, send(app, other, req))
