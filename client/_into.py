@@ -58,21 +58,13 @@ def check_out(names: list[str], out: Any) -> dict[str, Any]:
 def into(got: MutableMapping[str, Any], out: Mapping[str, Any]) -> Any:
     """Copy each ``got[name]`` into ``out[name]`` and give its lease back;
     ``got`` with those names now mapping to their buffers.  Nothing is
-    written unless every buffer matches."""
-    try:
-        plan = [(name, got[name], dst, _check(name, got[name], dst)) for name, dst in out.items()]
-        copy_many([(pair.dst, pair.src) for _, _, _, pair in plan if pair is not None])
-        for name, t, dst, pair in plan:
-            if pair is None:
-                _framework_copy(name, t, dst)
-    except BaseException:
-        # Nothing is returned: no lease outlives the error.
-        if isinstance(got, TensorMap):
-            got.release()
-        else:
-            for t in got.values():
-                t.release()
-        raise
+    written unless every buffer matches.  If it raises, the caller releases
+    what it got: nothing is returned, so no lease may outlive the error."""
+    plan = [(name, got[name], dst, _check(name, got[name], dst)) for name, dst in out.items()]
+    copy_many([(pair.dst, pair.src) for _, _, _, pair in plan if pair is not None])
+    for name, t, dst, pair in plan:
+        if pair is None:
+            _framework_copy(name, t, dst)
     for name in out:
         got[name].release()
         got[name] = out[name]
@@ -146,7 +138,11 @@ def get_into(
 ) -> Op[Any]:
     """``get(name, out=buffer)``: the buffer, holding the version got."""
     t = yield from _ops.get(core, name, timeout, newer_than, version)
-    got: dict[str, Any] = yield Offload(into, {name: t}, {name: out})
+    try:
+        got: dict[str, Any] = yield Offload(into, {name: t}, {name: out})
+    except BaseException:
+        t.release()
+        raise
     return got[name]
 
 
@@ -158,5 +154,9 @@ def get_many_into(
     names = check_names(names)
     out = check_out(names, out)
     got = yield from _batch.get_many(core, names, timeout, newer_than, wait)
-    filled: TensorMap = yield Offload(into, got, out)
+    try:
+        filled: TensorMap = yield Offload(into, got, out)
+    except BaseException:
+        got.release()
+        raise
     return filled

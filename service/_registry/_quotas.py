@@ -140,27 +140,22 @@ class Quotas:
 
     def uncharge(self, v: Version) -> None:
         """``v``'s memory was freed: the bytes it carries no longer count."""
-        if v.charged and v.identity is not None:
-            if v.pinned:
-                s = self.sessions.get(v.creator or "")
-                if s is not None:
-                    s.pinned -= v.charged
-                _less(self._identity_pinned, v.identity, v.charged)
-            self._give(v.creator or "", v.identity, v.charged)
-        v.charged, v.pinned = 0, False
+        self.uncharge_many([v])
 
     def uncharge_many(self, versions: list[Version]) -> None:
-        """``uncharge`` of each (a pack's versions, freed together), their
+        """``uncharge`` of each (a pack's versions are freed together): their
         bytes given back once per session and identity."""
         given: dict[tuple[str, str], int] = {}
         for v in versions:
-            if v.pinned:
-                self.uncharge(v)
-                continue
             if v.charged and v.identity is not None:
+                if v.pinned:
+                    s = self.sessions.get(v.creator or "")
+                    if s is not None:
+                        s.pinned -= v.charged
+                    _less(self._identity_pinned, v.identity, v.charged)
                 key = (v.creator or "", v.identity)
                 given[key] = given.get(key, 0) + v.charged
-            v.charged = 0
+            v.charged, v.pinned = 0, False
         for (sid, identity), n in given.items():
             self._give(sid, identity, n)
 
