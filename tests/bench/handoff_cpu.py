@@ -15,7 +15,8 @@ goal: broker <= 2 ms and consumer <= 3 ms per 1,000-tensor handoff.
 without HTTP: it makes a ``Broker`` in this process (the real one, on a
 pool of its own) and drives it as the fast lane does (``try_put_many`` with
 the bytes inline, ``try_get_many`` with ``newer_than``, the answer's
-``_render.columns``, ``release``), timing ``--reps`` reps of ``--handoffs``
+``_render.columns``, ``release``), with the garbage collector set as the
+broker sets it, timing ``--reps`` reps of ``--handoffs``
 with ``time.process_time``.  One process and no sockets: it moves by a few
 percent from run to run where the three processes on two cores move by
 twenty.  For comparing two versions of the registry, alternated.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -123,9 +125,13 @@ def run_registry(
     from tensordepot._wire import ManyAlloc
     from tensordepot.service import Broker
     from tensordepot.service._http._render import columns
+    from tensordepot.service._http._server import YOUNG_OBJECTS
     from tensordepot.service._registry._sessions import Caller
     from tensordepot.shm._pool import Pool
 
+    gc.collect()  # the collector as the broker keeps it (``Server.startup``)
+    gc.freeze()
+    gc.set_threshold(YOUNG_OBJECTS, *gc.get_threshold()[1:])
     need = 4 * tensors * max(nbytes, 256)  # two versions of the batch, and room
     broker = Broker(Pool(prefix, max_memory=max(need, 64 << 20), prefault=False))
     loop = asyncio.new_event_loop()
