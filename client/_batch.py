@@ -177,9 +177,11 @@ def put_arrays(
     if progress is None and carried <= min(INLINE_BATCH_MAX, INLINE_BATCH_MEAN * len(own)):
         # Many small tensors ride in the request: one round trip, no mapping to fill.
         head = body.__pydantic_serializer__.to_json(body)
-        got = yield from core.call(
-            "POST", "/v1/many/put", frame(head, [a.tobytes() for a in own]), rid=core.rid()
-        )
+        try:  # C-ordered arrays are joined as they are, without a copy of each
+            framed = frame(head, own)
+        except (TypeError, ValueError, BufferError):  # one is not: its C-ordered copy
+            framed = frame(head, [a.tobytes() for a in own])
+        got = yield from core.call("POST", "/v1/many/put", framed, rid=core.rid())
         versions = got.get("versions") if isinstance(got, dict) else None
         if not isinstance(versions, list) or len(versions) != len(names):
             raise TensorBroken(
