@@ -77,7 +77,7 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
     """Allocate all, copy all, publish all (or, failing or cancelled, give all back)."""
     check_mapping(tensors)
     ttl = check_ttl(ttl)
-    if any(_cuda_handles.involves_gpu(x, device) for x in tensors.values()):
+    if _cuda_handles.any_involves_gpu(list(tensors.values()), device):
         op = _cuda_ops.put_many(core, tensors, device=device, ttl=ttl)
         return (yield Offload(core.run, op))  # type: ignore[no-any-return]
     if not tensors:
@@ -106,12 +106,14 @@ def _same(arrays: list[Any], dtypes: list[str]) -> list[int] | None:
     an earlier one that views the very same bytes as it, in the same way
     (tied weights), or -1; None when no two do.  Views that only overlap are
     stored apart."""
-    seen: dict[Any, int] = {}
-    same = [-1] * len(arrays)
     # Arrays that each own their memory share bytes only when they are one
     # array: then identity says it, without asking each for its address (a
     # dict built per call, most of a batch's cost for 1,000 small arrays).
     owners = all(a.flags.owndata for a in arrays if a.nbytes)
+    if owners and len(set(map(id, arrays))) == len(arrays):
+        return None  # no array twice
+    seen: dict[Any, int] = {}
+    same = [-1] * len(arrays)
     for i, a in enumerate(arrays):
         if a.nbytes:
             key = (

@@ -96,6 +96,18 @@ def involves_gpu(x: Any, device: object = None) -> bool:
     return on_gpu(x) or (device is not None and _device(device).is_cuda)
 
 
+def any_involves_gpu(xs: list[Any], device: object = None) -> bool:
+    """Whether a put of any of ``xs`` to ``device`` needs this module
+    (``involves_gpu`` of each; a numpy array is on the host)."""
+    if not xs:
+        return False
+    if device is not None and _device(device).is_cuda:
+        return True
+    import numpy as np
+
+    return any(on_gpu(x) for x in xs if type(x) is not np.ndarray)
+
+
 def _resolve(device: Device) -> tuple[int, str]:
     """(this process's ordinal, UUID) of a CUDA device name."""
     cuda = _cuda()
