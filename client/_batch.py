@@ -40,6 +40,7 @@ from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
 from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish, c_strides
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
+from ..shm._dlpack import owned
 from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl, check_wait
@@ -48,7 +49,7 @@ from ._extent import Layout, broken, check_allocations, check_columns, check_pac
 from ._http import Offload, Op
 from ._ops import tensor
 from ._source import Source
-from ._tensor import Publisher, SharedTensor, _Lease
+from ._tensor import Publisher, SharedTensor, _Lease, _Owner
 from ._tensormap import TensorMap
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
@@ -347,6 +348,7 @@ class _Got:
         "layouts",
         "leases",
         "offsets",
+        "owner",
         "ref",
         "sid",
         "strides",
@@ -367,12 +369,23 @@ class _Got:
         self.ref = weakref.ref[Publisher](core)  # the tensors' client, kept alive by none of them
         self.sid, self.instance = core.sid, core.instance
         self.strides = [c_strides(shape) for shape, _, _ in layouts]
+        # What the tensors of one pack in one window share: the owner of
+        # their views, and the window's flats owned by it; kept for the
+        # last (window, pack), as a pack's tensors are made in a row, mostly.
+        self.owner: tuple[Any, int, _Owner, tuple[Any, Any]] = (None, -1, _Owner(None, None), ())
 
     def make(self, i: int) -> SharedTensor:
         cols = self.cols
         m = cols.layout[i]
         shape, dt, nbytes = self.layouts[m]
-        window, flats, base = self.windows[i]
+        place = self.windows[i]
+        window, flats, base = place
+        k = cols.pack[i]
+        last, lk, owner, owned_flats = self.owner
+        if place is not last or k != lk:
+            owner = _Owner(window, self.leases[k])
+            owned_flats = (owned(flats[0], owner), owned(flats[1], owner))
+            self.owner = (place, k, owner, owned_flats)
         t = SharedTensor._of(
             self.ref,
             cols.names[i],
@@ -382,9 +395,9 @@ class _Got:
             dt,
             nbytes,
             window,
-            flats,
+            owned_flats,
             self.offsets[i] - base,
-            self.leases[cols.pack[i]],
+            owner,
         )
         t._lease_session, t._instance = self.sid, self.instance
         return t

@@ -107,7 +107,7 @@ class SharedTensor:
             handle.state == "ready",
             window,
             window.address,
-            lease,
+            _Owner(window, lease),
             writable,
         )
 
@@ -127,11 +127,12 @@ class SharedTensor:
         window: Any,
         flats: tuple[Any, Any],
         offset: int,
-        lease: _Lease | None,
+        owner: _Owner,
     ) -> SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
         it may share with the batch's other tensors of the same segment
-        (``flats``: the window as flat uint8 arrays, writable and read-only)."""
+        (``flats``: the window as flat uint8 arrays, writable and read-only,
+        each ``owned`` by ``owner``, which the tensors of its pack share)."""
         t = cls.__new__(cls)
         t._setup(
             client,
@@ -145,7 +146,7 @@ class SharedTensor:
             True,
             window,
             window.address + offset,
-            lease,
+            owner,
             False,
         )
         t._flats, t._flat_offset = flats, offset
@@ -164,7 +165,7 @@ class SharedTensor:
         published: bool,
         window: Any,
         address: int,
-        lease: _Lease | None,
+        owner: _Owner,
         writable: bool,
     ) -> None:
         self.name: str = name
@@ -180,7 +181,7 @@ class SharedTensor:
         self._dt: DType = dt
         self._address: int = address
         self._window = window
-        self._owner: _Owner | None = _Owner(window, lease)
+        self._owner: _Owner | None = owner
         self._client = client
         self._lease_session = ""  # the session the lease was taken in
         self._instance = ""  # the run of the broker it came from
@@ -211,14 +212,7 @@ class SharedTensor:
                 f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
             )
         if self._flats is not None and not copy and not self.writable:
-            return export_view(
-                self._flats,
-                self._flat_offset,
-                self.shape,
-                self._dt,
-                owner,
-                max_version,
-            )
+            return export_view(self._flats, self._flat_offset, self.shape, self._dt, max_version)
         return export_capsule(
             self._address,
             self.shape,
@@ -319,6 +313,7 @@ class SharedTensor:
         Views already exported (numpy, torch) keep the lease until they are
         freed too, so releasing never pulls memory out from under them."""
         self._owner = None
+        self._flats = None  # a batch's: they keep the owner too (export_view)
 
     @property
     def released(self) -> bool:

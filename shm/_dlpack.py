@@ -165,37 +165,34 @@ def export_capsule(
     return cap
 
 
-_OWNED: Any = None
+_NDARRAY: Any = None  # numpy.ndarray, once numpy is imported (carrier)
 _CARRIER: dict[str, Any] = {}  # dtype name -> its numpy carrier dtype
 
 
-def _owned_type() -> Any:
-    global _OWNED
-    if _OWNED is None:
-        import numpy as np
-
-        class Owned(np.ndarray):
-            """A view that keeps ``_owner`` (a mapping, a lease) alive as long as it lives."""
-
-        _OWNED = Owned
-    return _OWNED
+def owned(flat: Any, owner: Any) -> Any:
+    """A flat uint8 array over the bytes of ``flat`` (one over a mapping)
+    that keeps ``owner`` (the mapping, a lease) alive as long as it, or any
+    array made over it (``carrier``), lives.  Its base is not an array, so
+    that numpy makes it the base of those arrays: numpy skips an array
+    base that does not own its bytes, up to one of another type."""
+    address = flat.__array_interface__["data"][0]
+    return array_at(address, flat.shape, None, "|u1", writable=flat.flags.writeable, owner=owner)
 
 
-def carrier(flat: Any, offset: int, shape: tuple[int, ...], dtype: DType, owner: Any) -> Any:
-    """What ``export_capsule`` exports, made over ``flat`` (a flat uint8 array
-    over the mapping): a C-ordered array of ``shape`` at ``offset`` (within
-    ``flat``: numpy refuses one that is not), with ``dtype``'s numpy carrier type, which keeps
-    ``owner`` alive and is writable only if ``flat`` is.  A few times
-    cheaper than an array built from an address."""
+def carrier(flat: Any, offset: int, shape: tuple[int, ...], dtype: DType) -> Any:
+    """What ``export_capsule`` exports, made over ``flat`` (``owned``: its
+    owner lives as long as the array does): a C-ordered array of ``shape``
+    at ``offset`` (within ``flat``: numpy refuses one that is not), with
+    ``dtype``'s numpy carrier type, writable only if ``flat`` is.  A few
+    times cheaper than an array built from an address."""
+    global _NDARRAY
     dt = _CARRIER.get(dtype.name)
     if dt is None:
         import numpy as np
 
+        _NDARRAY = np.ndarray
         dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
-    owned = _OWNED or _owned_type()
-    arr = owned.__new__(owned, shape, dt, flat, offset)  # one array: its base is flat
-    arr._owner = owner
-    return arr
+    return _NDARRAY(shape, dt, flat, offset)  # its base is flat
 
 
 def export_carrier(
@@ -213,16 +210,15 @@ def export_view(
     offset: int,
     shape: tuple[int, ...],
     dtype: DType,
-    owner: Any,
     max_version: tuple[int, int] | None,
 ) -> Any:
     """The read-only ``export_capsule`` of the tensor at ``offset`` of a
-    mapping, as an array over one of ``flats``: the mapping as a flat uint8 array,
-    writable (for legacy capsules, which cannot say read-only: numpy exports
-    no read-only array as one) and read-only (for versioned ones: numpy sets
-    READ_ONLY itself)."""
+    mapping, as an array over one of ``flats``: the mapping as a flat uint8
+    array, each ``owned`` by what keeps the mapping, writable (for legacy
+    capsules, which cannot say read-only: numpy exports no read-only array
+    as one) and read-only (for versioned ones: numpy sets READ_ONLY itself)."""
     versioned = max_version is not None and max_version[0] >= 1
-    arr = carrier(flats[versioned], offset, shape, dtype, owner)
+    arr = carrier(flats[versioned], offset, shape, dtype)
     return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
 
 
