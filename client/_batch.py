@@ -372,7 +372,12 @@ class _Got:
         # What the tensors of one pack in one window share: the owner of
         # their views, and the window's flats owned by it; kept for the
         # last (window, pack), as a pack's tensors are made in a row, mostly.
-        self.owner: tuple[Any, int, _Owner, tuple[Any, Any]] = (None, -1, _Owner(None, None), ())
+        self.owner: tuple[Any, int, _Owner, tuple[Any, Any]] = (
+            None,
+            -1,
+            _Owner(None, None),
+            (None, None),
+        )
 
     def make(self, i: int) -> SharedTensor:
         cols = self.cols
