@@ -61,7 +61,7 @@ class PeerHook(Protocol):
         """What the peers said about ``name``, for a not-found message."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Version:
     name: str
     number: int
@@ -94,7 +94,7 @@ class Version:
         return self.block.offset + self.at
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     name: str
     ready: Version | None = None
