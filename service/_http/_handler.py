@@ -217,7 +217,26 @@ def parse_framed(model: type[M], data: bytes, content_type: bytes | None) -> tup
         head, rest = unframe(data)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    return parse_body(model, head, None), rest
+    if len(head) > HEAD_KEPT_MAX:
+        return parse_body(model, head, None), rest
+    key = (model, head)
+    parsed = _heads.get(key)
+    if parsed is None:
+        parsed = parse_body(model, head, None)  # raises: nothing kept
+        if len(_heads) >= HEADS_KEPT:
+            del _heads[next(iter(_heads))]
+        _heads[key] = parsed
+    return parsed, rest
+
+
+# The heads parse_framed parsed last, and what they parsed as: a producer
+# sends the same head step after step (a state dict's names, shapes and
+# dtypes), and parsing it is most of what its request costs the broker
+# beyond placing.  The models are shared by the requests that sent the same
+# bytes: nothing changes one (the registry keeps its plan: ``_packs.Plans``).
+HEADS_KEPT = 16
+HEAD_KEPT_MAX = 256 << 10  # a longer head is parsed each time
+_heads: dict[tuple[type[Any], bytes], Any] = {}
 
 
 def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:

@@ -14,19 +14,98 @@ bytes, at most the rest of its pack, until then.  A tensor larger than
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..._errors import InvalidRequest
 from ..._proto import INLINE_BATCH_MAX
 from ..._wire import INLINE_MAX
-from ._records import CPU, Checked
+from ._records import CPU, Checked, check_item
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..._wire import ManyAlloc
     from ...shm._pool import Block
 
 PACK_MEMBER_MAX = INLINE_MAX  # a tensor this small goes in its batch's pack (a put sends it inline)
 PACK_MOST = 8 << 20  # the most bytes one pack holds
 Where = tuple[int, int]  # (a batch's block, where in it)
+PLANS_KEPT = 16  # the plans Plans keeps (of the requests the broker parsed once: parse_framed)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a batch's request alone decides, checked: each tensor's (shape,
+    dtype, item size, bytes), the bytes of them all (``total``) and of those
+    that are not an earlier one's (``need``: what a put_many carries), the
+    blocks the batch needs (``sizes``), where each tensor goes (``where``,
+    see ``layout``) and the bytes its tensors take in each block (``used``)."""
+
+    items: list[Checked]
+    total: int
+    need: int
+    sizes: list[int]
+    where: list[Where]
+    used: list[int]
+
+
+class Plans:
+    """``plan`` of the last few requests, kept by request object.  A request
+    the broker parsed once is the same object each time it comes (a state
+    dict's put_many, step after step: ``_http._handler.parse_framed``), and
+    is planned once.  Requests that name devices are planned each time: their
+    check asks the GPUs (``devices``)."""
+
+    def __init__(self, align: int, most: int) -> None:
+        self.align, self.most = align, most
+        self._kept: dict[int, tuple[ManyAlloc, Plan]] = {}
+
+    def plan(self, req: ManyAlloc, devices: Callable[[], None]) -> Plan:
+        kept = self._kept.get(id(req))
+        if kept is not None and kept[0] is req:
+            return kept[1]
+        made = plan(req, devices, self.align, self.most)
+        if req.devices is None:
+            if len(self._kept) >= PLANS_KEPT:
+                del self._kept[next(iter(self._kept))]
+            self._kept[id(req)] = (req, made)
+        return made
+
+
+def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> Plan:
+    """The ``Plan`` of ``req``, or InvalidRequest; ``devices`` checks
+    ``req.devices`` when it names them (InvalidRequest, OutOfMemory for a
+    GPU the broker lacks)."""
+    names, shapes, dtypes, same = req.names, req.shapes, req.dtypes, req.same
+    if not len(names) == len(shapes) == len(dtypes):
+        raise InvalidRequest(
+            f"a batch needs one shape and one dtype per name: {len(names)} "
+            f"names, {len(shapes)} shapes, {len(dtypes)} dtypes"
+        )
+    if len(set(names)) != len(names):
+        raise InvalidRequest("a batch allocates each name once")
+    if req.devices is not None:
+        devices()
+    seen: dict[tuple[str, tuple[int, ...]], Checked] = {}
+    items = []
+    # A state dict repeats a few (dtype, shape) pairs: each is checked once.
+    for shape, d in zip(shapes, dtypes, strict=True):
+        key = (d, tuple(shape))
+        item = seen.get(key)
+        if item is None:
+            item = seen[key] = check_item(d, shape)
+        items.append(item)
+    if same is not None:
+        check_same(names, items, same)
+    total = sum(item[3] for item in items)
+    need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
+    sizes, where = layout(items, same, req.devices, align, most)
+    used = [0] * len(sizes)
+    for (k, _), item in zip(where, items, strict=True):
+        if k >= 0:
+            used[k] += item[3]
+    return Plan(items, total, need, sizes, where, used)
 
 
 def layout(
@@ -59,19 +138,13 @@ def layout(
     return sizes, where
 
 
-def packed(
-    blocks: list[Block], where: list[Where], items: list[Checked]
-) -> list[tuple[Block, int] | None]:
+def packed(blocks: list[Block], plan: Plan) -> list[tuple[Block, int] | None]:
     """Per tensor, its block and where in it (None: an earlier one's bytes).
     A pack's ``nbytes`` becomes what its tensors need, so that the broker's
     bytes in use count them as they would count a block each."""
-    used = [0] * len(blocks)
-    for (k, _), item in zip(where, items, strict=True):
-        if k >= 0:
-            used[k] += item[3]
-    for b, n in zip(blocks, used, strict=True):
+    for b, n in zip(blocks, plan.used, strict=True):
         b.nbytes = n
-    return [None if k < 0 else (blocks[k], at) for k, at in where]
+    return [None if k < 0 else (blocks[k], at) for k, at in plan.where]
 
 
 def check_same(names: list[str], items: list[Checked], same: list[int]) -> None:
@@ -97,10 +170,9 @@ def check_same(names: list[str], items: list[Checked], same: list[int]) -> None:
             )
 
 
-def check_carried(items: list[Checked], same: list[int] | None, carried: int) -> None:
-    """The bytes a batch's request carries are its tensors' (those of its own,
-    ``same``), and no more than ``INLINE_BATCH_MAX``."""
-    need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
+def check_carried(need: int, carried: int) -> None:
+    """The bytes a batch's request carries are its tensors' (``need``: those
+    of its own, ``same``), and no more than ``INLINE_BATCH_MAX``."""
     if carried != need:
         raise InvalidRequest(
             f"the body carries {carried} bytes after its head, but the batch's "

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
 from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
 from ...shm._pool import Block
-from ._packs import PACK_MOST, Where, check_carried, check_same, layout, packed
+from ._packs import PACK_MOST, Plan, Plans, check_carried, packed
 from ._records import CPU, Checked, Version, check_item
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class Writes:
         self.alloc_ttl = alloc_ttl  # unpublished past this: reclaimed (0: never)
         self.clock = clock
         self._count = count
+        self.plans = Plans(self.pool.align, min(PACK_MOST, self.pool.dedicated_threshold))
 
     # -- placing -------------------------------------------------------------
     def _check_item(self, device: str, dtype: str, dims: list[int]) -> Checked:
@@ -219,39 +220,24 @@ class Writes:
     # -- batches (a state dict in one request per step) ------------------------
     def _batch(
         self, sid: str | None, caller: Caller, req: ManyAlloc, carried: int | None
-    ) -> tuple[Session, list[Checked], Charge]:
-        """The session, every item checked (and the GPUs ``req.devices``
-        names) and the batch's bytes charged, before anything is placed.  A
-        tensor that is another's bytes (``same``) is charged as a copy would
-        be, as ``link`` charges it.  ``carried``: the bytes the request
-        carries for the batch (``put_many``)."""
+    ) -> tuple[Session, Plan, Charge]:
+        """The session, the batch's plan (every item checked, and the GPUs
+        ``req.devices`` names) and its bytes charged, before anything is
+        placed.  A tensor that is another's bytes (``same``) is charged as
+        a copy would be, as ``link`` charges it.  ``carried``: the bytes the
+        request carries for the batch (``put_many``)."""
         s = self.sessions.admit(sid, caller)
-        names, shapes, dtypes, same = req.names, req.shapes, req.dtypes, req.same
-        if not len(names) == len(shapes) == len(dtypes):
-            raise InvalidRequest(
-                f"a batch needs one shape and one dtype per name: {len(names)} "
-                f"names, {len(shapes)} shapes, {len(dtypes)} dtypes"
-            )
-        if len(set(names)) != len(names):
-            raise InvalidRequest("a batch allocates each name once")
-        if req.devices is not None:
-            self._check_devices(req.devices, len(names), same, carried)
-        seen: dict[tuple[str, tuple[int, ...]], Checked] = {}
-        items = []
-        # A state dict repeats a few (dtype, shape) pairs: each is checked once.
-        for shape, d in zip(shapes, dtypes, strict=True):
-            key = (d, tuple(shape))
-            item = seen.get(key)
-            if item is None:
-                item = seen[key] = check_item(d, shape)
-            items.append(item)
-        if same is not None:
-            check_same(names, items, same)
-        total = sum(item[3] for item in items)
+        names = req.names
+
+        def devices() -> None:
+            assert req.devices is not None
+            self._check_devices(req.devices, len(names), req.same, carried)
+
+        plan = self.plans.plan(req, devices)
         if carried is not None:
-            check_carried(items, same, carried)
+            check_carried(plan.need, carried)
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
-        return s, items, self.quotas.charge(s, total, what)
+        return s, plan, self.quotas.charge(s, plan.total, what)
 
     def _check_devices(
         self, devices: list[str], n: int, same: list[int] | None, carried: int | None
@@ -287,13 +273,12 @@ class Writes:
         one goes to a GPU."""
         if req.devices is not None and any(d not in CPU for d in req.devices):
             return None
-        s, items, charge = self._batch(sid, caller, req, carried)
+        s, plan, charge = self._batch(sid, caller, req, carried)
         with charge:
-            sizes, where = self._layout(req, items)
-            got = self.pool.try_alloc_many(sizes)
+            got = self.pool.try_alloc_many(plan.sizes)
             if got is None:
                 return None
-            return self._place_all(s, req, items, packed(got, where, items), charge, request)
+            return self._place_all(s, req, plan.items, packed(got, plan), charge, request)
 
     async def alloc_many(
         self,
@@ -306,16 +291,15 @@ class Writes:
         """A new writing version of each name of ``req``, all or none, in
         host memory or on the GPU ``req.devices`` names for it; ``carried``:
         see ``_batch``."""
-        s, items, charge = self._batch(sid, caller, req, carried)
+        s, plan, charge = self._batch(sid, caller, req, carried)
         with charge:
-            sizes, where = self._layout(req, items)
             first: dict[int, int] = {}  # block -> the first tensor in it
-            for i, (k, _) in enumerate(where):
+            for i, (k, _) in enumerate(plan.where):
                 if k >= 0:
                     first.setdefault(k, i)
             blocks: list[Block] = []
             try:
-                for k, n in enumerate(sizes):
+                for k, n in enumerate(plan.sizes):
                     i = first[k]
                     device = "cpu" if req.devices is None else req.devices[i]
                     blocks.append(await self.memory.place(s, req.names[i], device, n))
@@ -326,11 +310,7 @@ class Writes:
                 for b in blocks:
                     self.memory.give_back(b)  # nobody maps them yet
                 raise
-            return self._place_all(s, req, items, packed(blocks, where, items), charge, request)
-
-    def _layout(self, req: ManyAlloc, items: list[Checked]) -> tuple[list[int], list[Where]]:
-        most = min(PACK_MOST, self.pool.dedicated_threshold)
-        return layout(items, req.same, req.devices, self.pool.align, most)
+            return self._place_all(s, req, plan.items, packed(blocks, plan), charge, request)
 
     def _place_all(
         self,
