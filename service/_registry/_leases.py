@@ -210,9 +210,10 @@ class Leases:
                 if v.entry is not None:
                     v.entry.readers -= 1
         self.cuda.on_release(lease)
-        for v in lease.versions:
-            if lease.hold and v.readers == 0 and v.state == "writing" and self.abandoned:
-                # An empty() whose every view is gone, unpublished: nobody can
-                # publish it now, so its memory and quota come back at once.
-                self.abandoned(v)
-            self.memory.free_if_unreachable(v)
+        if lease.hold and self.abandoned:
+            for v in lease.versions:
+                if v.readers == 0 and v.state == "writing":
+                    # An empty() whose every view is gone, unpublished: nobody can
+                    # publish it now, so its memory and quota come back at once.
+                    self.abandoned(v)
+        self.memory.free_if_unreachable(*lease.versions)

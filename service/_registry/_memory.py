@@ -212,16 +212,20 @@ class Memory:
         self._free(block)
 
     # -- memory safety (the invariant in the module docstring) -------------------------
-    def free_if_unreachable(self, v: Version) -> None:
-        """Free ``v``'s memory if nothing can reach it: its name no longer
-        refers to it and no lease holds it.  The only way back to a pool."""
-        if not v.current and v.readers == 0 and v.block is not None:
-            self.superseded.pop((v.name, v.number), None)
+    def free_if_unreachable(self, *versions: Version) -> None:
+        """Free the memory of each of ``versions`` that nothing can reach:
+        its name no longer refers to it and no lease holds it.  The only way
+        back to a pool."""
+        superseded, packs, quotas = self.superseded, self.packs, self.quotas
+        for v in versions:
+            if v.current or v.readers or v.block is None:
+                continue
+            superseded.pop((v.name, v.number), None)
             block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
-            gone = self.packs.get(block)
+            gone = packs.get(block)
             if gone is None:
-                self.quotas.uncharge(v)
+                quotas.uncharge(v)
             else:  # charged until its pack goes
                 gone.append(v)
             block.refs -= 1
@@ -229,19 +233,24 @@ class Memory:
                 # A block with stale holders is retired instead of freed.
                 self._free(block, written=v.state == "ready")
                 self.bytes_in_use -= block.nbytes
-                self.quotas.uncharge_many(self.packs.pop(block, []))
+                quotas.uncharge_many(packs.pop(block, []))
 
-    def retire(self, v: Version) -> None:
-        """Its name no longer refers to ``v``: freed once its last lease ends.
-        Until then what a reader pins is charged to the reader (``Quotas.repin``)."""
-        v.current = False
-        self.free_if_unreachable(v)
-        if v.block is not None and v.state == "ready":
-            self.superseded[(v.name, v.number)] = v
-        if v.block is not None and v.readers and self.reader_of is not None:
-            holder = self.reader_of(v)
-            if holder is not None:
-                self.quotas.repin(v, holder)
+    def retire(self, *versions: Version) -> None:
+        """Their names no longer refer to ``versions``: each is freed once its
+        last lease ends.  Until then what a reader pins is charged to the
+        reader (``Quotas.repin``)."""
+        for v in versions:
+            v.current = False
+        self.free_if_unreachable(*versions)
+        for v in versions:
+            if v.block is None:  # freed
+                continue
+            if v.state == "ready":
+                self.superseded[(v.name, v.number)] = v
+            if v.readers and self.reader_of is not None:
+                holder = self.reader_of(v)
+                if holder is not None:
+                    self.quotas.repin(v, holder)
 
     @staticmethod
     def distrust(block: Block) -> None:

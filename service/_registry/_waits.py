@@ -62,6 +62,10 @@ class Waits:
         """Whether a get is asleep on ``name``."""
         return name in self._by_name
 
+    def asleep(self) -> bool:
+        """Whether a get is asleep on any name."""
+        return bool(self._by_name)
+
     def wake(self, name: str) -> None:
         """A version of ``name`` was published: every get asleep on it looks again."""
         wakers = self._by_name.pop(name, None)

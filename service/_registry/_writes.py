@@ -437,9 +437,11 @@ class Writes:
         """Each of ``versions`` becomes ready, for good: its bytes never
         change again.  Per version, what its name now refers to: it, or a
         newer version published first (then it is superseded at once)."""
-        retire, wake, writing = self.memory.retire, self.waits.wake, s.writing
+        writing = s.writing
+        wake = self.waits.wake if self.waits.asleep() else None  # nothing here wakes one
         now = None
         out: list[Version] = []
+        retired: list[Version] = []  # retired together, once all are published
         put = 0
         for v in versions:
             e = v.entry
@@ -449,7 +451,7 @@ class Writes:
             v.state, v.owner, v.deadline = "ready", None, None
             old = e.ready
             if old is not None and old.number > v.number:
-                retire(v)  # a newer version was published first
+                retired.append(v)  # a newer version was published first
                 out.append(old)
                 continue
             e.ready = v
@@ -459,10 +461,12 @@ class Writes:
                 now = self.clock() if now is None else now
                 e.expires_at = now + v.ttl
             if old is not None:
-                retire(old)
+                retired.append(old)
             put += v.nbytes
-            wake(v.name)
+            if wake is not None:
+                wake(v.name)
             out.append(v)
+        self.memory.retire(*retired)
         self._count("publishes", sum(v is got for v, got in zip(versions, out, strict=True)))
         self._count("bytes_put", put)
         return out
