@@ -443,9 +443,11 @@ class CudaMemory:
             return
         self._dev_of(block).pool.free(block)
 
-    def on_lease(self, lease_id: int, v: Version, session: Session) -> None:
-        """A lease of a GPU version gets its own release event."""
-        block = v.block
+    def on_lease(self, lease_id: int, held: tuple[Version, ...], session: Session) -> None:
+        """A lease of a GPU version gets its own release event.  ``held``: the
+        lease's versions, which share one block when they are several (a
+        pack, in host memory)."""
+        block = held[0].block
         if block.device == "cpu":
             return
         dev = self._dev_of(block)

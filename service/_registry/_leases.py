@@ -117,6 +117,11 @@ class Leases:
         """(versions, their positions) per lease: those in one pack together
         (each once, however often it was asked for), any other alone."""
         packs = self.memory.packs
+        block = versions[0].block
+        if block in packs and all(v.block is block for v in versions):
+            held = tuple(dict.fromkeys(versions))  # the usual batch: one pack
+            if len(held) == len(versions):
+                return [(held, list(range(len(versions))))]
         of_pack: dict[Block, tuple[dict[Version, None], list[int]]] = {}
         groups: list[tuple[dict[Version, None], list[int]]] = []
         for i, v in enumerate(versions):
@@ -134,14 +139,18 @@ class Leases:
         self, s: Session, lid: int, held: tuple[Version, ...], request: str | None, hold: bool
     ) -> None:
         self.table[lid] = Lease(lid, s.id, held, request, hold)
-        for v in held:
-            v.readers += 1
-            if not hold:
+        if hold:
+            for v in held:
+                v.readers += 1
+        else:
+            for v in held:
+                v.readers += 1
                 v.reader = lid
                 v.got += 1
-                if v.entry is not None:
-                    v.entry.readers += 1
-            self.cuda.on_lease(lid, v, s)
+                e = v.entry
+                if e is not None:
+                    e.readers += 1
+        self.cuda.on_lease(lid, held, s)
         s.leases.add(lid)
 
     def copy(self, s: Session, lease: Lease) -> int:
