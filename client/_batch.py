@@ -30,6 +30,7 @@ covers it.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -437,17 +438,19 @@ def _windows(
     """Per tensor: its offset in its segment, and (its window, the window as
     flat uint8 arrays, writable and read-only, the segment offset the window
     starts at)."""
-    packs = cols.packs
+    packs, pack = cols.packs, cols.pack
     n = len(cols.names)
-    offsets = [0] * n
-    nbytes = [0] * n
+    size = [nb for _, _, nb in layouts]
+    # 0 for a tensor in no pack (a GPU tensor's whole handle is in cols.others)
+    offsets = [packs[k][1] + a if k >= 0 else 0 for k, a in zip(pack, cols.at, strict=True)]
+    nbytes = [size[m] if k >= 0 else 0 for k, m in zip(pack, cols.layout, strict=True)]
     by_segment: dict[int, list[int]] = {}
-    for i, (k, a, m) in enumerate(zip(cols.pack, cols.at, cols.layout, strict=True)):
-        if k >= 0:
-            j, base, _, _ = packs[k]
-            offsets[i] = base + a
-            nbytes[i] = layouts[m][2]
-            by_segment.setdefault(j, []).append(i)
+    if n and pack[0] >= 0 and pack.count(pack[0]) == n:  # the usual batch: one pack
+        by_segment[packs[pack[0]][0]] = list(range(n))
+    else:
+        for i, k in enumerate(pack):
+            if k >= 0:
+                by_segment.setdefault(packs[k][0], []).append(i)
     out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
     segment = ""
     try:
@@ -459,11 +462,15 @@ def _windows(
             segment = cols.segments[j]
             shared, alone = _layout(members, offsets, nbytes)
             if shared:
-                lo = min(offsets[i] for i in shared)
-                hi = max(offsets[i] + nbytes[i] for i in shared)
+                starts = [offsets[i] for i in shared]
+                lo = min(starts)
+                hi = max(map(operator.add, starts, [nbytes[i] for i in shared]))
                 window = _window(client, segment, lo, hi - lo)
-                for i in shared:
-                    out[i] = window
+                if len(shared) == n:
+                    out = [window] * n
+                else:
+                    for i in shared:
+                        out[i] = window
             for one in alone:  # the tensors of one range
                 window = _window(client, segment, offsets[one[0]], nbytes[one[0]])
                 for i in one:
@@ -486,12 +493,9 @@ def _layout(
     that each need one of their own: the tensors of one range of bytes (tied
     weights, a name given twice) are one; ranges that overlap without being
     the same may not share a window."""
-    end = -1
-    for i in members:  # the usual batch: placed in order, nothing overlapping
-        if offsets[i] < end:
-            break
-        end = offsets[i] + nbytes[i]
-    else:
+    starts = [offsets[i] for i in members]
+    ends = [offsets[i] + nbytes[i] for i in members]
+    if all(map(operator.ge, starts[1:], ends)):  # the usual batch: in order, none overlapping
         return members, []
     spans: dict[tuple[int, int], list[int]] = {}
     for i in members:
