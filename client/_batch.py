@@ -381,6 +381,7 @@ class _Got:
         )
 
     def make(self, i: int) -> SharedTensor:
+        """The tensor at position ``i`` (``made`` of one, without its loop)."""
         cols = self.cols
         m = cols.layout[i]
         shape, dt, nbytes = self.layouts[m]
@@ -407,6 +408,47 @@ class _Got:
         )
         t._lease_session, t._instance = self.sid, self.instance
         return t
+
+    def made(self, positions: list[int]) -> list[SharedTensor]:
+        """The tensors at ``positions`` of the batch, new objects, in one loop."""
+        cols, layouts, windows, strides, offsets = (
+            self.cols,
+            self.layouts,
+            self.windows,
+            self.strides,
+            self.offsets,
+        )
+        names, versions, layout, pack = cols.names, cols.versions, cols.layout, cols.pack
+        ref, sid, instance, of = self.ref, self.sid, self.instance, SharedTensor._of
+        last, lk, owner, owned_flats = self.owner
+        out = []
+        for i in positions:
+            m = layout[i]
+            shape, dt, nbytes = layouts[m]
+            place = windows[i]
+            window, flats, base = place
+            k = pack[i]
+            if place is not last or k != lk:
+                owner = _Owner(window, self.leases[k])
+                owned_flats = (owned(flats[0], owner), owned(flats[1], owner))
+                last, lk = place, k
+            t = of(
+                ref,
+                names[i],
+                versions[i],
+                shape,
+                strides[m],
+                dt,
+                nbytes,
+                window,
+                owned_flats,
+                offsets[i] - base,
+                owner,
+            )
+            t._lease_session, t._instance = sid, instance
+            out.append(t)
+        self.owner = (last, lk, owner, owned_flats)
+        return out
 
 
 def _got(core: Core, cols: HandleColumns, made: dict[int, _Lease], ready: dict[int, Any]) -> _Got:

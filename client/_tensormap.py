@@ -24,9 +24,12 @@ from ._tensor import SharedTensor
 
 class Made(Protocol):
     """A batch whose tensors are made on demand: ``make(i)`` is the tensor at
-    position ``i`` of the batch (a new object at each call)."""
+    position ``i`` of the batch (a new object at each call), ``made`` those
+    at several positions."""
 
     def make(self, i: int) -> Any: ...
+
+    def made(self, positions: list[int]) -> list[Any]: ...
 
 
 _UNMADE: Any = object()  # a value of _items: the tensor is not made yet
@@ -94,11 +97,10 @@ class TensorMap(MutableMapping[str, Any]):
             for name, t in items.items():
                 if t is _UNMADE:
                     self._make(name)
-        else:
-            make, at = self._parts[0].make, self._at  # the usual map: one part
-            for name, t in items.items():
-                if t is _UNMADE:
-                    items[name] = make(at[name])
+        else:  # the usual map: one part
+            todo = [name for name, t in items.items() if t is _UNMADE]
+            at = self._at
+            items.update(zip(todo, self._parts[0].made([at[name] for name in todo]), strict=True))
         self._all_made = True
 
     # -- the mapping -------------------------------------------------------
