@@ -17,7 +17,7 @@ shares only published bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
 from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
@@ -177,14 +177,19 @@ class Writes:
         places: list[tuple[Block, int, bool]],
         charge: Charge,
         request: str | None,
+        ready: bool = False,
     ) -> list[Version]:
         """``_place`` of each of ``names``, of ``items`` (shape, dtype, item
         size, bytes), at ``places`` (its block, where in it its bytes start,
         whether the block is another version's too), in one loop: a batch
-        places a version per tensor."""
+        places a version per tensor.  ``ready``: placed as ready, to be
+        published (``_publish_all``) before anything awaits, never written
+        by its session: a put_many's, whose bytes the broker copies."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         deadline = self.clock() + self.alloc_ttl if self.alloc_ttl else None
         sid, writing = s.id, s.writing
+        state: Literal["writing", "ready"] = "ready" if ready else "writing"
+        owner = None if ready else sid
         placed: list[Version] = []
         for name, (shape, dtype, itemsize, n), (block, at, shared) in zip(
             names, items, places, strict=True
@@ -197,17 +202,18 @@ class Writes:
                 shape,
                 dtype,
                 itemsize,
-                "writing",
-                sid,
+                state,
+                owner,
                 ttl=ttl,
                 entry=e,
                 nbytes=n,
                 at=at,
             )
-            v.deadline, v.request = deadline, request
             e.next_version += 1
-            e.writing[v.number] = v
-            writing.add(v)
+            if not ready:
+                v.deadline, v.request = deadline, request
+                e.writing[v.number] = v
+                writing.add(v)
             if shared:
                 block.refs += 1
                 memory.linked(v)
@@ -278,7 +284,8 @@ class Writes:
             got = self.pool.try_alloc_many(plan.sizes)
             if got is None:
                 return None
-            return self._place_all(s, req, plan.items, packed(got, plan), charge, request)
+            places = packed(got, plan)
+            return self._place_all(s, req, plan.items, places, charge, request, carried)
 
     async def alloc_many(
         self,
@@ -310,7 +317,8 @@ class Writes:
                 for b in blocks:
                     self.memory.give_back(b)  # nobody maps them yet
                 raise
-            return self._place_all(s, req, plan.items, packed(blocks, plan), charge, request)
+            places = packed(blocks, plan)
+            return self._place_all(s, req, plan.items, places, charge, request, carried)
 
     def _place_all(
         self,
@@ -320,7 +328,11 @@ class Writes:
         blocks: list[tuple[Block, int] | None],
         charge: Charge,
         request: str | None,
+        carried: int | None,
     ) -> list[Version]:
+        """The batch's versions at ``blocks``: writing, or, for a put_many
+        (``carried``, whose bytes are copied and which is published before
+        anything awaits), ready at once, for ``_fill_many``."""
         same = req.same
         places: list[tuple[Block, int, bool]] = []
         seen: set[Block] = set()  # the blocks a version of the batch is in already
@@ -337,7 +349,9 @@ class Writes:
             if shared and j < 0 and blk not in packs:
                 packs[blk] = []  # a pack: two tensors of the batch in one block
             places.append((blk, at, shared))
-        placed = self._place_versions(s, req.names, req.ttl, items, places, charge, request)
+        placed = self._place_versions(
+            s, req.names, req.ttl, items, places, charge, request, carried is not None
+        )
         self._count("allocs", len(placed))
         return placed
 
@@ -379,11 +393,15 @@ class Writes:
     ) -> list[Version]:
         # The lengths were checked (``_check_carried``), and nothing awaits from
         # the allocation to here: every version is still this session's to publish.
-        s = self.sessions.admit(sid, caller)
-        self.memory.fill_many(
-            [v for i, v in enumerate(placed) if same is None or same[i] < 0], data
-        )
-        return self._publish_all(s, placed)
+        try:
+            s = self.sessions.admit(sid, caller)
+            self.memory.fill_many(
+                [v for i, v in enumerate(placed) if same is None or same[i] < 0], data
+            )
+        except BaseException:
+            self.memory.retire(*placed)  # placed ready, yet no name refers to them
+            raise
+        return self._publish_all(s, placed, placed_ready=True)
 
     # -- publishing --------------------------------------------------------
     def _writing(self, s: Session, name: str, number: int) -> Version:
@@ -433,9 +451,12 @@ class Writes:
         """``v`` becomes ready, for good: its bytes never change again."""
         return self._publish_all(s, [v])[0]
 
-    def _publish_all(self, s: Session, versions: list[Version]) -> list[Version]:
+    def _publish_all(
+        self, s: Session, versions: list[Version], placed_ready: bool = False
+    ) -> list[Version]:
         """Each of ``versions`` becomes ready, for good: its bytes never
-        change again.  Per version, what its name now refers to: it, or a
+        change again (``placed_ready``: they were placed ready, see
+        ``_place_versions``).  Per version, what its name now refers to: it, or a
         newer version published first (then it is superseded at once)."""
         writing = s.writing
         wake = self.waits.wake if self.waits.asleep() else None  # nothing here wakes one
@@ -446,9 +467,10 @@ class Writes:
         for v in versions:
             e = v.entry
             assert e is not None
-            del e.writing[v.number]
-            writing.discard(v)
-            v.state, v.owner, v.deadline = "ready", None, None
+            if not placed_ready:  # ready already: see _place_versions
+                del e.writing[v.number]
+                writing.discard(v)
+                v.state, v.owner, v.deadline = "ready", None, None
             old = e.ready
             if old is not None and old.number > v.number:
                 retired.append(v)  # a newer version was published first
