@@ -350,6 +350,7 @@ class _Got:
         "leases",
         "offsets",
         "owner",
+        "owners",
         "ref",
         "sid",
         "strides",
@@ -371,8 +372,9 @@ class _Got:
         self.sid, self.instance = core.sid, core.instance
         self.strides = [c_strides(shape) for shape, _, _ in layouts]
         # What the tensors of one pack in one window share: the owner of
-        # their views, and the window's flats owned by it; kept for the
-        # last (window, pack), as a pack's tensors are made in a row, mostly.
+        # their views, and the window's flats owned by it, per (window,
+        # pack); and the last of them, as a pack's tensors come in a row.
+        self.owners: dict[tuple[int, int], tuple[_Owner, tuple[Any, Any]]] = {}
         self.owner: tuple[Any, int, _Owner, tuple[Any, Any]] = (
             None,
             -1,
@@ -380,18 +382,26 @@ class _Got:
             (None, None),
         )
 
+    def _owner_of(self, place: tuple[Any, Any, int], k: int) -> tuple[_Owner, tuple[Any, Any]]:
+        key = (id(place), k)  # the places live as long as this batch
+        got = self.owners.get(key)
+        if got is None:
+            window, flats, _ = place
+            owner = _Owner(window, self.leases[k])
+            got = self.owners[key] = (owner, (owned(flats[0], owner), owned(flats[1], owner)))
+        return got
+
     def make(self, i: int) -> SharedTensor:
         """The tensor at position ``i`` (``made`` of one, without its loop)."""
         cols = self.cols
         m = cols.layout[i]
         shape, dt, nbytes = self.layouts[m]
         place = self.windows[i]
-        window, flats, base = place
+        window, _, base = place
         k = cols.pack[i]
         last, lk, owner, owned_flats = self.owner
         if place is not last or k != lk:
-            owner = _Owner(window, self.leases[k])
-            owned_flats = (owned(flats[0], owner), owned(flats[1], owner))
+            owner, owned_flats = self._owner_of(place, k)
             self.owner = (place, k, owner, owned_flats)
         t = SharedTensor._of(
             self.ref,
@@ -426,11 +436,10 @@ class _Got:
             m = layout[i]
             shape, dt, nbytes = layouts[m]
             place = windows[i]
-            window, flats, base = place
+            window, _, base = place
             k = pack[i]
             if place is not last or k != lk:
-                owner = _Owner(window, self.leases[k])
-                owned_flats = (owned(flats[0], owner), owned(flats[1], owner))
+                owner, owned_flats = self._owner_of(place, k)
                 last, lk = place, k
             t = of(
                 ref,

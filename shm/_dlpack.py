@@ -165,18 +165,33 @@ def export_capsule(
     return cap
 
 
+_OWNED: Any = None
 _NDARRAY: Any = None  # numpy.ndarray, once numpy is imported (carrier)
 _CARRIER: dict[str, Any] = {}  # dtype name -> its numpy carrier dtype
 
 
+def _owned_type() -> Any:
+    global _OWNED
+    if _OWNED is None:
+        import numpy as np
+
+        class Owned(np.ndarray):
+            """An array that keeps ``_owner`` (a mapping, a lease) alive as long as it lives."""
+
+        _OWNED = Owned
+    return _OWNED
+
+
 def owned(flat: Any, owner: Any) -> Any:
-    """A flat uint8 array over the bytes of ``flat`` (one over a mapping)
-    that keeps ``owner`` (the mapping, a lease) alive as long as it, or any
-    array made over it (``carrier``), lives.  Its base is not an array, so
-    that numpy makes it the base of those arrays: numpy skips an array
-    base that does not own its bytes, up to one of another type."""
-    address = flat.__array_interface__["data"][0]
-    return array_at(address, flat.shape, None, "|u1", writable=flat.flags.writeable, owner=owner)
+    """``flat`` (a flat uint8 array over a mapping) as an array that keeps
+    ``owner`` (the mapping, a lease) alive as long as it, or any array made
+    over it (``carrier``), lives.  A view of a view: numpy makes an array's
+    base the first array up its chain whose own base is of another type
+    (or that owns its bytes), so an array made over this one keeps this one."""
+    kind = _OWNED or _owned_type()
+    arr = flat.view(kind).view(kind)
+    arr._owner = owner
+    return arr
 
 
 def carrier(flat: Any, offset: int, shape: tuple[int, ...], dtype: DType) -> Any:
