@@ -117,20 +117,23 @@ def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
     """get_many's ``newer_than`` as one version per name, or None when it asks
     for nothing (0 everywhere)."""
     if isinstance(newer_than, Mapping):
-        for key in newer_than:
-            if not isinstance(key, str):
-                raise InvalidType(
-                    f"newer_than maps tensor names to versions; {shown(key)} is not a name"
-                )
         asked = set(names)
-        strays = [k for k in newer_than if k not in asked]
-        if strays:
+        if not asked.issuperset(newer_than):  # the usual map: the names' last versions
+            for key in newer_than:
+                if not isinstance(key, str):
+                    raise InvalidType(
+                        f"newer_than maps tensor names to versions; {shown(key)} is not a name"
+                    )
+            strays = [k for k in newer_than if k not in asked]
             raise InvalidRequest(
                 f"newer_than names {len(strays)} tensor(s) that names does not: "
                 f"{', '.join(map(repr, strays[:10]))}; give versions only for "
                 f"the names asked for"
             )
-        floors = [check_version(newer_than.get(n, 0), f"newer_than[{n!r}]") for n in names]
+        floors = [newer_than.get(n, 0) for n in names]
+        if not all(type(v) is int and v >= 0 for v in floors):  # say which one is not
+            pairs = zip(names, floors, strict=True)
+            floors = [check_version(v, f"newer_than[{n!r}]") for n, v in pairs]
     else:
         floors = [check_version(newer_than)] * len(names)
     return floors if any(floors) else None

@@ -131,6 +131,13 @@ def test_get_many_waits_for_newer_versions(broker: BrokerProc) -> None:
             c.get_many(["a"], newer_than="1")  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="newer_than"):
             c.get_many(["a"], newer_than={"a": -1})
+        with pytest.raises(InvalidType, match=r"newer_than\['a'\] must be an int"):
+            c.get_many(["a"], newer_than={"a": True})
+        with pytest.raises(InvalidRequest, match="names does not: 'zz'"):
+            c.get_many(["a"], newer_than={"a": 1, "zz": 1})
+        with pytest.raises(InvalidType, match="1 is not a name"):
+            c.get_many(["a"], newer_than={1: 1})  # type: ignore[dict-item]
+        assert c.get_many(["a"], newer_than={"a": None})["a"].version == 2  # None: any
         wait_for(lambda: c.stat().leases == 0, 10, what="the leases to be released")
 
 
