@@ -182,9 +182,8 @@ class Writes:
         """``_place`` of each of ``names``, of ``items`` (shape, dtype, item
         size, bytes), at ``places`` (its block, where in it its bytes start,
         whether the block is another version's too), in one loop: a batch
-        places a version per tensor.  ``ready``: placed as ready, to be
-        published (``_publish_all``) before anything awaits, never written
-        by its session: a put_many's, whose bytes the broker copies."""
+        places a version per tensor.  ``ready``: placed ready, as a put_many
+        publishes its versions (``_publish_all``) before anything awaits."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         deadline = self.clock() + self.alloc_ttl if self.alloc_ttl else None
         sid, writing = s.id, s.writing
@@ -234,12 +233,9 @@ class Writes:
         request carries for the batch (``put_many``)."""
         s = self.sessions.admit(sid, caller)
         names = req.names
-
-        def devices() -> None:
-            assert req.devices is not None
-            self._check_devices(req.devices, len(names), req.same, carried)
-
-        plan = self.plans.plan(req, devices)
+        plan = self.plans.plan(
+            req, lambda: self._check_devices(req.devices or [], len(names), req.same, carried)
+        )
         if carried is not None:
             check_carried(plan.need, carried)
         what = f"{len(names)} tensors" if len(names) != 1 else names[0]
@@ -330,9 +326,8 @@ class Writes:
         request: str | None,
         carried: int | None,
     ) -> list[Version]:
-        """The batch's versions at ``blocks``: writing, or, for a put_many
-        (``carried``, whose bytes are copied and which is published before
-        anything awaits), ready at once, for ``_fill_many``."""
+        """The batch's versions at ``blocks``: writing, or ready for a put_many
+        (``carried``: see ``_place_versions``)."""
         same = req.same
         places: list[tuple[Block, int, bool]] = []
         seen: set[Block] = set()  # the blocks a version of the batch is in already

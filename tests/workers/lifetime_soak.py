@@ -105,16 +105,23 @@ def scribble(a: np.ndarray, stop: threading.Event) -> None:
         i += 1
 
 
-def race_publish(c: Client, name: str) -> None:
+def race_publish(c: Client, name: str, armed: list[bool]) -> None:
+    """A publish while a thread still writes.  Ctrl-C is disarmed (``armed``)
+    around the thread's start, stop and join: it is for the Client's calls,
+    and raised inside threading's own locks it breaks them (``Thread.start``
+    then fails with "release unlocked lock"), as it would in any program."""
     out = c.empty(name, (4096,), "uint64")
     a = np.from_dlpack(out)
     a[:] = 7
     stop = threading.Event()
     th = threading.Thread(target=scribble, args=(a, stop), daemon=True)
+    armed[0] = False
     th.start()
+    armed[0] = True
     try:
         out.publish()
     finally:
+        armed[0] = False
         stop.set()
         th.join()
 
@@ -287,7 +294,7 @@ def work(url: str, seed: int, deadline: float) -> int:
                     count["deletes"] += 1
             elif op < 0.91:
                 if rng.random() < 0.4:
-                    race_publish(c, rng.choice(RACED))
+                    race_publish(c, rng.choice(RACED), armed)
                     count["race_publishes"] += 1
                 else:
                     nm = rng.choice(RACED)
