@@ -197,15 +197,13 @@ class Memory:
         )
         return OutOfMemory(f"cannot place {name!r} ({nbytes} bytes): {exc}; {fix}")
 
-    def placed(self, v: Version) -> None:
-        """``v`` now owns its block: it counts as in use (its quota charge is
-        its own, ``Charge.attach``, given back here when it is freed)."""
-        self.bytes_in_use += v.block.nbytes
-        self.versions_live += 1
-
-    def linked(self, v: Version) -> None:
-        """``v`` shares a block already in use (``link``): its bytes count once."""
-        self.versions_live += 1
+    def placed(self, versions: int, nbytes: int) -> None:
+        """``versions`` new versions, in blocks of ``nbytes`` in all that no
+        version was in (a version that shares a block already in use, a
+        ``link``, counts its bytes once): they count as in use (their quota
+        charges are their own, ``Charge.attach``, given back when freed)."""
+        self.bytes_in_use += nbytes
+        self.versions_live += versions
 
     def give_back(self, block: Block) -> None:
         """A block that was never handed out: nobody maps it, so reuse it at once."""

@@ -40,7 +40,11 @@ class Plan:
     dtype, item size, bytes), the bytes of them all (``total``) and of those
     that are not an earlier one's (``need``: what a put_many carries), the
     blocks the batch needs (``sizes``), where each tensor goes (``where``,
-    see ``layout``) and the bytes its tensors take in each block (``used``)."""
+    see ``layout``), the bytes its tensors take in each block (``used``),
+    per tensor its block, where in it and whether an earlier tensor of the
+    batch is in that block (``spots``: an earlier one's bytes resolved),
+    and the blocks that are packs, two of its own tensors or more
+    (``packs``)."""
 
     items: list[Checked]
     total: int
@@ -48,6 +52,8 @@ class Plan:
     sizes: list[int]
     where: list[Where]
     used: list[int]
+    spots: list[tuple[int, int, bool]]
+    packs: list[int]
 
 
 class Plans:
@@ -102,10 +108,20 @@ def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> 
     need = sum(item[3] for i, item in enumerate(items) if same is None or same[i] < 0)
     sizes, where = layout(items, same, req.devices, align, most)
     used = [0] * len(sizes)
-    for (k, _), item in zip(where, items, strict=True):
-        if k >= 0:
+    own = [0] * len(sizes)  # tensors whose bytes are their own, per block
+    taken = [False] * len(sizes)  # a tensor before this one is in the block
+    spots: list[tuple[int, int, bool]] = []
+    for i, ((k, at), item) in enumerate(zip(where, items, strict=True)):
+        if k < 0:  # an earlier tensor's bytes (same), in its block
+            assert same is not None
+            k, at, _ = spots[same[i]]
+        else:
             used[k] += item[3]
-    return Plan(items, total, need, sizes, where, used)
+            own[k] += 1
+        spots.append((k, at, taken[k]))
+        taken[k] = True
+    packs = [k for k, n in enumerate(own) if n > 1]
+    return Plan(items, total, need, sizes, where, used, spots, packs)
 
 
 def layout(
@@ -138,13 +154,14 @@ def layout(
     return sizes, where
 
 
-def packed(blocks: list[Block], plan: Plan) -> list[tuple[Block, int] | None]:
-    """Per tensor, its block and where in it (None: an earlier one's bytes).
-    A pack's ``nbytes`` becomes what its tensors need, so that the broker's
-    bytes in use count them as they would count a block each."""
+def packed(blocks: list[Block], plan: Plan) -> list[tuple[Block, int, bool]]:
+    """Per tensor, its block, where in it and whether the block is an
+    earlier tensor's too (``Plan.spots``).  A pack's ``nbytes`` becomes what
+    its tensors need, so that the broker's bytes in use count them as they
+    would count a block each."""
     for b, n in zip(blocks, plan.used, strict=True):
         b.nbytes = n
-    return [None if k < 0 else (blocks[k], at) for k, at in plan.where]
+    return [(blocks[k], at, shared) for k, at, shared in plan.spots]
 
 
 def check_same(names: list[str], items: list[Checked], same: list[int]) -> None:

@@ -190,6 +190,7 @@ class Writes:
         state: Literal["writing", "ready"] = "ready" if ready else "writing"
         owner = None if ready else sid
         placed: list[Version] = []
+        fresh = 0  # the bytes of the blocks no version was in
         for name, (shape, dtype, itemsize, n), (block, at, shared) in zip(
             names, items, places, strict=True
         ):
@@ -215,10 +216,10 @@ class Writes:
                 writing.add(v)
             if shared:
                 block.refs += 1
-                memory.linked(v)
             else:
-                memory.placed(v)
+                fresh += block.nbytes
             placed.append(v)
+        memory.placed(len(placed), fresh)
         charge.attach(placed)
         return placed
 
@@ -280,8 +281,7 @@ class Writes:
             got = self.pool.try_alloc_many(plan.sizes)
             if got is None:
                 return None
-            places = packed(got, plan)
-            return self._place_all(s, req, plan.items, places, charge, request, carried)
+            return self._place_all(s, req, plan, got, charge, request, carried)
 
     async def alloc_many(
         self,
@@ -313,39 +313,26 @@ class Writes:
                 for b in blocks:
                     self.memory.give_back(b)  # nobody maps them yet
                 raise
-            places = packed(blocks, plan)
-            return self._place_all(s, req, plan.items, places, charge, request, carried)
+            return self._place_all(s, req, plan, blocks, charge, request, carried)
 
     def _place_all(
         self,
         s: Session,
         req: ManyAlloc,
-        items: list[Checked],
-        blocks: list[tuple[Block, int] | None],
+        plan: Plan,
+        blocks: list[Block],
         charge: Charge,
         request: str | None,
         carried: int | None,
     ) -> list[Version]:
-        """The batch's versions at ``blocks``: writing, or ready for a put_many
+        """The batch's versions in ``blocks``: writing, or ready for a put_many
         (``carried``: see ``_place_versions``)."""
-        same = req.same
-        places: list[tuple[Block, int, bool]] = []
-        seen: set[Block] = set()  # the blocks a version of the batch is in already
+        places = packed(blocks, plan)
         packs = self.memory.packs
-        for i, place in enumerate(blocks):
-            j = -1 if same is None else same[i]
-            if j >= 0:
-                blk, at = places[j][0], places[j][1]
-            else:
-                assert place is not None
-                blk, at = place
-            shared = blk in seen
-            seen.add(blk)
-            if shared and j < 0 and blk not in packs:
-                packs[blk] = []  # a pack: two tensors of the batch in one block
-            places.append((blk, at, shared))
+        for k in plan.packs:
+            packs.setdefault(blocks[k], [])  # two tensors of the batch in one block
         placed = self._place_versions(
-            s, req.names, req.ttl, items, places, charge, request, carried is not None
+            s, req.names, req.ttl, plan.items, places, charge, request, carried is not None
         )
         self._count("allocs", len(placed))
         return placed
