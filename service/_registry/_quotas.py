@@ -146,6 +146,7 @@ class Quotas:
         """``uncharge`` of each (a pack's versions are freed together): their
         bytes given back once per session and identity."""
         given: dict[tuple[str, str], int] = {}
+        creator, identity, n = "", "", 0  # the holder of a run of versions: a pack's one
         for v in versions:
             if v.charged and v.identity is not None:
                 if v.pinned:
@@ -153,11 +154,16 @@ class Quotas:
                     if s is not None:
                         s.pinned -= v.charged
                     _less(self._identity_pinned, v.identity, v.charged)
-                key = (v.creator or "", v.identity)
-                given[key] = given.get(key, 0) + v.charged
+                if v.identity != identity or (v.creator or "") != creator:
+                    if n:
+                        given[creator, identity] = given.get((creator, identity), 0) + n
+                    creator, identity, n = v.creator or "", v.identity, 0
+                n += v.charged
             v.charged, v.pinned = 0, False
-        for (sid, identity), n in given.items():
-            self._give(sid, identity, n)
+        if n:
+            given[creator, identity] = given.get((creator, identity), 0) + n
+        for (sid, holder), nbytes in given.items():
+            self._give(sid, holder, nbytes)
 
 
 def _less(table: dict[str, int], identity: str, nbytes: int) -> None:
