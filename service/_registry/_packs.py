@@ -10,6 +10,11 @@ version goes (``Block.refs`` counts the versions in it, as it counts
 ``link`` and ``same`` sharers): a version superseded or deleted keeps its
 bytes, at most the rest of its pack, until then.  A tensor larger than
 ``PACK_MEMBER_MAX``, or on a GPU, has a block of its own.
+
+All of this depends on the request alone, so it is worked out once per
+request as a ``Plan``; a producer that sends the same head step after step
+gets the same request object back from the broker's parser
+(``_http._handler.parse_framed``), whose plan ``Plans`` keeps.
 """
 
 from __future__ import annotations
