@@ -216,7 +216,7 @@ class Lane:
                     req.scope,
                     req.headers,
                     req.query,
-                    req.body[0] if len(req.body) == 1 else b"".join(req.body),
+                    b"".join(req.body),  # one chunk: that chunk, not a copy
                     req.lost,
                 )
             except BaseException as exc:  # every error becomes an answer
