@@ -79,7 +79,7 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
     """Allocate all, copy all, publish all (or, failing or cancelled, give all back)."""
     check_mapping(tensors)
     ttl = check_ttl(ttl)
-    if _cuda_handles.any_involves_gpu(list(tensors.values()), device):
+    if _cuda_handles.involves_gpu(list(tensors.values()), device):
         op = _cuda_ops.put_many(core, tensors, device=device, ttl=ttl)
         return (yield Offload(core.run, op))  # type: ignore[no-any-return]
     if not tensors:

@@ -91,14 +91,9 @@ def _device(device: object) -> Device:
         raise InvalidRequest(str(exc)) from None
 
 
-def involves_gpu(x: Any, device: object = None) -> bool:
-    """Whether a put of ``x`` to ``device`` needs this module."""
-    return on_gpu(x) or (device is not None and _device(device).is_cuda)
-
-
-def any_involves_gpu(xs: list[Any], device: object = None) -> bool:
-    """Whether a put of any of ``xs`` to ``device`` needs this module
-    (``involves_gpu`` of each; a numpy array is on the host)."""
+def involves_gpu(xs: list[Any], device: object = None) -> bool:
+    """Whether a put of any of ``xs`` to ``device`` needs this module (a
+    numpy array is on the host; nothing to put needs nothing)."""
     if not xs:
         return False
     if device is not None and _device(device).is_cuda:

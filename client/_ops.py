@@ -84,7 +84,7 @@ def put(core: Core, name: str, x: Any, ttl: Any, device: Any, dtype: Any = None)
     check_name(name)
     ttl = check_ttl(ttl)
     x = typed(x, dtype)
-    if _cuda_handles.involves_gpu(x, device):
+    if _cuda_handles.involves_gpu([x], device):
         version: int = yield Offload(core.run, _cuda_ops.put(core, name, x, device=device, ttl=ttl))
         return version
     if isinstance(x, SharedTensor) and x._client() is core and x.published:
