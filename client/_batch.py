@@ -345,6 +345,7 @@ class _Got:
 
     __slots__ = (
         "cols",
+        "columns",
         "instance",
         "layouts",
         "leases",
@@ -371,6 +372,18 @@ class _Got:
         self.ref = weakref.ref[Publisher](core)  # the tensors' client, kept alive by none of them
         self.sid, self.instance = core.sid, core.instance
         self.strides = [c_strides(shape) for shape, _, _ in layouts]
+        # What ``made`` reads per tensor, in one tuple: a tensor read alone
+        # pays for one unpacking, not for a lookup of each.
+        self.columns = (
+            cols.names,
+            cols.versions,
+            cols.layout,
+            cols.pack,
+            layouts,
+            windows,
+            self.strides,
+            offsets,
+        )
         # What the tensors of one pack in one window share: the owner of
         # their views, and the window's flats owned by it, per (window,
         # pack); and the last of them, as a pack's tensors come in a row.
@@ -392,43 +405,12 @@ class _Got:
         return got
 
     def make(self, i: int) -> SharedTensor:
-        """The tensor at position ``i`` (``made`` of one, without its loop)."""
-        cols = self.cols
-        m = cols.layout[i]
-        shape, dt, nbytes = self.layouts[m]
-        place = self.windows[i]
-        window, _, base = place
-        k = cols.pack[i]
-        last, lk, owner, owned_flats = self.owner
-        if place is not last or k != lk:
-            owner, owned_flats = self._owner_of(place, k)
-            self.owner = (place, k, owner, owned_flats)
-        t = SharedTensor._of(
-            self.ref,
-            cols.names[i],
-            cols.versions[i],
-            shape,
-            self.strides[m],
-            dt,
-            nbytes,
-            window,
-            owned_flats,
-            self.offsets[i] - base,
-            owner,
-        )
-        t._lease_session, t._instance = self.sid, self.instance
-        return t
+        """The tensor at position ``i``: ``made`` of one."""
+        return self.made((i,))[0]
 
-    def made(self, positions: list[int]) -> list[SharedTensor]:
+    def made(self, positions: Iterable[int]) -> list[SharedTensor]:
         """The tensors at ``positions`` of the batch, new objects, in one loop."""
-        cols, layouts, windows, strides, offsets = (
-            self.cols,
-            self.layouts,
-            self.windows,
-            self.strides,
-            self.offsets,
-        )
-        names, versions, layout, pack = cols.names, cols.versions, cols.layout, cols.pack
+        names, versions, layout, pack, layouts, windows, strides, offsets = self.columns
         ref, sid, instance, of = self.ref, self.sid, self.instance, SharedTensor._of
         last, lk, owner, owned_flats = self.owner
         out = []
