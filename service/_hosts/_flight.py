@@ -346,9 +346,9 @@ class FlightService:
         broker = self._broker
         assert broker is not None
         return [
-            meta_of(e.ready, self.self_url, self.instance)
+            meta_of(v, self.self_url, self.instance)
             for n, e in sorted(broker.entries.items())
-            if e.ready is not None and n.startswith(prefix)
+            if n.startswith(prefix) and (v := e.facts()) is not None
         ]
 
     async def _alloc(self, who: Caller, req: AllocRequest) -> tuple[str, Version, Any]:

@@ -490,9 +490,9 @@ class Peers:
         """The replicas held here and the traffic with each peer (a
         prometheus_client collector, registered in the app's registry)."""
         replicas = [
-            e.ready
+            e._ready  # a replica is a Version, never a pack's row
             for e in self.broker.entries.values()
-            if e.ready is not None and e.ready.replica is not None
+            if e._ready is not None and e._ready.replica is not None
         ]
         yield GaugeMetricFamily(
             "tensordepot_replicas",

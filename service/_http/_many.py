@@ -23,7 +23,7 @@ from pydantic_core import to_json
 from ..._proto import MAX_WAIT
 from ..._wire import BatchGet, ManyAlloc, ManyPublish
 from .._registry._broker import Broker
-from .._registry._records import Version
+from .._registry._records import Found, name_of, number_of
 from .._registry._sessions import Caller
 from ._render import columns
 
@@ -44,10 +44,10 @@ async def alloc(
     return columns(broker, [(v, None) for v in got], "writing")
 
 
-def versions_of(published: Sequence[Version]) -> bytes:
-    """``Versions`` for what a batch published, as JSON."""
+def versions_of(published: Sequence[Found]) -> bytes:
+    """``Versions`` for what a batch published (versions, or rows of packs), as JSON."""
     return to_json(
-        {"names": [v.name for v in published], "versions": [v.number for v in published]}
+        {"names": [name_of(f) for f in published], "versions": [number_of(f) for f in published]}
     )
 
 
@@ -70,9 +70,8 @@ def put_now(
     who: Caller,
     req: ManyAlloc,
     data: memoryview,
-    request: str | None,
 ) -> bytes | None:
-    got = broker.try_put_many(sid, who, req, data, request)
+    got = broker.try_put_many(sid, who, req, data)
     return None if got is None else versions_of(got)
 
 
@@ -82,9 +81,8 @@ async def put(
     who: Caller,
     req: ManyAlloc,
     data: memoryview,
-    request: str | None,
 ) -> bytes:
-    return versions_of(await broker.put_many(sid, who, req, data, request))
+    return versions_of(await broker.put_many(sid, who, req, data))
 
 
 def wait_of(req: BatchGet) -> float | None:

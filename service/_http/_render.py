@@ -19,7 +19,7 @@ from pydantic_core import to_json
 
 from ..._wire import Handle, c_strides
 from .._registry._broker import Broker
-from .._registry._records import Version
+from .._registry._records import Found, Version
 
 if TYPE_CHECKING:
     from ...shm._pool import Block
@@ -64,14 +64,17 @@ def handle_json(broker: Broker, v: Version, lease: int | None = None) -> bytes:
     return b"%s%s%s" % (wire[0], b"null" if lease is None else b"%d" % lease, wire[1])
 
 
-def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: str) -> bytes:
-    """``HandleColumns`` for these versions (with their leases, if any), as
-    JSON: a shared-memory tensor as entries of the columns, in the pack of
-    its block and lease (each pack, segment and layout named once), any
-    other kind as its whole ``handle`` under its position in ``others``."""
+def columns(broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str) -> bytes:
+    """``HandleColumns`` for these versions or rows of packs (with their
+    leases, if any), as JSON: a shared-memory tensor as entries of the
+    columns, in the pack of its block and lease (each pack, segment and
+    layout named once), any other kind as its whole ``handle`` under its
+    position in ``others``."""
     segments: dict[str, int] = {}
     packs: dict[tuple[Block, int | None], int] = {}
     layouts: dict[tuple[tuple[int, ...], str, int], int] = {}
+    names: list[str] = []
+    numbers: list[int] = []
     pack: list[int] = []
     at: list[int] = []
     layout: list[int] = []
@@ -80,21 +83,35 @@ def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: 
     k = -1
     last_layout: Any = None
     m = -1
-    for i, (v, lease) in enumerate(pairs):
-        blk = v.block
-        if blk.device != "cpu":
-            others[i] = json.loads(handle(broker, v, lease).model_dump_json())
-            pack.append(-1)
-            at.append(0)
-            layout.append(-1)
-            continue
+    for i, (f, lease) in enumerate(pairs):
+        if type(f) is tuple:  # a row of a pack
+            p, j = f
+            blk = p.block
+            names.append(p.names[j])
+            numbers.append(p.numbers[j])
+            offset = p.ats[j]
+            shape, dtype, _, nbytes = p.items[j]
+        else:
+            v: Version = f  # type: ignore[assignment]
+            blk = v.block
+            if blk.device != "cpu":
+                others[i] = json.loads(handle(broker, v, lease).model_dump_json())
+                names.append(v.name)
+                numbers.append(v.number)
+                pack.append(-1)
+                at.append(0)
+                layout.append(-1)
+                continue
+            names.append(v.name)
+            numbers.append(v.number)
+            offset, shape, dtype, nbytes = v.at, v.shape, v.dtype, v.nbytes
         key = (blk, lease)
         if key != last:
             last = key
             k = packs.setdefault(key, len(packs))
         pack.append(k)
-        at.append(v.at)
-        shaped = (v.shape, v.dtype, v.nbytes)
+        at.append(offset)
+        shaped = (shape, dtype, nbytes)
         if shaped != last_layout:
             last_layout = shaped
             m = layouts.setdefault(shaped, len(layouts))
@@ -106,8 +123,8 @@ def columns(broker: Broker, pairs: Sequence[tuple[Version, int | None]], state: 
     # pydantic_core's encoder: a 1,000-tensor answer in a quarter of json.dumps' time.
     return to_json(
         {
-            "names": [v.name for v, _ in pairs],
-            "versions": [v.number for v, _ in pairs],
+            "names": names,
+            "versions": numbers,
             "state": state,
             "segments": list(segments),
             "packs": records,

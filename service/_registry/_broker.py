@@ -421,8 +421,11 @@ class Broker:
         for n in names:
             e = self.entries[n]
             self.records.drop(e)
-            if e.ready is not None:
-                self.memory.retire(e.ready)
+            if e.pack is not None:  # a row of a pack: retired as one (no Version made)
+                self.memory.retire_rows([(e.pack, e.index)])
+                e.pack = None
+            elif e._ready is not None:
+                self.memory.retire(e._ready)
             # A version being written under a hold (empty()) is reclaimed now:
             # the hold keeps its memory while the writer's views live, and a
             # publish finds it gone.  One a put still copies into, with no
@@ -443,13 +446,13 @@ class Broker:
         checked first (of those charged to ``identity``, if given) until
         ``nbytes`` came back; the bytes dropped.  A get pulls them again."""
         cached = [
-            e.ready
+            v
             for e in self.entries.values()
-            if e.ready is not None
-            and e.ready.replica is not None
+            if (v := e._ready) is not None  # a replica is a Version, never a pack's row
+            and v.replica is not None
             and not e.writing
-            and e.ready.readers == 0
-            and (identity is None or e.ready.identity == identity)
+            and v.readers == 0
+            and (identity is None or v.identity == identity)
         ]
         cached.sort(key=lambda v: v.replica.checked_at if v.replica else 0.0)
         freed = 0
@@ -490,9 +493,16 @@ class Broker:
                 continue
             held: dict[str, dict[int, list[int]]] = {}  # name -> version -> [leases, nbytes]
             for lid in s.leases:
-                for v in self.leases[lid].versions:
-                    if may_use(v.name):
-                        per = held.setdefault(v.name, {}).setdefault(v.number, [0, v.nbytes])
+                lease = self.leases[lid]
+                p = lease.pack
+                facts = (
+                    [(v.name, v.number, v.nbytes) for v in lease.versions]
+                    if p is None
+                    else [(p.names[i], p.numbers[i], p.items[i][3]) for i in lease.rows]
+                )
+                for name, number, nbytes in facts:
+                    if may_use(name):
+                        per = held.setdefault(name, {}).setdefault(number, [0, nbytes])
                         per[0] += 1
             names = [
                 HeldName(

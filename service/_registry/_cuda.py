@@ -521,7 +521,8 @@ class CudaMemory:
         if not mine or broker.closing:
             return
         for name, entry in list(broker.entries.items()):
-            if entry.ready is not None and entry.ready.block in mine:
+            v = entry._ready  # shared GPU memory is a Version's, never a pack's row
+            if v is not None and v.block in mine:
                 broker.delete(name)
                 self.count("shares_withdrawn")
 

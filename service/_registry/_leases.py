@@ -12,16 +12,15 @@ lease keeps is charged to that reader (``reader_of``, ``Quotas.repin``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..._errors import LimitExceeded
-from ._records import Lease
+from ._records import Found, Lease, name_of, nbytes_of
 
 if TYPE_CHECKING:
-    from ...shm._pool import Block
     from ._cuda import CudaMemory
     from ._memory import Memory
-    from ._records import Version
+    from ._records import Pack, Version
     from ._sessions import Session, Sessions
 
 
@@ -49,7 +48,7 @@ class Leases:
     def take(
         self,
         s: Session,
-        v: Version,
+        v: Found,
         request: str | None = None,
         *,
         count: bool = True,
@@ -63,28 +62,33 @@ class Leases:
         lid = self.take_many(s, [v], request, hold=hold, copy=copy)[0]
         if count:
             self._count("gets")
-            self._count("bytes_got", v.nbytes)
+            self._count("bytes_got", nbytes_of(v))
         return lid
 
     def take_many(
         self,
         s: Session,
-        versions: Sequence[Version],
+        found: Sequence[Found],
         request: str | None = None,
         *,
         hold: bool = False,
         copy: bool = False,
     ) -> list[int]:
-        """Leases of ``versions`` for ``s``, as ``take`` (not counted: a batch
-        is counted by its caller): per version, the id of the lease that
-        holds it.  The versions of a get that lie in one pack
-        (``Memory.packs``) share one lease, which keeps the pack; any other
-        version has a lease of its own.  Raises ``LimitExceeded``, taking
-        none, past ``--max-leases-per-session``."""
-        if versions and not (hold or copy):
-            self.memory.quotas.check_reader(s, versions[0].name)
-        groups = self._group(versions) if len(versions) > 1 and not hold else None
-        n = len(versions) if groups is None else len(groups)
+        """Leases of ``found`` (versions, or rows of packs) for ``s``, as
+        ``take`` (not counted: a batch is counted by its caller): per item,
+        the id of the lease that holds it.  What a get finds in one pack
+        shares one lease, which keeps the pack: the rows of a ``Pack``, or
+        the versions of a block in ``Memory.packs``; any other version has a
+        lease of its own.  Raises ``LimitExceeded``, taking none, past
+        ``--max-leases-per-session``."""
+        if found and not (hold or copy):
+            self.memory.quotas.check_reader(s, name_of(found[0]))
+        groups = (
+            self._group(found)
+            if not hold and (len(found) > 1 or (found and type(found[0]) is tuple))
+            else None
+        )
+        n = len(found) if groups is None else len(groups)
         if len(s.leases) + n > self.per_session:
             self._count("lease_refusals")
             raise LimitExceeded(
@@ -96,12 +100,15 @@ class Leases:
         self._next = first + n
         if groups is None:
             lids = list(range(first, self._next))
-            for lid, v in zip(lids, versions, strict=True):
-                self._lend(s, lid, (v,), request, hold)
+            for lid, v in zip(lids, found, strict=True):
+                self._lend(s, lid, (v,), request, hold)  # type: ignore[arg-type]
         else:
-            lids = [0] * len(versions)
-            for lid, (held, at) in enumerate(groups, first):
-                self._lend(s, lid, held, request, hold)
+            lids = [0] * len(found)
+            for lid, (held, pack, at) in enumerate(groups, first):
+                if pack is None:
+                    self._lend(s, lid, held, request, hold)
+                else:
+                    self._lend_pack(s, lid, pack, held, request)
                 for i in at:
                     lids[i] = lid
         if request is not None and lids:  # no entry for nothing: a get that finds
@@ -113,27 +120,37 @@ class Leases:
                 ids.update(lids)
         return lids
 
-    def _group(self, versions: Sequence[Version]) -> list[tuple[tuple[Version, ...], list[int]]]:
-        """(versions, their positions) per lease: those in one pack together
-        (each once, however often it was asked for), any other alone."""
+    def _group(
+        self, found: Sequence[Found]
+    ) -> list[tuple[tuple[Any, ...], Pack | None, list[int]]]:
+        """(what, its pack, its positions) per lease: the rows of one ``Pack``
+        together (each once, however often it was asked for), with the pack;
+        the versions of one block of ``Memory.packs`` together; any other
+        version alone."""
+        first = found[0]
+        if type(first) is tuple:  # the usual batch: rows of one pack, each once
+            pack = first[0]
+            rows = [f[1] for f in found if type(f) is tuple and f[0] is pack]
+            if len(rows) == len(found) and len(set(rows)) == len(rows):
+                return [(tuple(rows), pack, list(range(len(found))))]
         packs = self.memory.packs
-        block = versions[0].block
-        if block in packs and all(v.block is block for v in versions):
-            held = tuple(dict.fromkeys(versions))  # the usual batch: one pack
-            if len(held) == len(versions):
-                return [(held, list(range(len(versions))))]
-        of_pack: dict[Block, tuple[dict[Version, None], list[int]]] = {}
-        groups: list[tuple[dict[Version, None], list[int]]] = []
-        for i, v in enumerate(versions):
-            group = of_pack.get(v.block)
+        of_pack: dict[Any, tuple[dict[Any, None], Pack | None, list[int]]] = {}
+        groups: list[tuple[dict[Any, None], Pack | None, list[int]]] = []
+        for i, f in enumerate(found):
+            if type(f) is tuple:
+                key: Any = f[0]
+                item: Any = f[1]
+            else:
+                key, item = f.block, f  # type: ignore[union-attr]
+            group = of_pack.get(key)
             if group is None:
-                group = ({}, [])
+                group = ({}, key if type(f) is tuple else None, [])
                 groups.append(group)
-                if v.block in packs:
-                    of_pack[v.block] = group
-            group[0][v] = None
-            group[1].append(i)
-        return [(tuple(held), at) for held, at in groups]
+                if type(f) is tuple or key in packs:
+                    of_pack[key] = group
+            group[0][item] = None
+            group[2].append(i)
+        return [(tuple(held), pack, at) for held, pack, at in groups]
 
     def _lend(
         self, s: Session, lid: int, held: tuple[Version, ...], request: str | None, hold: bool
@@ -153,12 +170,26 @@ class Leases:
         self.cuda.on_lease(lid, held, s)
         s.leases.add(lid)
 
+    def _lend_pack(
+        self, s: Session, lid: int, pack: Pack, rows: tuple[int, ...], request: str | None
+    ) -> None:
+        """A lease of ``rows`` of ``pack`` (host memory: nothing for the GPUs)."""
+        self.table[lid] = Lease(lid, s.id, (), request, pack=pack, rows=rows)
+        pack.readers += 1
+        entries = pack.entries
+        for i in rows:
+            entries[i].readers += 1
+        s.leases.add(lid)
+
     def copy(self, s: Session, lease: Lease) -> int:
         """A copy of ``lease`` for ``s`` (a forked child's): the same versions,
         one lease, never refused for what the reader pins."""
         lid = self._next
         self._next += 1
-        self._lend(s, lid, lease.versions, None, lease.hold)
+        if lease.pack is None:
+            self._lend(s, lid, lease.versions, None, lease.hold)
+        else:
+            self._lend_pack(s, lid, lease.pack, lease.rows, None)
         return lid
 
     def reader_of(self, v: Version) -> Session | None:
@@ -210,6 +241,13 @@ class Leases:
                     ids.discard(lid)  # a set: a batch's thousand releases stay linear
                     if not ids:
                         del s.by_request[lease.request]
+        pack = lease.pack
+        if pack is not None:
+            entries = pack.entries
+            for i in lease.rows:
+                entries[i].readers -= 1
+            self.memory.pack_released(pack)
+            return
         if lease.doubt:  # its views are gone: nothing maps the expired write any more
             self.memory.trust(lease.versions[0].block)
         for v in lease.versions:

@@ -47,12 +47,12 @@ from ..._errors import BrokerUnavailable, OutOfMemory
 from ...shm import PosixMapping, byte_view
 from ...shm._base import Segment
 from ...shm._pool import Block, Pool, PoolExhausted
-from ._records import CPU
+from ._records import CPU, Version
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
     from ._quotas import Quotas
-    from ._records import Lease, Version
+    from ._records import Lease, Pack, Row
     from ._sessions import Caller, Session
 
 log = logging.getLogger("tensordepot.broker")
@@ -99,10 +99,12 @@ class Memory:
         # Published versions their name no longer refers to, kept by leases:
         # (name, number) -> version, so that a get of that exact version
         # finds it while it lives (numbers never repeat within a run).
-        self.superseded: dict[tuple[str, int], Version] = {}
-        # Packs (``_packs``): block -> its versions already gone, still charged:
-        # what a pack keeps pinned counts against whoever put it until it goes.
-        self.packs: dict[Block, list[Version]] = {}
+        # A row of a pack (``Pack``) stays a row here until something makes its Version.
+        self.superseded: dict[tuple[str, int], Version | Row] = {}
+        # Packs (``_packs``): block -> its versions already gone, still charged
+        # (and its ``Pack``, for a put_many's): what a pack keeps pinned counts
+        # against whoever put it until it goes.
+        self.packs: dict[Block, list[Version | Pack]] = {}
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -218,7 +220,9 @@ class Memory:
         for v in versions:
             if v.current or v.readers or v.block is None:
                 continue
-            superseded.pop((v.name, v.number), None)
+            key = (v.name, v.number)
+            if superseded.get(key) is v:  # a kept row's key stays its pack's
+                del superseded[key]
             block, v.block = v.block, None  # type: ignore[assignment]
             self.versions_live -= 1
             gone = packs.get(block)
@@ -228,10 +232,101 @@ class Memory:
                 gone.append(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
-                # A block with stale holders is retired instead of freed.
-                self._free(block, written=v.state == "ready")
-                self.bytes_in_use -= block.nbytes
-                quotas.uncharge_many(packs.pop(block, []))
+                self._unreachable(block, v.state == "ready")
+
+    def _unreachable(self, block: Block, written: bool) -> None:
+        """Nothing refers to ``block`` any more: freed (a block with stale
+        holders is retired instead), its bytes and its pack's charges given back."""
+        self._free(block, written=written)
+        self.bytes_in_use -= block.nbytes
+        self.quotas.uncharge_many(self.packs.pop(block, []))  # type: ignore[arg-type]
+
+    # -- a put_many's packs: rows, not versions (``Pack``) -------------------------
+    def pack_placed(self, p: Pack) -> None:
+        """``p`` holds its new block (its one reference): it counts as in use,
+        each row as a live version, until its rows and leases are gone."""
+        self.packs[p.block] = [p]
+        self.placed(len(p.names), p.block.nbytes)
+
+    def make(self, p: Pack, i: int, current: bool) -> Version:
+        """The ``Version`` of row ``i`` of ``p``, which shares the block and
+        is charged as part of ``p``: ``current``, its name's newest (the name
+        then points at the Version, counted as the row was), else a row that
+        leases of ``p`` keep, for a get of that exact version (a Version of
+        its own each time, counted while its leases live; the row stays
+        kept)."""
+        shape, dtype, itemsize, n = p.items[i]
+        e = p.entries[i]
+        v = Version(
+            p.names[i],
+            p.numbers[i],
+            p.block,
+            shape,
+            dtype,
+            itemsize,
+            "ready",
+            None,
+            current=current,
+            ttl=p.ttl,
+            entry=e,
+            nbytes=n,
+            at=p.ats[i],
+        )
+        p.block.refs += 1
+        if current:
+            e._ready, e.pack = v, None
+            p.live -= 1
+            if not p.live and not p.readers:
+                self._let_go(p)
+        else:  # the row stays kept: this Version lives as long as its own leases
+            self.versions_live += 1
+        return v
+
+    def retire_rows(self, rows: list[Row]) -> None:
+        """Their names no longer point at these rows: each is gone at once,
+        or (its pack leased) kept until the pack's leases end."""
+        superseded = self.superseded
+        gone = 0
+        for p, i in rows:
+            p.live -= 1
+            if p.readers:
+                p.kept.append(i)
+                superseded[(p.names[i], p.numbers[i])] = (p, i)
+            else:
+                gone += 1
+                if not p.live:
+                    self._let_go(p)
+        self.versions_live -= gone
+
+    def pack_released(self, p: Pack) -> None:
+        """A lease of ``p`` ended: with the last, its kept rows are gone."""
+        p.readers -= 1
+        if p.readers:
+            return
+        if p.kept:
+            superseded = self.superseded
+            for i in p.kept:
+                superseded.pop((p.names[i], p.numbers[i]), None)
+            self.versions_live -= len(p.kept)
+            p.kept.clear()
+        if not p.live:
+            self._let_go(p)
+
+    def pack_dropped(self, p: Pack) -> None:
+        """A pack placed but never published (its fill failed): gone."""
+        self.versions_live -= len(p.names)
+        self._let_go(p)
+
+    def _let_go(self, p: Pack) -> None:
+        """No name points at a row of ``p`` and no lease holds it: its
+        reference of the block goes (the block with it, unless a Version made
+        of a row, a link or a tie still shares it)."""
+        if p.held:
+            p.held = False
+            block = p.block
+            block.refs -= 1
+            if block.refs == 0:
+                self._unreachable(block, True)
 
     def retire(self, *versions: Version) -> None:
         """Their names no longer refer to ``versions``: each is freed once its
@@ -286,7 +381,8 @@ class Memory:
         resumes and its views die, can give them back (``release_stale``)."""
         held = {}
         for lease in leases:
-            block = lease.versions[0].block  # a pack lease's versions share it
+            # a pack lease's versions share it
+            block = lease.versions[0].block if lease.pack is None else lease.pack.block
             if block is not None:
                 self.distrust(block)
                 held[lease.id] = block
@@ -366,27 +462,19 @@ class Memory:
         if v.nbytes:
             ctypes.memmove(self._map(v.block.segment).address + v.offset, data, v.nbytes)
 
-    def fill_many(self, versions: list[Version], data: memoryview) -> None:
-        """Copy ``data`` into unpublished ``versions``, one after another: each
-        takes its ``nbytes`` (their sum is ``len(data)``, checked).  Without
+    def fill_runs(
+        self, blocks: list[Block], runs: list[tuple[int, int, int]], data: memoryview
+    ) -> None:
+        """Copy ``data`` into unpublished tensors, one after another: each run
+        (its block's index in ``blocks``, where in it, its bytes) takes its
+        bytes (their sum is ``len(data)``, checked: ``Plan.runs``).  Without
         numpy, which the broker would otherwise import on its first batch."""
-        runs: list[list[int]] = []  # [address, length]: back-to-back blocks take one copy
-        block, base = None, 0  # the last version's block, and its address: a pack's, mostly
-        for v in versions:
-            if not v.nbytes:
-                continue
-            if v.block is not block:
-                block = v.block
-                base = self._map(block.segment).address + block.offset
-            to = base + v.at
-            if runs and runs[-1][0] + runs[-1][1] == to:
-                runs[-1][1] += v.nbytes
-            else:
-                runs.append([to, v.nbytes])
         src = data.cast("B")
         at = 0
-        for to, n in runs:
-            memoryview((ctypes.c_char * n).from_address(to)).cast("B")[:] = src[at : at + n]
+        for k, to, n in runs:
+            block = blocks[k]
+            address = self._map(block.segment).address + block.offset + to
+            memoryview((ctypes.c_char * n).from_address(address)).cast("B")[:] = src[at : at + n]
             at += n
 
     # -- shutdown --------------------------------------------------------------------

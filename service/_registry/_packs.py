@@ -48,8 +48,13 @@ class Plan:
     see ``layout``), the bytes its tensors take in each block (``used``),
     per tensor its block, where in it and whether an earlier tensor of the
     batch is in that block (``spots``: an earlier one's bytes resolved),
-    and the blocks that are packs, two of its own tensors or more
-    (``packs``)."""
+    the blocks that are packs, two of its own tensors or more
+    (``packs``), and, for a put_many, what each pack's rows are (``rows``:
+    per pack, its block and its tensors' positions, names, items and
+    offsets, shared by every ``Pack`` of this request), the tensors that
+    are not rows of a pack (``lone``: they get ``Version``s), and where the
+    bytes a put_many carries go (``runs``: (block, where in it, bytes), in
+    the body's order, back-to-back tensors of a block as one)."""
 
     items: list[Checked]
     total: int
@@ -59,6 +64,9 @@ class Plan:
     used: list[int]
     spots: list[tuple[int, int, bool]]
     packs: list[int]
+    rows: list[tuple[int, list[int], list[str], list[Checked], list[int]]]
+    lone: list[int]
+    runs: list[tuple[int, int, int]]
 
 
 class Plans:
@@ -126,7 +134,45 @@ def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> 
         spots.append((k, at, taken[k]))
         taken[k] = True
     packs = [k for k, n in enumerate(own) if n > 1]
-    return Plan(items, total, need, sizes, where, used, spots, packs)
+    of_pack: dict[int, list[int]] = {k: [] for k in packs}
+    lone = []
+    for i, (k, _) in enumerate(where):
+        if k in of_pack:  # its own bytes in a pack (a tie's where is -1)
+            of_pack[k].append(i)
+        else:
+            lone.append(i)
+    rows = [
+        (
+            k,
+            at,
+            [names[i] for i in at],
+            [items[i] for i in at],
+            [where[i][1] for i in at],
+        )
+        for k, at in of_pack.items()
+    ]
+    runs: list[list[int]] = []
+    for i, (k, at) in enumerate(where):
+        n = items[i][3]
+        if k < 0 or not n:  # a tie carries nothing
+            continue
+        if runs and runs[-1][0] == k and runs[-1][1] + runs[-1][2] == at:
+            runs[-1][2] += n
+        else:
+            runs.append([k, at, n])
+    return Plan(
+        items,
+        total,
+        need,
+        sizes,
+        where,
+        used,
+        spots,
+        packs,
+        rows,
+        lone,
+        [(k, at, n) for k, at, n in runs],
+    )
 
 
 def layout(

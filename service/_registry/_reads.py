@@ -15,17 +15,18 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import InvalidRequest, TensorNotFound
+from ._records import nbytes_of
 from ._sessions import Caller
 from ._waits import ClientGone
 
 if TYPE_CHECKING:
     from ._leases import Leases
-    from ._records import PeerHook, Records, Version
+    from ._records import Found, PeerHook, Records, Row, Version
     from ._sessions import Session, Sessions
     from ._waits import Waits
 
 Wait = Literal["all", "any"]
-Got = list[tuple["Version", int]]  # the versions leased, with their lease ids
+Got = list[tuple["Found", int]]  # the versions (or rows of packs) leased, with their lease ids
 
 
 class Reads:
@@ -39,7 +40,7 @@ class Reads:
         lending: Leases,
         waits: Waits,
         count: Callable[..., None],
-        superseded: dict[tuple[str, int], Version] | None = None,
+        superseded: dict[tuple[str, int], Version | Row] | None = None,
     ) -> None:
         self.superseded = {} if superseded is None else superseded  # Memory.superseded
         self.sessions = sessions
@@ -77,17 +78,26 @@ class Reads:
         e = self.records.entries.get(name)
         v = (
             e.ready
-            if e is not None and e.ready is not None and e.ready.number == number
+            if e is not None and e.published and e.number == number
             else self.superseded.get((name, number))
         )
+        pack = None
+        if isinstance(v, tuple):  # a row of a pack that a lease keeps
+            pack = v[0]
+            v = pack.books.make(pack, v[1], False)
         if v is None or v.block is None or v.state != "ready":
-            now = "" if e is None or e.ready is None else f"; the broker has v{e.ready.number} now"
+            now = "" if e is None or not e.published else f"; the broker has v{e.number} now"
             raise TensorNotFound(
                 f"tensor {name!r} v{number} is not kept: no lease holds it "
                 f"and a newer version replaced it, or it was deleted, or it "
                 f"was never published{now}"
             )
-        return v, self.lending.take(s, v, request)
+        try:
+            return v, self.lending.take(s, v, request)
+        except BaseException:
+            if pack is not None:  # nothing holds the Version just made of the row
+                pack.books.free_if_unreachable(v)
+            raise
 
     def try_get_many(
         self,
@@ -106,7 +116,7 @@ class Reads:
             return None
         if isinstance(newer_than, list) and len(newer_than) != len(names):
             return None  # get_many says what is wrong
-        ready = self.records.ready
+        ready = self.records.found
         floors = newer_than if isinstance(newer_than, list) else [newer_than] * len(names)
         if wait == "any":
             if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
@@ -125,7 +135,7 @@ class Reads:
         """A batch's leases, counted in the metrics at once (those of a batch
         that failed too: their releases are counted)."""
         self._count("gets", len(got))
-        self._count("bytes_got", sum(v.nbytes for v, _ in got))
+        self._count("bytes_got", sum(nbytes_of(f) for f, _ in got))
         return got
 
     async def get(
@@ -141,7 +151,10 @@ class Reads:
     ) -> tuple[Version, int]:
         """Lease the newest ready version of ``name``, waiting up to ``timeout``
         seconds (None: forever).  ``gone()`` resolves if the client hangs up."""
-        return (await self._get_all(sid, caller, [name], timeout, [newer_than], request, gone))[0]
+        got = await self._get_all(
+            sid, caller, [name], timeout, [newer_than], request, gone, self.records.ready
+        )
+        return got[0]  # type: ignore[return-value]  # a Version: records.ready finds one
 
     async def get_many(
         self,
@@ -166,13 +179,18 @@ class Reads:
         floors = newer_than if isinstance(newer_than, list) else [newer_than] * len(names)
         if wait == "any":
             return await self._get_any(sid, caller, names, timeout, floors, request, gone)
-        return await self._get_all(sid, caller, names, timeout, floors, request, gone)
+        return await self._get_all(
+            sid, caller, names, timeout, floors, request, gone, self.records.found
+        )
 
-    def _asks_peers(self, found: Version | None) -> bool:
+    def _asks_peers(self, found: Found | None) -> bool:
         """Whether a get that found ``found`` here asks the peers first: a
         miss, or a replica that may be stale (a peer may publish a newer one
-        here).  The long poll asks on a miss only (``_wait``)."""
-        return self.peers is not None and (found is None or found.replica is not None)
+        here; a row of a pack never is one).  The long poll asks on a miss
+        only (``_wait``)."""
+        return self.peers is not None and (
+            found is None or (type(found) is not tuple and found.replica is not None)  # type: ignore[union-attr]
+        )
 
     async def _ask_peers(
         self, name: str, newer_than: int, timeout: float | None, caller: Caller
@@ -189,10 +207,13 @@ class Reads:
         floors: list[int],
         request: str | None,
         gone: Callable[[], Awaitable[Any]] | None,
+        find: Callable[[str, int], Found | None],
     ) -> Got:
+        """``find``: ``Records.found`` (rows of packs as they are), or
+        ``Records.ready`` (a ``Version`` each, for a single get)."""
         s = self.sessions.admit(sid, caller)
         got: Got = []
-        found: list[Version] = []  # ready, not yet leased: leased together before any wait
+        found: list[Found] = []  # ready, not yet leased: leased together before any wait
 
         def lease_found() -> None:
             got.extend(zip(found, self.lending.take_many(s, found, request), strict=True))
@@ -201,12 +222,12 @@ class Reads:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             for name, newer_than in zip(names, floors, strict=True):
-                v = self.records.ready(name, newer_than)
+                v = find(name, newer_than)
                 if self._asks_peers(v):
                     lease_found()
                     await self._ask_peers(name, newer_than, timeout, caller)
                     s = self.sessions.admit(sid, caller)
-                    v = self.records.ready(name, newer_than)
+                    v = find(name, newer_than)
                 if v is None:
                     if timeout == 0:
                         raise self.records.batch_missed(
@@ -215,7 +236,7 @@ class Reads:
                     lease_found()
                     try:
                         v = await self._wait(
-                            s, caller, [name], [newer_than], deadline, timeout, request, gone
+                            s, caller, [name], [newer_than], deadline, timeout, request, gone, find
                         )
                     except TensorNotFound:  # timed out: say every name still missing
                         raise self.records.batch_missed(
@@ -241,7 +262,7 @@ class Reads:
         gone: Callable[[], Awaitable[Any]] | None,
     ) -> Got:
         s = self.sessions.admit(sid, caller)
-        ready = self.records.ready
+        ready = self.records.found
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self.peers is not None:  # what a peer may have newer, as _get_all asks per name
             for name, newer_than in zip(names, floors, strict=True):
@@ -254,7 +275,7 @@ class Reads:
                     names, floors, timeout, False, self.peers, caller.prefix, any_of=True
                 )
             try:
-                await self._wait(s, caller, names, floors, deadline, timeout, request, gone)
+                await self._wait(s, caller, names, floors, deadline, timeout, request, gone, ready)
             except TensorNotFound:
                 raise self.records.batch_missed(
                     names, floors, timeout, True, self.peers, caller.prefix, any_of=True
@@ -286,22 +307,24 @@ class Reads:
         timeout: float | None,
         request: str | None,
         gone: Callable[[], Awaitable[Any]] | None,
-    ) -> Version:
+        find: Callable[[str, int], Found | None],
+    ) -> Found:
         """The long poll: park until a version of one of ``names`` newer than its
-        floor is published (here, or at a peer), or ``deadline``; the version."""
+        floor is published (here, or at a peer), or ``deadline``; the version
+        (as ``find`` finds it: see ``_get_all``)."""
         pairs = list(zip(names, floors, strict=True))
         if deadline is not None and deadline <= asyncio.get_running_loop().time():
             raise self.records.timed_out(names[0], floors[0], timeout, self.peers, caller.prefix)
         self._count("waits")  # gets that had to wait for a publish
         peers = self.peers
 
-        async def look() -> Version | None:
+        async def look() -> Found | None:
             for name, newer_than in pairs:
-                v = self.records.ready(name, newer_than)
+                v = find(name, newer_than)
                 if v is None and peers is not None:
                     await peers.before_get(name, newer_than, True, caller)
                     self.sessions.admit(s.id, Caller(s.owner, s.bound))
-                    v = self.records.ready(name, newer_than)
+                    v = find(name, newer_than)
                 if v is not None:
                     return v
             return None

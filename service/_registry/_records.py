@@ -94,14 +94,143 @@ class Version:
         return self.block.offset + self.at
 
 
-@dataclass(eq=False, slots=True)
 class Entry:
-    name: str
-    ready: Version | None = None
-    writing: dict[int, Version] = field(default_factory=dict)
-    next_version: int = 1
-    expires_at: float | None = None
-    readers: int = 0  # live leases on any version of this incarnation (writers' holds excluded)
+    """A name's incarnation.  Its newest ready tensor is a ``Version``, or a
+    row of a put_many's ``Pack`` (``pack``, ``index``): a pack's names point
+    at it without a ``Version`` each, and ``ready`` makes one the first time
+    something needs it (a single get, a delete, a listing)."""
+
+    __slots__ = (
+        "_ready",
+        "expires_at",
+        "index",
+        "name",
+        "next_version",
+        "pack",
+        "readers",
+        "writing",
+    )
+
+    def __init__(self, name: str, next_version: int = 1) -> None:
+        self.name = name
+        self._ready: Version | None = None
+        self.pack: Pack | None = None  # the newest ready tensor is a row of it, not a Version
+        self.index = 0  # its row in ``pack``
+        self.writing: dict[int, Version] = {}
+        self.next_version = next_version
+        self.expires_at: float | None = None
+        self.readers = 0  # live leases on any version of this incarnation (writers' holds excluded)
+
+    @property
+    def ready(self) -> Version | None:
+        """The newest ready version (made from its pack's row if it is one)."""
+        v = self._ready
+        if v is None and self.pack is not None:
+            v = self.pack.books.make(self.pack, self.index, True)
+        return v
+
+    @ready.setter
+    def ready(self, v: Version) -> None:
+        assert self.pack is None, "a pack's row is retired before its name moves on"
+        self._ready = v
+
+    def facts(self) -> Version | None:
+        """The newest ready version, to read what it is: a pack's row as a
+        ``Version`` no book counts (``Pack.describe``), none made."""
+        p = self.pack
+        return self._ready if p is None else p.describe(self.index)
+
+    @property
+    def published(self) -> bool:
+        """Whether a ready version exists, without making one."""
+        return self._ready is not None or self.pack is not None
+
+    @property
+    def number(self) -> int:
+        """The newest ready version's number (0: none), without making one."""
+        p = self.pack
+        if p is not None:
+            return p.numbers[self.index]
+        v = self._ready
+        return 0 if v is None else v.number
+
+
+class Books(Protocol):
+    """What a pack asks of the broker's memory (``_memory.Memory``)."""
+
+    def make(self, pack: Pack, index: int, current: bool) -> Version:
+        """The ``Version`` of a row: its name's (``current``), or one a lease
+        of the pack keeps after its name moved on."""
+
+    def free_if_unreachable(self, *versions: Version) -> None:
+        """Free what nothing reaches (``Memory.free_if_unreachable``)."""
+
+
+@dataclass(eq=False, slots=True)
+class Pack:
+    """A put_many's small host tensors in one block, back to back, published
+    together: one record for them all (docs/plan-packs.md).  Each name's
+    entry points at its row; a row gets a ``Version`` of its own only when
+    something needs one (``Books.make``).  The pack holds one reference of
+    its block (``held``) while a name points at a row of it (``live``) or a
+    get_many's lease holds it (``readers``); a row no name points at any
+    more, while leases hold the pack, is ``kept`` until they end.  Charged
+    to its creator as one allocation until its block is freed.  ``names``,
+    ``items`` and ``ats`` come from the request's plan and are shared by
+    every pack of the same request: never changed."""
+
+    block: Block
+    names: list[str]
+    numbers: list[int]
+    items: list[Checked]  # per row: (shape, dtype name, item size, bytes)
+    ats: list[int]  # per row: where its bytes start in the block
+    entries: list[Entry]  # per row: the incarnation of the name it was written under
+    ttl: float | None
+    books: Books
+    nbytes: int  # its rows' bytes
+    live: int = 0
+    readers: int = 0
+    kept: list[int] = field(default_factory=list)
+    held: bool = True
+    charged: int = 0  # what Quotas count (as for a Version)
+    creator: str | None = None
+    identity: str | None = None
+    pinned: bool = False
+
+    def describe(self, i: int) -> Version:
+        """Row ``i`` as a ``Version`` no book counts: its facts, to read."""
+        shape, dtype, itemsize, n = self.items[i]
+        return Version(
+            self.names[i],
+            self.numbers[i],
+            self.block,
+            shape,
+            dtype,
+            itemsize,
+            "ready",
+            None,
+            current=False,
+            ttl=self.ttl,
+            nbytes=n,
+            at=self.ats[i],
+        )
+
+
+# A ready tensor as a get finds it: a ``Version``, or a pack's row.
+Row = tuple[Pack, int]
+Found = Version | Row
+
+
+def name_of(f: Found) -> str:
+    return f[0].names[f[1]] if isinstance(f, tuple) else f.name
+
+
+def number_of(f: Found) -> int:
+    return f[0].numbers[f[1]] if isinstance(f, tuple) else f.number
+
+
+def nbytes_of(f: Found) -> int:
+    return f[0].items[f[1]][3] if isinstance(f, tuple) else f.nbytes
 
 
 @dataclass(eq=False, slots=True)
@@ -114,6 +243,9 @@ class Lease:
     request: str | None = None  # the request id that took it, so the client can cancel it
     hold: bool = False  # the writer's own (alloc with hold, or its copy in a forked child)
     doubt: bool = False  # its block was distrusted while it lived: trusted again when it ends
+    # Or rows of a pack (``Pack``) that a get_many found together (``versions`` empty).
+    pack: Pack | None = None
+    rows: tuple[int, ...] = ()
 
 
 def check_item(dtype: str, dims: list[int]) -> Checked:
@@ -162,9 +294,22 @@ class Records:
     # -- reading -------------------------------------------------------------
     def ready(self, name: str, newer_than: int) -> Version | None:
         e = self.entries.get(name)
-        if e is None or e.ready is None or e.ready.number <= newer_than:
+        if e is None or e.number <= newer_than:
             return None
         return e.ready
+
+    def found(self, name: str, newer_than: int) -> Found | None:
+        """``ready``, but a pack's row as it is (no ``Version`` made): what a
+        get_many leases."""
+        e = self.entries.get(name)
+        if e is None:
+            return None
+        p = e.pack
+        if p is not None:
+            i = e.index
+            return (p, i) if p.numbers[i] > newer_than else None
+        v = e._ready
+        return v if v is not None and v.number > newer_than else None
 
     def info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
@@ -187,18 +332,16 @@ class Records:
         out = []
         for name in sorted(n for n in self.entries if n.startswith(prefix)):
             e = self.entries[name]
-            v = (
-                e.ready
-                if e.ready is not None
-                else max(e.writing.values(), key=lambda x: x.number, default=None)
-            )
+            v = e.facts()
+            if v is None:
+                v = max(e.writing.values(), key=lambda x: x.number, default=None)
             # pulls in flight
             if v is not None and not (v.state == "writing" and v.replica is not None):
                 out.append(self.info(e, v))
         return out
 
     def tensors(self) -> int:
-        return sum(1 for e in self.entries.values() if e.ready is not None)
+        return sum(1 for e in self.entries.values() if e.published)
 
     # -- what a miss says ------------------------------------------------------
     def known(self, prefix: str | None = None) -> str:
@@ -207,7 +350,7 @@ class Records:
         names = sorted(
             n
             for n, e in self.entries.items()
-            if e.ready is not None and (prefix is None or n.startswith(prefix))
+            if e.published and (prefix is None or n.startswith(prefix))
         )
         if not names:
             return (
@@ -222,10 +365,10 @@ class Records:
         self, name: str, hook: PeerHook | None, newer_than: int = 0, prefix: str | None = None
     ) -> TensorNotFound:
         e = self.entries.get(name)
-        if newer_than and e is not None and e.ready is not None:
+        if newer_than and e is not None and e.published:
             return TensorNotFound(
                 f"no version of {name!r} newer than v{newer_than} exists yet (the newest is "
-                f"v{e.ready.number}); pass timeout= to wait for one"
+                f"v{e.number}); pass timeout= to wait for one"
             )
         peers = "" if hook is None else hook.explain(name)
         return TensorNotFound(
@@ -259,8 +402,8 @@ class Records:
             e = self.entries.get(n)
             parts.append(
                 f"{n!r} (not published)"
-                if e is None or e.ready is None
-                else f"{n!r} (v{e.ready.number}, not newer than v{f})"
+                if e is None or not e.published
+                else f"{n!r} (v{e.number}, not newer than v{f})"
             )
         shown = ", ".join(parts) + (f", ... ({len(miss)} in all)" if len(miss) > 20 else "")
         within = f" within {timeout:g} s" if waited and timeout is not None else ""
@@ -286,10 +429,10 @@ class Records:
     ) -> WaitTimedOut:
         e = self.entries.get(name)
         within = f"within {timeout:g} s" if timeout is not None else "in time"
-        if newer_than and e is not None and e.ready is not None:
+        if newer_than and e is not None and e.published:
             return WaitTimedOut(
                 f"no version of {name!r} newer than v{newer_than} was published {within} "
-                f"(the newest is v{e.ready.number})"
+                f"(the newest is v{e.number})"
             )
         peers = "" if hook is None else hook.explain(name)
         return WaitTimedOut(

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._records import Version
+    from ._records import Found
     from ._sessions import Session
 
 
@@ -82,14 +82,14 @@ class Waits:
         self,
         s: Session,
         names: list[str],
-        look: Callable[[], Awaitable[Version | None]],
+        look: Callable[[], Awaitable[Found | None]],
         deadline: float | None,
         *,
         poll: float | None,
         stopped: bool,
         request: str | None,
         gone: Callable[[], Awaitable[Any]] | None,
-    ) -> Version | None:
+    ) -> Found | None:
         """Sleep until woken (a publish of one of ``names``), then ``look()``,
         until it finds a version (which this returns) or ``deadline`` (loop
         time) passes (None).  ``poll``:

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 from ..._errors import Conflict, DepotError, InvalidRequest, TensorNotFound
-from ..._wire import INLINE_MAX, AllocRequest, ManyAlloc
+from ..._wire import INLINE_MAX, AllocRequest
 from ...shm._pool import Block
-from ._packs import PACK_MOST, Plan, Plans, check_carried, packed
-from ._records import CPU, Checked, Version, check_item
+from ._batches import Batches
+from ._packs import PACK_MOST, Plans
+from ._records import CPU, Checked, Row, Version, check_item
 
 if TYPE_CHECKING:
     from ...shm._pool import Pool
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from ._waits import Waits
 
 
-class Writes:
+class Writes(Batches):
     """The writing side of the registry."""
 
     def __init__(
@@ -223,168 +224,6 @@ class Writes:
         charge.attach(placed)
         return placed
 
-    # -- batches (a state dict in one request per step) ------------------------
-    def _batch(
-        self, sid: str | None, caller: Caller, req: ManyAlloc, carried: int | None
-    ) -> tuple[Session, Plan, Charge]:
-        """The session, the batch's plan (every item checked, and the GPUs
-        ``req.devices`` names) and its bytes charged, before anything is
-        placed.  A tensor that is another's bytes (``same``) is charged as
-        a copy would be, as ``link`` charges it.  ``carried``: the bytes the
-        request carries for the batch (``put_many``)."""
-        s = self.sessions.admit(sid, caller)
-        names = req.names
-        plan = self.plans.plan(
-            req, lambda: self._check_devices(req.devices or [], len(names), req.same, carried)
-        )
-        if carried is not None:
-            check_carried(plan.need, carried)
-        what = f"{len(names)} tensors" if len(names) != 1 else names[0]
-        return s, plan, self.quotas.charge(s, plan.total, what)
-
-    def _check_devices(
-        self, devices: list[str], n: int, same: list[int] | None, carried: int | None
-    ) -> None:
-        if len(devices) != n:
-            raise InvalidRequest(
-                f"a batch that names devices names one per tensor: {n} names, "
-                f"{len(devices)} devices"
-            )
-        gpus = {d for d in devices if d not in CPU}
-        if not gpus:
-            return
-        if carried is not None:
-            raise InvalidRequest(
-                "the bytes a put_many carries go to host memory: allocate GPU tensors "
-                "with /v1/many/alloc and publish them with /v1/many/publish"
-            )
-        if same is not None and any(j >= 0 for j in same):
-            raise InvalidRequest("same (tensors stored once) is for host memory only")
-        for d in sorted(gpus):
-            self.memory.check_device(d)
-
-    def try_alloc_many(
-        self,
-        sid: str | None,
-        caller: Caller,
-        req: ManyAlloc,
-        request: str | None = None,
-        carried: int | None = None,
-    ) -> list[Version] | None:
-        """``alloc_many`` when every tensor fits in existing memory, without
-        awaiting; None (and nothing allocated) when one does not, or when
-        one goes to a GPU."""
-        if req.devices is not None and any(d not in CPU for d in req.devices):
-            return None
-        s, plan, charge = self._batch(sid, caller, req, carried)
-        with charge:
-            got = self.pool.try_alloc_many(plan.sizes)
-            if got is None:
-                return None
-            return self._place_all(s, req, plan, got, charge, request, carried)
-
-    async def alloc_many(
-        self,
-        sid: str | None,
-        caller: Caller,
-        req: ManyAlloc,
-        request: str | None = None,
-        carried: int | None = None,
-    ) -> list[Version]:
-        """A new writing version of each name of ``req``, all or none, in
-        host memory or on the GPU ``req.devices`` names for it; ``carried``:
-        see ``_batch``."""
-        s, plan, charge = self._batch(sid, caller, req, carried)
-        with charge:
-            first: dict[int, int] = {}  # block -> the first tensor in it
-            for i, (k, _) in enumerate(plan.where):
-                if k >= 0:
-                    first.setdefault(k, i)
-            blocks: list[Block] = []
-            try:
-                for k, n in enumerate(plan.sizes):
-                    i = first[k]
-                    device = "cpu" if req.devices is None else req.devices[i]
-                    blocks.append(await self.memory.place(s, req.names[i], device, n))
-                sessions = self.sessions
-                if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
-                    self.sessions.admit(sid, caller)  # raises the reason
-            except BaseException:
-                for b in blocks:
-                    self.memory.give_back(b)  # nobody maps them yet
-                raise
-            return self._place_all(s, req, plan, blocks, charge, request, carried)
-
-    def _place_all(
-        self,
-        s: Session,
-        req: ManyAlloc,
-        plan: Plan,
-        blocks: list[Block],
-        charge: Charge,
-        request: str | None,
-        carried: int | None,
-    ) -> list[Version]:
-        """The batch's versions in ``blocks``: writing, or ready for a put_many
-        (``carried``: see ``_place_versions``)."""
-        places = packed(blocks, plan)
-        packs = self.memory.packs
-        for k in plan.packs:
-            packs.setdefault(blocks[k], [])  # two tensors of the batch in one block
-        placed = self._place_versions(
-            s, req.names, req.ttl, plan.items, places, charge, request, carried is not None
-        )
-        self._count("allocs", len(placed))
-        return placed
-
-    # -- a batch whose bytes came in the request ---------------------------------------
-    def try_put_many(
-        self,
-        sid: str | None,
-        caller: Caller,
-        req: ManyAlloc,
-        data: memoryview,
-        request: str | None = None,
-    ) -> list[Version] | None:
-        """``put_many`` when it needs no new segment, without awaiting; None
-        (and nothing allocated) when it does."""
-        placed = self.try_alloc_many(sid, caller, req, request, len(data))
-        return None if placed is None else self._fill_many(sid, caller, placed, req.same, data)
-
-    async def put_many(
-        self,
-        sid: str | None,
-        caller: Caller,
-        req: ManyAlloc,
-        data: memoryview,
-        request: str | None = None,
-    ) -> list[Version]:
-        """Allocate, fill and publish a batch of small tensors whose bytes came
-        in the request (``data``: each tensor's C-ordered bytes in order, once
-        for tensors that are an earlier one's, ``same``); all or none."""
-        placed = await self.alloc_many(sid, caller, req, request, len(data))
-        return self._fill_many(sid, caller, placed, req.same, data)
-
-    def _fill_many(
-        self,
-        sid: str | None,
-        caller: Caller,
-        placed: list[Version],
-        same: list[int] | None,
-        data: memoryview,
-    ) -> list[Version]:
-        # The lengths were checked (``_check_carried``), and nothing awaits from
-        # the allocation to here: every version is still this session's to publish.
-        try:
-            s = self.sessions.admit(sid, caller)
-            self.memory.fill_many(
-                [v for i, v in enumerate(placed) if same is None or same[i] < 0], data
-            )
-        except BaseException:
-            self.memory.retire(*placed)  # placed ready, yet no name refers to them
-            raise
-        return self._publish_all(s, placed, placed_ready=True)
-
     # -- publishing --------------------------------------------------------
     def _writing(self, s: Session, name: str, number: int) -> Version:
         e = self.records.entries.get(name)
@@ -445,6 +284,7 @@ class Writes:
         now = None
         out: list[Version] = []
         retired: list[Version] = []  # retired together, once all are published
+        rows: list[Row] = []  # of packs, likewise
         put = 0
         for v in versions:
             e = v.entry
@@ -453,7 +293,11 @@ class Writes:
                 del e.writing[v.number]
                 writing.discard(v)
                 v.state, v.owner, v.deadline = "ready", None, None
-            old = e.ready
+            q = e.pack  # the name's newest is a row of a pack
+            if q is not None and q.numbers[e.index] < v.number:
+                rows.append((q, e.index))
+                e.pack = None
+            old = e._ready if q is None else e.ready
             if old is not None and old.number > v.number:
                 retired.append(v)  # a newer version was published first
                 out.append(old)
@@ -471,6 +315,7 @@ class Writes:
                 wake(v.name)
             out.append(v)
         self.memory.retire(*retired)
+        self.memory.retire_rows(rows)
         self._count("publishes", sum(v is got for v, got in zip(versions, out, strict=True)))
         self._count("bytes_put", put)
         return out
@@ -496,7 +341,7 @@ class Writes:
         e = self.records.entries.get(v.name)
         if e is not None and e.writing.get(v.number) is v:
             del e.writing[v.number]
-            if e.ready is None and not e.writing:
+            if not e.published and not e.writing:
                 self.records.drop(e)
         self.memory.retire(v)
         self._count("writes_reclaimed")
@@ -554,7 +399,12 @@ class Writes:
             raise TensorNotFound(
                 f"lease {lease_id} is not held by this session; get the source tensor again"
             )
-        held = [v for v in lease.versions if source is None or v.name == source]
+        p = lease.pack
+        held = [
+            v
+            for v in (lease.versions if p is None else [p.describe(i) for i in lease.rows])
+            if source is None or v.name == source
+        ]
         if len(held) != 1 or held[0].block is None:
             raise TensorNotFound(
                 f"lease {lease_id} holds {len(held)} tensors: name the one to link (source)"

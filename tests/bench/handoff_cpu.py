@@ -126,6 +126,7 @@ def run_registry(
     from tensordepot.service import Broker
     from tensordepot.service._http._render import columns
     from tensordepot.service._http._server import YOUNG_OBJECTS
+    from tensordepot.service._registry._records import number_of
     from tensordepot.service._registry._sessions import Caller
     from tensordepot.shm._pool import Pool
 
@@ -151,7 +152,7 @@ def run_registry(
                 loop.run_until_complete(broker.put_many(ps, producer, req, body))
             got = broker.try_get_many(cs, consumer, names, floor)
             assert got is not None and len(got) == tensors
-            floor = got[0][0].number
+            floor = number_of(got[0][0])
             columns(broker, got, "ready")
             broker.release(cs, consumer, sorted({lease for _, lease in got if lease is not None}))
 

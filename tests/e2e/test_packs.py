@@ -117,6 +117,40 @@ def test_a_tensor_of_a_pack_lease_links_by_its_name(broker: BrokerProc) -> None:
         drained(c, "leases", "bytes_in_use")
 
 
+def test_rows_a_get_many_holds_are_got_by_version_after_a_put_or_a_delete(
+    broker: BrokerProc,
+) -> None:
+    """A pack's names point at its rows (no version object each): a row
+    replaced by a later put_many or deleted while a get_many's lease holds
+    its pack is still got by its exact version (as a pickle's receiver gets
+    it), with the bytes it had, and counted, until that lease ends."""
+    sd = _batch(4)
+    with broker.client() as c, broker.client() as other:
+        c.put_many(sd)
+        held = c.get_many(list(sd))
+        assert c.stat().leases == 1
+        assert c.put_many(_batch(2, 50)) == {"w0": 2, "w1": 2}
+        c.delete("w2")
+        st = c.stat()
+        assert (st.tensors, st.versions, st.bytes_in_use) == (3, 6, 6 * KIB)
+        for _ in range(2):  # a version of its own each time: the row stays kept
+            for name in ("w0", "w1", "w2"):
+                again = other.get(name, version=1)
+                assert np.all(np.from_dlpack(again) == int(name[1:])), name
+                del again
+            stat_when(c, lambda st: st.leases == 1, "the gets by version to be released")
+        assert np.all(np.from_dlpack(held["w0"]) == 0)
+        del held
+        stat_when(c, lambda st: (st.leases, st.versions) == (0, 3), "the kept rows to go")
+        assert c.stat().bytes_in_use == 6 * KIB, "w3 keeps the first pack (not its kept rows)"
+        for name in ("w0", "w2"):
+            with pytest.raises(TensorNotFound, match="is not kept"):
+                other.get(name, version=1)
+        assert np.all(np.from_dlpack(other.get("w3")) == 3)
+        c.delete(prefix="w")
+        drained(c, "leases", "bytes_in_use", "versions")
+
+
 def test_a_torch_write_into_a_lazily_got_tensor_reaches_nothing_else(
     broker: BrokerProc, workers: Callable[..., Worker]
 ) -> None:

@@ -100,20 +100,13 @@ _PUT_DOCS = {
 )
 def put_many(call: Call[ManyAlloc]) -> Reply:
     assert call.body is not None and call.rest is not None
-    broker, sid, who, body, rid, data = (
-        call.broker,
-        call.session,
-        call.who,
-        call.body,
-        call.request_id,
-        call.rest,
-    )
-    out = _many.put_now(broker, sid, who, body, data, rid)
+    broker, sid, who, body, data = call.broker, call.session, call.who, call.body, call.rest
+    out = _many.put_now(broker, sid, who, body, data)
     if out is not None:
         return 200, out
 
     async def later() -> Answer:
-        return 200, await _many.put(broker, sid, who, body, data, rid)
+        return 200, await _many.put(broker, sid, who, body, data)
 
     return later()
 
