@@ -70,6 +70,9 @@ def columns(broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: st
     columns, in the pack of its block and lease (each pack, segment and
     layout named once), any other kind as its whole ``handle`` under its
     position in ``others``."""
+    whole = _whole_pack(broker, pairs, state)
+    if whole is not None:
+        return whole
     segments: dict[str, int] = {}
     packs: dict[tuple[Block, int | None], int] = {}
     layouts: dict[tuple[tuple[int, ...], str, int], int] = {}
@@ -133,5 +136,39 @@ def columns(broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: st
             "layouts": list(layouts),
             "layout": layout,
             "others": others,
+        }
+    )
+
+
+def _whole_pack(
+    broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str
+) -> bytes | None:
+    """``columns`` of every row of one pack in order under one lease (a
+    get_many of a batch put together, the usual case), from the pack's own
+    columns; None for anything else."""
+    if not pairs:
+        return None
+    first, lid = pairs[0]
+    if type(first) is not tuple or lid is None:
+        return None
+    p = first[0]
+    n = len(p.names)
+    lease = broker.leases.get(lid)
+    if lease is None or lease.pack is not p or len(pairs) != n or lease.rows != tuple(range(n)):
+        return None  # (its rows are the pairs' own, in their order: Leases._group)
+    blk = p.block
+    layouts, layout = p.layouts
+    return to_json(
+        {
+            "names": p.names,
+            "versions": p.numbers,
+            "state": state,
+            "segments": [blk.segment],
+            "packs": [(0, blk.offset, blk.size, lid)],
+            "pack": [0] * n,
+            "at": p.ats,
+            "layouts": layouts,
+            "layout": layout,
+            "others": {},
         }
     )

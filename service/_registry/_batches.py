@@ -194,7 +194,7 @@ class Batches:
     ) -> list[Found]:
         """Place, fill and publish, without awaiting: every tensor is this
         session's to publish, and nothing else sees them before."""
-        places = packed(blocks, plan)
+        places = packed(blocks, plan, plan.lone)
         names = req.names
         out: list[Found] = list(names)  # type: ignore[arg-type]  # each replaced below
         lone = plan.lone
@@ -205,7 +205,7 @@ class Batches:
                 [names[i] for i in lone],
                 req.ttl,
                 [plan.items[i] for i in lone],
-                [places[i] for i in lone],
+                places,
                 charge,
                 None,
                 ready=True,
@@ -236,14 +236,14 @@ class Batches:
         next numbers, and ``out`` their positions."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         packs = []
-        for k, at, names, items, ats in plan.rows:
+        for k, at, names, items, ats, shapes in plan.rows:
             numbers, ents = [], []
             for name in names:
                 e = entries.get(name) or entry(name)
                 numbers.append(e.next_version)
                 e.next_version += 1
                 ents.append(e)
-            p = Pack(blocks[k], names, numbers, items, ats, ents, ttl, memory, plan.used[k])
+            p = Pack(blocks[k], names, numbers, items, ats, shapes, ents, ttl, memory, plan.used[k])
             memory.pack_placed(p)
             packs.append(p)
             for j, i in enumerate(at):
@@ -253,7 +253,7 @@ class Batches:
     def _publish_packs(self, packs: list[Pack]) -> None:
         """Each row of ``packs`` becomes its name's newest, for good: what the
         names pointed at is retired (a Version, or a row of another pack)."""
-        wake = self.waits.wake if self.waits.asleep() else None  # nothing here wakes one
+        asleep = self.waits.asleep()  # else nothing here wakes one
         retired: list[Version] = []
         rows: list[Row] = []
         now = None
@@ -273,9 +273,8 @@ class Batches:
                         rows.append((q, e.index))
                 e.pack, e.index, e.expires_at = p, i, expires
             p.live = len(p.entries)
-            if wake is not None:
-                for name in p.names:
-                    wake(name)
+            if asleep:
+                self.waits.wake_many(p.names)
         self.memory.retire(*retired)
         self.memory.retire_rows(rows)
         self._count("publishes", sum(len(p.names) for p in packs))

@@ -102,6 +102,13 @@ class Leases:
             lids = list(range(first, self._next))
             for lid, v in zip(lids, found, strict=True):
                 self._lend(s, lid, (v,), request, hold)  # type: ignore[arg-type]
+        elif len(groups) == 1:  # the usual batch: one pack
+            held, pack, _ = groups[0]
+            if pack is None:
+                self._lend(s, first, held, request, hold)
+            else:
+                self._lend_pack(s, first, pack, held, request)
+            lids = [first] * len(found)
         else:
             lids = [0] * len(found)
             for lid, (held, pack, at) in enumerate(groups, first):

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 PACK_MEMBER_MAX = INLINE_MAX  # a tensor this small goes in its batch's pack (a put sends it inline)
 PACK_MOST = 8 << 20  # the most bytes one pack holds
 Where = tuple[int, int]  # (a batch's block, where in it)
+# A pack's layouts as the wire names them: each (shape, dtype, bytes) once, and per row its index.
+Layouts = tuple[list[tuple[tuple[int, ...], str, int]], list[int]]
 PLANS_KEPT = 16  # the plans Plans keeps (of the requests the broker parsed once: parse_framed)
 
 
@@ -64,7 +66,7 @@ class Plan:
     used: list[int]
     spots: list[tuple[int, int, bool]]
     packs: list[int]
-    rows: list[tuple[int, list[int], list[str], list[Checked], list[int]]]
+    rows: list[tuple[int, list[int], list[str], list[Checked], list[int], Layouts]]
     lone: list[int]
     runs: list[tuple[int, int, int]]
 
@@ -148,6 +150,7 @@ def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> 
             [names[i] for i in at],
             [items[i] for i in at],
             [where[i][1] for i in at],
+            layouts([items[i] for i in at]),
         )
         for k, at in of_pack.items()
     ]
@@ -173,6 +176,13 @@ def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> 
         lone,
         [(k, at, n) for k, at, n in runs],
     )
+
+
+def layouts(items: list[Checked]) -> Layouts:
+    """Each (shape, dtype, bytes) of ``items`` once, and per item its index."""
+    index: dict[tuple[tuple[int, ...], str, int], int] = {}
+    of = [index.setdefault((shape, dtype, n), len(index)) for shape, dtype, _, n in items]
+    return list(index), of
 
 
 def layout(
@@ -205,14 +215,17 @@ def layout(
     return sizes, where
 
 
-def packed(blocks: list[Block], plan: Plan) -> list[tuple[Block, int, bool]]:
-    """Per tensor, its block, where in it and whether the block is an
-    earlier tensor's too (``Plan.spots``).  A pack's ``nbytes`` becomes what
-    its tensors need, so that the broker's bytes in use count them as they
-    would count a block each."""
+def packed(
+    blocks: list[Block], plan: Plan, only: list[int] | None = None
+) -> list[tuple[Block, int, bool]]:
+    """Per tensor (of ``only``, if given), its block, where in it and
+    whether the block is an earlier tensor's too (``Plan.spots``).  A
+    pack's ``nbytes`` becomes what its tensors need, so that the broker's
+    bytes in use count them as they would count a block each."""
     for b, n in zip(blocks, plan.used, strict=True):
         b.nbytes = n
-    return [(blocks[k], at, shared) for k, at, shared in plan.spots]
+    spots = plan.spots if only is None else [plan.spots[i] for i in only]
+    return [(blocks[k], at, shared) for k, at, shared in spots]
 
 
 def check_same(names: list[str], items: list[Checked], same: list[int]) -> None:

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import InvalidRequest, TensorNotFound
-from ._records import nbytes_of
 from ._sessions import Caller
 from ._waits import ClientGone
 
@@ -122,12 +121,9 @@ class Reads:
             if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
                 return None
             floors = [0] * len(names)  # then every name's newest
-        found = []
-        for name, floor in zip(names, floors, strict=True):
-            v = ready(name, floor)
-            if v is None:
-                return None
-            found.append(v)
+        found = self.records.found_all(names, floors)
+        if found is None:
+            return None
         lids = self.lending.take_many(s, found, request)
         return self._counted(list(zip(found, lids, strict=True)))
 
@@ -135,7 +131,10 @@ class Reads:
         """A batch's leases, counted in the metrics at once (those of a batch
         that failed too: their releases are counted)."""
         self._count("gets", len(got))
-        self._count("bytes_got", sum(nbytes_of(f) for f, _ in got))
+        total = 0
+        for f, _ in got:
+            total += f[0].items[f[1]][3] if isinstance(f, tuple) else f.nbytes
+        self._count("bytes_got", total)
         return got
 
     async def get(

@@ -184,6 +184,7 @@ class Pack:
     numbers: list[int]
     items: list[Checked]  # per row: (shape, dtype name, item size, bytes)
     ats: list[int]  # per row: where its bytes start in the block
+    layouts: tuple[list[tuple[tuple[int, ...], str, int]], list[int]]  # _packs.layouts
     entries: list[Entry]  # per row: the incarnation of the name it was written under
     ttl: float | None
     books: Books
@@ -310,6 +311,27 @@ class Records:
             return (p, i) if p.numbers[i] > newer_than else None
         v = e._ready
         return v if v is not None and v.number > newer_than else None
+
+    def found_all(self, names: Sequence[str], floors: Sequence[int]) -> list[Found] | None:
+        """``found`` of each name, or None if one has nothing newer than its floor."""
+        get = self.entries.get
+        out: list[Found] = []
+        for name, floor in zip(names, floors, strict=True):
+            e = get(name)
+            if e is None:
+                return None
+            p = e.pack
+            if p is not None:
+                i = e.index
+                if p.numbers[i] <= floor:
+                    return None
+                out.append((p, i))
+            else:
+                v = e._ready
+                if v is None or v.number <= floor:
+                    return None
+                out.append(v)
+        return out
 
     def info(self, e: Entry, v: Version) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,11 @@ class Waits:
         if wakers is not None:
             for waker in wakers:
                 waker.wake()
+
+    def wake_many(self, names: Iterable[str]) -> None:
+        """``wake`` of each of ``names`` that a get is asleep on."""
+        for name in self._by_name.keys() & names:
+            self.wake(name)
 
     def stop_all(self) -> None:
         """Shutdown: every parked get gives up."""
