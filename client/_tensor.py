@@ -203,7 +203,7 @@ class SharedTensor:
 
         Read-only tensors set the READ_ONLY flag; ``copy=True`` exports an
         independent copy flagged IS_COPIED; ``copy=False`` never copies."""
-        owner = self._alive()
+        owner = self._owner or self._alive()  # (an _Owner is true; None raises)
         if stream is not None:  # the array API: CPU producers take no stream
             raise BufferError(f"stream={stream!r}: CPU tensors take stream=None")
         if dl_device is not None and tuple(dl_device) != (kDLCPU, 0):

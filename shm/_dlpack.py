@@ -166,7 +166,7 @@ def export_capsule(
 
 
 _OWNED: Any = None
-_NDARRAY: Any = None  # numpy.ndarray, once numpy is imported (carrier)
+_NDARRAY: Any = None  # numpy.ndarray, once numpy is imported (export_view)
 _CARRIER: dict[str, Any] = {}  # dtype name -> its numpy carrier dtype
 
 
@@ -194,20 +194,14 @@ def owned(flat: Any, owner: Any) -> Any:
     return arr
 
 
-def carrier(flat: Any, offset: int, shape: tuple[int, ...], dtype: DType) -> Any:
-    """What ``export_capsule`` exports, made over ``flat`` (``owned``: its
-    owner lives as long as the array does): a C-ordered array of ``shape``
-    at ``offset`` (within ``flat``: numpy refuses one that is not), with
-    ``dtype``'s numpy carrier type, writable only if ``flat`` is.  A few
-    times cheaper than an array built from an address."""
+def _carrier_dtype(dtype: DType) -> Any:
+    """``dtype``'s numpy carrier dtype, kept by name (and numpy's ndarray, once)."""
     global _NDARRAY
-    dt = _CARRIER.get(dtype.name)
-    if dt is None:
-        import numpy as np
+    import numpy as np
 
-        _NDARRAY = np.ndarray
-        dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
-    return _NDARRAY(shape, dt, flat, offset)  # its base is flat
+    _NDARRAY = np.ndarray
+    dt = _CARRIER[dtype.name] = np.dtype(_numpy_carrier(dtype))
+    return dt
 
 
 def export_carrier(
@@ -231,10 +225,18 @@ def export_view(
     mapping, as an array over one of ``flats``: the mapping as a flat uint8
     array, each ``owned`` by what keeps the mapping, writable (for legacy
     capsules, which cannot say read-only: numpy exports no read-only array
-    as one) and read-only (for versioned ones: numpy sets READ_ONLY itself)."""
+    as one) and read-only (for versioned ones: numpy sets READ_ONLY itself).
+    The array is C-ordered, of ``dtype``'s numpy carrier type, made over the
+    flat array (its base, so the owner lives as long as it does; numpy
+    refuses an offset outside it): a few times cheaper than an array built
+    from an address.  In one function: a batch exports a tensor each."""
     versioned = max_version is not None and max_version[0] >= 1
-    arr = carrier(flats[versioned], offset, shape, dtype)
-    return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
+    dt = _CARRIER.get(dtype.name) or _carrier_dtype(dtype)
+    arr = _NDARRAY(shape, dt, flats[versioned], offset)
+    cap = arr.__dlpack__(max_version=VERSION if versioned else None)
+    if dtype.numpy_name is None:  # numpy exported the carrier type: the dtype is ours
+        patch_capsule(cap, dtype, (kDLCPU, 0), FLAG_READ_ONLY)
+    return cap
 
 
 def _exported(arr: Any, dtype: DType, versioned: bool, flags: int) -> Any:
