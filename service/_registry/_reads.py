@@ -219,8 +219,21 @@ class Reads:
             found.clear()
 
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        # At the start and after each wait, the names left are looked up in one
+        # pass (Records.found_all), which stops at the first that misses: the
+        # usual batch wakes to find all of them (no peers, rows as they are).
+        bulk = self.peers is None and find == self.records.found
+        i, n = 0, len(names)
         try:
-            for name, newer_than in zip(names, floors, strict=True):
+            while i < n:
+                if bulk:
+                    bulk = False
+                    rest = self.records.found_all(names[i:], floors[i:])
+                    if rest is not None:
+                        found.extend(rest)
+                        break
+                name, newer_than = names[i], floors[i]
+                i += 1
                 v = find(name, newer_than)
                 if self._asks_peers(v):
                     lease_found()
@@ -242,6 +255,7 @@ class Reads:
                             names, floors, timeout, True, self.peers, caller.prefix
                         ) from None
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
+                    bulk = self.peers is None and find == self.records.found
                 found.append(v)
             lease_found()
         except BaseException:
