@@ -3,9 +3,12 @@
 ``Broker`` is what the HTTP layer, Flight, the peers and the CLI call.  It
 checks the caller's session and composes the collaborators, one module each:
 
-* ``_records``: names and their versions (``Version``, ``Entry``, ``Lease``);
+* ``_records``: names and their versions (``Version``, ``Entry``, ``Lease``,
+  and ``Pack``: a put_many's tensors as one record);
 * ``_memory``: where versions live, when memory is freed or retired;
 * ``_leases``: which session holds which version;
+* ``_writes`` and ``_batches``: allocations, puts and publishes, of one
+  tensor or a batch (``_packs``: a batch's geometry);
 * ``_reads``: gets, of one name or a batch, at once or after a wait;
 * ``_waits``: gets parked until a publish (the long poll);
 * ``_quotas``: the limits, and bytes charged per session and identity;
@@ -25,11 +28,14 @@ the writer's own views.
 The invariants, and the functions that keep them:
 
 1. **Memory that a live view in any process can still reach is never
-   handed to another tensor** (M1).  ``Memory.free_if_unreachable`` is the
-   only way a version's memory goes back to a pool: once its name no longer
-   refers to it *and* no lease holds it.  Memory that a process the broker
-   cannot vouch for may still map (a lapsed heartbeat session, an
-   unpublished write that expired) is retired instead of reused:
+   handed to another tensor** (M1).  ``Memory._unreachable`` is the only
+   way memory goes back to a pool: once nothing refers to its block, that
+   is, for each version in it, its name no longer refers to it *and* no
+   lease holds it (``Memory.free_if_unreachable``), and for a pack, no name
+   points at a row of it *and* no lease holds it (``Memory._let_go``).
+   Memory that a process the broker cannot vouch for may still map (a
+   lapsed heartbeat session, an unpublished write that expired) is retired
+   instead of reused:
    ``Memory.lapse`` and ``Memory.doubt``; it comes back (``Memory.trust``)
    once the broker can prove no mapping is left (the writer's hold ended,
    its session ended verified, the resumed client said so), or after a

@@ -6,7 +6,11 @@ of its parent's leases.  A lease belongs to one session and ends when that
 session releases it, cancels the request that took it, or ends.  When the
 last lease of a version that is no longer current ends, its memory is freed
 (``Memory.free_if_unreachable``); until then, a version that only a reader's
-lease keeps is charged to that reader (``reader_of``, ``Quotas.repin``).
+lease keeps is charged to that reader (``reader_of``, ``Quotas.repin``).  A
+get_many's lease of rows of a put_many's ``Pack`` counts once on the pack
+(``Pack.readers``); its rows that no name points at any more go with the
+pack's last lease (``Memory.pack_released``), still charged to whoever put
+the pack.
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ It holds the broker's first invariant (``_broker`` lists them all):
 **memory that a live view in any process can still reach is never handed
 to another tensor.**  Two functions enforce it:
 
-* ``free_if_unreachable`` is the one place a version's memory goes back to
-  its pool: only when its name no longer refers to it (``current`` false)
-  and no lease holds it.  A block that other versions share (``link``) is
-  freed with the last of them.
+* ``_unreachable`` is the one place a block goes back to its pool: when
+  the last reference of it goes.  A version holds one until its name no
+  longer refers to it (``current`` false) and no lease holds it
+  (``free_if_unreachable``); a put_many's ``Pack`` holds one until no name
+  points at a row of it and no lease holds it (``_let_go``).  A block that
+  versions and a pack share (``link``, ties, a row's ``Version``) is freed
+  with the last of them.
 * ``lapse`` and ``doubt`` mark memory that a process the broker cannot
   vouch for may still map (a session that missed its heartbeats, an
   unpublished write that expired): the pool then *retires* such a block
