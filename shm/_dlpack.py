@@ -151,7 +151,7 @@ def export_capsule(
 
     if copy and device[0] != kDLCPU:
         raise ValueError("export_capsule copies host memory only")
-    carrier = np.dtype(_numpy_carrier(dtype))
+    carrier = _CARRIER.get(dtype.name) or _carrier_dtype(dtype)
     byte_strides = tuple(s * dtype.itemsize for s in strides)
     arr = array_at(address, shape, byte_strides, carrier, writable=True, owner=owner)
     if not copy and device[0] == kDLCPU:
@@ -185,7 +185,7 @@ def _owned_type() -> Any:
 def owned(flat: Any, owner: Any) -> Any:
     """``flat`` (a flat uint8 array over a mapping) as an array that keeps
     ``owner`` (the mapping, a lease) alive as long as it, or any array made
-    over it (``carrier``), lives.  A view of a view: numpy makes an array's
+    over it (``export_view``), lives.  A view of a view: numpy makes an array's
     base the first array up its chain whose own base is of another type
     (or that owns its bytes), so an array made over this one keeps this one."""
     kind = _OWNED or _owned_type()
@@ -233,10 +233,7 @@ def export_view(
     versioned = max_version is not None and max_version[0] >= 1
     dt = _CARRIER.get(dtype.name) or _carrier_dtype(dtype)
     arr = _NDARRAY(shape, dt, flats[versioned], offset)
-    cap = arr.__dlpack__(max_version=VERSION if versioned else None)
-    if dtype.numpy_name is None:  # numpy exported the carrier type: the dtype is ours
-        patch_capsule(cap, dtype, (kDLCPU, 0), FLAG_READ_ONLY)
-    return cap
+    return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
 
 
 def _exported(arr: Any, dtype: DType, versioned: bool, flags: int) -> Any:

@@ -133,7 +133,7 @@ class Leases:
 
     def _group(
         self, found: Sequence[Found]
-    ) -> list[tuple[tuple[Any, ...], Pack | None, list[int]]]:
+    ) -> list[tuple[tuple[Any, ...], Pack | None, Sequence[int]]]:
         """(what, its pack, its positions) per lease: the rows of one ``Pack``
         together (each once, however often it was asked for), with the pack;
         the versions of one block of ``Memory.packs`` together; any other
@@ -143,7 +143,7 @@ class Leases:
             pack = first[0]
             rows = [f[1] for f in found if type(f) is tuple and f[0] is pack]
             if len(rows) == len(found) and len(set(rows)) == len(rows):
-                return [(tuple(rows), pack, list(range(len(found))))]
+                return [(tuple(rows), pack, range(len(found)))]
         packs = self.memory.packs
         of_pack: dict[Any, tuple[dict[Any, None], Pack | None, list[int]]] = {}
         groups: list[tuple[dict[Any, None], Pack | None, list[int]]] = []

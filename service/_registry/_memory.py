@@ -50,12 +50,12 @@ from ..._errors import BrokerUnavailable, OutOfMemory
 from ...shm import PosixMapping, byte_view
 from ...shm._base import Segment
 from ...shm._pool import Block, Pool, PoolExhausted
-from ._records import CPU, Version
+from ._records import CPU
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
     from ._quotas import Quotas
-    from ._records import Lease, Pack, Row
+    from ._records import Lease, Pack, Row, Version
     from ._sessions import Caller, Session
 
 log = logging.getLogger("tensordepot.broker")
@@ -258,23 +258,9 @@ class Memory:
         leases of ``p`` keep, for a get of that exact version (a Version of
         its own each time, counted while its leases live; the row stays
         kept)."""
-        shape, dtype, itemsize, n = p.items[i]
-        e = p.entries[i]
-        v = Version(
-            p.names[i],
-            p.numbers[i],
-            p.block,
-            shape,
-            dtype,
-            itemsize,
-            "ready",
-            None,
-            current=current,
-            ttl=p.ttl,
-            entry=e,
-            nbytes=n,
-            at=p.ats[i],
-        )
+        v = p.describe(i)
+        e = v.entry = p.entries[i]
+        v.current = current
         p.block.refs += 1
         if current:
             e._ready, e.pack = v, None

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import InvalidRequest, TensorNotFound
+from ._records import nbytes_of
 from ._sessions import Caller
 from ._waits import ClientGone
 
@@ -131,10 +132,7 @@ class Reads:
         """A batch's leases, counted in the metrics at once (those of a batch
         that failed too: their releases are counted)."""
         self._count("gets", len(got))
-        total = 0
-        for f, _ in got:
-            total += f[0].items[f[1]][3] if isinstance(f, tuple) else f.nbytes
-        self._count("bytes_got", total)
+        self._count("bytes_got", sum(nbytes_of(f) for f, _ in got))
         return got
 
     async def get(
@@ -222,7 +220,7 @@ class Reads:
         # At the start and after each wait, the names left are looked up in one
         # pass (Records.found_all), which stops at the first that misses: the
         # usual batch wakes to find all of them (no peers, rows as they are).
-        bulk = self.peers is None and find == self.records.found
+        bulk = rows = self.peers is None and find == self.records.found
         i, n = 0, len(names)
         try:
             while i < n:
@@ -255,7 +253,7 @@ class Reads:
                             names, floors, timeout, True, self.peers, caller.prefix
                         ) from None
                     s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
-                    bulk = self.peers is None and find == self.records.found
+                    bulk = rows
                 found.append(v)
             lease_found()
         except BaseException:

@@ -302,15 +302,8 @@ class Records:
     def found(self, name: str, newer_than: int) -> Found | None:
         """``ready``, but a pack's row as it is (no ``Version`` made): what a
         get_many leases."""
-        e = self.entries.get(name)
-        if e is None:
-            return None
-        p = e.pack
-        if p is not None:
-            i = e.index
-            return (p, i) if p.numbers[i] > newer_than else None
-        v = e._ready
-        return v if v is not None and v.number > newer_than else None
+        got = self.found_all((name,), (newer_than,))
+        return None if got is None else got[0]
 
     def found_all(self, names: Sequence[str], floors: Sequence[int]) -> list[Found] | None:
         """``found`` of each name, or None if one has nothing newer than its floor."""
