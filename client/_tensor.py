@@ -21,6 +21,8 @@ from ..shm._dlpack import export_view, kDLCPU
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+_new = object.__new__
+
 
 class Publisher(Protocol):
     """The client core a tensor came from (``_core.Core``)."""
@@ -111,8 +113,15 @@ class SharedTensor:
             writable,
         )
 
+    # What a batch's tensor (``_of``) takes from the class: a published,
+    # read-only tensor in host memory.  ``_setup`` sets each of them.
+    device: str = "cpu"
+    writable = False
+    _writer = False
+    published = True
     _flats: tuple[Any, Any] | None = None  # the window as flat uint8 arrays (export_view) ...
     _flat_offset = 0  # ... and where this tensor starts in it
+    _view: Any = None  # a batch's: its read-only array (views_at), for versioned capsules
 
     @classmethod
     def _of(
@@ -128,28 +137,31 @@ class SharedTensor:
         flats: tuple[Any, Any],
         offset: int,
         owner: _Owner,
+        session: str,
+        instance: str,
     ) -> SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
         it may share with the batch's other tensors of the same segment
         (``flats``: the window as flat uint8 arrays, writable and read-only,
-        each ``owned`` by ``owner``, which the tensors of its pack share)."""
-        t = cls.__new__(cls)
-        t._setup(
-            client,
-            name,
-            version,
-            shape,
-            strides,
-            dt,
-            "cpu",
-            nbytes,
-            True,
-            window,
-            window.address + offset,
-            owner,
-            False,
-        )
-        t._flats, t._flat_offset = flats, offset
+        each ``owned`` by ``owner``, which the tensors of its pack share),
+        leased in ``session`` of the broker's run ``instance``.  The fields
+        ``_setup`` sets, those the class gives aside, in a batch's loop."""
+        t = _new(cls)
+        t.name = name
+        t.version = version
+        t.shape = shape
+        t.strides = strides
+        t.dtype = dt.name
+        t.nbytes = nbytes
+        t._dt = dt
+        t._address = window.address + offset
+        t._window = window
+        t._owner = owner
+        t._client = client
+        t._lease_session = session
+        t._instance = instance
+        t._flats = flats
+        t._flat_offset = offset
         return t
 
     def _setup(
@@ -173,7 +185,7 @@ class SharedTensor:
         self.shape: tuple[int, ...] = shape
         self.strides: tuple[int, ...] = strides
         self.dtype: str = dt.name
-        self.device: str = device
+        self.device = device
         self.nbytes: int = nbytes
         self.writable = writable
         self._writer = writable  # from empty(): published once
@@ -212,7 +224,9 @@ class SharedTensor:
                 f"{tuple(dl_device)} without a copy; import it on the CPU and move it"
             )
         if self._flats is not None and not copy and not self.writable:
-            return export_view(self._flats, self._flat_offset, self.shape, self._dt, max_version)
+            return export_view(
+                self._flats, self._flat_offset, self.shape, self._dt, max_version, self._view
+            )
         return export_capsule(
             self._address,
             self.shape,
@@ -313,7 +327,7 @@ class SharedTensor:
         Views already exported (numpy, torch) keep the lease until they are
         freed too, so releasing never pulls memory out from under them."""
         self._owner = None
-        self._flats = None  # a batch's: they keep the owner too (export_view)
+        self._flats = self._view = None  # a batch's: they keep the owner too (export_view)
 
     @property
     def released(self) -> bool:

@@ -189,6 +189,41 @@ def test_a_torch_write_into_a_lazily_got_tensor_reaches_nothing_else(
         drained(c, "leases", "bytes_in_use", sessions=1)
 
 
+def test_a_batch_read_whole_exports_each_tensor_on_its_own(broker: BrokerProc) -> None:
+    """A batch's tensors of one layout, read together (``values()``), are
+    exported as the rows of one array (``views_at``): each export is its own
+    tensor (its bytes, shape and dtype, read-only in numpy), a torch write
+    into one reaches none of the others nor a later get, and the last export
+    left keeps the pack's lease after the map and its tensors are gone."""
+    torch = pytest.importorskip("torch")
+    sd: dict[str, np.ndarray] = {f"p{i}": np.full(100, i, dtype=np.float32) for i in range(20)}
+    sd["s"] = np.array(7, dtype=np.int64)
+    sd["m"] = np.arange(6, dtype=np.int16).reshape(2, 3)
+    sd |= {f"q{i}": np.full((2, 3), i, dtype=np.int16) for i in range(3)}
+    with broker.client() as c:
+        c.put_many(sd)
+        got = c.get_many(list(sd))
+        ts = list(got.values())
+        assert ts[0]._view.base is ts[19]._view.base, "p0..p19 are the rows of one array"
+        xs = [torch.from_dlpack(t) for t in ts]
+        arrays = [np.from_dlpack(t) for t in ts]
+        xs[5].fill_(-1.0)
+        for (name, want), x, a in zip(sd.items(), xs, arrays, strict=True):
+            assert a.shape == want.shape and a.dtype == want.dtype and not a.flags.writeable
+            assert tuple(x.shape) == want.shape, name
+            if name != "p5":
+                assert np.array_equal(a, want) and np.array_equal(x.numpy(), want), name
+        assert np.all(arrays[5] == -1.0), "the write is in the writer's own pages"
+        assert np.all(np.from_dlpack(c.get("p5")) == 5), "a later get saw the write"
+        last = arrays[7]
+        del got, ts, xs, arrays, a, x
+        assert c.stat().leases == 1 and np.all(last == 7), "the last export keeps the lease"
+        del last
+        stat_when(c, lambda st: st.leases == 0, "the last export's lease given back")
+        c.delete_many(list(sd))
+        drained(c, "leases", "bytes_in_use")
+
+
 def test_a_lazy_batch_gives_its_leases_back_with_the_map_and_on_release(
     broker: BrokerProc,
 ) -> None:

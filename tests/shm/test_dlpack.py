@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import weakref
 from typing import Any
 
@@ -293,3 +294,72 @@ def test_import_torch_every_dtype() -> None:
             assert imp.array.shape == (6, 2)
             want = np.ascontiguousarray(raw.reshape(6, 4, d.itemsize)[:, ::2]).tobytes()
             assert np.ascontiguousarray(imp.array).tobytes() == want, name
+
+
+# -- a batch's arrays, made together (views_at) ------------------------------------
+class Keeper:
+    """What a flat's owner stands for (a mapping, a lease); weak-referenceable."""
+
+
+def _fields(cap: Any) -> tuple[Any, ...]:
+    """A versioned capsule's dtype triple, shape, strides, address and flags."""
+    mt, t = managed(cap)
+    n = t.ndim
+    return (
+        (t.dtype.code, t.dtype.bits, t.dtype.lanes),
+        [t.shape[i] for i in range(n)],
+        [t.strides[i] for i in range(n)] if t.strides else None,
+        t.data + t.byte_offset,
+        mt.flags,
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "offsets"),
+    [
+        pytest.param((256,), "float32", [0, 1024, 2048, 3072], id="evenly-spaced"),
+        pytest.param((2, 3), "bfloat16", [64, 128, 192], id="evenly-spaced-2d-carrier"),
+        pytest.param((100,), "float32", [0, 448, 896, 1344], id="spaced-with-gaps"),
+        pytest.param((100,), "float32", [0, 448, 1024], id="unevenly-spaced"),
+        pytest.param((256,), "float32", [0, 0, 1024], id="a-tie"),
+        pytest.param((256,), "float32", [0, 512], id="overlapping"),
+        pytest.param((), "int64", [8, 16, 24], id="scalars"),
+        pytest.param((0,), "float32", [0, 0, 0], id="empty"),
+        pytest.param((3,), "int16", [2048], id="one"),
+    ],
+)
+def test_views_at_are_each_tensor_and_keep_the_owner(
+    shape: tuple[int, ...], dtype: str, offsets: list[int]
+) -> None:
+    """Each array is the tensor at its offset, as an array made alone there
+    would be (shape, dtype, bytes, read-only), whether numpy cut them as the
+    rows of one array (evenly spaced, none overlapping the next) or made
+    each; its capsule is the tensor's; one array left keeps the owner."""
+    from tensordepot.shm._dlpack import export_view, owned, views_at
+
+    flat = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    flat.flags.writeable = False
+    keeper = Keeper()
+    ref = weakref.ref(keeper)
+    d = DTYPES[dtype]
+    ro = owned(flat, keeper)
+    views = views_at(ro, offsets, shape, d)
+    assert len(views) == len(offsets)
+    rows = len(offsets) > 1 and views[0].base is views[1].base is not ro
+    n = int(np.prod(shape)) * d.itemsize
+    evenly = len(offsets) > 1 and len({b - a for a, b in itertools.pairwise(offsets)}) == 1
+    assert rows == (evenly and shape != () and 0 < n <= offsets[1] - offsets[0]), "cut as rows"
+    for view, at in zip(views, offsets, strict=True):
+        assert type(view) is np.ndarray and view.shape == shape and not view.flags.writeable
+        assert view.flags.c_contiguous and view.dtype.itemsize == d.itemsize
+        assert view.tobytes() == flat[at : at + n].tobytes()
+        got = _fields(export_view((ro, ro), at, shape, d, (1, 0), view))
+        assert got == _fields(export_view((ro, ro), at, shape, d, (1, 0))), "as one made alone"
+        assert got[0] == (*DLPACK_CODES[dtype], 1) and got[-1] & FLAG_READ_ONLY
+    last = export_view((ro, ro), at, shape, d, (1, 0), view)  # a capsule not consumed yet
+    del keeper, ro, views, view
+    gc.collect()
+    assert ref() is not None, "an export of one array keeps the owner"
+    del last
+    gc.collect()
+    assert ref() is None, "the owner goes with the last array"
