@@ -41,7 +41,7 @@ from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
 from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish, c_strides
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
-from ..shm._dlpack import owned, views_at
+from ..shm._dlpack import Views, owned
 from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl, check_wait
@@ -414,10 +414,11 @@ class _Got:
         ref, sid, instance, of = self.ref, self.sid, self.instance, SharedTensor._of
         last, lk, owner, owned_flats = self.owner
         out = []
-        # The tensors of one layout over one of the owned flats, with their
-        # offsets in it: their arrays are made together (views_at).
-        runs: dict[tuple[int, int], tuple[Any, list[SharedTensor], list[int]]] = {}
-        run: tuple[Any, list[SharedTensor], list[int]] = (None, [], [])
+        # The tensors of one layout over one of the owned flats: their
+        # arrays are made together, when the first is exported (Views).
+        runs: dict[tuple[int, int], Views] = {}
+        run: Views | None = None
+        offs: list[int] = []
         lm = -1
         for i in positions:
             m = layout[i]
@@ -429,10 +430,10 @@ class _Got:
                 owner, owned_flats = self._owner_of(place, k)
                 last, lk, lm = place, k, -1
             if m != lm:
-                run = runs.get((id(owned_flats), m)) or runs.setdefault(
-                    (id(owned_flats), m), (owned_flats[1], [], [])
-                )
-                lm = m
+                run = runs.get((id(owned_flats), m))
+                if run is None:
+                    run = runs[id(owned_flats), m] = Views(owned_flats[1], shape, dt)
+                offs, lm = run.offsets, m
             at = offsets[i] - base
             t = of(
                 ref,
@@ -449,14 +450,10 @@ class _Got:
                 sid,
                 instance,
             )
+            t._views, t._views_k = run, len(offs)
+            offs.append(at)
             out.append(t)
-            run[1].append(t)
-            run[2].append(at)
         self.owner = (last, lk, owner, owned_flats)
-        for flat, tensors, ats in runs.values():
-            first = tensors[0]
-            for t, view in zip(tensors, views_at(flat, ats, first.shape, first._dt), strict=True):
-                t._view = view
         return out
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._errors import DepotError, InvalidRequest, TensorBroken, TensorReleased
 from .._wire import Handle
 from ..shm import DType, array_at, dtype_from_name, export_capsule, numpy_dtype
-from ..shm._dlpack import export_view, kDLCPU
+from ..shm._dlpack import Views, export_view, kDLCPU
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -121,7 +121,8 @@ class SharedTensor:
     published = True
     _flats: tuple[Any, Any] | None = None  # the window as flat uint8 arrays (export_view) ...
     _flat_offset = 0  # ... and where this tensor starts in it
-    _view: Any = None  # a batch's: its read-only array (views_at), for versioned capsules
+    _views: Views | None = None  # a batch's: the run its read-only array is made in ...
+    _views_k = 0  # ... and its place there (export_view)
 
     @classmethod
     def _of(
@@ -225,7 +226,13 @@ class SharedTensor:
             )
         if self._flats is not None and not copy and not self.writable:
             return export_view(
-                self._flats, self._flat_offset, self.shape, self._dt, max_version, self._view
+                self._flats,
+                self._flat_offset,
+                self.shape,
+                self._dt,
+                max_version,
+                self._views,
+                self._views_k,
             )
         return export_capsule(
             self._address,
@@ -327,7 +334,7 @@ class SharedTensor:
         Views already exported (numpy, torch) keep the lease until they are
         freed too, so releasing never pulls memory out from under them."""
         self._owner = None
-        self._flats = self._view = None  # a batch's: they keep the owner too (export_view)
+        self._flats = self._views = None  # a batch's: they keep the owner too (export_view)
 
     @property
     def released(self) -> bool:

@@ -220,7 +220,8 @@ def export_view(
     shape: tuple[int, ...],
     dtype: DType,
     max_version: tuple[int, int] | None,
-    view: Any = None,
+    views: Views | None = None,
+    k: int = 0,
 ) -> Any:
     """The read-only ``export_capsule`` of the tensor at ``offset`` of a
     mapping, as an array over one of ``flats``: the mapping as a flat uint8
@@ -230,15 +231,37 @@ def export_view(
     The array is C-ordered, of ``dtype``'s numpy carrier type, made over the
     flat array (its base, so the owner lives as long as it does; numpy
     refuses an offset outside it): a few times cheaper than an array built
-    from an address.  ``view``: the tensor's array over ``flats[1]`` made
-    already (``views_at``), exported as it is when the capsule is versioned.
-    In one function: a batch exports a tensor each."""
+    from an address.  ``views``: the run of tensors this one is the ``k``-th
+    of, whose arrays over ``flats[1]`` are made together (``Views``): a
+    versioned capsule is exported from the tensor's array there.  In one
+    function: a batch exports a tensor each."""
     versioned = max_version is not None and max_version[0] >= 1
-    if versioned and view is not None:
-        return _exported(view, dtype, True, FLAG_READ_ONLY)
+    if versioned and views is not None:
+        return _exported((views.arrays or views.made())[k], dtype, True, FLAG_READ_ONLY)
     dt = _CARRIER.get(dtype.name) or _carrier_dtype(dtype)
     arr = _NDARRAY(shape, dt, flats[versioned], offset)
     return _exported(arr, dtype, versioned, FLAG_READ_ONLY)
+
+
+class Views:
+    """A run of a batch's tensors of one shape and dtype over one read-only
+    flat array (``owned``), each at its offset: their arrays (``views_at``)
+    are made together, when the first of them is exported, so that a batch
+    read whole pays for one array of them all, and one read but not
+    exported pays nothing.  ``add`` an offset before any is made."""
+
+    __slots__ = ("arrays", "dtype", "flat", "offsets", "shape")
+
+    def __init__(self, flat: Any, shape: tuple[int, ...], dtype: DType) -> None:
+        self.flat, self.shape, self.dtype = flat, shape, dtype
+        self.offsets: list[int] = []
+        self.arrays: list[Any] | None = None  # made on the first export
+
+    def made(self) -> list[Any]:
+        """The arrays (made now if they are not yet)."""
+        if self.arrays is None:
+            self.arrays = views_at(self.flat, self.offsets, self.shape, self.dtype)
+        return self.arrays
 
 
 def views_at(flat: Any, offsets: list[int], shape: tuple[int, ...], dtype: DType) -> list[Any]:

@@ -191,7 +191,7 @@ def test_a_torch_write_into_a_lazily_got_tensor_reaches_nothing_else(
 
 def test_a_batch_read_whole_exports_each_tensor_on_its_own(broker: BrokerProc) -> None:
     """A batch's tensors of one layout, read together (``values()``), are
-    exported as the rows of one array (``views_at``): each export is its own
+    exported from the rows of one array (``Views``): each export is its own
     tensor (its bytes, shape and dtype, read-only in numpy), a torch write
     into one reaches none of the others nor a later get, and the last export
     left keeps the pack's lease after the map and its tensors are gone."""
@@ -204,8 +204,11 @@ def test_a_batch_read_whole_exports_each_tensor_on_its_own(broker: BrokerProc) -
         c.put_many(sd)
         got = c.get_many(list(sd))
         ts = list(got.values())
-        assert ts[0]._view.base is ts[19]._view.base, "p0..p19 are the rows of one array"
         xs = [torch.from_dlpack(t) for t in ts]
+        p0, p19 = ts[0]._views, ts[19]._views
+        assert p0 is p19 and p0.arrays is not None and p0.arrays[0].base is p0.arrays[19].base, (
+            "p0..p19 are exported from the rows of one array"
+        )
         arrays = [np.from_dlpack(t) for t in ts]
         xs[5].fill_(-1.0)
         for (name, want), x, a in zip(sd.items(), xs, arrays, strict=True):
@@ -216,7 +219,7 @@ def test_a_batch_read_whole_exports_each_tensor_on_its_own(broker: BrokerProc) -
         assert np.all(arrays[5] == -1.0), "the write is in the writer's own pages"
         assert np.all(np.from_dlpack(c.get("p5")) == 5), "a later get saw the write"
         last = arrays[7]
-        del got, ts, xs, arrays, a, x
+        del got, ts, xs, arrays, a, x, p0, p19
         assert c.stat().leases == 1 and np.all(last == 7), "the last export keeps the lease"
         del last
         stat_when(c, lambda st: st.leases == 0, "the last export's lease given back")

@@ -296,7 +296,7 @@ def test_import_torch_every_dtype() -> None:
             assert np.ascontiguousarray(imp.array).tobytes() == want, name
 
 
-# -- a batch's arrays, made together (views_at) ------------------------------------
+# -- a batch's arrays, made together (Views, views_at) ---------------------------------
 class Keeper:
     """What a flat's owner stands for (a mapping, a lease); weak-referenceable."""
 
@@ -334,8 +334,9 @@ def test_views_at_are_each_tensor_and_keep_the_owner(
     """Each array is the tensor at its offset, as an array made alone there
     would be (shape, dtype, bytes, read-only), whether numpy cut them as the
     rows of one array (evenly spaced, none overlapping the next) or made
-    each; its capsule is the tensor's; one array left keeps the owner."""
-    from tensordepot.shm._dlpack import export_view, owned, views_at
+    each; its capsule is the tensor's; the arrays are made at the first
+    export of the run (``Views``); one array left keeps the owner."""
+    from tensordepot.shm._dlpack import Views, export_view, owned
 
     flat = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
     flat.flags.writeable = False
@@ -343,21 +344,27 @@ def test_views_at_are_each_tensor_and_keep_the_owner(
     ref = weakref.ref(keeper)
     d = DTYPES[dtype]
     ro = owned(flat, keeper)
-    views = views_at(ro, offsets, shape, d)
-    assert len(views) == len(offsets)
+    run = Views(ro, shape, d)
+    run.offsets.extend(offsets)
+    assert run.arrays is None, "nothing is made before an export"
+    got = [
+        _fields(export_view((ro, ro), at, shape, d, (1, 0), run, k)) for k, at in enumerate(offsets)
+    ]
+    views = run.arrays
+    assert views is not None and len(views) == len(offsets) and run.made() is views
     rows = len(offsets) > 1 and views[0].base is views[1].base is not ro
     n = int(np.prod(shape)) * d.itemsize
     evenly = len(offsets) > 1 and len({b - a for a, b in itertools.pairwise(offsets)}) == 1
     assert rows == (evenly and shape != () and 0 < n <= offsets[1] - offsets[0]), "cut as rows"
-    for view, at in zip(views, offsets, strict=True):
+    for view, at, fields in zip(views, offsets, got, strict=True):
         assert type(view) is np.ndarray and view.shape == shape and not view.flags.writeable
         assert view.flags.c_contiguous and view.dtype.itemsize == d.itemsize
         assert view.tobytes() == flat[at : at + n].tobytes()
-        got = _fields(export_view((ro, ro), at, shape, d, (1, 0), view))
-        assert got == _fields(export_view((ro, ro), at, shape, d, (1, 0))), "as one made alone"
-        assert got[0] == (*DLPACK_CODES[dtype], 1) and got[-1] & FLAG_READ_ONLY
-    last = export_view((ro, ro), at, shape, d, (1, 0), view)  # a capsule not consumed yet
-    del keeper, ro, views, view
+        alone = _fields(export_view((ro, ro), at, shape, d, (1, 0)))
+        assert fields == alone, "as one made alone"
+        assert fields[0] == (*DLPACK_CODES[dtype], 1) and fields[-1] & FLAG_READ_ONLY
+    last = export_view((ro, ro), at, shape, d, (1, 0), run, len(offsets) - 1)  # not consumed yet
+    del keeper, ro, views, view, run
     gc.collect()
     assert ref() is not None, "an export of one array keeps the owner"
     del last
