@@ -47,7 +47,7 @@ from .._metrics import UNMATCHED, Metrics
 from .._registry._broker import Broker
 from .._registry._sessions import Caller
 from .._registry._waits import ClientGone
-from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed
+from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed, parse_kept
 from ._routes import match
 
 if TYPE_CHECKING:
@@ -269,7 +269,8 @@ class Gate:
             if r.framed:  # the handler reads the bytes after the head as ``rest``
                 body, rest = parse_framed(r.body, data, headers.get(b"content-type"))
             else:
-                body = parse_body(r.body, data, headers.get(b"content-type"))
+                parse = parse_kept if r.kept else parse_body
+                body = parse(r.body, data, headers.get(b"content-type"))
             if principal.prefix is not None:
                 require_names(principal, _names(body))
         call: Call[Any] = Call(

@@ -114,6 +114,7 @@ class Route:
     tag: str = ""
     body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
     framed: bool = False  # the body is framed (``_proto.frame``): ``body`` is its JSON head
+    kept: bool = False  # the body is parsed as its producer sends it step after step (parse_kept)
     answers: Any = None  # the answer's model, for the OpenAPI document
     status: int = 200  # the status of a good answer
     media: str = JSON  # the content type of a good answer
@@ -189,6 +190,11 @@ def invalid(exc: ValidationError) -> InvalidRequest:
 def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
     """A JSON body as ``model``: UTF-8 JSON (RFC 8259), sent as
     ``application/json`` or with no content type.  Anything else is bad input."""
+    _json_media(content_type)
+    return _validated(model, data)
+
+
+def _json_media(content_type: bytes | None) -> None:
     if content_type is not None:
         media = content_type.partition(b";")[0].strip().lower()
         if media != b"application/json" and not media.endswith(b"+json"):
@@ -196,6 +202,9 @@ def parse_body(model: type[M], data: bytes, content_type: bytes | None) -> M:
                 f"the body must be JSON sent as 'content-type: application/json',"
                 f" not {media.decode('latin-1')[:80]!r}"
             )
+
+
+def _validated(model: type[M], data: bytes) -> M:
     try:
         return model.model_validate_json(data or b"null")
     except ValidationError as exc:
@@ -217,23 +226,32 @@ def parse_framed(model: type[M], data: bytes, content_type: bytes | None) -> tup
         head, rest = unframe(data)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    if len(head) > HEAD_KEPT_MAX:
-        return parse_body(model, head, None), rest
-    key = (model, head)
+    return parse_kept(model, head, None), rest
+
+
+def parse_kept(model: type[M], data: bytes, content_type: bytes | None) -> M:
+    """``parse_body``, keeping what the last ``HEADS_KEPT`` bodies of up to
+    ``HEAD_KEPT_MAX`` bytes parsed as: the head of a framed put_many, the
+    body of an alloc_many (``Route.kept``)."""
+    _json_media(content_type)
+    if len(data) > HEAD_KEPT_MAX:
+        return _validated(model, data)
+    key = (model, data)
     parsed = _heads.get(key)
     if parsed is None:
-        parsed = parse_body(model, head, None)  # raises: nothing kept
+        parsed = _validated(model, data)  # raises: nothing kept
         if len(_heads) >= HEADS_KEPT:
             del _heads[next(iter(_heads))]
         _heads[key] = parsed
-    return parsed, rest
+    return parsed
 
 
-# The heads parse_framed parsed last, and what they parsed as: a producer
+# The bodies parse_kept parsed last, and what they parsed as: a producer
 # sends the same head step after step (a state dict's names, shapes and
 # dtypes), and parsing it is most of what its request costs the broker
 # beyond placing.  The models are shared by the requests that sent the same
 # bytes: nothing changes one (the registry keeps its plan: ``_packs.Plans``).
+# The content type is checked on every request, kept or not.
 HEADS_KEPT = 16
 HEAD_KEPT_MAX = 256 << 10  # a longer head is parsed each time
 _heads: dict[tuple[type[Any], bytes], Any] = {}

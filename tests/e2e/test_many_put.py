@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from _harness import BrokerProc, wait_for
+from _harness import BrokerProc, stat_when, wait_for
 from _rawhttp import Session, encode, exchange
 from tensordepot._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, SESSION_HEADER
 
@@ -169,6 +169,41 @@ def test_a_bad_framed_batch_is_refused_and_places_nothing(broker_factory: object
         assert c.get("keep").numpy().tolist() == [0, 1, 2, 3], "the broker keeps serving"
         c.delete("keep")
     raw.close()
+
+
+def test_an_alloc_many_body_sent_again_is_checked_again(broker: BrokerProc) -> None:
+    """The broker keeps what the last alloc_many bodies parsed as
+    (``_handler.parse_kept``): the same bytes sent again allocate as the first
+    did, and sent as anything but JSON, or in a session that is not open, are
+    refused as they would be the first time, allocating nothing."""
+    raw = Session(broker.sock)
+    body = {"names": ["k.x", "k.y"], "shapes": [[16], [4, 2]], "dtypes": ["uint8", "float32"]}
+    data = json.dumps(body).encode()
+
+    def alloc(ctype: str, sid: str = "") -> tuple[int, dict[str, object]]:
+        headers = [(SESSION_HEADER, sid or raw.sid), ("content-type", ctype)]
+        a = exchange(broker.sock, encode("POST", "/v1/many/alloc", headers, data))
+        return a.status, json.loads(a.body or b"null")
+
+    with broker.client() as c:
+        for k in (1, 2):  # the second: parsed and planned already
+            status, got = alloc("application/json")
+            assert status == 200 and got["names"] == body["names"], got
+            assert got["versions"] == [k, k] and c.stat().versions == 2 * k, got
+            for bad in (
+                "text/plain",
+                "application/octet-stream",
+                "application/x-www-form-urlencoded",
+            ):
+                status, got = alloc(bad)
+                assert status == 400 and "application/json" in str(got), (bad, got)
+                assert c.stat().versions == 2 * k, f"{bad} allocated"
+        status, got = alloc("application/json", sid="not-a-session")
+        assert (status, got["error"]["code"]) == (409, "unknown_session"), got  # type: ignore[index]
+        assert c.stat().versions == 4
+    raw.close()  # ends the session: its unpublished versions go with it
+    with broker.client() as c:
+        stat_when(c, lambda st: st.versions == 0 and st.bytes_in_use == 0, "the writes gone")
 
 
 def test_batches_copied_around_freed_holes_are_bit_exact_and_need_no_numpy_in_the_broker(

@@ -27,6 +27,7 @@ TAG = "batch"
     "alloc_many",
     tag=TAG,
     body=ManyAlloc,
+    kept=True,
     answers=HandleColumns,
     once=True,
     note="every name within the prefix",
