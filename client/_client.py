@@ -41,6 +41,12 @@ class Client:
     else ``UntrustedBroker``.  Use it as a context manager, or call
     ``close()``; closing never raises.
 
+    ``lane``: on a unix socket, the client asks the broker for a
+    shared-memory lane, and the requests it serves (``stat`` so far) go
+    through memory shared with the broker instead of HTTP; ``False`` (or
+    ``$TENSORDEPOT_LANE=0``) keeps everything on HTTP, as do TCP and a
+    broker started with ``--no-lane``.
+
     Creating a Client opens a session: ``BrokerUnavailable`` if nothing
     answers at ``url`` (or what answers is not a tensordepot broker),
     ``AuthError`` if the broker refuses the credentials, ``LimitExceeded``
@@ -62,8 +68,9 @@ class Client:
         timeout: float = 30.0,
         label: str | None = None,
         trust_uid: int | str | Iterable[int | str] | None = None,
+        lane: bool | None = None,
     ) -> None:
-        self._setup(url, token, timeout, label, trust_uid, open=True)
+        self._setup(url, token, timeout, label, trust_uid, open=True, lane=lane)
 
     def _setup(
         self,
@@ -74,6 +81,7 @@ class Client:
         trust_uid: Any,
         *,
         open: bool,
+        lane: bool | None = None,
     ) -> None:
         self.url = url or default_url()
         self._core = Core(
@@ -84,6 +92,7 @@ class Client:
             trust_uid=trust_uid,
             transport=Transport,
             open=open,
+            lane=lane,
         )
         self._run = self._core.run
         _pickle.track(self)

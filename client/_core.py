@@ -50,6 +50,7 @@ from ._http import (
     request_id,
 )
 from ._segments import Segments
+from ._shmlane import LANE_ROUTES, ClientLane, lane_call, wanted
 from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
 
@@ -100,6 +101,7 @@ class Core:
         trust_uid: Any,
         transport: Callable[..., Blocking],
         open: bool,
+        lane: bool | None = False,
     ) -> None:
         _sigint.install()  # Ctrl-C lands in waits, never in bookkeeping
         self.url = url
@@ -122,6 +124,11 @@ class Core:
         self.closing = False
         self.round_trips = 0  # control-plane requests sent (releases included)
         self._fork_claim: str | None = None  # a forked child's session, until claimed
+        # The shared-memory lane (_shmlane): asked for once per session, by the
+        # first call that may go on it, on a unix socket only.
+        self._lane_wanted = wanted(lane) and self.endpoint.path is not None
+        self.lane: ClientLane | None = None
+        self._lane_asked = ""  # the session a lane was last asked for
         try:
             if open:
                 self.run(self.open_session(""))
@@ -242,10 +249,14 @@ class Core:
         io = io_timeout(timeout, self.timeout)
         self.round_trips += 1
         try:
-            status, payload = yield from exchange(
-                self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep
-            )
-            return decode(status, payload, raw)
+            got = None
+            if self._lane_wanted and (method, path) in LANE_ROUTES and not background:
+                got = lane_call(self, method, path, body, headers, io)
+            if got is None:
+                got = yield from exchange(
+                    self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep
+                )
+            return decode(*got, raw)
         except DepotError as exc:
             if not getattr(exc, "answered", False) and self.bg is not None:
                 self.bg.unanswered(sid, ids, rids, rid if grants else None)
@@ -446,6 +457,9 @@ class Core:
             return None  # the child's inherited views stay readable; see below
 
     def _after_fork_child(self, plan: ForkInfo | None) -> None:
+        if self.lane is not None:  # the parent's: this process asks its own
+            self.lane.forget()
+            self.lane = None
         self._lock = threading.Lock()
         self._finishing = threading.Lock()
         self.segments.after_fork()
@@ -563,6 +577,8 @@ class Core:
             if self.bg is not None:
                 self.bg.stop()
             self.transport.close()
+            if self.lane is not None:
+                self.lane.close()
         finally:
             self._finishing.release()
 

@@ -184,6 +184,32 @@ class Transport:
         self._give_back(conn)
         return answer
 
+    def handover(
+        self, head: bytes, body: bytes, timeout: float | None
+    ) -> tuple[int, bytes, list[int], int | None]:
+        """One request on a connection of its own, whose answer may carry
+        descriptors (``POST /v1/lane``): ``(status, body, fds, the broker's
+        pid)``.  The descriptors come with the answer's first bytes; a read
+        without room for them gets none (the kernel closes them)."""
+        sock = self._connect(timeout)
+        fds: list[int] = []
+        try:
+            _set_timeout(sock, timeout)
+            sock.sendall(head + body)
+            answer = Answer()
+            data, fds, flags, _ = socket.recv_fds(sock, _RECV, 3)
+            if flags & socket.MSG_CTRUNC:
+                fds = _closed(fds)
+            while not answer.feed(memoryview(data)):
+                data = sock.recv(_RECV)
+            status, payload, _ = answer.finish(False)
+            return status, payload, fds, _peer_pid(sock)
+        except BaseException:
+            _closed(fds)
+            raise
+        finally:
+            sock.close()
+
     def request(
         self,
         method: str,
@@ -213,3 +239,17 @@ class Transport:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+def _closed(fds: list[int]) -> list[int]:
+    for fd in fds:
+        os.close(fd)
+    return []
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid at the other end of a unix socket (None: not reported)."""
+    fmt = "3i"
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
+    pid = int(struct.unpack(fmt, raw)[0])
+    return pid if pid > 0 else None

@@ -157,6 +157,14 @@ class SessionOpen(_Frozen):
     )
 
 
+class LaneInfo(_Answer):
+    """The answer to ``POST /v1/lane``; the lane itself (a memfd and two
+    eventfds) comes with it as ``SCM_RIGHTS`` (docs/plan-lane.md)."""
+
+    requests: int = Field(description="the bytes of the request ring")
+    answers: int = Field(description="the bytes of the answer ring")
+
+
 class SessionInfo(_Answer):
     session: str
     pid: int | None

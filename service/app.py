@@ -20,6 +20,7 @@ from ._http._asgi import AsgiDoor
 from ._http._gate import Gate
 from ._http._lane import Lane
 from ._http._routes import openapi_routes
+from ._http._shmlane import ShmLanes
 from ._metrics import Metrics
 from ._registry._broker import Broker
 from ._registry._cuda import CudaMemory
@@ -81,11 +82,13 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
                 hosts = connect(
                     cfg, broker, auth, getattr(app.state, "flight", None), app.state.metrics
                 )
-            reaper = asyncio.create_task(_reap(broker, cfg.reap_interval))
+            lanes: ShmLanes = app.state.shmlanes
+            reaper = asyncio.create_task(_reap(broker, lanes, cfg.reap_interval))
             try:
                 yield
             finally:
                 reaper.cancel()
+                lanes.close()
                 broker.begin_shutdown()
                 if hosts is not None:
                     await hosts.close()
@@ -112,6 +115,7 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     gate = Gate(app.state, policy, app.state.metrics)
     app.add_middleware(AsgiDoor, gate=gate)
     app.state.lane = Lane(gate)
+    app.state.shmlanes = ShmLanes(gate, enabled=not settings.no_lane)  # the third door
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # the route table, documented
@@ -124,11 +128,12 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
     return app
 
 
-async def _reap(broker: Broker, interval: float) -> None:
+async def _reap(broker: Broker, lanes: ShmLanes, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
             broker.reap()
             broker.expire()
+            lanes.sweep()  # the lanes of the sessions that ended
         except Exception:  # keep reaping whatever one pass hit
             log.exception("reaper pass failed")

@@ -93,6 +93,11 @@ class Settings(BaseSettings):
         description="bearer tokens, one per line: '<token> <scope> "
         "[prefix=<p>] [name=<n>]', scope read, write or admin; mode 0600",
     )
+    no_lane: bool = Field(
+        False,
+        description="hand no client a shared-memory lane: every request goes over HTTP "
+        "(docs/plan-lane.md)",
+    )
     insecure_no_auth: bool = Field(
         False,
         description="let TCP listeners run without a token "

@@ -12,6 +12,9 @@ sealed against growing and shrinking, so a mapping of it can never fault
 past its end (SIGBUS), and against new seals; nothing of it has a name in
 ``/dev/shm``.
 
+The broker marks the lane gone in its header page when it closes it
+(``gone``): a client waiting for an answer stops waiting.
+
 Bells: the client's (``BROKER``: it wakes the broker) and the broker's
 (``CLIENT``); ringing adds 1, ``drain`` reads and clears, ``wait`` waits
 for a ring up to a timeout.  Both are non-blocking and close-on-exec.
@@ -33,6 +36,7 @@ PAGE = 4096
 _HEAD = struct.Struct("<8sIII")  # magic, version, request ring size, answer ring size
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MOST = 16 << 20  # the largest ring either side accepts
+_GONE_AT = 64  # in the header page: a u32 the broker sets when it closes the lane
 BROKER, CLIENT = 0, 1  # whose bell: the one that wakes the broker, the client's
 
 
@@ -146,10 +150,18 @@ class LaneMemory:
         ready = poller.poll(None if timeout is None else max(0, int(timeout * 1000)))
         return bool(ready) and self.drain(whose) > 0
 
+    def gone(self) -> bool:
+        """Whether the broker closed this lane (``close`` on its side): its
+        client's requests will not be answered."""
+        return bool(self._fds) and self._map[_GONE_AT] != 0
+
     def close(self) -> None:
-        """Unmap and close every descriptor (idempotent)."""
+        """Unmap and close every descriptor (idempotent).  The broker's side
+        marks the lane gone first, for a client still waiting on it."""
         if not self._fds:
             return
+        if isinstance(self.requests, Reader):  # the broker's side
+            self._map[_GONE_AT] = 1
         self.requests.release()
         self.answers.release()
         self._map.close()

@@ -12,6 +12,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,14 @@ def _admin(*argv: str) -> None:
         return res.returncode == 0
 
     wait_for(done, 30, interval=0.2, what=" ".join(argv))
+
+
+def group_dir(gid: int) -> str:
+    """A socket directory the broker may use with --shm-group: ours, group ``gid``, 0750."""
+    path = tempfile.mkdtemp(prefix="td-", dir="/tmp")
+    os.chown(path, -1, gid)
+    os.chmod(path, 0o750)
+    return path
 
 
 def other_user() -> Iterator[User]:

@@ -47,7 +47,17 @@ from .._metrics import UNMATCHED, Metrics
 from .._registry._broker import Broker
 from .._registry._sessions import Caller
 from .._registry._waits import ClientGone
-from ._handler import JSON, Answer, Call, Reply, Route, parse_body, parse_framed, parse_kept
+from ._handler import (
+    HANDOVER,
+    JSON,
+    Answer,
+    Call,
+    Reply,
+    Route,
+    parse_body,
+    parse_framed,
+    parse_kept,
+)
 from ._routes import match
 
 if TYPE_CHECKING:
@@ -288,6 +298,7 @@ class Gate:
             gone,
         )
         call.rest = rest
+        call.handover = scope.get(HANDOVER)
         handler = r.handler
         assert handler is not None, r.path
         if not r.once:

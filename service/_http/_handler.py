@@ -43,6 +43,22 @@ JSON = "application/json"
 _SESSION, _REQUEST = SESSION_HEADER.encode(), REQUEST_HEADER.encode()
 
 
+HANDOVER = "tensordepot.handover"  # in a scope: its door can pass descriptors (Handover)
+
+
+class Handover:
+    """What a door that can pass descriptors with an answer (the unix
+    socket's fast lane) puts in a request's scope under ``HANDOVER``: the
+    scope, and what a handler gives it to pass (``passing``: an object with
+    ``fds()``, ``passed()`` and ``failed()``, the shared-memory lane's)."""
+
+    __slots__ = ("passing", "scope")
+
+    def __init__(self, scope: Any) -> None:
+        self.scope = scope
+        self.passing: Any = None
+
+
 class Call(Generic[M]):
     """One request, as a handler sees it: the same object at both doors.
 
@@ -57,6 +73,7 @@ class Call(Generic[M]):
         "broker",
         "data",
         "gone",
+        "handover",
         "headers",
         "method",
         "params",
@@ -89,6 +106,7 @@ class Call(Generic[M]):
         self.query, self.headers, self.data, self.body = query, headers, data, body
         self.principal, self.who, self.state, self.gone = principal, who, state, gone
         self.rest: memoryview | None = None
+        self.handover: Handover | None = None  # set by the gate where the door can pass fds
         # The session the request runs under, and its request id (None: not sent).
         self.session: str | None = self.header(_SESSION)
         self.request_id: str | None = self.header(_REQUEST)

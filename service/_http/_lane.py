@@ -27,6 +27,8 @@ response in flight, and any request that asks for ASGI with the header
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable
@@ -34,8 +36,9 @@ from typing import Any, Protocol
 
 import httptools
 
+from ..._errors import Conflict
 from ._gate import Admitted, Gate
-from ._handler import Answer, Reply, body_refused
+from ._handler import HANDOVER, Answer, Handover, Reply, body_refused
 
 
 class PeerCredProtocol(Protocol):
@@ -169,6 +172,8 @@ class Lane:
             if req.admitted.route.handler is None:
                 return None  # an API document: FastAPI's own, through ASGI
             req.error = body_refused(headers.get(b"content-length"))
+            if scope["state"].get("unix"):  # this door passes descriptors (_send)
+                scope[HANDOVER] = Handover(scope)
         return req
 
     def refuse_now(self, proto: PeerCredProtocol, req: LaneRequest) -> bool:
@@ -249,6 +254,20 @@ class Lane:
     def _send(self, proto: PeerCredProtocol, req: LaneRequest, answer: Answer) -> None:
         status, body = answer
         gate = self.gate
+        transport = proto.transport
+        handover = req.scope.get(HANDOVER)
+        passing = None if handover is None else handover.passing
+        if passing is not None and (
+            status != 200 or transport.is_closing() or transport.get_write_buffer_size()
+        ):
+            # Descriptors go with the answer's first byte: only on a
+            # connection with nothing else still to write before it.
+            passing.failed()
+            passing = None
+            if status == 200:
+                status, body = gate.failure(
+                    Conflict("the lane could not be handed over on this connection: keep HTTP")
+                )
         r = None if req.admitted is None else req.admitted.route
         media = "application/json" if r is None else r.media
         first = self._heads.get((status, media))
@@ -267,11 +286,31 @@ class Lane:
         if not req.keep_alive:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
-        transport = proto.transport
+        data = b"".join(head) + body if status != 204 else b"".join(head)
+        if passing is not None:
+            data = _pass(transport, passing, data)
         if not transport.is_closing():
-            transport.write(b"".join(head) + body if status != 204 else b"".join(head))
+            transport.write(data)
         gate.observe(req.method, r, status, req.started)
         if not req.keep_alive:
             transport.close()
         else:
             proto.on_response_complete()
+
+
+def _pass(transport: Any, passing: Any, data: bytes) -> bytes:
+    """Send the start of an answer with the descriptors a handler hands over
+    (``_handler.Handover``), in one ``sendmsg`` on a duplicate of the
+    connection's socket (whose buffer is empty: it takes a short answer
+    whole); what is left of it to write.  If the kernel refuses (the peer is
+    gone), the lane is closed and so is the connection."""
+    fd = transport.get_extra_info("socket").fileno()
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sent = socket.send_fds(sock, [data], passing.fds())
+    except OSError:
+        passing.failed()
+        transport.close()
+        return b""
+    passing.passed()
+    return data[sent:]

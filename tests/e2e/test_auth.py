@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _harness import TEST_PREFIX, BrokerProc, free_port, shm_entries, wait_for
-from _users import User, other_user
+from _users import User, group_dir, other_user
 from tensordepot import BrokerUnavailable, Client, Forbidden, UntrustedBroker
 from tensordepot.shm import PosixMapping
 
@@ -60,14 +60,6 @@ def tokens(tmp_path: Path) -> Tokens:
             f"{t['team']} write prefix=team-a/ name=team-a  \n"
         )
     return Tokens(str(path), **t)
-
-
-def group_dir(gid: int) -> str:
-    """A socket directory the broker may use with --shm-group: ours, group ``gid``, 0750."""
-    path = tempfile.mkdtemp(prefix="td-", dir="/tmp")
-    os.chown(path, -1, gid)
-    os.chmod(path, 0o750)
-    return path
 
 
 def request(

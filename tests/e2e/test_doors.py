@@ -621,6 +621,7 @@ R_SESSIONS = ("POST", "/v1/sessions")
 R_HEARTBEAT = ("POST", "/v1/sessions/{session}/heartbeat")
 R_FORK = ("POST", "/v1/sessions/{session}/fork")
 R_CLAIM = ("POST", "/v1/sessions/{session}/claim")
+R_LANE = ("POST", "/v1/lane")
 R_CLOSE = ("DELETE", "/v1/sessions/{session}")
 R_LIST = ("GET", "/v1/tensors")
 R_GET = ("GET", "/v1/tensors/{name}")
@@ -682,6 +683,12 @@ GOOD = [
         id="sessions-fork",
     ),
     pytest.param(Case(R_CLAIM, _claim, 200), id="sessions-claim"),
+    # A lane's descriptors go only over the unix socket's fast lane
+    # (tests/e2e/test_shmlane.py): over TCP, every door refuses it alike.
+    pytest.param(
+        Case(R_LANE, lambda e: e.req("POST", "/v1/lane"), 400, "invalid_request"),
+        id="sessions-lane-tcp",
+    ),
     pytest.param(
         Case(R_CLOSE, _close_session, 204, delta={"sessions": -1, "leases": -1}),
         id="sessions-close",

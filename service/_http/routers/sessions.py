@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...._wire import ForkInfo, SessionInfo, SessionOpen
+from ...._errors import InvalidRequest
+from ...._wire import ForkInfo, LaneInfo, SessionInfo, SessionOpen
 from ..._auth import READ
 from .._handler import Call, Reply, route, routes_of
 
@@ -131,4 +132,29 @@ def close_session(call: Call[Any]) -> Reply:
     return 204, b""
 
 
-ROUTES = routes_of(open_session, heartbeat, fork, claim, close_session)
+@route(
+    "POST",
+    "/v1/lane",
+    READ,
+    "open_lane",
+    tag=TAG,
+    answers=LaneInfo,
+    note="the session's owner, on the unix socket",
+    summary="Hand over a shared-memory lane for this session (its memfd and bells come "
+    "with the answer, as SCM_RIGHTS)",
+)
+def open_lane(call: Call[Any]) -> Reply:
+    handover = call.handover
+    if handover is None:
+        raise InvalidRequest(
+            "a lane is handed over only on the broker's unix socket, to a client that reads "
+            "descriptors with the answer; this connection keeps HTTP"
+        )
+    s = call.broker.sessions.use(call.session, call.who)
+    lane = call.state.shmlanes.open(s.id, handover.scope)
+    handover.passing = lane.passing()
+    requests, answers = lane.mem.sizes
+    return 200, LaneInfo(requests=requests, answers=answers).model_dump_json().encode()
+
+
+ROUTES = routes_of(open_session, heartbeat, fork, claim, close_session, open_lane)

@@ -1,0 +1,190 @@
+"""The client's side of the shared-memory lane (docs/plan-lane.md): the
+requests of ``LANE_ROUTES`` go as records into a ring of a memfd the broker
+handed over, and their answers come back in the other ring, each side
+woken by an eventfd, with no HTTP and no socket in between.
+
+Handover (``handover``): once its session is open, a blocking ``Client``
+on a unix socket asks ``POST /v1/lane`` on a connection of its own and
+reads the answer's first bytes with ``socket.recv_fds``: the memfd and
+the two bells come with them (``SCM_RIGHTS``), and ``LaneMemory.adopt``
+checks them before anything is mapped.  Any refusal (TCP, ``--no-lane``,
+an older broker, a connection that could not pass them) leaves the client
+on HTTP, as it is with ``lane=False`` or ``TENSORDEPOT_LANE=0``.
+
+A call (``ClientLane.roundtrip``) is one request at a time per client
+(a lock), answered by its sequence number: an answer to an earlier call
+that gave up waiting is dropped.  While it waits, the client looks every
+``_LOOK`` seconds whether the broker closed the lane (its session ended)
+or died; either raises ``LaneGone`` before the request was answered, and
+the caller sends it over HTTP (the lane carries only requests that may be
+sent twice).  A forked child never uses its parent's lane.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+from .._errors import BrokerUnavailable, DepotError
+from .._laneproto import LaneGarbled, parse_answer, request_record
+from .._proto import SESSION_HEADER
+from ..shm._lanemem import BROKER, CLIENT, LaneMemory, LaneRefused
+from ..shm._ring import RingCorrupt
+from ._http import Endpoint, encode
+
+LANE_ROUTES = frozenset({("GET", "/v1/stat")})  # what goes on the lane (the broker's LANE_OPS)
+ENV = "TENSORDEPOT_LANE"  # "0": no lane, as Client(lane=False)
+_LOOK = 0.1  # seconds between looks at the lane's and the broker's state while waiting
+
+
+class LaneGone(Exception):
+    """The lane cannot carry this request (closed, its broker dead, full):
+    send it over HTTP."""
+
+
+class Owner(Protocol):
+    """The client core a lane serves (``_core.Core``)."""
+
+    endpoint: Endpoint
+    sid: str
+    timeout: float
+    transport: Any
+    lane: ClientLane | None
+    _lane_asked: str
+
+
+def lane_call(
+    core: Owner, method: str, path: str, body: Any, headers: dict[str, str], io: float | None
+) -> tuple[int, bytes] | None:
+    """A request's ``(status, body)`` on ``core``'s lane, asked for first if
+    this session has not asked yet; None: send it over HTTP."""
+    lane = core.lane
+    if lane is not None and not lane.usable():
+        core.lane = lane = None
+    if lane is None:
+        if core._lane_asked == core.sid:
+            return None
+        core._lane_asked = core.sid
+        lane = core.lane = _ask(core)
+        if lane is None:
+            return None
+    _, data = encode(core.endpoint, method, path, body, None)
+    try:
+        return lane.roundtrip(method, path, headers, data, io)
+    except LaneGone:
+        core.lane = None
+        return None
+    except TimeoutError:
+        raise BrokerUnavailable(
+            f"the broker did not answer {method} {path} on its lane within {io} s"
+        ) from None
+
+
+def _ask(core: Owner) -> ClientLane | None:
+    """The session's lane (``POST /v1/lane``, its descriptors with the
+    answer), or None: the broker refused it, or could not pass it."""
+    head, data = encode(core.endpoint, "POST", "/v1/lane", None, {SESSION_HEADER: core.sid})
+    try:
+        status, _, fds, pid = core.transport.handover(head, data, core.timeout)
+    except (OSError, DepotError):
+        return None
+    if status != 200:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return adopt(fds, pid)
+
+
+def wanted(lane: bool | None) -> bool:
+    """Whether a client asks for a lane: ``lane`` if given, else the environment."""
+    if lane is not None:
+        return bool(lane)
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def adopt(fds: list[int], broker_pid: int | None) -> ClientLane | None:
+    """The lane of descriptors a handover passed; None (each closed) if they
+    are not one (``LaneMemory.adopt``)."""
+    try:
+        return ClientLane(LaneMemory.adopt(fds), broker_pid)
+    except LaneRefused:
+        return None
+
+
+class ClientLane:
+    """A lane this process adopted."""
+
+    def __init__(self, mem: LaneMemory, broker_pid: int | None) -> None:
+        self.mem = mem
+        self.pid = os.getpid()
+        self.broker_pid = broker_pid
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.closed = False
+
+    def usable(self) -> bool:
+        return not self.closed and self.pid == os.getpid()
+
+    def roundtrip(
+        self, method: str, target: str, headers: dict[str, str], body: bytes, timeout: float | None
+    ) -> tuple[int, bytes]:
+        """One request's ``(status, body)``; raises ``LaneGone`` (send it over
+        HTTP) or ``TimeoutError``."""
+        items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        with self._lock:
+            if not self.usable():
+                raise LaneGone("the lane is closed")
+            self._seq += 1
+            seq = self._seq
+            mem = self.mem
+            try:
+                if not mem.requests.put(request_record(seq, method, target, items, body)):  # type: ignore[union-attr]
+                    raise LaneGone("the lane's request ring is full")
+                mem.ring(BROKER)
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:
+                    rec = mem.answers.take()  # type: ignore[union-attr]
+                    if rec is not None:
+                        got, status, _, answer = parse_answer(rec)
+                        if got == seq:
+                            return status, answer
+                        continue  # the answer to a call that gave up waiting
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("timed out waiting for the broker on the lane")
+                    if not mem.wait(CLIENT, _LOOK if left is None else min(left, _LOOK)):
+                        self._look()
+            except (RingCorrupt, LaneGarbled) as exc:
+                self._close()
+                raise LaneGone(f"the lane is corrupt ({exc})") from None
+
+    def _look(self) -> None:
+        """Raise ``LaneGone`` if the broker closed the lane or is gone."""
+        if self.mem.gone():
+            self._close()
+            raise LaneGone("the broker closed the lane (its session ended)")
+        if self.broker_pid is not None:
+            try:
+                os.kill(self.broker_pid, 0)
+            except ProcessLookupError:
+                self._close()
+                raise LaneGone("the broker is gone") from None
+            except PermissionError:
+                pass  # alive, another user's
+
+    def close(self) -> None:
+        """Give the lane's memory and bells back (idempotent); in a forked
+        child, only this process's copies of them."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        self.mem.close()
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the parent's
+        lane, without the lock (a parent's thread may have held it at fork)."""
+        self._close()
