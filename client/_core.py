@@ -50,7 +50,7 @@ from ._http import (
     request_id,
 )
 from ._segments import Segments
-from ._shmlane import LANE_ROUTES, ClientLane, lane_call, wanted
+from ._shmlane import ClientLane, lane_call, on_lane, wanted
 from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
 
@@ -250,7 +250,7 @@ class Core:
         self.round_trips += 1
         try:
             got = None
-            if self._lane_wanted and (method, path) in LANE_ROUTES and not background:
+            if self._lane_wanted and not background and on_lane(method, path):
                 got = lane_call(self, method, path, body, headers, io)
             if got is None:
                 got = yield from exchange(

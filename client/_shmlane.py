@@ -12,8 +12,11 @@ an older broker, a connection that could not pass them) leaves the client
 on HTTP, as it is with ``lane=False`` or ``TENSORDEPOT_LANE=0``.
 
 A call (``ClientLane.roundtrip``) is one request at a time per client
-(a lock), answered by its sequence number: an answer to an earlier call
-that gave up waiting is dropped.  While it waits, the client looks every
+(a thread that finds the lane busy, a long poll on it, sends its request
+over HTTP), answered by its sequence number: an answer to an earlier
+call that gave up waiting is dropped.  A Ctrl-C cuts the wait as it cuts
+a socket's (``LaneMemory.wait`` is ``interruptible``); the request id the
+record carries cancels what it was granted, as over HTTP.  While it waits, the client looks every
 ``_LOOK`` seconds whether the broker closed the lane (its session ended)
 or died; either raises ``LaneGone`` before the request was answered, and
 the caller sends it over HTTP (the lane carries only requests that may be
@@ -34,7 +37,13 @@ from ..shm._lanemem import BROKER, CLIENT, LaneMemory, LaneRefused
 from ..shm._ring import RingCorrupt
 from ._http import Endpoint, encode
 
-LANE_ROUTES = frozenset({("GET", "/v1/stat")})  # what goes on the lane (the broker's LANE_OPS)
+
+def on_lane(method: str, path: str) -> bool:
+    """Whether a request goes on the lane (the broker's ``LANE_OPS``): stat,
+    and gets (of a name: ``/v1/tensors/...``, with their query)."""
+    return method == "GET" and (path == "/v1/stat" or path.startswith("/v1/tensors/"))
+
+
 ENV = "TENSORDEPOT_LANE"  # "0": no lane, as Client(lane=False)
 _LOOK = 0.1  # seconds between looks at the lane's and the broker's state while waiting
 
@@ -42,6 +51,10 @@ _LOOK = 0.1  # seconds between looks at the lane's and the broker's state while 
 class LaneGone(Exception):
     """The lane cannot carry this request (closed, its broker dead, full):
     send it over HTTP."""
+
+
+class LaneBusy(Exception):
+    """Another thread's request is on the lane: send this one over HTTP."""
 
 
 class Owner(Protocol):
@@ -73,6 +86,8 @@ def lane_call(
     _, data = encode(core.endpoint, method, path, body, None)
     try:
         return lane.roundtrip(method, path, headers, data, io)
+    except LaneBusy:
+        return None
     except LaneGone:
         core.lane = None
         return None
@@ -133,7 +148,9 @@ class ClientLane:
         """One request's ``(status, body)``; raises ``LaneGone`` (send it over
         HTTP) or ``TimeoutError``."""
         items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        with self._lock:
+        if not self._lock.acquire(blocking=False):  # one request at a time: a long poll
+            raise LaneBusy  # holds the lane, and the other threads keep HTTP meanwhile
+        try:
             if not self.usable():
                 raise LaneGone("the lane is closed")
             self._seq += 1
@@ -159,6 +176,8 @@ class ClientLane:
             except (RingCorrupt, LaneGarbled) as exc:
                 self._close()
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
+        finally:
+            self._lock.release()
 
     def _look(self) -> None:
         """Raise ``LaneGone`` if the broker closed the lane or is gone."""

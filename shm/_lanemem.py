@@ -29,6 +29,7 @@ import select
 import struct
 
 from ._ring import Reader, Writer, ring_bytes
+from ._sigint import interruptible
 
 MAGIC = b"TDLANE01"
 VERSION = 1
@@ -142,6 +143,7 @@ class LaneMemory:
         except BlockingIOError:
             return 0
 
+    @interruptible  # a Ctrl-C cuts it (shm._sigint): its caller cleans up
     def wait(self, whose: int, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: for ever) for ``whose`` bell;
         whether it rang (it is drained)."""

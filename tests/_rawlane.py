@@ -89,6 +89,14 @@ class RawLane:
         self.mem.close()
 
 
-def open_fds(pid: int) -> int:
-    """How many descriptors process ``pid`` holds open."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def lane_fds(pid: int) -> int:
+    """How many lane descriptors (memfds of lanes, eventfds) process ``pid``
+    holds open: its connections come and go with its clients' pools."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        n += link.startswith("/memfd:tensordepot-lane") or link == "anon_inode:[eventfd]"
+    return n

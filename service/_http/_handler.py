@@ -133,6 +133,7 @@ class Route:
     body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
     framed: bool = False  # the body is framed (``_proto.frame``): ``body`` is its JSON head
     kept: bool = False  # the body is parsed as its producer sends it step after step (parse_kept)
+    handover: bool = False  # its answer may pass descriptors, where the door can (Handover)
     answers: Any = None  # the answer's model, for the OpenAPI document
     status: int = 200  # the status of a good answer
     media: str = JSON  # the content type of a good answer

@@ -172,8 +172,8 @@ class Lane:
             if req.admitted.route.handler is None:
                 return None  # an API document: FastAPI's own, through ASGI
             req.error = body_refused(headers.get(b"content-length"))
-            if scope["state"].get("unix"):  # this door passes descriptors (_send)
-                scope[HANDOVER] = Handover(scope)
+            if req.admitted.route.handover and scope["state"].get("unix"):
+                scope[HANDOVER] = Handover(scope)  # this door passes descriptors (_send)
         return req
 
     def refuse_now(self, proto: PeerCredProtocol, req: LaneRequest) -> bool:
@@ -255,7 +255,7 @@ class Lane:
         status, body = answer
         gate = self.gate
         transport = proto.transport
-        handover = req.scope.get(HANDOVER)
+        handover = req.scope.pop(HANDOVER, None)  # (it refers to the scope: no cycle left)
         passing = None if handover is None else handover.passing
         if passing is not None and (
             status != 200 or transport.is_closing() or transport.get_write_buffer_size()

@@ -50,7 +50,7 @@ log = logging.getLogger("tensordepot.broker")
 
 RING = 64 << 10  # each ring's bytes: a record that does not fit goes over HTTP
 TAKE_MOST = 32  # records read per ring of the bell: the rest on the loop's next turn
-LANE_OPS = frozenset({"stat"})  # the routes served on the lane (docs/plan-lane.md, steps)
+LANE_OPS = frozenset({"stat", "get_tensor"})  # the routes the lane serves (docs/plan-lane.md)
 _SESSION = SESSION_HEADER.encode()
 
 

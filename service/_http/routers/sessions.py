@@ -139,6 +139,7 @@ def close_session(call: Call[Any]) -> Reply:
     "open_lane",
     tag=TAG,
     answers=LaneInfo,
+    handover=True,
     note="the session's owner, on the unix socket",
     summary="Hand over a shared-memory lane for this session (its memfd and bells come "
     "with the answer, as SCM_RIGHTS)",
