@@ -42,8 +42,9 @@ class Client:
     ``close()``; closing never raises.
 
     ``lane``: on a unix socket, the client asks the broker for a
-    shared-memory lane, and the requests it serves (``stat`` and ``get``
-    so far) go through memory shared with the broker instead of HTTP; ``False`` (or
+    shared-memory lane, and the requests it serves (``stat``, ``get``, and
+    a ``put`` whose bytes fit in the request, so far) go through memory
+    shared with the broker instead of HTTP; ``False`` (or
     ``$TENSORDEPOT_LANE=0``) keeps everything on HTTP, as do TCP and a
     broker started with ``--no-lane``.
 

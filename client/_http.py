@@ -167,21 +167,23 @@ class Endpoint:
         return cls(url, path, host, port, fixed)
 
 
+def body_of(body: Any) -> tuple[bytes, str]:
+    """A request body's bytes and content type (``encode``)."""
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body), "application/octet-stream"
+    if body is None:
+        return b"", "application/json"
+    if isinstance(body, BaseModel):
+        return body.__pydantic_serializer__.to_json(body), "application/json"
+    return json.dumps(body, allow_nan=False).encode(), "application/json"  # the tests' raw ones
+
+
 def encode(
     endpoint: Endpoint, method: str, path: str, body: Any, headers: dict[str, str] | None
 ) -> tuple[bytes, bytes]:
     """A request's head and body: ``body`` is a wire model (sent as JSON), bytes
     (sent as they are), or None (no body)."""
-    if isinstance(body, (bytes, bytearray)):
-        data, ctype = bytes(body), "application/octet-stream"
-    else:
-        ctype = "application/json"
-        if body is None:
-            data = b""
-        elif isinstance(body, BaseModel):
-            data = body.__pydantic_serializer__.to_json(body)
-        else:  # plain JSON-able values: the tests' raw requests
-            data = json.dumps(body, allow_nan=False).encode()
+    data, ctype = body_of(body)
     extra = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]) if headers else ""
     head = (
         f"{method} {path} HTTP/1.1\r\n{endpoint.fixed}{extra}"

@@ -35,13 +35,16 @@ from .._laneproto import LaneGarbled, parse_answer, request_record
 from .._proto import SESSION_HEADER
 from ..shm._lanemem import BROKER, CLIENT, LaneMemory, LaneRefused
 from ..shm._ring import RingCorrupt
-from ._http import Endpoint, encode
+from ._http import Endpoint, body_of, encode
 
 
 def on_lane(method: str, path: str) -> bool:
     """Whether a request goes on the lane (the broker's ``LANE_OPS``): stat,
-    and gets (of a name: ``/v1/tensors/...``, with their query)."""
-    return method == "GET" and (path == "/v1/stat" or path.startswith("/v1/tensors/"))
+    gets of a name (``/v1/tensors/...``, with their query), and puts with
+    their bytes inline (``/v1/put/...``), those that fit its ring."""
+    if method == "GET":
+        return path == "/v1/stat" or path.startswith("/v1/tensors/")
+    return method == "POST" and path.startswith("/v1/put/")
 
 
 ENV = "TENSORDEPOT_LANE"  # "0": no lane, as Client(lane=False)
@@ -54,7 +57,8 @@ class LaneGone(Exception):
 
 
 class LaneBusy(Exception):
-    """Another thread's request is on the lane: send this one over HTTP."""
+    """The lane cannot take this request now (another thread's request is on
+    it, or this one is larger than its ring): send it over HTTP."""
 
 
 class Owner(Protocol):
@@ -83,7 +87,10 @@ def lane_call(
         lane = core.lane = _ask(core)
         if lane is None:
             return None
-    _, data = encode(core.endpoint, method, path, body, None)
+    data = b""
+    if body is not None:
+        data, ctype = body_of(body)
+        headers = {**headers, "content-type": ctype}
     try:
         return lane.roundtrip(method, path, headers, data, io)
     except LaneBusy:
@@ -157,7 +164,10 @@ class ClientLane:
             seq = self._seq
             mem = self.mem
             try:
-                if not mem.requests.put(request_record(seq, method, target, items, body)):  # type: ignore[union-attr]
+                rec = request_record(seq, method, target, items, body)
+                if len(rec) > mem.requests.most():  # type: ignore[union-attr]
+                    raise LaneBusy  # too large for the ring: this one goes over HTTP
+                if not mem.requests.put(rec):  # type: ignore[union-attr]
                     raise LaneGone("the lane's request ring is full")
                 mem.ring(BROKER)
                 deadline = None if timeout is None else time.monotonic() + timeout

@@ -50,8 +50,10 @@ log = logging.getLogger("tensordepot.broker")
 
 RING = 64 << 10  # each ring's bytes: a record that does not fit goes over HTTP
 TAKE_MOST = 32  # records read per ring of the bell: the rest on the loop's next turn
-LANE_OPS = frozenset({"stat", "get_tensor"})  # the routes the lane serves (docs/plan-lane.md)
+# The routes the lane serves (docs/plan-lane.md); the client's ``on_lane`` picks the same.
+LANE_OPS = frozenset({"stat", "get_tensor", "put_tensor"})
 _SESSION = SESSION_HEADER.encode()
+_LENGTH = b"content-length"
 
 
 class ShmLanes:
@@ -143,6 +145,7 @@ class ShmLane:
         """Run one request record; whether its answer was written now."""
         seq, method, path, query, headers, body = parse_request(rec)
         headers[_SESSION] = self.sid.encode()  # a lane speaks for its own session only
+        headers[_LENGTH] = b"%d" % len(body)  # as an HTTP door has it: the body's own
         gate = self.lanes.gate
         started = time.perf_counter()
         route = None

@@ -23,6 +23,8 @@ from _harness import BrokerProc, drained, wait_for
 from _rawhttp import Session, encode, exchange
 from _rawlane import RawLane, handover, lane_fds
 from _users import User, group_dir, other_user
+from tensordepot._laneproto import request_record
+from tensordepot._proto import SESSION_HEADER
 from tensordepot.shm._lanemem import PAGE
 from tensordepot.shm._ring import HEADER
 
@@ -137,6 +139,65 @@ def test_a_get_on_the_lane_answers_as_over_http(broker: BrokerProc) -> None:
     drained(broker, "leases", "bytes_in_use", sessions=1)
 
 
+def test_a_put_on_the_lane_answers_as_over_http(broker: BrokerProc) -> None:
+    """A put with its bytes inline on the lane (good, a wrong byte count, a
+    bad dtype, a bad name, one whose request id was seen) gets the answer,
+    error code and effect on the accounting that it gets over HTTP; a
+    Client's small puts go on its lane, a larger one (past the ring) over
+    HTTP, each with its bytes."""
+    raw = Session(broker.sock)
+    _, _, fds = handover(broker.sock, raw.sid)
+    lane = RawLane(fds)
+    four = np.arange(4, dtype=np.float32).tobytes()
+    cases = [
+        ("/v1/put/p.{door}?dtype=float32&shape=4", four, ()),
+        ("/v1/put/p.{door}?dtype=float32&shape=4", four[:-1], ()),
+        ("/v1/put/p.{door}?dtype=nope&shape=4", four, ()),
+        ("/v1/put/p.{door}?dtype=float32&shape=-4", four, ()),
+        ("/v1/put/%00p.{door}?dtype=float32&shape=4", four, ()),
+        ("/v1/put/r.{door}?dtype=float32&shape=4", four, (("x-tensordepot-request", "r1"),)),
+        ("/v1/put/r.{door}?dtype=float32&shape=4", four, (("x-tensordepot-request", "r1"),)),
+    ]
+    try:
+        for target, body, extra in cases:
+            seen = {}
+            for door in ("lane", "http"):
+                before = broker.stat()
+                t = target.format(door=door)
+                if door == "lane":
+                    lane.seq += 1
+                    rec = request_record(
+                        lane.seq, "POST", t, [(k.encode(), v.encode()) for k, v in extra], body
+                    )
+                    assert lane.mem.requests.put(rec)  # type: ignore[union-attr]
+                    lane.mem.ring(0)
+                    got = lane.answer()
+                    assert got is not None and got[0] == lane.seq
+                    status, answer = got[1], json.loads(got[2])
+                else:
+                    hs = [(SESSION_HEADER, raw.sid), *extra]
+                    a = exchange(broker.sock, encode("POST", t, hs, body))
+                    status, answer = a.status, a.json()
+                after = broker.stat()
+                delta = tuple(getattr(after, k) - getattr(before, k) for k in ACCOUNTS)
+                code = answer["error"]["code"] if status >= 400 else answer["version"]
+                seen[door] = (status, code, delta)
+            assert seen["lane"] == seen["http"], (target, seen)
+    finally:
+        lane.close()
+    raw.close()
+    x = np.arange(1000, dtype=np.float64)
+    big = np.arange(20_000, dtype=np.float64)  # 160 KB: inline over HTTP, past the lane's ring
+    with broker.client() as c:
+        c.put("small", x)
+        c.put("big", big)
+        assert c._core.lane is not None
+        assert np.array_equal(np.from_dlpack(c.get("small")), x)
+        assert np.array_equal(np.from_dlpack(c.get("big")), big)
+        c.delete_many(["small", "big", "p.lane", "p.http", "r.lane", "r.http"])
+    drained(broker, "leases", "bytes_in_use", sessions=1)
+
+
 def test_no_lane_where_it_cannot_be_passed(
     broker_factory: Callable[..., BrokerProc], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +235,8 @@ def test_no_lane_where_it_cannot_be_passed(
 _HOLDER = """
 import sys, time
 from tensordepot import Client
+from tensordepot._laneproto import request_record
+from tensordepot._proto import SESSION_HEADER
 c = Client(sys.argv[1])
 c.stat()
 assert c._core.lane is not None
