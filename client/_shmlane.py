@@ -172,9 +172,9 @@ class ClientLane:
                 mem.ring(BROKER)
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while True:
-                    rec = mem.answers.take()  # type: ignore[union-attr]
-                    if rec is not None:
-                        got, status, _, answer = parse_answer(rec)
+                    back = mem.answers.take()  # type: ignore[union-attr]
+                    if back is not None:
+                        got, status, _, answer = parse_answer(back)
                         if got == seq:
                             return status, answer
                         continue  # the answer to a call that gave up waiting

@@ -9,7 +9,9 @@ here, as plain function calls, in this order:
    name in the path (403), and the name itself (``check_name``: 400).  Nothing else
    runs, and no body is buffered, for a request that is not admitted.
 2. ``dispatch``: the release and cancel ids riding on the request's headers
-   (``release_riders``), the body parsed as the route's model (400, 422),
+   (``release_riders``), a request the client cancelled before it arrived
+   (409: it came by another door, or waited in a lane's ring, after its
+   cancel), the body parsed as the route's model (400, 422),
    the names in it checked against the prefix, then the handler, under its
    request id for routes that replay their first answer (``once``).
 3. ``failure``: the one error serializer, ``{"error": {"code", "message"}}``.
@@ -274,6 +276,9 @@ class Gate:
         sid = headers.get(_SESSION)
         if (releases or cancels) and sid:
             release_riders(broker, sid.decode("latin-1"), who, releases, cancels)
+        rid = headers.get(_REQUEST)
+        if rid and sid and broker.was_cancelled(sid.decode("latin-1"), rid.decode("latin-1")):
+            raise Cancelled("the client cancelled this request before it arrived")
         body, rest = None, None
         if r.body is not None:
             if r.framed:  # the handler reads the bytes after the head as ``rest``

@@ -388,6 +388,7 @@ class Broker:
             raise Forbidden(why)
         n = self.lending.release_ids(s, lease_ids)
         for rid in requests or ():
+            s.cancel(rid)
             fut = s.waits.get(rid)
             if fut is not None and not fut.done():
                 fut.set_result(None)
@@ -397,6 +398,12 @@ class Broker:
             for v in [v for v in s.writing if v.request == rid]:
                 self.abandon(v)
         return n
+
+    def was_cancelled(self, sid: str, rid: str) -> bool:
+        """Whether the client cancelled request ``rid`` of session ``sid``
+        before it arrived (``release``): then it must not run."""
+        s = self.sessions.get(sid)
+        return s is not None and rid in s.cancelled
 
     def release_stale(self, caller: Caller, stale: dict[str, list[int]]) -> int:
         """A client whose session lapsed (it was paused past its TTL) says the

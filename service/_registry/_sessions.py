@@ -92,11 +92,20 @@ class Session:
     running: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     by_request: dict[str, set[int]] = field(default_factory=dict)  # request id -> leases
     waits: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # request id -> cancel
+    # Request ids the client cancelled (the last REQUEST_CACHE): one that
+    # arrives after its cancel (it came by another door, or waited in a
+    # lane's ring) is refused, never run.
+    cancelled: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     def remember(self, rid: str, status: int, body: builtins.bytes) -> None:
         self.answers[rid] = (status, body)
         while len(self.answers) > REQUEST_CACHE:
             self.answers.popitem(last=False)
+
+    def cancel(self, rid: str) -> None:
+        self.cancelled[rid] = None
+        while len(self.cancelled) > REQUEST_CACHE:
+            self.cancelled.popitem(last=False)
 
 
 def _parent_of(pid: int, proc: str) -> int | None:

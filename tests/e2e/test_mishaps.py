@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, run_worker, stat_when, wait_for
+from _harness import BrokerProc, drained, run_worker, stat_when, wait_for
 from _interrupt import interrupt_at
+from _rawhttp import Session, encode, exchange
 from _workerio import Worker
 from pydantic import BaseModel
 from tensordepot import Client, TensorNotFound
+from tensordepot._proto import REQUEST_HEADER, SESSION_HEADER
 from tensordepot._wire import Handle, HandleColumns
 
 MiB = 1 << 20
@@ -352,6 +354,35 @@ def test_ctrl_c_in_a_long_poll_leaves_no_lease(
         stat_when(c, lambda s: s.leases == 0, "no lease for a wait the client abandoned", 5)
         w.ask("get later", "ok")  # the process carries on
         assert c.stat().leases == 1
+
+
+def test_a_request_cancelled_before_it_arrives_never_runs(broker: BrokerProc) -> None:
+    """A Ctrl-C cancels the request the client gave up on (its id rides on
+    the next request); when the cancel reaches the broker first (it rode on
+    another connection, or the request waits in a lane's ring), the request
+    is refused on arrival: no lease, no tensor, however often it comes."""
+    with broker.client(lane=False) as c:
+        c.put("x", np.zeros(4, dtype=np.float32))
+        raw = Session(broker.sock)
+        assert raw.send("POST", "/v1/release", {"leases": [], "requests": ["r-gone"]})[0] == 200
+        for target in ["/v1/tensors/x", "/v1/put/y?dtype=uint8&shape=4"]:
+            for _ in range(2):
+                a = exchange(
+                    broker.sock,
+                    encode(
+                        "POST" if "put" in target else "GET",
+                        target,
+                        [(SESSION_HEADER, raw.sid), (REQUEST_HEADER, "r-gone")],
+                        b"\0" * 4 if "put" in target else None,
+                    ),
+                )
+                assert (a.status, a.json()["error"]["code"]) == (409, "cancelled"), a
+        assert raw.send("GET", "/v1/tensors/x")[0] == 200, "another request of it runs"
+        st = c.stat()
+        assert (st.leases, st.tensors) == (1, 1), st
+        raw.close()
+        c.delete("x")
+    drained(broker, "leases", "bytes_in_use")
 
 
 def test_a_ctrl_c_storm_leaks_no_lease_and_leaves_the_client_working(broker: BrokerProc) -> None:
