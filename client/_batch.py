@@ -33,7 +33,7 @@ import functools
 import operator
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from .._errors import BrokerUnavailable, InvalidRequest, TensorBroken
@@ -489,16 +489,18 @@ def _windows(
     packs, pack = cols.packs, cols.pack
     n = len(cols.names)
     size = [nb for _, _, nb in layouts]
-    # 0 for a tensor in no pack (a GPU tensor's whole handle is in cols.others)
-    offsets = [packs[k][1] + a if k >= 0 else 0 for k, a in zip(pack, cols.at, strict=True)]
-    nbytes = [size[m] if k >= 0 else 0 for k, m in zip(pack, cols.layout, strict=True)]
-    by_segment: dict[int, list[int]] = {}
+    by_segment: dict[int, Sequence[int]] = {}
     if n and pack[0] >= 0 and pack.count(pack[0]) == n:  # the usual batch: one pack
-        by_segment[packs[pack[0]][0]] = list(range(n))
+        offsets = list(map(packs[pack[0]][1].__add__, cols.at))
+        nbytes = list(map(size.__getitem__, cols.layout))
+        by_segment[packs[pack[0]][0]] = range(n)
     else:
+        # 0 for a tensor in no pack (a GPU tensor's whole handle is in cols.others)
+        offsets = [packs[k][1] + a if k >= 0 else 0 for k, a in zip(pack, cols.at, strict=True)]
+        nbytes = [size[m] if k >= 0 else 0 for k, m in zip(pack, cols.layout, strict=True)]
         for i, k in enumerate(pack):
             if k >= 0:
-                by_segment.setdefault(packs[k][0], []).append(i)
+                by_segment.setdefault(packs[k][0], []).append(i)  # type: ignore[attr-defined]
     out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
     segment = ""
     try:
@@ -510,9 +512,12 @@ def _windows(
             segment = cols.segments[j]
             shared, alone = _layout(members, offsets, nbytes)
             if shared:
-                starts = [offsets[i] for i in shared]
+                if len(shared) == n:  # every tensor: their columns as they are
+                    starts, lengths = offsets, nbytes
+                else:
+                    starts, lengths = [offsets[i] for i in shared], [nbytes[i] for i in shared]
                 lo = min(starts)
-                hi = max(map(operator.add, starts, [nbytes[i] for i in shared]))
+                hi = max(map(operator.add, starts, lengths))
                 window = _window(client, segment, lo, hi - lo)
                 if len(shared) == n:
                     out = [window] * n
@@ -535,14 +540,18 @@ def _window(client: Core, segment: str, lo: int, n: int) -> tuple[Any, Any, int]
 
 
 def _layout(
-    members: list[int], offsets: list[int], nbytes: list[int]
-) -> tuple[list[int], list[list[int]]]:
+    members: Sequence[int], offsets: list[int], nbytes: list[int]
+) -> tuple[Sequence[int], list[list[int]]]:
     """The tensors of one segment that may share a window, and the groups
     that each need one of their own: the tensors of one range of bytes (tied
     weights, a name given twice) are one; ranges that overlap without being
     the same may not share a window."""
-    starts = [offsets[i] for i in members]
-    ends = [offsets[i] + nbytes[i] for i in members]
+    if len(members) == len(offsets):  # every tensor of the batch (a range): its columns
+        starts = offsets
+        ends = list(map(operator.add, offsets, nbytes))
+    else:
+        starts = [offsets[i] for i in members]
+        ends = [offsets[i] + nbytes[i] for i in members]
     if all(map(operator.ge, starts[1:], ends)):  # the usual batch: in order, none overlapping
         return members, []
     spans: dict[tuple[int, int], list[int]] = {}

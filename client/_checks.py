@@ -8,6 +8,7 @@ overflow a socket timeout or produce JSON that is not JSON.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -130,8 +131,8 @@ def check_floors(newer_than: Any, names: list[str]) -> list[int] | None:
                 f"{', '.join(map(repr, strays[:10]))}; give versions only for "
                 f"the names asked for"
             )
-        floors = [newer_than.get(n, 0) for n in names]
-        if not all(type(v) is int and v >= 0 for v in floors):  # say which one is not
+        floors = list(map(newer_than.get, names, itertools.repeat(0)))
+        if floors and not (set(map(type, floors)) == {int} and min(floors) >= 0):  # which not
             pairs = zip(names, floors, strict=True)
             floors = [check_version(v, f"newer_than[{n!r}]") for n, v in pairs]
     else:
