@@ -34,6 +34,18 @@ TEST_PREFIX = f"tdtest-{RUN_ID}-"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def in_pid_namespace() -> list[str] | None:
+    """The launcher that runs a process in a pid namespace of its own
+    (``unshare``), or None where this cannot be done (not root, no unshare):
+    from the other side of it, the kernel reports its peer's pid as 0."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    ok = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, check=False
+    )
+    return ["unshare", "--pid", "--fork", "--mount-proc"] if ok.returncode == 0 else None
+
+
 def wait_for(
     cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = ""
 ) -> Any:

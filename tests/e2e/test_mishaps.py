@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, drained, run_worker, stat_when, wait_for
+from _harness import BrokerProc, drained, in_pid_namespace, run_worker, stat_when, wait_for
 from _interrupt import interrupt_at
 from _rawhttp import Session, encode, exchange
 from _workerio import Worker
@@ -100,15 +99,6 @@ def test_a_write_after_publish_never_reaches_readers(
 # -- M1: a paused client the broker cannot vouch for --------------------------------------------
 
 
-def _in_pid_namespace() -> list[str] | None:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return None
-    ok = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, check=False
-    )
-    return ["unshare", "--pid", "--fork", "--mount-proc"] if ok.returncode == 0 else None
-
-
 @pytest.mark.parametrize("holds", ["reader", "writer"])
 def test_paused_client_past_its_ttl_keeps_its_bytes(
     broker_factory: Callable[..., BrokerProc], holds: str
@@ -116,7 +106,7 @@ def test_paused_client_past_its_ttl_keeps_its_bytes(
     """A client in another pid namespace, over TCP: the broker cannot check its
     pid, so it lives on heartbeats.  SIGSTOP it past --session-ttl: it is
     reaped, and the memory it may still map is retired, never reused."""
-    prefix = _in_pid_namespace()
+    prefix = in_pid_namespace()
     if prefix is None:
         pytest.skip("needs root and unshare --pid to put the client in another pid namespace")
     tcp = f"http://127.0.0.1:{free_port()}"

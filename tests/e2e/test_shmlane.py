@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, drained, wait_for
+from _harness import BrokerProc, drained, in_pid_namespace, stat_when, wait_for
 from _rawhttp import Session, encode, exchange
 from _rawlane import RawLane, handover, lane_fds
 from _users import User, group_dir, other_user
@@ -437,3 +438,69 @@ def test_a_forked_child_asks_its_own_lane(broker: BrokerProc) -> None:
     )
     assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
     drained(broker, "leases", sessions=1)
+
+
+_PAUSED = """
+import sys
+import numpy as np
+from tensordepot import Client
+c = Client(sys.argv[1])
+held = np.from_dlpack(c.get("a"))
+first = c._core.lane
+assert first is not None
+print("ready", flush=True)
+sys.stdin.readline()  # after the pause
+again = np.from_dlpack(c.get("a"))  # over HTTP: the lane is gone, the session too
+c.stat()  # the new session's first call that may go on a lane asks for one
+lane = c._core.lane
+print("ok", int(again[0]), int(held[0]), lane is not None and lane is not first, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_lane_client_paused_past_its_ttl_carries_on(
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
+    """A client whose pid the broker cannot see (the broker in a pid
+    namespace of its own) lives on heartbeats.  SIGSTOP it past
+    --session-ttl: its session lapses and the broker closes its lane.  On
+    SIGCONT its next get finds the lane gone and goes over HTTP under a new
+    session, with the right bytes; its next call asks a new lane; what it
+    held stays readable; nothing is left once it exits."""
+    launcher = in_pid_namespace()
+    if launcher is None:
+        pytest.skip("needs root and unshare --pid to put the broker in another pid namespace")
+    b = broker_factory("--session-ttl", "1", launcher=launcher)
+    with b.client(lane=False) as c:
+        c.put("a", np.full(1024, 5.0, dtype=np.float32))
+        with subprocess.Popen(
+            [sys.executable, "-c", _PAUSED, b.url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as p:
+            assert p.stdin is not None and p.stdout is not None
+            try:
+                assert p.stdout.readline().strip() == "ready"
+                assert c.stat().sessions == 2
+                p.send_signal(signal.SIGSTOP)
+                stat_when(c, lambda s: s.sessions == 1, "the paused session to lapse", 15)
+                p.send_signal(signal.SIGCONT)
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                assert p.stdout.readline().split() == ["ok", "5", "5", "True"]
+                p.stdin.write("exit\n")
+                p.stdin.flush()
+                assert p.wait(30) == 0
+            finally:
+                p.kill()
+        c.delete("a")
+    drained(b, "leases", "bytes_in_use", sessions=1)
+    # unshare --fork ignores SIGTERM: the broker, its child, is stopped here
+    assert b.proc is not None
+    kids = subprocess.run(["pgrep", "-P", str(b.proc.pid)], capture_output=True, text=True)
+    for kid in kids.stdout.split():
+        os.kill(int(kid), signal.SIGTERM)
+    assert b.proc.wait(30) == 0 and b.segments() == [], b.log()
+    b.stop()  # (closes its log)
+    b.expect_dead = True  # type: ignore[attr-defined]  # stopped here: its checks are above
