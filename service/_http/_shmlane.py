@@ -136,6 +136,8 @@ class ShmLane:
             except (RingCorrupt, LaneGarbled) as exc:
                 self.garbled(str(exc))
                 return
+            if self.closed:  # its answer could not be written (garbled)
+                return
         else:  # more may wait: on the loop's next turn, after other work
             self._again = asyncio.get_running_loop().call_soon(self.rung)
         if answered:
@@ -177,8 +179,13 @@ class ShmLane:
             result = await pending
         except BaseException as exc:
             result = self.lanes.gate.failure(exc, method, "")
-        if not self.closed:
+        if self.closed:
+            return
+        try:
             self._answer(seq, result, media, method, route, t0)
+        except RingCorrupt as exc:
+            self.garbled(str(exc))
+        if not self.closed:
             self.mem.ring(CLIENT)
 
     def _answer(

@@ -331,6 +331,27 @@ def test_a_garbled_lane_ends_only_its_session(broker: BrokerProc, what: str) -> 
     drained(broker, "leases", "bytes_in_use", sessions=1)
 
 
+def test_a_client_that_reads_no_answers_ends_only_its_session(broker: BrokerProc) -> None:
+    """A client that sends request after request and never takes an answer
+    fills its answer ring: the broker does not wait for it (it never blocks
+    on a client), ends that session with one log line, and keeps serving."""
+    raw = Session(broker.sock)
+    _, _, fds = handover(broker.sock, raw.sid)
+    lane = RawLane(fds)
+    with broker.client(lane=False) as c:
+        for _ in range(400):  # about 600 bytes of answer each: past a 64 KiB ring
+            lane.seq += 1
+            assert lane.mem.requests.put(request_record(lane.seq, "GET", "/v1/stat", [], b""))  # type: ignore[union-attr]
+        lane.mem.ring(0)
+        wait_for(lambda: c.stat().sessions == 1, what="the session that reads nothing ended")
+        log = broker.log()
+        lines = [ln for ln in log.splitlines() if "answer ring is full" in ln]
+        assert len(lines) == 1 and raw.sid in lines[0], lines
+        assert "Traceback" not in log and "Exception in callback" not in log, log
+        assert c.stat().sessions == 1
+    lane.close()
+
+
 def test_a_bell_with_no_record_costs_nothing(broker: BrokerProc) -> None:
     """A bell rung with nothing in the ring, ten thousand times, ends no
     session and leaves the broker idle: it reads the bell, finds nothing,
