@@ -112,11 +112,7 @@ def _ask(core: Owner) -> ClientLane | None:
         status, _, fds, pid = core.transport.handover(head, data, core.timeout)
     except (OSError, DepotError):
         return None
-    if status != 200:
-        for fd in fds:
-            os.close(fd)
-        return None
-    return adopt(fds, pid)
+    return adopt(fds, pid) if status == 200 else None
 
 
 def wanted(lane: bool | None) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..shm._sigint import interruptible
 from ._http import Answer, Endpoint, Request, decode, drive, exchange, failed, io_timeout
-from ._trust import connected
+from ._trust import connected, peer_cred
 
 # A connection idle this long is checked before use (one poll(2)); the broker
 # closes idle ones only after its keep-alive timeout (120 s), or when it stops.
@@ -189,8 +189,9 @@ class Transport:
     ) -> tuple[int, bytes, list[int], int | None]:
         """One request on a connection of its own, whose answer may carry
         descriptors (``POST /v1/lane``): ``(status, body, fds, the broker's
-        pid)``.  The descriptors come with the answer's first bytes; a read
-        without room for them gets none (the kernel closes them)."""
+        pid)``, the descriptors of a 200 answer only (others' are closed).
+        They come with the answer's first bytes; a read without room for
+        them gets none (the kernel closes them)."""
         sock = self._connect(timeout)
         fds: list[int] = []
         try:
@@ -203,7 +204,10 @@ class Transport:
             while not answer.feed(memoryview(data)):
                 data = sock.recv(_RECV)
             status, payload, _ = answer.finish(False)
-            return status, payload, fds, _peer_pid(sock)
+            if status != 200:
+                fds = _closed(fds)
+            pid = peer_cred(sock)[0]
+            return status, payload, fds, pid or None
         except BaseException:
             _closed(fds)
             raise
@@ -245,11 +249,3 @@ def _closed(fds: list[int]) -> list[int]:
     for fd in fds:
         os.close(fd)
     return []
-
-
-def _peer_pid(sock: socket.socket) -> int | None:
-    """The pid at the other end of a unix socket (None: not reported)."""
-    fmt = "3i"
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
-    pid = int(struct.unpack(fmt, raw)[0])
-    return pid if pid > 0 else None

@@ -38,6 +38,17 @@ def trusted_uids(extra: int | str | Iterable[int | str] | None = None) -> frozen
         raise InvalidRequest(f"trust_uid / ${ENV_TRUST_UID}: {exc}") from None
 
 
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected unix
+    socket, as the kernel reports them (SO_PEERCRED; pid 0: in a pid
+    namespace this process cannot see)."""
+    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid, gid
+
+
 def check_broker_socket(
     sock: socket.socket, path: str, trusted: frozenset[int] | None = None
 ) -> None:
@@ -45,10 +56,7 @@ def check_broker_socket(
     the connected unix socket ``sock`` runs as a trusted uid (default: ``trusted_uids()``)."""
     if trusted is None:
         trusted = trusted_uids()
-    fmt = "3i"
-    _, uid, _ = struct.unpack(
-        fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
-    )
+    _, uid, _ = peer_cred(sock)
     if uid in trusted:
         return
     sock.close()

@@ -56,6 +56,7 @@ class LaneMemory:
 
     def __init__(self, memfd: int, bells: tuple[int, int], broker: bool) -> None:
         self._fds = [memfd, *bells]
+        self._broker = broker  # the broker's side marks the lane gone when it closes it
         size = os.fstat(memfd).st_size
         self._map = mmap.mmap(memfd, size)
         _, _, req, ans = _HEAD.unpack_from(self._map, 0)  # checked by adopt, or written by create
@@ -162,7 +163,7 @@ class LaneMemory:
         marks the lane gone first, for a client still waiting on it."""
         if not self._fds:
             return
-        if isinstance(self.requests, Reader):  # the broker's side
+        if self._broker:
             self._map[_GONE_AT] = 1
         self.requests.release()
         self.answers.release()
