@@ -33,9 +33,11 @@ having to know the dtype, and calls the producer's deleter when done.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._wire import c_strides
 from ._dtypes import DType, dtype_from_dlpack
 from ._posix import array_at
 
@@ -248,7 +250,7 @@ class Views:
     flat array (``owned``), each at its offset: their arrays (``views_at``)
     are made together, when the first of them is exported, so that a batch
     read whole pays for one array of them all, and one read but not
-    exported pays nothing.  ``add`` an offset before any is made."""
+    exported pays nothing.  Its ``offsets`` are all given before any is made."""
 
     __slots__ = ("arrays", "dtype", "flat", "offsets", "shape")
 
@@ -276,13 +278,10 @@ def views_at(flat: Any, offsets: list[int], shape: tuple[int, ...], dtype: DType
     n = len(offsets)
     if n > 1 and shape:
         first, step = offsets[0], offsets[1] - offsets[0]
-        itemsize = dt.itemsize
-        inner = [itemsize] * len(shape)
-        for j in range(len(shape) - 1, 0, -1):
-            inner[j - 1] = inner[j] * shape[j]
-        if step >= inner[0] * shape[0] > 0 and offsets == list(
+        if step >= dt.itemsize * math.prod(shape) > 0 and offsets == list(
             range(first, first + step * n, step)
         ):
+            inner = [s * dt.itemsize for s in c_strides(shape)]
             return list(_NDARRAY((n, *shape), dt, flat, first, (step, *inner)))
     return [_NDARRAY(shape, dt, flat, at) for at in offsets]
 
