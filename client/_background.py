@@ -65,6 +65,10 @@ class Background:
         # After fork: the parent's (session, lease) -> the child's copy of it.
         self.renamed: dict[Key, Key] = {}
         self.stale: dict[str, list[int]] = {}  # earlier session -> its leases no view holds
+        # Releases queued again after a request that carried them was cut
+        # (``give_back``): the broker may have released them, so they are
+        # never taken back (``take_back``); forgotten once handed out again.
+        self.doubtful: set[Key] = set()
         self._client = client
         self.heartbeat: float | None = None
         self._start()
@@ -88,6 +92,7 @@ class Background:
         for fd in (self._r, self._w):
             os.close(fd)
         self.pending.clear()
+        self.doubtful.clear()
         self.cancels.clear()
         self.records.clear()  # the parent's GPU work: a forked child cannot use CUDA
         self.stale = {}
@@ -111,6 +116,23 @@ class Background:
             self._since = time.monotonic()
         self.pending.append(key)
         self._wake()
+
+    def take_back(self, sid: str, lease_id: int) -> bool:
+        """Take back a queued release never handed to a request, so the lease
+        is held again (``_shmlane.again``); False if it is not queued (a view
+        still holds the lease, or a request or ``flush`` took it), or if a
+        request that carried it was cut before its answer (``give_back``:
+        the broker may have released it).  Whoever sends releases takes them
+        off ``pending`` one ``popleft`` at a time, and a ``remove`` is
+        atomic as well: one of the two has it, never both."""
+        key = (sid, lease_id)
+        if key in self.renamed or key in self.doubtful:
+            return False  # a forked child's copy, or maybe released already
+        try:
+            self.pending.remove(key)
+        except ValueError:
+            return False
+        return True
 
     def release_after(self, record: Callable[[], None], sid: str, lease_id: int) -> None:
         """A GPU lease's views are gone: this thread calls ``record`` (which
@@ -156,11 +178,14 @@ class Background:
         sid = self._client.sid
         ids: list[int] = []
         self.carried += 1
+        doubtful = self.doubtful
         while self.pending and len(ids) < limit:
             try:
-                owner, lease_id = self.pending.popleft()
+                owner, lease_id = key = self.pending.popleft()
             except IndexError:
                 break
+            if doubtful:
+                doubtful.discard(key)
             if owner == sid:
                 ids.append(lease_id)
             elif len(self.stale) < 64 or owner in self.stale:
@@ -201,7 +226,9 @@ class Background:
         """A request that carried these failed before the broker answered: queue
         them again (releasing twice is harmless; ids are never reused)."""
         sid = self._client.sid
-        self.pending.extend((sid, i) for i in ids)
+        keys = [(sid, i) for i in ids]
+        self.doubtful.update(keys)  # first: never taken back once queued again
+        self.pending.extend(keys)
         self.cancels.extend((sid, r) for r in rids)
         self._wake()
 

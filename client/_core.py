@@ -129,6 +129,9 @@ class Core:
         self._lane_wanted = wanted(lane) and self.endpoint.path is not None
         self.lane: ClientLane | None = None
         self._lane_asked = ""  # the session a lane was last asked for
+        # The last get's handle of each name, while its lease may still be
+        # released later (``_shmlane.again``): (session, handle).
+        self.recent: dict[str, tuple[str, Handle]] = {}
         try:
             if open:
                 self.run(self.open_session(""))
@@ -460,6 +463,7 @@ class Core:
         if self.lane is not None:  # the parent's: this process asks its own
             self.lane.forget()
             self.lane = None
+        self.recent = {}
         self._lock = threading.Lock()
         self._finishing = threading.Lock()
         self.segments.after_fork()
@@ -518,6 +522,7 @@ class Core:
             except DepotError:
                 pass
         self.closing = True
+        self.recent = {}
         self.segments.clear()
         # Views caught in reference cycles, this client's or garbage of the
         # process's (an error's traceback frames), would otherwise hold leases.

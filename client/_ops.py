@@ -43,6 +43,7 @@ from ._checks import check_name, check_names, check_shape, check_timeout, check_
 from ._core import Core
 from ._extent import check_extent
 from ._http import Offload, Op
+from ._shmlane import again, remember
 from ._source import Source, dtype_name, typed
 from ._tensor import SharedTensor
 
@@ -184,7 +185,8 @@ def get(
 ) -> Op[SharedTensor]:
     check_name(name)
     wait = check_timeout(timeout)
-    path = f"/v1/tensors/{path_name(name)}?newer_than={check_version(newer_than)}"
+    floor = check_version(newer_than)
+    path = f"/v1/tensors/{path_name(name)}?newer_than={floor}"
     io: float | bool | None = False  # the transport's own timeout
     exact = check_version(version, "version")
     if exact:
@@ -198,7 +200,10 @@ def get(
         path, io = path + "&timeout=inf", None
     elif wait > 0:
         path, io = path + f"&timeout={wait!r}", wait + core.timeout
-    h = yield from core.granted(Handle, "GET", path, timeout=io)
+    h = None if exact else again(core, name, floor)
+    if h is None:
+        h = yield from core.granted(Handle, "GET", path, timeout=io)
+        remember(core, h)
     try:
         if core.map_cheaply(h.kind):
             return tensor(core, h, False)

@@ -33,6 +33,8 @@ from typing import Any, Protocol
 from .._errors import BrokerUnavailable, DepotError
 from .._laneproto import LaneGarbled, parse_answer, request_record
 from .._proto import SESSION_HEADER
+from .._wire import Handle
+from ..shm._board import BoardRefused, BoardView
 from ..shm._lanemem import BROKER, CLIENT, LaneMemory, LaneRefused
 from ..shm._ring import RingCorrupt
 from ._http import Endpoint, body_of, encode
@@ -70,6 +72,56 @@ class Owner(Protocol):
     transport: Any
     lane: ClientLane | None
     _lane_asked: str
+    recent: dict[str, tuple[str, Handle]]
+    closing: bool
+    _fork_claim: str | None
+    bg: Any
+
+
+# -- a get answered again: the board of newest versions (shm._board) -----------------------
+
+_RECENT = 1024  # names whose last get ``again`` remembers (all forgotten when full)
+
+
+def remember(core: Owner, h: Handle) -> None:
+    """A get asked the broker and was answered ``h``: kept for ``again``."""
+    if h.slot is not None and h.lease is not None and h.kind == "posix":
+        recent = core.recent
+        if len(recent) >= _RECENT and h.name not in recent:
+            recent.clear()
+        recent[h.name] = (core.sid, h)
+
+
+def again(core: Owner, name: str, newer_than: int) -> Handle | None:
+    """The handle a get of the newest version of ``name`` (newer than
+    ``newer_than``) would be answered now, if this process still holds its
+    lease with no view left (its release queued, never handed to a request):
+    the board shows it is still the newest, and the release is taken back,
+    so the lease is held again.  None: ask the broker."""
+    got = core.recent.get(name)
+    lane = core.lane
+    if got is None or lane is None or lane.board is None:
+        return None
+    sid, h = got
+    if (
+        sid != core.sid
+        or h.version <= newer_than
+        or core.closing
+        or core._fork_claim is not None
+        or core.bg is None
+    ):
+        return None
+    try:
+        if lane.board.newest(h.slot) != h.version:  # type: ignore[arg-type]
+            core.recent.pop(name, None)
+            return None
+        if lane.gone() is not None:  # a broker killed writes its board no more
+            return None
+    except ValueError:  # the lane closed meanwhile (its board with it)
+        return None
+    if not core.bg.take_back(sid, h.lease):
+        return None  # a view still holds it, or its release was handed to a request
+    return h
 
 
 def lane_call(
@@ -123,19 +175,29 @@ def wanted(lane: bool | None) -> bool:
 
 
 def adopt(fds: list[int], broker_pid: int | None) -> ClientLane | None:
-    """The lane of descriptors a handover passed; None (each closed) if they
-    are not one (``LaneMemory.adopt``)."""
+    """The lane of descriptors a handover passed (``LaneMemory.adopt``), and
+    the board of newest versions after them (``shm._board``) if one came;
+    None (each closed) if they are not one."""
+    board = None
+    if len(fds) == 4:
+        try:
+            board = BoardView(fds.pop())
+        except BoardRefused:
+            pass  # a lane without a board: every get asks the broker
     try:
-        return ClientLane(LaneMemory.adopt(fds), broker_pid)
+        return ClientLane(LaneMemory.adopt(fds), broker_pid, board)
     except LaneRefused:
+        if board is not None:
+            board.close()
         return None
 
 
 class ClientLane:
     """A lane this process adopted."""
 
-    def __init__(self, mem: LaneMemory, broker_pid: int | None) -> None:
+    def __init__(self, mem: LaneMemory, broker_pid: int | None, board: BoardView | None) -> None:
         self.mem = mem
+        self.board = board
         self.pid = os.getpid()
         self.broker_pid = broker_pid
         self._lock = threading.Lock()
@@ -187,17 +249,24 @@ class ClientLane:
 
     def _look(self) -> None:
         """Raise ``LaneGone`` if the broker closed the lane or is gone."""
-        if self.mem.gone():
+        why = self.gone()
+        if why is not None:
             self._close()
-            raise LaneGone("the broker closed the lane (its session ended)")
+            raise LaneGone(why)
+
+    def gone(self) -> str | None:
+        """Why the broker no longer serves this lane (it closed it, or it is
+        gone), or None."""
+        if self.closed or self.mem.gone():
+            return "the broker closed the lane (its session ended)"
         if self.broker_pid is not None:
             try:
                 os.kill(self.broker_pid, 0)
             except ProcessLookupError:
-                self._close()
-                raise LaneGone("the broker is gone") from None
+                return "the broker is gone"
             except PermissionError:
                 pass  # alive, another user's
+        return None
 
     def close(self) -> None:
         """Give the lane's memory and bells back (idempotent); in a forked
@@ -208,6 +277,8 @@ class ClientLane:
     def _close(self) -> None:
         self.closed = True
         self.mem.close()
+        if self.board is not None:
+            self.board.close()
 
     def forget(self) -> None:
         """In a forked child: close this process's copies of the parent's

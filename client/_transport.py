@@ -198,7 +198,7 @@ class Transport:
             _set_timeout(sock, timeout)
             sock.sendall(head + body)
             answer = Answer()
-            data, fds, flags, _ = socket.recv_fds(sock, _RECV, 3)
+            data, fds, flags, _ = socket.recv_fds(sock, _RECV, 4)
             if flags & socket.MSG_CTRUNC:
                 fds = _closed(fds)
             while not answer.feed(memoryview(data)):

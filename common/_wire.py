@@ -282,6 +282,11 @@ class Handle(_Answer):
     state: Literal["writing", "ready"]
     lease: int | None = Field(None, description="release it when done (get, and alloc with hold)")
     cuda: CudaHandle | None = Field(None, description="kind 'cuda' only")
+    slot: int | None = Field(
+        None,
+        description="where the broker's board of newest versions (passed with a lane) "
+        "shows this name's newest version number",
+    )
 
 
 class PublishRequest(_Frozen):

@@ -71,6 +71,8 @@ def create_app(settings: Settings | None = None, policy: AuthPolicy | None = Non
         )
         broker = Broker(pool, limits=cfg.limits(), cuda=gpus)
         app.state.broker = broker
+        if not cfg.no_lane:  # the board lanes pass (shm._board): every name gets a slot on it
+            broker.records.board()
         # Uvicorn re-raises SIGTERM after its graceful shutdown, so code after
         # server.run() never runs: cleanup lives here, in the lifespan.
         try:

@@ -105,12 +105,9 @@ class LaneMemory:
                 )
             memfd = fds[0]
             try:
-                seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
-            except OSError:
-                raise LaneRefused("the lane's memory is not a memfd") from None
-            if seals & SEALS != SEALS:
-                raise LaneRefused("the lane's memory is not sealed against growing and shrinking")
-            size = os.fstat(memfd).st_size
+                size = sealed_size(memfd, SEALS, "the lane's memory")
+            except ValueError as exc:
+                raise LaneRefused(str(exc)) from None
             if size < PAGE or size > lane_bytes(MOST, MOST):
                 raise LaneRefused(f"the lane's memory has {size} bytes")
             head = os.pread(memfd, _HEAD.size, 0)
@@ -171,6 +168,19 @@ class LaneMemory:
         for f in self._fds:
             os.close(f)
         self._fds = []
+
+
+def sealed_size(fd: int, seals: int, what: str) -> int:
+    """The size of memfd ``fd``, which another process passed, if it
+    carries every one of ``seals``; raises ``ValueError`` saying why not
+    (``what`` names it)."""
+    try:
+        has = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError(f"{what} is not a memfd") from None
+    if has & seals != seals:
+        raise ValueError(f"{what} is not sealed (seals {has:#x}, not {seals:#x})")
+    return os.fstat(fd).st_size
 
 
 def _is_eventfd(fd: int) -> bool:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from typing import Any
 
+from _rawhttp import encode, exchange
 from tensordepot._laneproto import parse_answer, request_record
 from tensordepot._proto import SESSION_HEADER
+from tensordepot.shm._board import BoardView
 from tensordepot.shm._lanemem import BROKER, CLIENT, LaneMemory
 
 
@@ -29,7 +32,7 @@ def handover(sock_path: str, sid: str) -> tuple[int, Any, list[int]]:
                 "Content-Length: 0\r\nConnection: close\r\n\r\n"
             ).encode()
         )
-        data, fds, _, _ = socket.recv_fds(s, 1 << 16, 3)
+        data, fds, _, _ = socket.recv_fds(s, 1 << 16, 4)
         while b"\r\n\r\n" not in data:
             more = s.recv(1 << 16)
             if not more:
@@ -56,24 +59,36 @@ class RawLane:
     waits for its answer; ``mem`` is there to scribble on."""
 
     def __init__(self, fds: list[int]) -> None:
-        self.mem = LaneMemory.adopt(fds)
+        self.mem = LaneMemory.adopt(fds[:3])
+        self.board = BoardView(fds[3])  # the board of newest versions (shm._board)
         self.seq = 0
 
-    def send(self, method: str, target: str, body: bytes = b"") -> int:
+    def send(
+        self,
+        method: str,
+        target: str,
+        body: bytes = b"",
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> int:
         self.seq += 1
-        rec = request_record(self.seq, method, target, [], body)
+        rec = request_record(self.seq, method, target, headers or [], body)
         assert self.mem.requests.put(rec)  # type: ignore[union-attr]
         self.mem.ring(BROKER)
         return self.seq
 
     def answer(self, timeout: float = 10.0) -> tuple[int, int, bytes] | None:
         """The next answer (seq, status, body), or None if none comes in time."""
+        got = self.answer_with_media(timeout)
+        return None if got is None else (got[0], got[1], got[3])
+
+    def answer_with_media(self, timeout: float = 10.0) -> tuple[int, int, int, bytes] | None:
+        """The next answer (seq, status, media kind, body), or None if none
+        comes in time."""
         deadline = time.monotonic() + timeout
         while True:  # a bell may still be set from an answer taken already
             rec = self.mem.answers.take()  # type: ignore[union-attr]
             if rec is not None:
-                seq, status, _, body = parse_answer(rec)
-                return seq, status, body
+                return parse_answer(rec)
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -87,6 +102,18 @@ class RawLane:
 
     def close(self) -> None:
         self.mem.close()
+        self.board.close()
+
+
+def answered(b: Any, method: str, route: str) -> int:
+    """Requests broker ``b`` (a ``BrokerProc``) answered on ``route``, by any
+    door, from its /metrics."""
+    text = exchange(b.sock, encode("GET", "/metrics", [])).body.decode()
+    pattern = (
+        rf'^tensordepot_http_request_duration_seconds_count\{{(?=.*method="{method}")'
+        rf'(?=.*route="{re.escape(route)}").*\}} (\S+)$'
+    )
+    return int(sum(float(m) for m in re.findall(pattern, text, re.M)))
 
 
 def lane_fds(pid: int) -> int:

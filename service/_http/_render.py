@@ -46,8 +46,17 @@ def handle(broker: Broker, v: Version, lease: int | None = None) -> Handle:
             "state": v.state,
             "lease": lease,
             "cuda": None,
+            "slot": _slot(broker, v),
         }
     )
+
+
+def _slot(broker: Broker, v: Version) -> int | None:
+    """Where the board shows ``v``'s name's newest (``shm._board``), for a
+    client to get it again without asking; none on a broker with peers,
+    whose gets may ask them (``Reads.try_get``)."""
+    e = v.entry
+    return None if e is None or e.slot < 0 or broker.peers is not None else e.slot
 
 
 def handle_json(broker: Broker, v: Version, lease: int | None = None) -> bytes:

@@ -81,6 +81,14 @@ class ShmLanes:
         self.lanes[lane.sid] = lane
         asyncio.get_running_loop().add_reader(lane.mem.bells[BROKER], lane.rung)
 
+    def ended(self, sid: str) -> None:
+        """Close ``sid``'s lane if its session is gone (marked gone for its
+        client before the answer that ended it: a client then never takes a
+        get's lease back, ``shm._board``, from a session that ended)."""
+        lane = self.lanes.get(sid)
+        if lane is not None and self.gate.broker.sessions.get(sid) is None:
+            lane.close()
+
     def sweep(self) -> None:
         """Close the lanes whose session is gone."""
         sessions = self.gate.broker.sessions
@@ -239,7 +247,8 @@ class Passing:
         self.lane = lane
 
     def fds(self) -> list[int]:
-        return self.lane.mem.fds()
+        """The lane's memfd and bells, then the board of newest versions (``shm._board``)."""
+        return [*self.lane.mem.fds(), self.lane.lanes.gate.broker.records.board().fd]
 
     def passed(self) -> None:
         self.lane.lanes.start(self.lane)

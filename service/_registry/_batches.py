@@ -257,6 +257,7 @@ class Batches:
         retired: list[Version] = []
         rows: list[Row] = []
         now = None
+        show = self.records.show  # the board (shm._board), before the answer
         for p in packs:
             expires = None
             if p.ttl is not None:
@@ -272,6 +273,8 @@ class Batches:
                     if q is not None:
                         rows.append((q, e.index))
                 e.pack, e.index, e.expires_at = p, i, expires
+                if e.slot >= 0:
+                    show(e)
             p.live = len(p.entries)
             if asleep:
                 self.waits.wake_many(p.names)

@@ -550,6 +550,7 @@ class Broker:
     def close(self) -> None:
         self.closing = True
         self.memory.close()
+        self.records.close()
         log.info("unlinked all shared memory (pid %d)", os.getpid())
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from ..._errors import InvalidRequest, TensorNotFound, WaitTimedOut
 from ..._wire import TensorInfo
 from ...shm import UnsupportedDType, dtype_from_name
+from ...shm._board import Board
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -108,6 +109,7 @@ class Entry:
         "next_version",
         "pack",
         "readers",
+        "slot",
         "writing",
     )
 
@@ -120,6 +122,7 @@ class Entry:
         self.next_version = next_version
         self.expires_at: float | None = None
         self.readers = 0  # live leases on any version of this incarnation (writers' holds excluded)
+        self.slot = -1  # its slot on the board of newest versions (shm._board), if it has one
 
     @property
     def ready(self) -> Version | None:
@@ -275,8 +278,32 @@ class Records:
         self.clock = clock
         self.entries: dict[str, Entry] = {}
         # Versions of every name start above every number any dropped name
-        # ever had, so versions only grow without remembering dropped names.
+        # ever had, so versions only grow without remembering dropped names
+        # (and a board's slot given to a new name never shows an old number).
         self._version_floor = 0
+        self._board: Board | None = None
+
+    # -- the board of newest versions (shm._board) ----------------------------
+    def board(self) -> Board:
+        """The board every name's newest number is shown on, made (and every
+        name given a slot) the first time a lane asks for it."""
+        b = self._board
+        if b is None:
+            b = self._board = Board()
+            for e in self.entries.values():
+                e.slot = b.slot()
+                b.show(e.slot, e.number)
+        return b
+
+    def show(self, e: Entry) -> None:
+        """``e``'s newest changed: the board shows it (call before the
+        answer of the request that changed it)."""
+        if e.slot >= 0:
+            self._board.show(e.slot, e.number)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
 
     # -- versions only grow ---------------------------------------------------
     def entry(self, name: str) -> Entry:
@@ -284,6 +311,8 @@ class Records:
         e = self.entries.get(name)
         if e is None:
             e = self.entries[name] = Entry(name, next_version=self._version_floor + 1)
+            if self._board is not None:
+                e.slot = self._board.slot()
         return e
 
     def drop(self, e: Entry) -> None:
@@ -291,6 +320,9 @@ class Records:
         if self.entries.get(e.name) is e:
             del self.entries[e.name]
             self._version_floor = max(self._version_floor, e.next_version - 1)
+            if e.slot >= 0:
+                self._board.free(e.slot)  # type: ignore[union-attr]
+                e.slot = -1
 
     # -- reading -------------------------------------------------------------
     def ready(self, name: str, newer_than: int) -> Version | None:

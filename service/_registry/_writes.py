@@ -286,6 +286,7 @@ class Writes(Batches):
         retired: list[Version] = []  # retired together, once all are published
         rows: list[Row] = []  # of packs, likewise
         put = 0
+        show = self.records.show  # the board (shm._board), before the answer
         for v in versions:
             e = v.entry
             assert e is not None
@@ -303,6 +304,7 @@ class Writes(Batches):
                 out.append(old)
                 continue
             e.ready = v
+            show(e)
             if v.ttl is None:
                 e.expires_at = None
             else:

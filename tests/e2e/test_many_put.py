@@ -9,7 +9,6 @@ Bad framed bodies are refused with 400 and place nothing."""
 from __future__ import annotations
 
 import json
-import re
 
 import ml_dtypes
 import numpy as np
@@ -17,26 +16,17 @@ import pytest
 import torch
 from _harness import BrokerProc, stat_when, wait_for
 from _rawhttp import Session, encode, exchange
+from _rawlane import answered
 from tensordepot._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, SESSION_HEADER
 
 KiB = 1024
 
 
-def _requests(b: BrokerProc, route: str) -> int:
-    """Requests the broker answered on ``route`` (a POST), from its /metrics."""
-    text = exchange(b.sock, encode("GET", "/metrics", [])).body.decode()
-    pattern = (
-        r'^tensordepot_http_request_duration_seconds_count\{(?=[^}]*method="POST")'
-        rf'(?=[^}}]*route="{re.escape(route)}")[^}}]*\}} (\S+)$'
-    )
-    return int(sum(float(m) for m in re.findall(pattern, text, re.M)))
-
-
 def _counts(b: BrokerProc) -> tuple[int, int, int]:
     return (
-        _requests(b, "/v1/many/put"),
-        _requests(b, "/v1/many/alloc"),
-        _requests(b, "/v1/many/publish"),
+        answered(b, "POST", "/v1/many/put"),
+        answered(b, "POST", "/v1/many/alloc"),
+        answered(b, "POST", "/v1/many/publish"),
     )
 
 

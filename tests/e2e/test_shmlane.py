@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 from _harness import BrokerProc, drained, in_pid_namespace, stat_when, wait_for
 from _rawhttp import Session, encode, exchange
-from _rawlane import RawLane, handover, lane_fds
+from _rawlane import RawLane, answered, handover, lane_fds
 from _users import User, group_dir, other_user
 from tensordepot._laneproto import request_record
 from tensordepot._proto import SESSION_HEADER
@@ -31,16 +30,6 @@ from tensordepot.shm._ring import HEADER
 
 ACCOUNTS = ("bytes_in_use", "tensors", "versions", "leases", "sessions", "waiting")
 RING = 64 << 10
-
-
-def _requests(b: BrokerProc, method: str, route: str) -> int:
-    """Requests the broker answered on ``route``, from its /metrics."""
-    text = exchange(b.sock, encode("GET", "/metrics", [])).body.decode()
-    pattern = (
-        rf'^tensordepot_http_request_duration_seconds_count\{{(?=[^}}]*method="{method}")'
-        rf'(?=[^}}]*route="{re.escape(route)}")[^}}]*\}} (\S+)$'
-    )
-    return int(sum(float(m) for m in re.findall(pattern, text, re.M)))
 
 
 def _fds_back(b: BrokerProc, base: int) -> None:
@@ -57,17 +46,17 @@ def test_stat_on_the_lane_answers_as_over_http(broker: BrokerProc) -> None:
         c.put("keep", np.arange(4, dtype=np.float32))
     raw = Session(broker.sock)
     status, info, fds = handover(broker.sock, raw.sid)
-    assert (status, info, len(fds)) == (200, {"requests": RING, "answers": RING}, 3)
+    assert (status, info, len(fds)) == (200, {"requests": RING, "answers": RING}, 4)
     lane = RawLane(fds)
     try:
         for _ in range(2):
-            before = _requests(broker, "GET", "/v1/stat")
+            before = answered(broker, "GET", "/v1/stat")
             on_lane = lane.call("GET", "/v1/stat")
             over_http = raw.send("GET", "/v1/stat")
             assert on_lane[0] == over_http[0] == 200
             assert {k: on_lane[1][k] for k in ACCOUNTS} == {k: over_http[1][k] for k in ACCOUNTS}
             assert set(on_lane[1]) == set(over_http[1])
-            assert _requests(broker, "GET", "/v1/stat") == before + 2, "the lane's is counted"
+            assert answered(broker, "GET", "/v1/stat") == before + 2, "the lane's is counted"
         for method, target in [("GET", "/nope"), ("PUT", "/v1/stat"), ("GET", "/v1/stat/x")]:
             got, http = lane.call(method, target), raw.send(method, target)
             assert (got[0], got[1]["error"]["code"]) == (http[0], http[1]["error"]["code"]), target
@@ -217,7 +206,7 @@ def test_no_lane_where_it_cannot_be_passed(
     b = broker_factory()
     status, answer, fds = handover(b.sock, "not-a-session")
     assert (status, answer["error"]["code"], fds) == (409, "unknown_session", []), answer
-    asked = _requests(b, "POST", "/v1/lane")
+    asked = answered(b, "POST", "/v1/lane")
     with b.client(lane=False) as c:
         c.stat()
         assert c._core.lane is None
@@ -225,12 +214,12 @@ def test_no_lane_where_it_cannot_be_passed(
     with b.client() as c:
         c.stat()
         assert c._core.lane is None
-    assert _requests(b, "POST", "/v1/lane") == asked, "a client without a lane never asks"
+    assert answered(b, "POST", "/v1/lane") == asked, "a client without a lane never asks"
     monkeypatch.delenv("TENSORDEPOT_LANE")
     with b.client() as c:
         c.stat()
         assert c._core.lane is not None
-    assert _requests(b, "POST", "/v1/lane") == asked + 1
+    assert answered(b, "POST", "/v1/lane") == asked + 1
 
 
 _HOLDER = """
@@ -391,7 +380,7 @@ s = socket.socket(socket.AF_UNIX)
 s.connect(sock)
 s.sendall(("POST /v1/lane HTTP/1.1\\r\\nHost: x\\r\\nx-tensordepot-session: " + sid
            + "\\r\\nContent-Length: 0\\r\\nConnection: close\\r\\n\\r\\n").encode())
-data, fds, _, _ = socket.recv_fds(s, 65536, 3)
+data, fds, _, _ = socket.recv_fds(s, 65536, 4)
 while True:
     more = s.recv(65536)
     if not more:
@@ -459,6 +448,61 @@ def test_a_forked_child_asks_its_own_lane(broker: BrokerProc) -> None:
     )
     assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
     drained(broker, "leases", sessions=1)
+
+
+_IN_FLIGHT = """
+import os, sys, threading, time, warnings
+import numpy as np
+from tensordepot import Client
+warnings.simplefilter("ignore", DeprecationWarning)  # fork() with a thread: what this tests
+with Client(sys.argv[1]) as c, Client(sys.argv[1], lane=False) as w:
+    c.stat()
+    lane = c._core.lane
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(t=c.get("late", timeout=30)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not lane._lock.locked():  # the get waits on the lane, holding it
+        assert time.monotonic() < deadline, "the get never went on the lane"
+        time.sleep(0.001)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if all holds
+        ok = False
+        try:
+            c.put("child", np.arange(4))
+            t = c.get("child")
+            mine = c._core.lane
+            ok = (
+                int(np.from_dlpack(t)[3]) == 3
+                and mine is not None
+                and mine is not lane
+                and mine.pid == os.getpid()
+            )
+            del t
+            c.delete("child")
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child could not use a lane of its own"
+    w.put("late", np.full(8, 5.0))
+    waiter.join(30)
+    assert float(np.from_dlpack(got.pop("t"))[0]) == 5.0, "the parent's get lost its answer"
+    assert c._core.lane is lane and not lane.closed
+    w.delete("late")
+print("ok")
+"""
+
+
+def test_a_fork_with_a_request_in_flight(broker: BrokerProc) -> None:
+    """A process forks while another of its threads waits for a get on the
+    lane: the child (whose copy of the lane is held by a thread it does not
+    have) puts and gets on a lane of its own; the parent's get gets its
+    answer when the name is put; nothing is left held."""
+    out = subprocess.run(
+        [sys.executable, "-c", _IN_FLIGHT, broker.url], capture_output=True, text=True, timeout=90
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
+    drained(broker, "leases", "bytes_in_use", "tensors", "waiting", sessions=1)
 
 
 _PAUSED = """

@@ -70,12 +70,11 @@ def test_metrics_match_known_actions(broker_factory: Callable[..., BrokerProc]) 
     with b.client() as c:
         c.put("small", np.arange(250, dtype=np.int32))  # 1000 bytes, sent inline: POST /v1/put
         c.put("big", np.zeros(MiB, np.uint8))  # alloc + publish
-        for _ in range(3):
-            t = c.get("small")
-            del t
-        for _ in range(2):
-            t = c.get("big")
-            del t
+        # Each get while the last one's view lives: each asks the broker (a get
+        # whose lease is still held, its views gone, is answered by the client).
+        held = [c.get("small") for _ in range(3)]
+        held += [c.get("big") for _ in range(2)]
+        del held
         with pytest.raises(TensorNotFound):
             c.get("absent")
         c.delete("small")

@@ -129,6 +129,7 @@ _EXIT = {
 def close_session(call: Call[Any]) -> Reply:
     exiting = call.query.get("exit", "").lower() in ("1", "true")
     call.broker.close_session(call.params["session"], call.who, exiting=exiting)
+    call.state.shmlanes.ended(call.params["session"])
     return 204, b""
 
 

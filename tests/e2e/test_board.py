@@ -1,0 +1,189 @@
+"""The board of newest versions (``shm._board``), through a real broker: a
+client that still holds the lease of the newest version it got, with no
+view left, gets it again without a request; every change of a name (a
+put, a put_many, a delete, a new incarnation, an expiry) is on the board
+before its answer, so no get is ever answered with an older version; and
+no client can write the board."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from _harness import BrokerProc, drained, stat_when, wait_for
+from _rawhttp import Session
+from _rawlane import RawLane, answered, handover
+from tensordepot import TensorNotFound
+
+GET = ("GET", "/v1/tensors/{name}")  # the get route, as /metrics names it
+
+
+def test_a_get_again_takes_back_its_lease_without_a_request(broker: BrokerProc) -> None:
+    """Gets of a name whose newest has not moved, each view dropped before
+    the next get: the first asks the broker, the rest take back its queued
+    release (no request, the same lease, the right bytes); a view still
+    alive makes the next get ask (its own lease)."""
+    x = np.arange(64, dtype=np.int64)
+    with broker.client() as c:
+        c.put("w", x)
+        del c.get("w").version
+        asked = answered(broker, *GET)
+        for _ in range(50):
+            t = c.get("w")
+            assert np.array_equal(np.from_dlpack(t), x) and t.version == 1
+            del t
+        # A release the background thread sent meanwhile (a loaded machine
+        # paused this one past its coalescing) makes that get ask: few do.
+        assert answered(broker, *GET) - asked <= 25, "most gets took back their lease"
+        held = c.get("w")
+        before = answered(broker, *GET)
+        second = c.get("w")  # ``held`` holds the lease: this one asks for its own
+        assert answered(broker, *GET) == before + 1
+        stat_when(broker, lambda st: st.leases == 2, "the two leases")
+        del held, second
+        c.delete("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+@pytest.mark.parametrize("how", ["put", "put_many"])
+def test_a_get_again_never_answers_an_older_version(broker: BrokerProc, how: str) -> None:
+    """Another client moves the name on (a put, a put_many, a delete, a put
+    after the delete, which starts a new incarnation): a get after each
+    answer sees what the broker would answer, never the version this client
+    still holds."""
+    with broker.client() as reader, broker.client() as writer:
+
+        def put(i: int) -> None:
+            a = np.full(16, i, np.int64)
+            if how == "put":
+                writer.put("w", a)
+            else:
+                writer.put_many({"w": a, "other": a + 1})  # a pack of two
+
+        asked = answered(broker, *GET)
+        for i in range(1, 120):
+            put(i)
+            for _ in range(3):
+                t = reader.get("w")
+                assert int(np.from_dlpack(t)[0]) == i, (i, t.version)
+                del t
+            if i % 40 == 0:
+                writer.delete("w")
+                with pytest.raises(TensorNotFound):
+                    reader.get("w")
+        # A request per version and per miss (121), and for few of the other
+        # 238 gets (see above): the rest took back their lease.
+        assert 121 <= answered(broker, *GET) - asked <= 121 + 119
+        writer.delete_many(["w", "other"] if how == "put_many" else ["w"])
+        with pytest.raises(TensorNotFound):
+            reader.get("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_a_get_again_after_an_expiry_asks(broker: BrokerProc) -> None:
+    """A name whose ttl passed is gone from the board: the get asks, and
+    hears it is gone."""
+    with broker.client() as c:
+        c.put("t", np.ones(4), ttl=0.3)
+        del c.get("t").version
+        wait_for(lambda: not any(i.name == "t" for i in c.list()), 10, what="the ttl to pass")
+        with pytest.raises(TensorNotFound):
+            c.get("t")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_no_client_can_write_the_board(broker: BrokerProc) -> None:
+    """The board a lane passes is read-only for its client: no writable
+    mapping, no write, no writable reopening through /proc."""
+    with broker.client() as c:
+        c.put("w", np.ones(4))
+        raw = Session(broker.sock)
+        status, _, fds = handover(broker.sock, raw.sid)
+        assert status == 200 and len(fds) == 4
+        board = os.dup(fds[3])
+        lane = RawLane(fds)
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(board, mmap.PAGESIZE)
+            with pytest.raises(PermissionError):
+                os.pwrite(board, b"\xff" * 8, 0)
+            again = os.open(f"/proc/self/fd/{board}", os.O_RDWR)
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(again, mmap.PAGESIZE)
+            finally:
+                os.close(again)
+            del c.get("w").version
+            slot = c._core.recent["w"][1].slot
+            assert slot is not None and lane.board.newest(slot) == 1  # the broker's, as it shows it
+        finally:
+            os.close(board)
+            lane.close()
+            raw.close()
+        c.delete("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+_FORKER = """
+import os, sys
+import numpy as np
+from tensordepot import Client
+with Client(sys.argv[1]) as c:
+    c.put("w", np.arange(8))
+    t = c.get("w")
+    del t  # its release queued: the parent may take it back, never the child
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            trips = c._core.round_trips
+            t = c.get("w")
+            ok = int(np.from_dlpack(t)[7]) == 7 and c._core.round_trips > trips
+            del t
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child took back its parent's lease"
+    c.delete("w")
+print("ok")
+"""
+
+
+def test_a_forked_child_asks_for_its_own_lease(broker: BrokerProc) -> None:
+    """A child forked while its parent's release is queued asks the broker
+    for its get (its own session's lease), never taking back the parent's."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKER, broker.url], capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_a_get_again_never_answers_from_a_dead_broker(
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
+    """The broker is killed while a client still holds its lease (no view
+    left) and a new one serves the same socket with other bytes under the
+    name: the client's next get asks the new broker, never the dead one's
+    board."""
+    b1 = broker_factory()
+    c = b1.client()
+    c.put("w", np.full(8, 1.0))
+    del c.get("w").version
+    assert "w" in c._core.recent
+    b1.kill()
+    b1.expect_dead = True  # type: ignore[attr-defined]
+    b2 = broker_factory(sock_dir=b1.dir, prefix=b1.prefix)
+    with b2.client() as y:
+        y.put("w", np.full(8, 2.0))
+        t = c.get("w")
+        assert float(np.from_dlpack(t)[0]) == 2.0
+        del t
+        c.close()
+        y.delete("w")
+    drained(b2, "leases", "bytes_in_use", "tensors", sessions=1)
