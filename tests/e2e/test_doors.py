@@ -1,4 +1,4 @@
-"""Both HTTP doors give the same answer and have the same effect, route by route.
+"""Every door gives the same answer and has the same effect, route by route.
 
 The broker has two doors for HTTP: the fast lane inside the HTTP protocol
 (service/_http/_lane.py) and ASGI (FastAPI).  Each case of ``CASES`` is sent through
@@ -20,6 +20,13 @@ Doors:
   body at once, as curl does for bodies over 1 KiB.  Today's lane declines
   such a request (ASGI answers it, after an interim ``100 Continue``), so
   this door reaches ASGI even on a broker that ignores the door header.
+* ``shm``: the shared-memory lane (docs/plan-lane.md), for the routes it
+  serves: the case is prepared and sent as the unix socket's owner (the
+  only one a lane is passed to, where the other doors send as the admin
+  token), its request a record on a lane of its session.  Its answer has
+  no HTTP headers; its media kind stands for the content type.  A case
+  the lane cannot carry as it is (a chunked body, another token, another
+  principal's session, a header that frames HTTP) is not run there.
 
 Each case runs under fresh names (``Env.ns``) and fresh sessions, which are
 closed after it.  ``test_every_route_has_a_case`` fails when an operation
@@ -34,6 +41,7 @@ import itertools
 import json
 import os
 import secrets
+import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +51,8 @@ from urllib.parse import quote
 import pytest
 from _harness import BrokerProc, free_port, wait_for
 from _rawhttp import Address, Answer, encode, exchange
+from _rawlane import RawLane, handover
+from tensordepot._laneproto import MEDIA_JSON, request_record
 from tensordepot._proto import (
     MAX_BODY_BYTES,
     MAX_HEADER_BYTES,
@@ -51,7 +61,9 @@ from tensordepot._proto import (
     SERVER_HEADER,
     SESSION_HEADER,
 )
+from tensordepot.client._shmlane import on_lane
 
+SHM = "shm"  # the shared-memory lane: the routes it serves, as the unix socket's owner
 DOOR_HEADER = "x-tensordepot-door"
 DOORS: dict[str, tuple[tuple[str, str], ...]] = {
     "lane": (),
@@ -238,7 +250,13 @@ class Env:
     def name(self, x: str = "w", team: bool = False) -> str:
         return (TEAM if team else "") + self.ns + x
 
+    def who(self, who: str) -> str:
+        """At the shm door the admin is the unix socket's owner (only it gets
+        a lane); elsewhere ``who`` itself."""
+        return UNIX if self.door == SHM and who == "admin" else who
+
     def session(self, who: str = "admin") -> str:
+        who = self.who(who)
         if who not in self.sessions:
             a = self.call("POST", "/v1/sessions", {"pid": 1}, who=who, session=False)
             self.sessions[who] = a.json()["session"]
@@ -260,6 +278,7 @@ class Env:
         headers: tuple[tuple[str, str], ...] = (),
     ) -> Answer:
         """A request that prepares a case, through no particular door: it must succeed."""
+        who = self.who(who)
         if sid is None and session:
             sid = self.session(who)
         a = self.depot.send(method, target, _body(obj), who=who, sid=sid, headers=headers)
@@ -276,6 +295,7 @@ class Env:
         session: bool = True,
         **kw: Any,
     ) -> Req:
+        who = None if who is None else self.who(who)
         sid = self.session(who) if session and who is not None and "sid" not in kw else None
         return Req(method, target, _body(obj), who=who, **{"sid": sid, **kw})
 
@@ -342,16 +362,18 @@ def _door_problems(door: str, a: Answer) -> list[str]:
     from_protocol = a.status == 431 or (
         a.status == 400 and a.header("date") is None and b"Invalid HTTP request" in a.body
     )
-    if door == "lane" or from_protocol:
+    if door in ("lane", SHM) or from_protocol:
         return []
     if a.header("date") is None:
         return [f"the {door} door was answered by the lane (no date header)"]
     return []
 
 
-def _problems(a: Answer) -> list[str]:
+def _problems(a: Answer, door: str) -> list[str]:
     out = []
-    if not a.header(SERVER_HEADER):
+    if door == SHM:  # no HTTP headers: its media kind stands for the content type
+        pass
+    elif not a.header(SERVER_HEADER):
         out.append(f"no {SERVER_HEADER} header")
     if a.status == 401 and a.header("www-authenticate") != "Bearer":
         out.append(f"401 with www-authenticate {a.header('www-authenticate')!r}")
@@ -432,10 +454,18 @@ class Case:
         )
 
 
-def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
+def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env] | None:
+    """What ``door`` did with ``case``; None: the shm door does not take it."""
+    if door == SHM and not on_lane(*case.route):
+        return None
     env = Env(depot, door)
+    lane: RawLane | None = None
     try:
         req = case.prepare(env)
+        if door == SHM:
+            lane = _lane_for(env, req)
+            if lane is None:
+                return None
         before, names = depot.stat(), depot.names()
         answers = [
             depot.send(
@@ -448,11 +478,13 @@ def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
                 ctype=req.ctype,
                 chunk=req.chunk,
             )
+            if lane is None
+            else _on_lane(lane, req)
             for _ in range(req.repeat)
         ]
         after, names_after = depot.stat(), depot.names()
         a = answers[0]
-        problems = [p for x in answers for p in _problems(x) + _door_problems(door, x)]
+        problems = [p for x in answers for p in _problems(x, door) + _door_problems(door, x)]
         if any((x.status, x.body) != (a.status, a.body) for x in answers[1:]):
             problems.append(f"a resend got another answer: {[str(x) for x in answers]}")
         if case.check is not None:
@@ -470,8 +502,55 @@ def run(depot: Depot, case: Case, door: str) -> tuple[Seen, Env]:
             tuple(problems),
         )
     finally:
+        if lane is not None:
+            lane.close()
         env.close()
     return seen, env
+
+
+def _lane_for(env: Env, req: Req) -> RawLane | None:
+    """A lane for ``req``'s session (or a new one of the socket's owner), if
+    the lane can carry ``req`` (a route it serves, sent by the unix socket's
+    owner as a plain request); None if not."""
+    if (
+        not isinstance(req.target, str)
+        or req.chunk
+        or req.who != UNIX
+        or not on_lane(req.method, req.target.partition("?")[0])
+        or any(k.lower() in ("expect", "content-length") for k, _ in req.headers)
+    ):
+        return None
+    try:  # a record larger than a ring (a case of HTTP's own limits) is not sent there
+        size = len(request_record(0, req.method, req.target, _lane_headers(req), req.body or b""))
+    except struct.error:
+        return None
+    status, _, fds = handover(env.depot.broker.sock, req.sid or env.session(UNIX))
+    if status != 200:
+        return None
+    lane = RawLane(fds)
+    if size > lane.mem.requests.most():  # type: ignore[union-attr]
+        lane.close()
+        return None
+    return lane
+
+
+def _lane_headers(req: Req) -> list[tuple[bytes, bytes]]:
+    headers = [(k.lower().encode(), v.encode()) for k, v in req.headers]
+    if req.body is not None and req.ctype is not None:
+        headers.append((b"content-type", req.ctype.encode()))
+    return headers
+
+
+def _on_lane(lane: RawLane, req: Req) -> Answer:
+    """``req`` as a record on ``lane`` (its session the lane's own), its
+    answer as an ``Answer`` without headers but the content type its media
+    kind stands for."""
+    assert isinstance(req.target, str)
+    seq = lane.send(req.method, req.target, req.body or b"", _lane_headers(req))
+    got = lane.answer_with_media(30)
+    assert got is not None and got[0] == seq, f"no answer on the lane to {req.target!r}"
+    _, status, media, body = got
+    return Answer(status, (("content-type", JSON if media == MEDIA_JSON else OCTETS),), body)
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -1693,13 +1772,15 @@ def test_every_route_has_a_case(depot: Depot) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_both_doors_agree(depot: Depot, case: Case) -> None:
+def test_every_door_agrees(depot: Depot, case: Case) -> None:
     seen: dict[str, Seen] = {}
     envs: dict[str, Env] = {}
-    for door in DOORS:
-        seen[door], envs[door] = run(depot, case, door)
+    for door in [*DOORS, SHM]:
+        got = run(depot, case, door)
+        if got is not None:
+            seen[door], envs[door] = got
     table = "\n".join(f"  {door:>6}: {s}" for door, s in seen.items())
-    wrong = [door for door in DOORS if not case.matches(envs[door], seen[door])]
+    wrong = [door for door in seen if not case.matches(envs[door], seen[door])]
     agree = (
         len({(s.status, s.code, s.delta, s.created, s.deleted, s.keys) for s in seen.values()}) == 1
     )
