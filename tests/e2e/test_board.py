@@ -187,3 +187,28 @@ def test_a_get_again_never_answers_from_a_dead_broker(
         c.close()
         y.delete("w")
     drained(b2, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_a_release_whose_request_was_cut_is_never_taken_back(broker: BrokerProc) -> None:
+    """A release that rode on a request cut before its answer (Ctrl-C, a
+    dropped connection) is queued again, but the broker may have released
+    the lease already: the next get asks for a lease of its own.  (The cut
+    is the client's own bookkeeping of one, ``Background.unanswered``,
+    called where a cut request calls it.)"""
+    with broker.client() as c:
+        c.put("w", np.arange(8))
+        del c.get("w").version
+        bg = c._core.bg
+        assert bg is not None
+        ids, rids = bg.take()  # what a request carries as riders ...
+        assert len(ids) == 1
+        c._core.call_now("POST", "/v1/release", {"leases": ids})  # ... the broker releases ...
+        bg.unanswered(c._core.sid, ids, rids, None)  # ... and the answer never came
+        before = answered(broker, *GET)
+        t = c.get("w")
+        assert answered(broker, *GET) == before + 1, "it asked: the lease may be gone"
+        assert int(np.from_dlpack(t)[7]) == 7
+        stat_when(broker, lambda st: st.leases == 1, "its own lease, the old one released")
+        del t
+        c.delete("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
