@@ -55,7 +55,7 @@ class Board:
             os.close(fd)
             raise
         self.fd = fd
-        self._words = memoryview(self._map).cast("Q")
+        self.words = memoryview(self._map).cast("Q")  # slot -> number
         self._free = list(range(slots - 1, -1, -1))
 
     def slot(self) -> int:
@@ -65,18 +65,18 @@ class Board:
     def show(self, slot: int, number: int) -> None:
         """Slot ``slot`` now shows ``number`` (0: no published version)."""
         if slot >= 0:
-            self._words[slot] = number
+            self.words[slot] = number
 
     def free(self, slot: int) -> None:
         """Its name is gone: the slot shows 0 and may go to another name."""
         if slot >= 0:
-            self._words[slot] = 0
+            self.words[slot] = 0
             self._free.append(slot)
 
     def close(self) -> None:
         if self.fd < 0:
             return
-        self._words.release()
+        self.words.release()
         self._map.close()
         os.close(self.fd)
         self.fd = -1

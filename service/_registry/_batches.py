@@ -257,7 +257,7 @@ class Batches:
         retired: list[Version] = []
         rows: list[Row] = []
         now = None
-        show = self.records.show  # the board (shm._board), before the answer
+        words = self.records.words()  # the board (shm._board), written before the answer
         for p in packs:
             expires = None
             if p.ttl is not None:
@@ -273,8 +273,8 @@ class Batches:
                     if q is not None:
                         rows.append((q, e.index))
                 e.pack, e.index, e.expires_at = p, i, expires
-                if e.slot >= 0:
-                    show(e)
+                if words is not None and e.slot >= 0:
+                    words[e.slot] = p.numbers[i]
             p.live = len(p.entries)
             if asleep:
                 self.waits.wake_many(p.names)

@@ -295,11 +295,12 @@ class Records:
                 b.show(e.slot, e.number)
         return b
 
-    def show(self, e: Entry) -> None:
-        """``e``'s newest changed: the board shows it (call before the
-        answer of the request that changed it)."""
-        if e.slot >= 0:
-            self._board.show(e.slot, e.number)  # type: ignore[union-attr]
+    def words(self) -> Any:
+        """The board's slots as a writable memoryview of u64 (None: no board):
+        whoever changes a name's newest writes ``words[e.slot] = number``
+        (a name with a slot: ``e.slot >= 0``) before the answer of the
+        request that changed it."""
+        return None if self._board is None else self._board.words
 
     def close(self) -> None:
         if self._board is not None:

@@ -286,7 +286,7 @@ class Writes(Batches):
         retired: list[Version] = []  # retired together, once all are published
         rows: list[Row] = []  # of packs, likewise
         put = 0
-        show = self.records.show  # the board (shm._board), before the answer
+        words = self.records.words()  # the board (shm._board), written before the answer
         for v in versions:
             e = v.entry
             assert e is not None
@@ -304,7 +304,8 @@ class Writes(Batches):
                 out.append(old)
                 continue
             e.ready = v
-            show(e)
+            if words is not None and e.slot >= 0:
+                words[e.slot] = v.number
             if v.ttl is None:
                 e.expires_at = None
             else:
