@@ -203,7 +203,9 @@ def ops_client(
     from tensordepot import Client
     from tensordepot.client._transport import Transport
 
-    with Client(depot_url) as c:
+    # Over HTTP, as the bare endpoint is: the broker's request path against
+    # FastAPI's (the shared-memory lane and the board are B10's gets).
+    with Client(depot_url, lane=False) as c:
         bare = Transport(bare_url)
         ops = {
             "tensordepot_get": lambda: c.get(name).release(),

@@ -1105,7 +1105,8 @@ def bench_b5(
     data: dict[str, Any] = {
         "concurrency": list(cfg.concurrency),
         "seconds_per_run": cfg.ops_seconds,
-        "transport": "tensordepot's http.client transport, one connection per process",
+        "transport": "tensordepot's http.client transport, one connection per process "
+        "(Client(lane=False): no shared-memory lane, no board)",
     }
     for v in variants:
         data[v] = {
