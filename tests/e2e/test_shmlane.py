@@ -260,6 +260,44 @@ def test_a_lanes_descriptors_go_with_its_session(broker: BrokerProc) -> None:
     drained(broker, "leases", sessions=1)
 
 
+_WAITER = """
+import sys
+import numpy as np
+from tensordepot import Client
+c = Client(sys.argv[1])
+held = np.from_dlpack(c.get("w"))  # a lease
+assert c._core.lane is not None
+print("ready", flush=True)
+c.get("never", timeout=120)  # parked on the lane when it is killed
+"""
+
+
+def test_a_client_killed_mid_request_leaves_nothing(broker: BrokerProc) -> None:
+    """A client killed (-9) while its get waits on the lane, holding a
+    lease: its wait, its lease, its session and the lane's descriptors are
+    all gone from the broker, which serves the next client on its lane."""
+    assert broker.proc is not None
+    pid = broker.proc.pid
+    with broker.client(lane=False) as watcher:
+        watcher.put("w", np.arange(16))
+        base = lane_fds(pid)
+        with subprocess.Popen(
+            [sys.executable, "-c", _WAITER, broker.url], stdout=subprocess.PIPE, text=True
+        ) as p:
+            try:
+                assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+                stat_when(watcher, lambda st: st.waiting == 1, "the get to wait on the lane")
+                assert watcher.stat().leases == 1 and lane_fds(pid) >= base + 3
+            finally:
+                p.kill()
+        _fds_back(broker, base)
+        drained(watcher, "waiting", "leases", sessions=1)
+        with broker.client() as c:
+            assert int(np.from_dlpack(c.get("w"))[15]) == 15 and c._core.lane is not None
+        watcher.delete("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
 def _scribble(lane: RawLane, what: str) -> None:
     """Write into the request ring what no client writes (``what``), as a
     client owns those bytes and may; then ring the bell."""
