@@ -274,7 +274,12 @@ class Client:
         ``version=v`` leases exactly ``v``, now, while it lives: the newest, or
         an older one that some lease still keeps (a sender's, say).
         The lease ends when the returned ``SharedTensor`` and every view made
-        from it are gone.  Raises ``TensorNotFound`` when nothing (newer) was
+        from it are gone.  On the shared-memory lane, a get of the newest
+        version right after the views of this client's last get of the same
+        version are gone takes that lease back, with no request, while the
+        broker's board shows the version is still the newest (the answer is
+        the broker's; the broker does not count such a get).
+        Raises ``TensorNotFound`` when nothing (newer) was
         published in time, ``InvalidRequest``/``InvalidType`` for a bad name,
         timeout or version.
 
