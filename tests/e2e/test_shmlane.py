@@ -489,7 +489,7 @@ def test_a_forked_child_asks_its_own_lane(broker: BrokerProc) -> None:
 
 
 _IN_FLIGHT = """
-import os, sys, threading, time, warnings
+import os, signal, sys, threading, time, warnings
 import numpy as np
 from tensordepot import Client
 warnings.simplefilter("ignore", DeprecationWarning)  # fork() with a thread: what this tests
@@ -520,8 +520,14 @@ with Client(sys.argv[1]) as c, Client(sys.argv[1], lane=False) as w:
             c.delete("child")
         finally:
             os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child could not use a lane of its own"
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:  # stuck on its parent's lane: killed, and a failure
+            os.kill(pid, signal.SIGKILL)
+            done = os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child could not use a lane of its own"
     w.put("late", np.full(8, 5.0))
     waiter.join(30)
     assert float(np.from_dlpack(got.pop("t"))[0]) == 5.0, "the parent's get lost its answer"
