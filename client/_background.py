@@ -119,15 +119,16 @@ class Background:
 
     def take_back(self, sid: str, lease_id: int) -> bool:
         """Take back a queued release never handed to a request, so the lease
-        is held again (``_shmlane.again``); False if it is not queued (a view
-        still holds the lease, or a request or ``flush`` took it), or if a
-        request that carried it was cut before its answer (``give_back``:
-        the broker may have released it).  Whoever sends releases takes them
-        off ``pending`` one ``popleft`` at a time, and a ``remove`` is
-        atomic as well: one of the two has it, never both."""
+        is held again (``_shmlane.again``, which asks only for leases of the
+        current session); False if it is not queued (a view still holds the
+        lease, or a request or ``flush`` took it), or if a request that
+        carried it was cut before its answer (``give_back``: the broker may
+        have released it).  Whoever sends releases takes them off
+        ``pending`` one ``popleft`` at a time, and a ``remove`` is atomic as
+        well: one of the two has it, never both."""
         key = (sid, lease_id)
-        if key in self.renamed or key in self.doubtful:
-            return False  # a forked child's copy, or maybe released already
+        if key in self.doubtful:
+            return False  # maybe released already
         try:
             self.pending.remove(key)
         except ValueError:

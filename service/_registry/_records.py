@@ -295,7 +295,7 @@ class Records:
                 b.show(e.slot, e.number)
         return b
 
-    def words(self) -> Any:
+    def words(self) -> memoryview | None:
         """The board's slots as a writable memoryview of u64 (None: no board):
         whoever changes a name's newest writes ``words[e.slot] = number``
         (a name with a slot: ``e.slot >= 0``) before the answer of the
