@@ -30,28 +30,28 @@ covers it.
 from __future__ import annotations
 
 import functools
-import operator
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from .._errors import BrokerUnavailable, InvalidRequest, TensorBroken
+from .._errors import InvalidRequest, TensorBroken
 from .._proto import INLINE_BATCH_MAX, INLINE_BATCH_MEAN, frame
 from .._wire import MAX_BATCH, BatchGet, HandleColumns, ManyAlloc, ManyPublish, c_strides
 from ..shm import UnsupportedDType, dtype_from_numpy
 from ..shm._copy import copy_many
 from ..shm._dlpack import Views, owned
-from ..shm._posix import byte_view
 from . import _cuda_handles, _cuda_ops
 from ._checks import check_floors, check_mapping, check_names, check_timeout, check_ttl, check_wait
 from ._core import Core
 from ._extent import Layout, broken, check_allocations, check_columns, check_packs
 from ._http import Offload, Op
+from ._known import Known, filled, known, remember
 from ._ops import tensor
 from ._source import Source
 from ._tensor import Publisher, SharedTensor, _Lease, _Owner
 from ._tensormap import TensorMap
+from ._windows import pack_window, windows
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
 _STEP = 256 << 20  # bytes copied between two progress reports
@@ -317,16 +317,22 @@ def _get_batch(
 ) -> Op[None]:
     body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
     io = None if wait is None else wait + core.timeout
-    cols = yield from core.granted(HandleColumns, "POST", "/v1/many/get", body, timeout=io)
+    entry = known(core.known, core.instance, names)  # kept: the answer may leave them out
+    path = "/v1/many/get" if entry is None else f"/v1/many/get?known={entry.key}"
+    cols = yield from core.granted(HandleColumns, "POST", path, body, timeout=io)
     # From here on, whatever raises (Ctrl-C included) gives back the leases
     # that no object holds yet: the others go when their holders do.
     made: dict[int, _Lease] = {}  # the leases of the batch's packs, once made
     ready: dict[int, Any] = {}  # the tensors made now (GPU ones)
     try:
-        if core.map_cheaply("cuda" if cols.others else "posix"):
-            got = _got(core, cols, made, ready)
+        if cols.key is None or cols.names or not cols.versions:
+            entry = None  # the answer has its columns
         else:
-            got = yield Offload(_got, core, cols, made, ready)
+            cols = filled(entry, cols)
+        if core.map_cheaply("cuda" if cols.others else "posix"):
+            got = _got(core, cols, made, ready, entry)
+        else:
+            got = yield Offload(_got, core, cols, made, ready, entry)
     except BaseException:
         if core.bg is not None:
             held: set[int | None] = set(made)
@@ -336,7 +342,7 @@ def _get_batch(
                 if lid is not None and lid not in held:
                     core.bg.release_later(core.sid, lid)
         raise
-    into.add(got, cols.names, ready)
+    into.add(got, cols.names, ready, None if got.known is None else got.known.positions)
 
 
 class _Got:
@@ -347,6 +353,7 @@ class _Got:
         "cols",
         "columns",
         "instance",
+        "known",
         "layouts",
         "leases",
         "offsets",
@@ -366,8 +373,9 @@ class _Got:
         leases: list[_Lease | None],
         offsets: list[int],
         windows: list[tuple[Any, Any, int]],
+        known: Known | None = None,
     ) -> None:
-        self.cols, self.layouts, self.leases = cols, layouts, leases
+        self.cols, self.layouts, self.leases, self.known = cols, layouts, leases, known
         self.offsets, self.windows = offsets, windows
         self.ref = weakref.ref[Publisher](core)  # the tensors' client, kept alive by none of them
         self.sid, self.instance = core.sid, core.instance
@@ -457,13 +465,26 @@ class _Got:
         return out
 
 
-def _got(core: Core, cols: HandleColumns, made: dict[int, _Lease], ready: dict[int, Any]) -> _Got:
+def _got(
+    core: Core,
+    cols: HandleColumns,
+    made: dict[int, _Lease],
+    ready: dict[int, Any],
+    entry: Known | None = None,
+) -> _Got:
     """The batch of ``cols``, checked and mapped, with a lease object per
     pack (into ``made``, each as soon as it exists) and its GPU tensors made
-    (into ``ready``)."""
+    (into ``ready``).  ``entry``: the kept columns ``cols`` were filled
+    from (``_known``: checked when they came), else they are checked here
+    and kept if the broker named them by a key."""
     bg, sid = core.bg, core.sid
-    layouts = check_columns(cols)
-    offsets, windows = _windows(core, cols, layouts)
+    if entry is None:
+        layouts = check_columns(cols)
+        entry = remember(core.known, core.instance, cols, layouts)
+        offsets, places = windows(core, cols, layouts)
+    else:
+        layouts = entry.checked
+        offsets, places = pack_window(core, cols, entry)
     release = None if bg is None else functools.partial(bg.release_later, sid)
     leases: list[_Lease | None] = []
     with core.gate:  # no fork while leases are registered
@@ -477,95 +498,4 @@ def _got(core: Core, cols: HandleColumns, made: dict[int, _Lease], ready: dict[i
             leases.append(lease)
     for i, h in cols.others.items():  # tensor() takes the gate itself
         ready[i] = tensor(core, h, False)
-    return _Got(core, cols, layouts, leases, offsets, windows)
-
-
-def _windows(
-    client: Core, cols: HandleColumns, layouts: list[Layout]
-) -> tuple[list[int], list[tuple[Any, Any, int]]]:
-    """Per tensor: its offset in its segment, and (its window, the window as
-    flat uint8 arrays, writable and read-only, the segment offset the window
-    starts at)."""
-    packs, pack = cols.packs, cols.pack
-    n = len(cols.names)
-    size = [nb for _, _, nb in layouts]
-    by_segment: dict[int, Sequence[int]] = {}
-    if n and pack[0] >= 0 and pack.count(pack[0]) == n:  # the usual batch: one pack
-        offsets = list(map(packs[pack[0]][1].__add__, cols.at))
-        nbytes = list(map(size.__getitem__, cols.layout))
-        by_segment[packs[pack[0]][0]] = range(n)
-    else:
-        # 0 for a tensor in no pack (a GPU tensor's whole handle is in cols.others)
-        offsets = [packs[k][1] + a if k >= 0 else 0 for k, a in zip(pack, cols.at, strict=True)]
-        nbytes = [size[m] if k >= 0 else 0 for k, m in zip(pack, cols.layout, strict=True)]
-        for i, k in enumerate(pack):
-            if k >= 0:
-                by_segment.setdefault(packs[k][0], []).append(i)  # type: ignore[attr-defined]
-    out: list[tuple[Any, Any, int]] = [(None, None, 0)] * n
-    segment = ""
-    try:
-        sizes = []
-        for segment in cols.segments:
-            sizes.append(client.segments.file(segment, False).size)
-        check_packs(cols, sizes)
-        for j, members in by_segment.items():
-            segment = cols.segments[j]
-            shared, alone = _layout(members, offsets, nbytes)
-            if shared:
-                if len(shared) == n:  # every tensor: their columns as they are
-                    starts, lengths = offsets, nbytes
-                else:
-                    starts, lengths = [offsets[i] for i in shared], [nbytes[i] for i in shared]
-                lo = min(starts)
-                hi = max(map(operator.add, starts, lengths))
-                window = _window(client, segment, lo, hi - lo)
-                if len(shared) == n:
-                    out = [window] * n
-                else:
-                    for i in shared:
-                        out[i] = window
-            for one in alone:  # the tensors of one range
-                window = _window(client, segment, offsets[one[0]], nbytes[one[0]])
-                for i in one:
-                    out[i] = window
-    except OSError as exc:
-        raise BrokerUnavailable(f"cannot map segment {segment}: {exc}") from exc
-    return offsets, out
-
-
-def _window(client: Core, segment: str, lo: int, n: int) -> tuple[Any, Any, int]:
-    w = client.segments.reader(segment, lo, n)
-    flat = byte_view(w, 0, n, writable=True)  # private pages: see module doc
-    return w, (flat, byte_view(w, 0, n, writable=False)), lo
-
-
-def _layout(
-    members: Sequence[int], offsets: list[int], nbytes: list[int]
-) -> tuple[Sequence[int], list[list[int]]]:
-    """The tensors of one segment that may share a window, and the groups
-    that each need one of their own: the tensors of one range of bytes (tied
-    weights, a name given twice) are one; ranges that overlap without being
-    the same may not share a window."""
-    if len(members) == len(offsets):  # every tensor of the batch (a range): its columns
-        starts = offsets
-        ends = list(map(operator.add, offsets, nbytes))
-    else:
-        starts = [offsets[i] for i in members]
-        ends = [offsets[i] + nbytes[i] for i in members]
-    if all(map(operator.ge, starts[1:], ends)):  # the usual batch: in order, none overlapping
-        return members, []
-    spans: dict[tuple[int, int], list[int]] = {}
-    for i in members:
-        spans.setdefault((offsets[i], offsets[i] + nbytes[i]), []).append(i)
-    ranges = sorted(spans)
-    shared: list[int] = []
-    alone: list[list[int]] = []
-    end = -1
-    for k, (lo, hi) in enumerate(ranges):
-        nxt = ranges[k + 1][0] if k + 1 < len(ranges) else None
-        if lo < end or (nxt is not None and nxt < hi):
-            alone.append(spans[lo, hi])
-        else:
-            shared.extend(spans[lo, hi])
-        end = max(end, hi)
-    return shared, alone
+    return _Got(core, cols, layouts, leases, offsets, places, entry)

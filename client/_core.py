@@ -49,6 +49,7 @@ from ._http import (
     io_timeout,
     request_id,
 )
+from ._known import Kept
 from ._segments import Segments
 from ._shmlane import ClientLane, lane_call, on_lane, wanted
 from ._tensor import SharedTensor, _Lease
@@ -132,6 +133,7 @@ class Core:
         # The last get's handle of each name, while its lease may still be
         # released later (``_shmlane.again``): (session, handle).
         self.recent: dict[str, tuple[str, Handle]] = {}
+        self.known: Kept = {}  # batches' columns by their names (_known)
         try:
             if open:
                 self.run(self.open_session(""))

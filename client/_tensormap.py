@@ -58,10 +58,17 @@ class TensorMap(MutableMapping[str, Any]):
         self._next = 0  # the next part's first position
         self._all_made = True  # no value is _UNMADE
 
-    def add(self, part: Made, names: list[str], ready: dict[int, Any]) -> None:
+    def add(
+        self,
+        part: Made,
+        names: list[str],
+        ready: dict[int, Any],
+        positions: dict[str, int] | None = None,
+    ) -> None:
         """The tensors of ``part`` at positions ``0..len(names)-1`` under
         ``names`` (a name given twice: its last position), those of
-        ``ready`` made already."""
+        ``ready`` made already; ``positions``: each name's position, if
+        known (it is copied)."""
         first = self._next
         self._all_made = False
         self._parts.append(part)
@@ -69,7 +76,10 @@ class TensorMap(MutableMapping[str, Any]):
         self._next += len(names)
         if first == 0 and not ready:
             self._items = dict.fromkeys(names, _UNMADE)
-            self._at = {name: i for i, name in enumerate(names)}
+            if positions is not None:
+                self._at = positions.copy()
+            else:
+                self._at = {name: i for i, name in enumerate(names)}
             return
         for i, name in enumerate(names):
             self._items[name] = ready.get(i, _UNMADE)

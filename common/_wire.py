@@ -570,6 +570,12 @@ class HandleColumns(_Answer):
     )
     layout: list[int] = Field(description="per tensor: its index in layouts, or -1")
     others: dict[int, Handle] = Field(default_factory=dict)
+    key: int | None = Field(
+        None,
+        description="the key of this answer's names, pack, at, layouts and layout: one pack's "
+        "rows, which never change (null: none). A get_many that names it (?known=) is "
+        "answered without them (empty lists) when its answer is that pack's rows again",
+    )
 
 
 class TensorList(_Answer):

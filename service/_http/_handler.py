@@ -294,6 +294,15 @@ def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:
     return (None if timeout > MAX_WAIT else timeout), newer_than, version
 
 
+def known_param(q: Mapping[str, str]) -> int:
+    """The ``known`` of a get_many's query: the key of an earlier answer's
+    columns that the client holds for the names it asks for (0: none)."""
+    known = q.get("known", "0")
+    if not (known.isdigit() and len(known) <= 18):
+        raise bad_query("known must be the key of an earlier get_many answer (an integer >= 0)")
+    return int(known)
+
+
 def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
     """What an inline put's query and Content-Length ask for, checked."""
     if not length.isdigit() or int(length) > INLINE_MAX:

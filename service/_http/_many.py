@@ -95,10 +95,16 @@ def _floors(req: BatchGet) -> int | list[int]:
 
 
 def get_now(
-    broker: Broker, sid: str | None, who: Caller, req: BatchGet, request: str | None
+    broker: Broker,
+    sid: str | None,
+    who: Caller,
+    req: BatchGet,
+    request: str | None,
+    known: int = 0,
 ) -> bytes | None:
+    """``known``: see ``columns``."""
     got = broker.try_get_many(sid, who, req.names, _floors(req), request=request, wait=req.wait)
-    return None if got is None else columns(broker, got, "ready")
+    return None if got is None else columns(broker, got, "ready", known)
 
 
 async def get(
@@ -109,6 +115,7 @@ async def get(
     request: str | None,
     timeout: float | None,
     gone: Callable[[], Awaitable[Any]] | None,
+    known: int = 0,
 ) -> bytes:
     got = await broker.get_many(
         sid,
@@ -120,4 +127,4 @@ async def get(
         gone=gone,
         wait=req.wait,
     )
-    return columns(broker, got, "ready")
+    return columns(broker, got, "ready", known)

@@ -73,13 +73,16 @@ def handle_json(broker: Broker, v: Version, lease: int | None = None) -> bytes:
     return b"%s%s%s" % (wire[0], b"null" if lease is None else b"%d" % lease, wire[1])
 
 
-def columns(broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str) -> bytes:
+def columns(
+    broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str, known: int = 0
+) -> bytes:
     """``HandleColumns`` for these versions or rows of packs (with their
     leases, if any), as JSON: a shared-memory tensor as entries of the
     columns, in the pack of its block and lease (each pack, segment and
     layout named once), any other kind as its whole ``handle`` under its
-    position in ``others``."""
-    whole = _whole_pack(broker, pairs, state)
+    position in ``others``.  ``known``: the key of the columns the client
+    holds for these names (``BatchGet``'s ``known``; 0: none)."""
+    whole = _whole_pack(broker, pairs, state, known)
     if whole is not None:
         return whole
     segments: dict[str, int] = {}
@@ -150,11 +153,14 @@ def columns(broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: st
 
 
 def _whole_pack(
-    broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str
+    broker: Broker, pairs: Sequence[tuple[Found, int | None]], state: str, known: int
 ) -> bytes | None:
     """``columns`` of every row of one pack in order under one lease (a
     get_many of a batch put together, the usual case), from the pack's own
-    columns; None for anything else."""
+    columns, with their ``key``; None for anything else.  When the client
+    holds the columns of that key (``known``), the answer leaves out what
+    the key names (names, pack, at, layouts, layout): a pack's rows never
+    change, and no other rows ever have its key (``_packs.plan``)."""
     if not pairs:
         return None
     first, lid = pairs[0]
@@ -166,6 +172,22 @@ def _whole_pack(
     if lease is None or lease.pack is not p or len(pairs) != n or lease.rows != tuple(range(n)):
         return None  # (its rows are the pairs' own, in their order: Leases._group)
     blk = p.block
+    if known == p.key:
+        return to_json(
+            {
+                "names": [],
+                "versions": p.numbers,
+                "state": state,
+                "segments": [blk.segment],
+                "packs": [(0, blk.offset, blk.size, lid)],
+                "pack": [],
+                "at": [],
+                "layouts": [],
+                "layout": [],
+                "others": {},
+                "key": p.key,
+            }
+        )
     layouts, layout = p.layouts
     return to_json(
         {
@@ -179,5 +201,6 @@ def _whole_pack(
             "layouts": layouts,
             "layout": layout,
             "others": {},
+            "key": p.key,
         }
     )

@@ -236,14 +236,26 @@ class Batches:
         next numbers, and ``out`` their positions."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         packs = []
-        for k, at, names, items, ats, shapes in plan.rows:
+        for k, at, names, items, ats, shapes, key in plan.rows:
             numbers, ents = [], []
             for name in names:
                 e = entries.get(name) or entry(name)
                 numbers.append(e.next_version)
                 e.next_version += 1
                 ents.append(e)
-            p = Pack(blocks[k], names, numbers, items, ats, shapes, ents, ttl, memory, plan.used[k])
+            p = Pack(
+                blocks[k],
+                names,
+                numbers,
+                items,
+                ats,
+                shapes,
+                ents,
+                ttl,
+                memory,
+                plan.used[k],
+                key=key,
+            )
             memory.pack_placed(p)
             packs.append(p)
             for j, i in enumerate(at):

@@ -19,6 +19,7 @@ gets the same request object back from the broker's parser
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,10 @@ Where = tuple[int, int]  # (a batch's block, where in it)
 # A pack's layouts as the wire names them: each (shape, dtype, bytes) once, and per row its index.
 Layouts = tuple[list[tuple[tuple[int, ...], str, int]], list[int]]
 PLANS_KEPT = 16  # the plans Plans keeps (of the requests the broker parsed once: parse_framed)
+# The key of each pack's rows a plan makes (``Plan.rows``): never given twice in
+# a broker's run, so a key names one list of names, offsets and layouts for
+# good (a get_many's answer of a whole pack may name its columns by it).
+_ROW_KEYS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,8 @@ class Plan:
     batch is in that block (``spots``: an earlier one's bytes resolved),
     the blocks that are packs, two of its own tensors or more
     (``packs``), and, for a put_many, what each pack's rows are (``rows``:
-    per pack, its block and its tensors' positions, names, items and
-    offsets, shared by every ``Pack`` of this request), the tensors that
+    per pack, its block and its tensors' positions, names, items, offsets,
+    layouts and key, shared by every ``Pack`` of this request), the tensors that
     are not rows of a pack (``lone``: they get ``Version``s), and where the
     bytes a put_many carries go (``runs``: (block, where in it, bytes), in
     the body's order, back-to-back tensors of a block as one)."""
@@ -66,7 +71,7 @@ class Plan:
     used: list[int]
     spots: list[tuple[int, int, bool]]
     packs: list[int]
-    rows: list[tuple[int, list[int], list[str], list[Checked], list[int], Layouts]]
+    rows: list[tuple[int, list[int], list[str], list[Checked], list[int], Layouts, int]]
     lone: list[int]
     runs: list[tuple[int, int, int]]
 
@@ -151,6 +156,7 @@ def plan(req: ManyAlloc, devices: Callable[[], None], align: int, most: int) -> 
             [items[i] for i in at],
             [where[i][1] for i in at],
             layouts([items[i] for i in at]),
+            next(_ROW_KEYS),
         )
         for k, at in of_pack.items()
     ]

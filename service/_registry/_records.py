@@ -180,7 +180,8 @@ class Pack:
     more, while leases hold the pack, is ``kept`` until they end.  Charged
     to its creator as one allocation until its block is freed.  ``names``,
     ``items`` and ``ats`` come from the request's plan and are shared by
-    every pack of the same request: never changed."""
+    every pack of the same request: never changed, and named by ``key``
+    (``_packs.plan``: no two row lists of a broker's run share one)."""
 
     block: Block
     names: list[str]
@@ -200,6 +201,7 @@ class Pack:
     creator: str | None = None
     identity: str | None = None
     pinned: bool = False
+    key: int = 0  # its names, items, ats and layouts (shared by the packs of one plan)
 
     def describe(self, i: int) -> Version:
         """Row ``i`` as a ``Version`` no book counts: its facts, to read."""

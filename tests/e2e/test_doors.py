@@ -668,6 +668,24 @@ def _many_put(
     return env.req("POST", "/v1/many/put", _framed(head, data), who=who, ctype=ctype)
 
 
+def _known_get(env: Env) -> Req:
+    """A get_many of a put_many's pack naming the key of the columns an
+    earlier get_many of it gave (``?known=``): answered without them."""
+    names = [env.name("a"), env.name("b")]
+    head = {"names": names, "shapes": [[NBYTES]] * 2, "dtypes": ["uint8"] * 2}
+    who = env.who("admin")
+    body = _framed(head, b"\1" * 2 * NBYTES)
+    put = env.depot.send("POST", "/v1/many/put", body, who=who, sid=env.session(who), ctype=OCTETS)
+    assert put.status == 200, put
+    key = env.call("POST", "/v1/many/get", {"names": names}).json()["key"]
+    return env.req("POST", f"/v1/many/get?known={key}", {"names": names})
+
+
+def _short(env: Env, answer: Answer) -> None:
+    got = answer.json()
+    assert got["names"] == [] and got["key"] and len(got["versions"]) == 2, got
+
+
 NO_GPU = "cuda:GPU-00000000-0000-0000-0000-000000000000"  # a GPU no broker has
 
 
@@ -1037,6 +1055,19 @@ GOOD = [
             delta={"leases": 2},
         ),
         id="many-get-any",
+    ),
+    pytest.param(
+        Case(R_MANY_GET, _known_get, 200, delta={"leases": 1}, check=_short),
+        id="many-get-known",
+    ),
+    pytest.param(
+        Case(
+            R_MANY_GET,
+            lambda e: e.req("POST", "/v1/many/get?known=-1", {"names": [e.put("a")]}),
+            422,
+            "invalid_request",
+        ),
+        id="many-get-known-not-a-key",
     ),
     pytest.param(
         Case(

@@ -56,6 +56,16 @@ LIES: dict[str, dict[str, Any] | None] = {
     "not-a-handle": {"shape": "x"},  # given back by its request id: no lease id can be read
 }
 BATCHES = ("get_many", "put_many")
+# A get_many's answer that leaves out the columns the client keeps (client/_known.py),
+# each lie as what it changes in a true short answer; the first answer, whole, is true.
+KEY = 7
+SHORT_LIES: dict[str, dict[str, Any]] = {
+    "short-pack-too-small": {"packs": "too small"},
+    "short-versions-uneven": {"versions": [1, 1]},
+    "short-key-not-ours": {"key": KEY + 1},
+    "short-two-segments": {"segments": "twice"},
+    "short-unasked": {"key": KEY, "unasked": True},
+}
 
 
 def _lies(op: str) -> list[str]:
@@ -107,7 +117,28 @@ class FakeBroker:
 
     @staticmethod
     def lease(name: str) -> int:
+        if name in SHORT_LIES:
+            return 200 + list(SHORT_LIES).index(name)
         return 100 + list(LIES).index(name)
+
+    def short(self, name: str, known: bool) -> dict[str, Any]:
+        """The answer to a get_many of ``name``: whole, with its key, the
+        first time (or, for "short-unasked", short without being asked);
+        short, with its lie, when the client names the key (``known``)."""
+        lie = SHORT_LIES[name]
+        cols = dict(self.columns(name, "ready", True, False), key=KEY)
+        cols["packs"] = [[0, 4096, 16, self.lease(name) + (100 if known else 0)]]
+        if not known and not lie.get("unasked"):
+            return cols
+        cols.update(names=[], pack=[], at=[], layouts=[], layout=[])
+        for key, value in lie.items():
+            if key == "packs":
+                cols["packs"] = [[0, 4096, 8, cols["packs"][0][3]]]
+            elif key == "segments":
+                cols["segments"] = [self.segment, self.segment]
+            elif key != "unasked":
+                cols[key] = value
+        return cols
 
     def handle(self, name: str, state: str, lease: int | None, big: bool) -> dict[str, Any]:
         n = BIG if big else 4
@@ -125,7 +156,7 @@ class FakeBroker:
             "state": state,
             "lease": lease,
         }
-        for key, value in (LIES[name] or {}).items():
+        for key, value in (LIES.get(name) or {}).items():
             h[key] = [2 * n] if value == "twice" else value
         return h
 
@@ -147,7 +178,7 @@ class FakeBroker:
             cols["packs"] = [[3, h["offset"], h["nbytes"], self.lease(name) if leases else None]]
         return cols
 
-    def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+    def route(self, method: str, path: str, body: Any, query: str = "") -> tuple[int, Any]:
         if (method, path) == ("POST", "/v1/sessions"):
             return 200, {
                 "session": "fake",
@@ -166,6 +197,8 @@ class FakeBroker:
             return 200, self.handle(
                 name, "writing", self.lease(name) if body["hold"] else None, not body["hold"]
             )
+        if path == "/v1/many/get" and body["names"][0] in SHORT_LIES:
+            return 200, self.short(body["names"][0], query == f"known={KEY}")
         if path == "/v1/many/get":
             return 200, self.columns(body["names"][0], "ready", True, False)
         if path == "/v1/many/alloc":
@@ -190,9 +223,10 @@ class FakeBroker:
         with self.lock:
             self.released += [int(i) for i in riders.split(",")] if riders else []
             self.cancelled += cancels.split(",") if cancels else []
-            status, out = self.route(h.command, h.path.split("?")[0], body)
+            path, _, query = h.path.partition("?")
+            status, out = self.route(h.command, path, body, query)
             if isinstance(out, dict) and ("names" in out or "kind" in out):  # a handle
-                name = out["names"][0] if "names" in out else out["name"]
+                name = body["names"][0] if "names" in out else out["name"]
                 self.granted[name] = h.headers["x-tensordepot-request"]
         data = b"" if out is None else json.dumps(out).encode()
         h.send_response(status)
@@ -219,24 +253,9 @@ def fake() -> Iterator[tuple[str, FakeBroker]]:
         assert shm_entries(prefix) == []
 
 
-@pytest.mark.parametrize(
-    "op,driver",
-    [
-        pytest.param("get", "sync", id="get"),
-        pytest.param("get", "async", id="async-get"),
-        pytest.param("get_many", "sync", id="get_many"),
-        pytest.param("get_many", "async", id="async-get_many"),
-        pytest.param("empty", "sync", id="empty"),
-        pytest.param("empty", "async", id="async-empty"),
-        pytest.param("put", "sync", id="put"),
-        pytest.param("put_many", "async", id="async-put_many"),
-    ],
-)
-def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
-    fake: tuple[str, FakeBroker], op: str, driver: str
-) -> None:
-    url, broker = fake
-    lies = _lies(op)
+def _all_refused(url: str, driver: str, op: str, lies: list[str]) -> None:
+    """handle_taker.py takes each of ``lies`` with ``op``: each is refused
+    with TensorBroken, and the client lives on."""
     res = subprocess.run(
         [sys.executable, str(WORKERS / "handle_taker.py"), url, driver, op, *lies],
         capture_output=True,
@@ -255,6 +274,27 @@ def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
     assert not wrong and list(said) == lies, wrong
     for r in said.values():
         assert "refusing the broker's handle" in r["message"], r
+
+
+@pytest.mark.parametrize(
+    "op,driver",
+    [
+        pytest.param("get", "sync", id="get"),
+        pytest.param("get", "async", id="async-get"),
+        pytest.param("get_many", "sync", id="get_many"),
+        pytest.param("get_many", "async", id="async-get_many"),
+        pytest.param("empty", "sync", id="empty"),
+        pytest.param("empty", "async", id="async-empty"),
+        pytest.param("put", "sync", id="put"),
+        pytest.param("put_many", "async", id="async-put_many"),
+    ],
+)
+def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
+    fake: tuple[str, FakeBroker], op: str, driver: str
+) -> None:
+    url, broker = fake
+    lies = _lies(op)
+    _all_refused(url, driver, op, lies)
     # What the broker handed out came back, before the session ended: by its
     # lease or allocation, or (an answer that names none) by its request id.
     assert broker.ended == 1 and broker.published == []
@@ -264,6 +304,23 @@ def test_a_handle_reaching_outside_its_bytes_is_refused_and_given_back(
         assert sorted(broker.aborted) == sorted(lies)
     else:
         assert sorted(broker.released) == sorted(broker.lease(name) for name in lies)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_short_answer_that_lies_is_refused_and_given_back(
+    fake: tuple[str, FakeBroker], driver: str
+) -> None:
+    """A get_many answered whole with a key, then again without its columns
+    (the client named the key): an answer whose versions, segments or pack
+    do not fit the columns kept, or that names a key not kept, or that is
+    short unasked, is refused with TensorBroken, and both leases come back."""
+    url, broker = fake
+    lies = list(SHORT_LIES)
+    _all_refused(url, driver, "get_many_again", lies)
+    firsts = [broker.lease(n) for n in lies if n != "short-unasked"]
+    shorts = [broker.lease(n) + 100 for n in lies if n != "short-unasked"]
+    assert sorted(broker.released) == sorted([*firsts, *shorts, broker.lease("short-unasked")])
+    assert broker.ended == 1 and broker.cancelled == []
 
 
 # -- a re-put after the broker restarted ---------------------------------------------------------

@@ -3,7 +3,9 @@ name what came of it: ``{"name", "raised": class name, "message"}``, with
 ``raised`` null after every byte of it was read (or written, for empty).
 Then closes the client, which sends its releases, and exits 0.
 
-    python handle_taker.py BROKER_URL sync|async get|get_many|empty|put|put_many NAME...
+    python handle_taker.py URL sync|async get|get_many|get_many_again|empty|put|put_many NAME...
+
+``get_many_again``: a get_many of the name, every byte read and dropped, then another.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ BIG = np.ones(1 << 17, dtype=np.float32)  # 512 KiB: too large to go inline
 def call(c: Any, name: str) -> Any:
     if OP == "get":
         return c.get(name)
-    if OP == "get_many":
+    if OP in ("get_many", "get_many_again"):
         return c.get_many([name])
     if OP == "empty":
         return c.empty(name, (4,), "float32")
@@ -59,6 +61,11 @@ async def take_all(c: Any) -> None:
     for name in NAMES:
         try:
             got = call(c, name)
+            if OP == "get_many_again":
+                first = await got if inspect.isawaitable(got) else got
+                touch(first)
+                del first
+                got = c.get_many([name])
             touch(await got if inspect.isawaitable(got) else got)
         except Exception as exc:
             report(name, exc)
