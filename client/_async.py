@@ -46,6 +46,7 @@ from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._aio import AsyncTransport
 from ._core import Core
 from ._http import Offload, Op, Request, Step, T
+from ._shmlane import take_lane, wanted
 from ._tensor import SharedTensor
 from ._tensormap import TensorMap
 from ._transport import Transport
@@ -76,6 +77,12 @@ class AsyncClient:
     In a child forked from this process, the AsyncClient works in the
     child's own event loop, with a session of its own (as a Client does).
 
+    ``lane``: on a unix socket, the AsyncClient takes the session's
+    shared-memory lane for its board of newest versions (``Client.get``):
+    a get of a tensor whose newest version it got last, with no view of it
+    left, is answered with no request.  Its requests stay on HTTP, on the
+    event loop.  ``False`` (or ``$TENSORDEPOT_LANE=0``) takes none.
+
     ::
 
         async with AsyncClient() as c:
@@ -98,6 +105,7 @@ class AsyncClient:
         timeout: float = 30.0,
         label: str | None = None,
         trust_uid: int | str | Iterable[int | str] | None = None,
+        lane: bool | None = None,
     ) -> None:
         token = token or os.environ.get(ENV_TOKEN)
         core = Core(
@@ -111,6 +119,7 @@ class AsyncClient:
         )
         self._core = core
         self.url = core.url
+        self._lane = wanted(lane) and core.endpoint.path is not None  # for its board (_board)
         self._transport = AsyncTransport(
             core.url, token=token, timeout=core.timeout, trust=core.trust
         )
@@ -140,6 +149,18 @@ class AsyncClient:
             self._loop, self._opening = loop, None
         if core.forked:  # a forked child: claim the session made for it
             await asyncio.shield(self._kept(Offload(core.claim_if_forked)))
+
+    async def _board(self) -> None:
+        """Take the session's lane for its board (``_shmlane.again``), once
+        per session, in a worker thread (the handover blocks); meanwhile, and
+        if it is refused, gets ask the broker.  The lane's rings stay unused:
+        requests go over HTTP, on the event loop."""
+        core = self._core
+        if not self._lane or not core.sid or core._lane_asked == core.sid or core.closing:
+            return
+        await self._ready()  # a forked child's session claimed first: the lane is its owner's
+        core._lane_asked = core.sid
+        await asyncio.shield(self._kept(Offload(take_lane, core)))
 
     async def _drive(self, op: Op[T]) -> T:
         """Run ``op`` on the event loop.  Cancelled, the caller raises at once
@@ -339,6 +360,7 @@ class AsyncClient:
             return await self._drive(
                 _into.get_into(self._core, name, timeout, newer_than, version, out)
             )
+        await self._board()
         return await self._drive(_ops.get(self._core, name, timeout, newer_than, version))
 
     async def get_many(
@@ -447,6 +469,7 @@ class AsyncClient:
 
     async def __aenter__(self) -> Self:
         await self._drive(self._core.open_session(""))
+        await self._board()
         return self
 
     async def __aexit__(self, *exc: object) -> None:

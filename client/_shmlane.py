@@ -156,6 +156,15 @@ def lane_call(
         ) from None
 
 
+def take_lane(core: Owner) -> None:
+    """The session's lane as ``core.lane`` (blocking: the handover), the
+    lane of an earlier session closed; None if the broker refused it."""
+    old, core.lane = core.lane, None
+    if old is not None:
+        old.close()
+    core.lane = _ask(core)
+
+
 def _ask(core: Owner) -> ClientLane | None:
     """The session's lane (``POST /v1/lane``, its descriptors with the
     answer), or None: the broker refused it, or could not pass it."""

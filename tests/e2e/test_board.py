@@ -7,6 +7,7 @@ no client can write the board."""
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from _harness import BrokerProc, drained, stat_when, wait_for
 from _rawhttp import Session
 from _rawlane import RawLane, answered, handover
-from tensordepot import TensorNotFound
+from tensordepot import AsyncClient, TensorNotFound
 
 GET = ("GET", "/v1/tensors/{name}")  # the get route, as /metrics names it
 
@@ -89,6 +90,36 @@ def test_a_get_again_never_answers_an_older_version(broker: BrokerProc, how: str
         writer.delete_many(["w", "other"] if how == "put_many" else ["w"])
         with pytest.raises(TensorNotFound):
             reader.get("w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no-lane"])
+def test_an_async_client_gets_again_without_a_request(broker: BrokerProc, lane: bool) -> None:
+    """The AsyncClient takes its session's lane for the board: gets of a
+    name whose newest has not moved take back their lease, with no request
+    (``lane=False``: each asks); a put by another client is seen by the next
+    get, never an older version."""
+
+    async def main() -> None:
+        async with AsyncClient(broker.url, lane=lane) as c:
+            with broker.client() as writer:
+                writer.put("w", np.full(16, 0, np.int64))
+                for i in range(1, 41):
+                    asked = answered(broker, *GET)
+                    for _ in range(5):
+                        t = await c.get("w")
+                        assert int(np.from_dlpack(t)[0]) == i - 1 and t.version == i
+                        del t
+                    gets = answered(broker, *GET) - asked
+                    assert gets == 5 if not lane else gets >= 1, (i, gets)
+                    seen.append(gets)
+                    writer.put("w", np.full(16, i, np.int64))
+                writer.delete("w")
+
+    seen: list[int] = []
+    asyncio.run(main())
+    if lane:  # one request per version, and for few of the other gets (see above)
+        assert sum(seen) <= 40 + 80, seen
     drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
 
 
