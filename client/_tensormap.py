@@ -10,6 +10,10 @@ makes a name's tensor when it is first read (``m[name]``, ``m.get``,
 ``values()``, ``items()``, ``pop``).  Every tensor of a batch holds its
 pack's lease through the object it shares with the others, and the map
 holds them all until it goes: an untouched tensor needs nothing else.
+Names read in their order (``dict(m)``, a loop over the names) are made a
+run at a time, the run doubling while the reads stay in order, so a map
+read whole one name at a time costs about what ``items()`` does (1,000
+tensors: 1.06 ms against 1.83 ms made one by one).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Made(Protocol):
 
 
 _UNMADE: Any = object()  # a value of _items: the tensor is not made yet
+_AHEAD = 256  # the most tensors a read in order makes at once
 
 
 class TensorMap(MutableMapping[str, Any]):
@@ -48,7 +53,17 @@ class TensorMap(MutableMapping[str, Any]):
     lives.  Pickled, it becomes a dict of its tensors, each pickled by name
     and version (``SharedTensor``)."""
 
-    __slots__ = ("_all_made", "_at", "_firsts", "_items", "_next", "_parts")
+    __slots__ = (
+        "_ahead",
+        "_all_made",
+        "_at",
+        "_expect",
+        "_firsts",
+        "_items",
+        "_next",
+        "_order",
+        "_parts",
+    )
 
     def __init__(self) -> None:
         self._items: dict[str, Any] = {}  # name -> tensor, or _UNMADE
@@ -57,6 +72,13 @@ class TensorMap(MutableMapping[str, Any]):
         self._firsts: list[int] = []  # each part's first position
         self._next = 0  # the next part's first position
         self._all_made = True  # no value is _UNMADE
+        # Names read in their order (``dict(m)``, a loop over the names) are
+        # made a run at a time, the run doubling while the reads stay in
+        # order (up to _AHEAD): ``_order`` (one part's names by position),
+        # the position the next read in order would miss, the last run.
+        self._order: list[str] = []
+        self._expect = -1
+        self._ahead = 1
 
     def add(
         self,
@@ -74,6 +96,7 @@ class TensorMap(MutableMapping[str, Any]):
         self._parts.append(part)
         self._firsts.append(first)
         self._next += len(names)
+        self._order = names if first == 0 else []
         if first == 0 and not ready:
             self._items = dict.fromkeys(names, _UNMADE)
             if positions is not None:
@@ -92,12 +115,31 @@ class TensorMap(MutableMapping[str, Any]):
                 f"tensor {name!r} of this get_many was released; get it again to read it"
             )
         if len(self._parts) == 1:
-            t = self._parts[0].make(i)
+            if i == self._expect:
+                t = self._run(i)
+            else:
+                self._ahead, self._expect = 1, i + 1
+                t = self._parts[0].make(i)
         else:
             k = bisect.bisect_right(self._firsts, i) - 1
             t = self._parts[k].make(i - self._firsts[k])
         self._items[name] = t
         return t
+
+    def _run(self, i: int) -> Any:
+        """The tensor at position ``i``, read in order after the last run:
+        made with the next ones not made yet, in one call."""
+        self._ahead = ahead = min(2 * self._ahead, _AHEAD)
+        order, items, at = self._order, self._items, self._at
+        end = min(i + ahead, len(order))
+        todo = [i] + [
+            j for j in range(i + 1, end) if items.get(order[j]) is _UNMADE and at.get(order[j]) == j
+        ]
+        made = self._parts[0].made(todo)
+        for j, t in zip(todo, made, strict=True):
+            items[order[j]] = t
+        self._expect = end
+        return made[0]
 
     def _make_all(self) -> None:
         items = self._items

@@ -165,8 +165,8 @@ def test_a_torch_write_into_a_lazily_got_tensor_reaches_nothing_else(
         c.put_many(sd)
         got = c.get_many(list(sd))
         assert isinstance(got, TensorMap) and repr(got).endswith("0 made)"), repr(got)
-        before = np.from_dlpack(got["p4"])  # read before the write
         x = torch.from_dlpack(got["p5"])
+        before = np.from_dlpack(got["p4"])  # read before the write (out of order: made alone)
         assert repr(got).endswith("2 made)"), "reading two tensors made only those two"
         assert got["p4"]._window is got["p5"]._window, "one window for the batch"
         x.fill_(-1.0)  # its neighbours share its first and last pages
@@ -287,5 +287,58 @@ def test_a_lazy_batch_behaves_as_a_dict_of_its_tensors(broker: BrokerProc) -> No
         assert [(t.name, t.version) for t in back.values()] == [("w3", 1), ("w1", 1), ("w4", 1)]
         assert all(np.all(np.from_dlpack(back[n]) == int(n[1:])) for n in back)
         del got, plain, back
+        c.delete(prefix="w")
+        drained(c, "leases", "bytes_in_use")
+
+
+def _made(got: TensorMap) -> int:
+    """How many of the map's tensors are made (its repr says)."""
+    return int(repr(got).rsplit(", ", 1)[1].split()[0])
+
+
+def test_a_lazy_batch_read_in_order_makes_runs_of_the_names_ahead(broker: BrokerProc) -> None:
+    """Names read in their order (``dict(m)``, a loop over the names) are
+    made a run at a time, the run doubling while the reads stay in order:
+    each is the tensor of its own name, read alone or not; a read out of
+    order makes one; names deleted, assigned or given twice are skipped;
+    a reader that stops early leaves most of the map unmade."""
+    n = 250
+    with broker.client() as c:
+        c.put_many(_batch(n))
+        names = [f"w{i}" for i in range(n)]
+
+        def check(got: TensorMap, name: str) -> None:
+            t = got[name]
+            assert t.name == name and np.all(np.from_dlpack(t) == int(name[1:])), name
+
+        got = c.get_many(names)
+        for name in names[:5]:
+            check(got, name)
+        assert 5 <= _made(got) <= 8, repr(got)  # runs of 1, 2, 4: at most 8 made
+        check(got, "w200")  # out of order: one more
+        assert _made(got) <= 9, repr(got)
+        plain = dict(got)  # in order from the start: the rest in runs
+        assert list(plain) == names and _made(got) == n
+        for name in names:
+            check(got, name)
+            assert plain[name] is got[name], "made once"
+        del got, plain
+
+        # A write through torch into a tensor made in a run reaches no other.
+        torch = pytest.importorskip("torch")
+        got = c.get_many(names[:64])
+        first = torch.from_dlpack(got["w0"])
+        first.fill_(99)
+        assert all(np.all(np.from_dlpack(got[f"w{i}"]) == i) for i in range(1, 64))
+        del first, got
+
+        got = c.get_many(["w1", "w0", "w2", "w0", "w3", "w4", "w5"])  # w0 twice: its last place
+        del got["w2"]
+        got["w4"] = buffer = np.zeros(4)
+        assert list(dict(got)) == ["w1", "w0", "w3", "w4", "w5"]
+        assert got["w4"] is buffer
+        for name in ("w1", "w0", "w3", "w5"):
+            check(got, name)
+        del got
         c.delete(prefix="w")
         drained(c, "leases", "bytes_in_use")
