@@ -494,19 +494,43 @@ def _handoffs(
     """Time ``send(prepare(i))`` until the consumer acknowledges value ``i``
     (times ``scale``: what a consumer that adds up many reads sends back).
     ``prepare`` (untimed) makes the value the producer hands over."""
-    times = []
-    for i in range(cfg.handoff_warm + cfg.handoff_iters):
-        payload = prepare(i)
-        time.sleep(cfg.handoff_gap)  # the consumer is back in its receive (or long poll)
-        t0 = time.perf_counter()
-        send(payload)
-        got = float(ack.recv_bytes())
-        dt = time.perf_counter() - t0
-        if got != float(i * scale):
-            raise AssertionError(f"handoff {i}: the consumer read {got}, not {i * scale}")
-        if i >= cfg.handoff_warm:
-            times.append(dt)
-        del payload
+    return _interleaved(prepare, {"one": (send, ack)}, cfg, scale)["one"]
+
+
+def _interleaved(
+    prepare: Callable[[int], Any],
+    sides: dict[str, tuple[Callable[[Any], Any], Any]],
+    cfg: Config,
+    scale: int = 1,
+    block: int = 10,
+) -> dict[str, list[float]]:
+    """``_handoffs`` of each side (its ``send`` and its consumer's ``ack``),
+    ``block`` handoffs of one side, then of the next, the order reversed
+    each round, so that drift on a shared machine (a benchmark before this
+    one still giving memory back) reaches every side alike."""
+    total = cfg.handoff_warm + cfg.handoff_iters
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    done = dict.fromkeys(sides, 0)
+    order = list(sides)
+    while any(n < total for n in done.values()):
+        for k in order:
+            send, ack = sides[k]
+            for i in range(done[k], min(done[k] + block, total)):
+                payload = prepare(i)
+                time.sleep(cfg.handoff_gap)  # the consumer is back in its receive (or long poll)
+                t0 = time.perf_counter()
+                send(payload)
+                got = float(ack.recv_bytes())
+                dt = time.perf_counter() - t0
+                if got != float(i * scale):
+                    raise AssertionError(
+                        f"{k}, handoff {i}: the consumer read {got}, not {i * scale}"
+                    )
+                if i >= cfg.handoff_warm:
+                    times[k].append(dt)
+                del payload
+            done[k] = min(done[k] + block, total)
+        order.reverse()
     return times
 
 
@@ -854,8 +878,8 @@ def bench_b8(c: Client, cfg: Config, url: str) -> tuple[dict[str, Any], list[dic
             a[0] = a[-1] = i
         return sd
 
-    results: dict[str, list[float]] = {}
     n = len(names)
+    # Both consumers wait at once; the handoffs alternate between them in blocks.
     r, w = ctx.Pipe(duplex=False)
     p = ctx.Process(
         target=_procs.batch_depot,
@@ -865,21 +889,20 @@ def bench_b8(c: Client, cfg: Config, url: str) -> tuple[dict[str, Any], list[dic
     p.start()
     w.close()
     r.recv_bytes()
-    results["tensordepot"] = _handoffs(mark, c.put_many, r, loop, scale=2 * n)
+    pr, pw = ctx.Pipe(duplex=False)
+    a_end, b_end = ctx.Pipe()
+    q = ctx.Process(target=_procs.batch_pipe, args=(b_end, pw), daemon=True)
+    q.start()
+    pw.close()
+    b_end.close()
+    pr.recv_bytes()
+    sides = {"tensordepot": (c.put_many, r), "pipe": (a_end.send, pr)}
+    results = _interleaved(mark, sides, loop, scale=2 * n)
     p.join(30)
+    a_end.send(None)
+    q.join(30)
     for name in names:
         c.delete(name)
-
-    r, w = ctx.Pipe(duplex=False)
-    a_end, b_end = ctx.Pipe()
-    p = ctx.Process(target=_procs.batch_pipe, args=(b_end, w), daemon=True)
-    p.start()
-    w.close()
-    b_end.close()
-    r.recv_bytes()
-    results["pipe"] = _handoffs(mark, a_end.send, r, loop, scale=2 * n)
-    a_end.send(None)
-    p.join(30)
 
     what = f"{n} float32 tensors of {human(cfg.batch_elems * 4)}"
     labels = {
