@@ -379,6 +379,7 @@ class AsyncClient:
             return await self._drive(
                 _into.get_many_into(self._core, names, timeout, newer_than, wait, out)
             )
+        await self._board()
         return await self._drive(_batch.get_many(self._core, names, timeout, newer_than, wait))
 
     async def push(

@@ -48,6 +48,7 @@ from ._extent import Layout, broken, check_allocations, check_columns, check_pac
 from ._http import Offload, Op
 from ._known import Known, filled, known, remember
 from ._ops import tensor
+from ._shmlane import again_many
 from ._source import Source
 from ._tensor import Publisher, SharedTensor, _Lease, _Owner
 from ._tensormap import TensorMap
@@ -315,20 +316,25 @@ def _get_batch(
     until: Literal["all", "any"],
     into: TensorMap,
 ) -> Op[None]:
-    body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
-    io = None if wait is None else wait + core.timeout
     entry = known(core.known, core.instance, names)  # kept: the answer may leave them out
-    path = "/v1/many/get" if entry is None else f"/v1/many/get?known={entry.key}"
-    cols = yield from core.granted(HandleColumns, "POST", path, body, timeout=io)
+    # The batch got last, whose lease this process holds again (``again_many``): no request.
+    cols = None if entry is None or until != "all" else again_many(core, entry, floors)
+    if cols is None:
+        body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
+        io = None if wait is None else wait + core.timeout
+        path = "/v1/many/get" if entry is None else f"/v1/many/get?known={entry.key}"
+        cols = yield from core.granted(HandleColumns, "POST", path, body, timeout=io)
     # From here on, whatever raises (Ctrl-C included) gives back the leases
     # that no object holds yet: the others go when their holders do.
     made: dict[int, _Lease] = {}  # the leases of the batch's packs, once made
     ready: dict[int, Any] = {}  # the tensors made now (GPU ones)
     try:
-        if cols.key is None or cols.names or not cols.versions:
+        if cols.key is None or not cols.versions:
             entry = None  # the answer has its columns
-        else:
+        elif not cols.names:
             cols = filled(entry, cols)
+        elif entry is not None and cols.names is not entry.names:
+            entry = None  # whole columns (of another key, maybe): checked, and kept
         if core.map_cheaply("cuda" if cols.others else "posix"):
             got = _got(core, cols, made, ready, entry)
         else:
@@ -342,7 +348,11 @@ def _get_batch(
                 if lid is not None and lid not in held:
                     core.bg.release_later(core.sid, lid)
         raise
-    into.add(got, cols.names, ready, None if got.known is None else got.known.positions)
+    kept = got.known
+    into.add(got, cols.names, ready, None if kept is None else kept.positions)
+    if kept is not None:  # for the next get_many of the batch (again_many)
+        good = cols.slots is not None and len(cols.packs) == 1 and cols.packs[0][3] is not None
+        kept.last = (core.sid, cols) if good else None
 
 
 class _Got:

@@ -24,9 +24,11 @@ from ._extent import Layout, broken
 MOST = 8  # batches kept per client: the oldest goes first
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Known:
-    """One whole pack's columns as an answer gave them, checked."""
+    """One whole pack's columns as an answer gave them, checked; and the
+    last answer of them that named the board's slots (``last``: the
+    session it leased in, the filled columns), for ``_shmlane.again_many``."""
 
     instance: str  # the broker run whose key it is
     key: int
@@ -39,6 +41,7 @@ class Known:
     lo: int  # where the first of the rows' bytes starts in the pack
     end: int  # where the last of them ends
     positions: dict[str, int]  # name -> its position (a TensorMap's, copied)
+    last: tuple[str, HandleColumns] | None = None
 
 
 Kept = dict[tuple[str, ...], Known]  # a client's (Core.known), by the names in their order
@@ -109,5 +112,6 @@ def filled(entry: Known | None, cols: HandleColumns) -> HandleColumns:
         "layout": entry.layout,
         "others": {},
         "key": entry.key,
+        "slots": cols.slots,
     }
     return HandleColumns.model_construct(**fields)

@@ -25,6 +25,7 @@ sent twice).  A forked child never uses its parent's lane.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -33,11 +34,12 @@ from typing import Any, Protocol
 from .._errors import BrokerUnavailable, DepotError
 from .._laneproto import LaneGarbled, parse_answer, request_record
 from .._proto import SESSION_HEADER
-from .._wire import Handle
+from .._wire import Handle, HandleColumns
 from ..shm._board import BoardRefused, BoardView
 from ..shm._lanemem import BROKER, CLIENT, LaneMemory, LaneRefused
 from ..shm._ring import RingCorrupt
 from ._http import Endpoint, body_of, encode
+from ._known import Known
 
 
 def on_lane(method: str, path: str) -> bool:
@@ -72,6 +74,7 @@ class Owner(Protocol):
     transport: Any
     lane: ClientLane | None
     _lane_asked: str
+    _lane_wanted: bool
     recent: dict[str, tuple[str, Handle]]
     closing: bool
     _fork_claim: str | None
@@ -124,21 +127,43 @@ def again(core: Owner, name: str, newer_than: int) -> Handle | None:
     return h
 
 
+def again_many(core: Owner, entry: Known, floors: list[int] | None) -> HandleColumns | None:
+    """``again`` for a get_many of the batch of ``entry`` (its names, in
+    their order): the columns of the last answer of it, if this process
+    still holds that answer's lease of its one pack with no view left (its
+    release queued, never handed to a request), every tensor is newer than
+    its floor, and the board shows each name's newest is still the version
+    that answer gave; the release is taken back.  None: ask the broker."""
+    last = entry.last
+    lane = lane_of(core) if last is not None else None
+    if last is None or lane is None or lane.board is None:
+        return None
+    sid, cols = last
+    if sid != core.sid or core.closing or core._fork_claim is not None or core.bg is None:
+        return None
+    if floors is not None and any(map(operator.ge, floors, cols.versions)):
+        return None
+    try:
+        if lane.board.newest_many(cols.slots) != cols.versions:  # type: ignore[arg-type]
+            entry.last = None
+            return None
+        if lane.gone() is not None:  # a broker killed writes its board no more
+            return None
+    except ValueError:  # the lane closed meanwhile (its board with it)
+        return None
+    if not core.bg.take_back(sid, cols.packs[0][3]):
+        return None  # a view still holds it, or its release was handed to a request
+    return cols
+
+
 def lane_call(
     core: Owner, method: str, path: str, body: Any, headers: dict[str, str], io: float | None
 ) -> tuple[int, bytes] | None:
     """A request's ``(status, body)`` on ``core``'s lane, asked for first if
     this session has not asked yet; None: send it over HTTP."""
-    lane = core.lane
-    if lane is not None and not lane.usable():
-        core.lane = lane = None
+    lane = lane_of(core)
     if lane is None:
-        if core._lane_asked == core.sid:
-            return None
-        core._lane_asked = core.sid
-        lane = core.lane = _ask(core)
-        if lane is None:
-            return None
+        return None
     data = b""
     if body is not None:
         data, ctype = body_of(body)
@@ -154,6 +179,18 @@ def lane_call(
         raise BrokerUnavailable(
             f"the broker did not answer {method} {path} on its lane within {io} s"
         ) from None
+
+
+def lane_of(core: Owner) -> ClientLane | None:
+    """``core``'s lane, asked for first (blocking: the handover) if it wants
+    one and this session has not asked yet; None: none."""
+    lane = core.lane
+    if lane is not None and not lane.usable():
+        core.lane = lane = None
+    if lane is None and core._lane_wanted and core._lane_asked != core.sid:
+        core._lane_asked = core.sid
+        lane = core.lane = _ask(core)
+    return lane
 
 
 def take_lane(core: Owner) -> None:

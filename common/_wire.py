@@ -576,6 +576,11 @@ class HandleColumns(_Answer):
         "rows, which never change (null: none). A get_many that names it (?known=) is "
         "answered without them (empty lists) when its answer is that pack's rows again",
     )
+    slots: list[int] | None = Field(
+        None,
+        description="per tensor, where the board of newest versions shows its name's newest "
+        "(-1: nowhere), for a whole pack (Handle.slot); null: none",
+    )
 
 
 class TensorList(_Answer):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import mmap
+import operator
 import os
 
 from ._lanemem import sealed_size
@@ -106,6 +107,16 @@ class BoardView:
         if not 0 <= slot < self.slots:
             return 0
         return self._words[slot]
+
+    def newest_many(self, slots: list[int]) -> list[int]:
+        """What each of ``slots`` shows (all 0 if one is outside the board)."""
+        if not slots:
+            return []
+        if min(slots) < 0 or max(slots) >= self.slots:
+            return [0] * len(slots)
+        if len(slots) == 1:
+            return [self._words[slots[0]]]
+        return list(operator.itemgetter(*slots)(self._words))
 
     def close(self) -> None:
         if self.slots:

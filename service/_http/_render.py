@@ -172,6 +172,11 @@ def _whole_pack(
     if lease is None or lease.pack is not p or len(pairs) != n or lease.rows != tuple(range(n)):
         return None  # (its rows are the pairs' own, in their order: Leases._group)
     blk = p.block
+    slots = None
+    if broker.peers is None:  # (a broker with peers: its gets may ask them, see _slot)
+        slots = p.slots
+        if slots is None:  # a row's name keeps its slot while the row is its newest
+            slots = p.slots = [e.slot for e in p.entries]
     if known == p.key:
         return to_json(
             {
@@ -186,6 +191,7 @@ def _whole_pack(
                 "layout": [],
                 "others": {},
                 "key": p.key,
+                "slots": slots,
             }
         )
     layouts, layout = p.layouts
@@ -202,5 +208,6 @@ def _whole_pack(
             "layout": layout,
             "others": {},
             "key": p.key,
+            "slots": slots,
         }
     )

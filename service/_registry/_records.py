@@ -202,6 +202,7 @@ class Pack:
     identity: str | None = None
     pinned: bool = False
     key: int = 0  # its names, items, ats and layouts (shared by the packs of one plan)
+    slots: list[int] | None = None  # its entries' board slots, once an answer named them
 
     def describe(self, i: int) -> Version:
         """Row ``i`` as a ``Version`` no book counts: its facts, to read."""

@@ -115,11 +115,100 @@ def test_an_async_client_gets_again_without_a_request(broker: BrokerProc, lane: 
                     seen.append(gets)
                     writer.put("w", np.full(16, i, np.int64))
                 writer.delete("w")
+                writer.put_many(_batch_of(0))  # and a batch, got again and again
+                names = list(_batch_of(0))
+                got = await c.get_many(names)
+                first = _read(got)  # (versions start above the deleted "w"'s)
+                assert [v for _, v in first.values()] == list(range(20))
+                del got
+                asked = answered(broker, *MANY)
+                for _ in range(10):
+                    got = await c.get_many(names)
+                    assert _read(got) == first
+                    del got
+                many.append(answered(broker, *MANY) - asked)
+                writer.delete(prefix="w")
 
     seen: list[int] = []
+    many: list[int] = []
     asyncio.run(main())
     if lane:  # one request per version, and for few of the other gets (see above)
         assert sum(seen) <= 40 + 80, seen
+    assert many == [10] if not lane else many[0] <= 5, many
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+MANY = ("POST", "/v1/many/get")
+
+
+def _batch_of(i: int, n: int = 20) -> dict[str, np.ndarray]:
+    return {f"w{k}": np.full(16, 100 * i + k, np.int64) for k in range(n)}
+
+
+def _read(got: Any) -> dict[str, tuple[int, int]]:
+    """(version, first element) of each tensor of a get_many, every byte read."""
+    return {n: (t.version, int(np.from_dlpack(t).sum() // 16)) for n, t in got.items()}
+
+
+def test_a_get_many_again_takes_back_its_lease_without_a_request(broker: BrokerProc) -> None:
+    """get_many of a batch whose newest has not moved, its map dropped before
+    the next: the first asks, the rest take back the pack's queued release
+    (no request, the same lease, the right bytes); a map still alive, or a
+    floor at the version held, makes the next one ask."""
+    names = list(_batch_of(0))
+    want = {n: (1, k) for k, n in enumerate(names)}
+    with broker.client() as c:
+        c.put_many(_batch_of(0))
+        got = c.get_many(names)
+        lease = got._parts[0].cols.packs[0][3]
+        del got
+        asked = answered(broker, *MANY)
+        for _ in range(50):
+            got = c.get_many(names)
+            assert _read(got) == want and got._parts[0].cols.packs[0][3] == lease
+            del got
+        assert answered(broker, *MANY) - asked <= 25, "most get_many took back their lease"
+        held = c.get_many(names)
+        before = answered(broker, *MANY)
+        second = c.get_many(names)  # ``held`` holds the lease: this one asks for its own
+        assert answered(broker, *MANY) == before + 1 and _read(second) == want
+        del held, second
+        with pytest.raises(TensorNotFound):
+            c.get_many(names, newer_than=1)  # nothing newer than what it holds: ask, and hear so
+        c.delete(prefix="w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_a_get_many_again_never_answers_an_older_version(broker: BrokerProc) -> None:
+    """Another client moves the batch on (a put_many of it all, a put of one
+    of its names, a delete of one, a put after the delete): a get_many after
+    each answer sees what the broker would answer, never the versions this
+    client still holds."""
+    names = list(_batch_of(0))
+    with broker.client() as reader, broker.client() as writer:
+        writer.put_many(_batch_of(0))
+        versions = dict.fromkeys(names, 1)
+        values = {n: k for k, n in enumerate(names)}
+        for i in range(1, 31):
+            step = i % 3
+            if step == 0:
+                writer.put_many(_batch_of(i))
+                versions = {n: v + 1 for n, v in versions.items()}
+                values = {n: 100 * i + k for k, n in enumerate(names)}
+            elif step == 1:
+                versions["w7"] = writer.put("w7", np.full(16, 100 * i + 7, np.int64))
+                values["w7"] = 100 * i + 7
+            else:
+                writer.delete("w3")
+                with pytest.raises(TensorNotFound):
+                    reader.get_many(names)
+                versions["w3"] = writer.put("w3", np.full(16, 100 * i + 3, np.int64))
+                values["w3"] = 100 * i + 3
+            for _ in range(3):
+                got = reader.get_many(names)
+                assert _read(got) == {n: (versions[n], values[n]) for n in names}, i
+                del got
+        writer.delete(prefix="w")
     drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
 
 
