@@ -74,7 +74,10 @@ def remember(kept: Kept, instance: str, cols: HandleColumns, checked: list[Layou
         {name: i for i, name in enumerate(cols.names)},
     )
     if len(kept) >= MOST:
-        kept.pop(next(iter(kept), None), None)  # type: ignore[arg-type]
+        try:
+            kept.pop(next(iter(kept)), None)
+        except (StopIteration, RuntimeError):  # another thread's get_many changed it meanwhile
+            pass
     kept[tuple(cols.names)] = entry
     return entry
 
