@@ -212,6 +212,61 @@ def test_a_get_many_again_never_answers_an_older_version(broker: BrokerProc) -> 
     drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
 
 
+def test_get_many_again_in_threads_while_a_writer_moves_the_batch_on(broker: BrokerProc) -> None:
+    """Four threads of one client get the same batch again and again (their
+    maps dropped, so their pack leases are taken back and raced for), while
+    another client puts new versions of it: every tensor read holds the
+    bytes of the version it says, never a version older than one published
+    before the get_many began, and nothing is held at the end."""
+    import threading
+
+    names = [f"w{k}" for k in range(20)]
+
+    def batch(v: int) -> dict[str, np.ndarray]:
+        return {n: np.full(16, 100 * v + k, np.int64) for k, n in enumerate(names)}
+
+    wrong: list[str] = []
+    reads = [0]
+    published = [1]  # the newest version whose put_many has returned
+    stop = threading.Event()
+    with broker.client() as reader, broker.client() as writer:
+        writer.put_many(batch(1))
+
+        def read() -> None:
+            while not stop.is_set():
+                reads[0] += 1
+                floor = published[0]
+                got = reader.get_many(names)
+                for k, n in enumerate(names):
+                    t = got[n]
+                    a = np.from_dlpack(t)
+                    if not (np.all(a == a[0]) and int(a[0]) == 100 * t.version + k):
+                        wrong.append(f"{n} v{t.version}: {a[:3]}")
+                    if t.version < floor:
+                        wrong.append(f"{n} v{t.version} after v{floor} was published")
+                del got, t, a
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for th in threads:
+            th.start()
+        asked = answered(broker, *MANY)
+        start = reads[0]
+        for v in range(2, 60):  # each version read about 8 times before the next
+            seen = reads[0]
+            wait_for(lambda seen=seen: reads[0] >= seen + 8, 30, what="the readers to read")
+            assert writer.put_many(batch(v)) == dict.fromkeys(names, v)
+            published[0] = v
+        stop.set()
+        for th in threads:
+            th.join(30)
+        assert not any(th.is_alive() for th in threads)
+        assert not wrong, wrong[:5]
+        n_reads, n_asked = reads[0] - start, answered(broker, *MANY) - asked
+        assert n_asked < n_reads, f"{n_asked} requests for {n_reads} get_many: none from the board"
+        writer.delete(prefix="w")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
 def test_a_get_again_after_an_expiry_asks(broker: BrokerProc) -> None:
     """A name whose ttl passed is gone from the board: the get asks, and
     hears it is gone."""
