@@ -98,62 +98,67 @@ def remember(core: Owner, h: Handle) -> None:
 def again(core: Owner, name: str, newer_than: int) -> Handle | None:
     """The handle a get of the newest version of ``name`` (newer than
     ``newer_than``) would be answered now, if this process still holds its
-    lease with no view left (its release queued, never handed to a request):
-    the board shows it is still the newest, and the release is taken back,
-    so the lease is held again.  None: ask the broker."""
+    lease with no view left (``_taken_back``).  None: ask the broker."""
     got = core.recent.get(name)
     lane = core.lane
     if got is None or lane is None or lane.board is None:
         return None
     sid, h = got
-    if (
-        sid != core.sid
-        or h.version <= newer_than
-        or core.closing
-        or core._fork_claim is not None
-        or core.bg is None
-    ):
+    if h.version <= newer_than or h.lease is None or h.slot is None:  # (remember keeps none)
         return None
-    try:
-        if lane.board.newest(h.slot) != h.version:  # type: ignore[arg-type]
-            core.recent.pop(name, None)
-            return None
-        if lane.gone() is not None:  # a broker killed writes its board no more
-            return None
-    except ValueError:  # the lane closed meanwhile (its board with it)
-        return None
-    if not core.bg.take_back(sid, h.lease):
-        return None  # a view still holds it, or its release was handed to a request
-    return h
+    taken = _taken_back(core, lane, lane.board, sid, h.lease, [h.slot], [h.version])
+    if taken is False:
+        core.recent.pop(name, None)
+    return h if taken else None
 
 
 def again_many(core: Owner, entry: Known, floors: list[int] | None) -> HandleColumns | None:
     """``again`` for a get_many of the batch of ``entry`` (its names, in
     their order): the columns of the last answer of it, if this process
-    still holds that answer's lease of its one pack with no view left (its
-    release queued, never handed to a request), every tensor is newer than
-    its floor, and the board shows each name's newest is still the version
-    that answer gave; the release is taken back.  None: ask the broker."""
+    still holds that answer's lease of its one pack with no view left
+    (``_taken_back``) and every tensor is newer than its floor.  None: ask
+    the broker."""
     last = entry.last
     lane = lane_of(core) if last is not None else None
     if last is None or lane is None or lane.board is None:
         return None
     sid, cols = last
-    if sid != core.sid or core.closing or core._fork_claim is not None or core.bg is None:
-        return None
     if floors is not None and any(map(operator.ge, floors, cols.versions)):
         return None
+    lease = cols.packs[0][3]
+    taken = _taken_back(core, lane, lane.board, sid, lease, cols.slots, cols.versions)  # type: ignore[arg-type]
+    if taken is False:
+        entry.last = None
+    return cols if taken else None
+
+
+def _taken_back(
+    core: Owner,
+    lane: ClientLane,
+    board: BoardView,
+    sid: str,
+    lease: int,
+    slots: list[int],
+    versions: list[int],
+) -> bool | None:
+    """Whether lease ``lease`` of session ``sid``, held by views of this
+    process that are all gone (its release queued, never handed to a
+    request), is held again: the session is still this client's, open, and
+    not a forked child's before its claim; the board shows each of
+    ``slots`` at its one of ``versions`` (False: it does not, a name moved
+    on); the lane's broker is alive and has not closed it; and the release
+    is taken back.  None: it is not, for another reason."""
+    if sid != core.sid or core.closing or core._fork_claim is not None or core.bg is None:
+        return None
     try:
-        if lane.board.newest_many(cols.slots) != cols.versions:  # type: ignore[arg-type]
-            entry.last = None
-            return None
+        if board.newest_many(slots) != versions:
+            return False
         if lane.gone() is not None:  # a broker killed writes its board no more
             return None
     except ValueError:  # the lane closed meanwhile (its board with it)
         return None
-    if not core.bg.take_back(sid, cols.packs[0][3]):
-        return None  # a view still holds it, or its release was handed to a request
-    return cols
+    # False: a view still holds it, or its release was handed to a request.
+    return core.bg.take_back(sid, lease) or None
 
 
 def lane_call(
@@ -189,7 +194,8 @@ def lane_of(core: Owner) -> ClientLane | None:
         core.lane = lane = None
     if lane is None and core._lane_wanted and core._lane_asked != core.sid:
         core._lane_asked = core.sid
-        lane = core.lane = _ask(core)
+        take_lane(core)
+        lane = core.lane
     return lane
 
 

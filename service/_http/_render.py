@@ -177,33 +177,17 @@ def _whole_pack(
         slots = p.slots
         if slots is None:  # a row's name keeps its slot while the row is its newest
             slots = p.slots = [e.slot for e in p.entries]
-    if known == p.key:
-        return to_json(
-            {
-                "names": [],
-                "versions": p.numbers,
-                "state": state,
-                "segments": [blk.segment],
-                "packs": [(0, blk.offset, blk.size, lid)],
-                "pack": [],
-                "at": [],
-                "layouts": [],
-                "layout": [],
-                "others": {},
-                "key": p.key,
-                "slots": slots,
-            }
-        )
-    layouts, layout = p.layouts
+    short = known == p.key  # what the key names is left out
+    layouts, layout = ([], []) if short else p.layouts
     return to_json(
         {
-            "names": p.names,
+            "names": [] if short else p.names,
             "versions": p.numbers,
             "state": state,
             "segments": [blk.segment],
             "packs": [(0, blk.offset, blk.size, lid)],
-            "pack": [0] * n,
-            "at": p.ats,
+            "pack": [] if short else [0] * n,
+            "at": [] if short else p.ats,
             "layouts": layouts,
             "layout": layout,
             "others": {},
