@@ -558,6 +558,9 @@ def run(
 ) -> dict[str, Any]:
     """Every case (or those whose ids are in ``only``), every system,
     interleaved; the result as JSON-able data."""
+    import _procs
+
+    _procs.settle_malloc()  # each case meets the peers at their best, whatever ran before
     ctx = mp.get_context("spawn")
     reps = reps or (3 if quick else 11)
     ray = start_ray(quick) if "ray" in systems else None

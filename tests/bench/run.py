@@ -1440,6 +1440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated subset, e.g. B1,B3 (for development)")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    _procs.settle_malloc()  # each step meets the peers at their best, whatever ran before
     only = {b.strip().upper() for b in args.only.split(",")} if args.only else None
     prefix = args.shm_prefix or f"tdbench-{secrets.token_hex(4)}-"
     command = (
