@@ -44,9 +44,10 @@ from .._errors import InvalidRequest
 from .._wire import Holder, Stat, TensorInfo
 from . import _batch, _files, _into, _ops, _pickle, _push, _state
 from ._aio import AsyncTransport
+from ._aiolane import AioLane
 from ._core import Core
-from ._http import Offload, Op, Request, Step, T
-from ._shmlane import take_lane, wanted
+from ._http import LaneStep, Offload, Op, Request, Step, T
+from ._shmlane import LaneBusy, LaneGone, lane_failed, take_lane, wanted
 from ._tensor import SharedTensor
 from ._tensormap import TensorMap
 from ._transport import Transport
@@ -78,10 +79,12 @@ class AsyncClient:
     child's own event loop, with a session of its own (as a Client does).
 
     ``lane``: on a unix socket, the AsyncClient takes the session's
-    shared-memory lane for its board of newest versions (``Client.get``):
-    a get of a tensor whose newest version it got last, with no view of it
-    left, is answered with no request.  Its requests stay on HTTP, on the
-    event loop.  ``False`` (or ``$TENSORDEPOT_LANE=0``) takes none.
+    shared-memory lane, as a Client does: its gets, small puts and stats
+    go there (several at once, each answered on the event loop), and its
+    board of newest versions answers a get of a tensor whose newest
+    version it got last, with no view of it left, with no request.  Other
+    calls, and any the lane cannot take now, go over HTTP.  ``False`` (or
+    ``$TENSORDEPOT_LANE=0``) takes none.
 
     ::
 
@@ -119,7 +122,9 @@ class AsyncClient:
         )
         self._core = core
         self.url = core.url
-        self._lane = wanted(lane) and core.endpoint.path is not None  # for its board (_board)
+        self._lane = wanted(lane) and core.endpoint.path is not None  # its board and requests
+        core.lane_steps = self._lane
+        self._aio: AioLane | None = None  # the lane's requests on the loop (_on_lane)
         self._transport = AsyncTransport(
             core.url, token=token, timeout=core.timeout, trust=core.trust
         )
@@ -151,16 +156,48 @@ class AsyncClient:
             await asyncio.shield(self._kept(Offload(core.claim_if_forked)))
 
     async def _board(self) -> None:
-        """Take the session's lane for its board (``_shmlane.again``), once
-        per session, in a worker thread (the handover blocks); meanwhile, and
-        if it is refused, gets ask the broker.  The lane's rings stay unused:
-        requests go over HTTP, on the event loop."""
+        """Take the session's lane, for its board (``_shmlane.again``) and
+        its requests (``_on_lane``), once per session, in a worker thread
+        (the handover blocks); meanwhile, and if it is refused, requests go
+        over HTTP.  The lane of an earlier session is closed first, here on
+        the loop, its reader taken off before its descriptors close."""
         core = self._core
         if not self._lane or not core.sid or core._lane_asked == core.sid or core.closing:
             return
         await self._ready()  # a forked child's session claimed first: the lane is its owner's
         core._lane_asked = core.sid
+        self._drop_lane()
         await asyncio.shield(self._kept(Offload(take_lane, core)))
+
+    def _drop_lane(self) -> None:
+        """Close the lane (on the loop): its waiting requests go over HTTP."""
+        aio, self._aio = self._aio, None
+        if aio is not None:
+            aio.retire()
+        old, self._core.lane = self._core.lane, None
+        if old is not None:
+            old.close()
+
+    async def _on_lane(self, step: LaneStep) -> tuple[int, bytes] | None:
+        """``step`` on the session's lane: its ``(status, body)``, or None
+        (no lane, or it cannot carry it now: send it over HTTP)."""
+        core = self._core
+        lane = core.lane
+        if lane is None or not lane.usable():
+            return None
+        aio = self._aio
+        if aio is None or aio.lane is not lane:
+            if aio is not None:
+                aio.retire()
+            aio = self._aio = AioLane(lane)
+        try:
+            return await aio.roundtrip(step)
+        except (LaneBusy, LaneGone, TimeoutError) as exc:
+            if isinstance(exc, LaneGone) and self._aio is aio:
+                aio.retire()  # its reader off: the lane's descriptors may close
+                self._aio = None
+            lane_failed(core, lane, exc, step.method, step.path, step.timeout)
+            return None
 
     async def _drive(self, op: Op[T]) -> T:
         """Run ``op`` on the event loop.  Cancelled, the caller raises at once
@@ -170,9 +207,12 @@ class AsyncClient:
             step = next(op)
             while True:
                 kept = None
+                result: Any
                 try:
                     if type(step) is Request and not step.keep:
                         result = await self._transport.roundtrip(step)
+                    elif type(step) is LaneStep:
+                        result = await self._on_lane(step)
                     elif type(step) is Offload and step.cheap:
                         result = step.fn(*step.args)
                     else:
@@ -195,6 +235,8 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         if type(step) is Offload:
             return self._keep(loop.run_in_executor(None, step.fn, *step.args))
+        if type(step) is LaneStep:
+            return self._keep(asyncio.ensure_future(self._on_lane(step)))
         assert type(step) is Request
         if step.opens and self._opening is not None and not self._opening.done():
             return self._opening
@@ -243,6 +285,9 @@ class AsyncClient:
         are the parent's (its threads did not come along); the Core has
         switched to the child's session already."""
         self._transport.after_fork()
+        if self._aio is not None:  # the parent's: its loop is never touched here
+            self._aio.forget()
+            self._aio = None
         self._pending = set()
         self._opening = None
         self._loop = None
@@ -260,6 +305,7 @@ class AsyncClient:
         off the event loop.  Cancelled, the put publishes nothing (unless its
         publish was sent already) and gives its allocation back once the copy
         has stopped.  A GPU put runs whole in a worker thread, and completes."""
+        await self._board()
         return await self._drive(_ops.put(self._core, name, x, ttl, device, dtype))
 
     async def put_many(
@@ -439,6 +485,7 @@ class AsyncClient:
 
     async def stat(self) -> Stat:
         """The broker's accounting (``Stat``)."""
+        await self._board()
         return await self._drive(_ops.stat(self._core))
 
     async def who(self) -> builtins.list[Holder]:
@@ -465,6 +512,7 @@ class AsyncClient:
         while self._pending:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
         self._transport.close()
+        self._drop_lane()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._core.close)  # sends; joins a thread
 

@@ -40,6 +40,7 @@ from ._fork import GATE, gate_is_free, register
 from ._http import (
     COMMIT,
     Endpoint,
+    LaneStep,
     Offload,
     Op,
     Request,
@@ -51,7 +52,7 @@ from ._http import (
 )
 from ._known import Kept
 from ._segments import Segments
-from ._shmlane import ClientLane, lane_call, on_lane, wanted
+from ._shmlane import ClientLane, lane_body, lane_call, on_lane, wanted
 from ._tensor import SharedTensor, _Lease
 from ._trust import trusted_uids
 
@@ -130,6 +131,9 @@ class Core:
         self._lane_wanted = wanted(lane) and self.endpoint.path is not None
         self.lane: ClientLane | None = None
         self._lane_asked = ""  # the session a lane was last asked for
+        # An AsyncClient takes its lane itself (without blocking its loop),
+        # and its driver sends the requests that may go there (``LaneStep``).
+        self.lane_steps = False
         # The last get's handle of each name, while its lease may still be
         # released later (``_shmlane.again``): (session, handle).
         self.recent: dict[str, tuple[str, Handle]] = {}
@@ -255,8 +259,11 @@ class Core:
         self.round_trips += 1
         try:
             got = None
-            if self._lane_wanted and not background and on_lane(method, path):
-                got = lane_call(self, method, path, body, headers, io)
+            if not background and on_lane(method, path):
+                if self._lane_wanted:
+                    got = lane_call(self, method, path, body, headers, io)
+                elif self.lane_steps and self.lane is not None:  # an AsyncClient's (_aiolane)
+                    got = yield LaneStep(method, path, *lane_body(body, headers), io)
             if got is None:
                 got = yield from exchange(
                     self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep

@@ -322,6 +322,26 @@ class Failure(Exception):
         self.reused = reused
 
 
+class LaneStep(Offload):
+    """A request for the shared-memory lane (``_shmlane.on_lane``), yielded
+    by an operation of a client whose driver runs on an event loop
+    (``_aiolane``): the driver answers ``(status, body)``, or None to send
+    it over HTTP.  Any other driver runs it as the offload it is, which
+    answers None."""
+
+    __slots__ = ("data", "headers", "method", "path", "timeout")
+
+    def __init__(
+        self, method: str, path: str, headers: dict[str, str], data: bytes, timeout: float | None
+    ) -> None:
+        super().__init__(_nothing, cheap=True)
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.data = data
+        self.timeout = timeout
+
+
 Step = Request | Offload
 Op = Generator[Step, Any, T]  # an operation: steps out, results in, its value at the end
 

@@ -169,21 +169,34 @@ def lane_call(
     lane = lane_of(core)
     if lane is None:
         return None
-    data = b""
-    if body is not None:
-        data, ctype = body_of(body)
-        headers = {**headers, "content-type": ctype}
+    headers, data = lane_body(body, headers)
     try:
         return lane.roundtrip(method, path, headers, data, io)
-    except LaneBusy:
+    except (LaneBusy, LaneGone, TimeoutError) as exc:
+        lane_failed(core, lane, exc, method, path, io)
         return None
-    except LaneGone:
-        core.lane = None
-        return None
-    except TimeoutError:
+
+
+def lane_body(body: Any, headers: dict[str, str]) -> tuple[dict[str, str], bytes]:
+    """A request's headers (with its content type) and body bytes, for a lane record."""
+    if body is None:
+        return headers, b""
+    data, ctype = body_of(body)
+    return {**headers, "content-type": ctype}, data
+
+
+def lane_failed(
+    core: Owner, lane: ClientLane, exc: BaseException, method: str, path: str, io: float | None
+) -> None:
+    """After a lane call that raised ``exc``: for a timeout, raise
+    ``BrokerUnavailable``; else the caller sends it over HTTP (the lane is
+    busy, or gone: then ``core`` forgets it)."""
+    if isinstance(exc, TimeoutError):
         raise BrokerUnavailable(
             f"the broker did not answer {method} {path} on its lane within {io} s"
         ) from None
+    if isinstance(exc, LaneGone) and core.lane is lane:
+        core.lane = None
 
 
 def lane_of(core: Owner) -> ClientLane | None:

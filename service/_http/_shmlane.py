@@ -185,6 +185,10 @@ class ShmLane:
     ) -> None:
         try:
             result = await pending
+        except asyncio.CancelledError:
+            if self.closed:
+                return  # the lane closed under it (its session ended): nobody reads an answer
+            raise
         except BaseException as exc:
             result = self.lanes.gate.failure(exc, method, "")
         if self.closed:

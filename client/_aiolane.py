@@ -1,0 +1,183 @@
+"""The AsyncClient's requests on the shared-memory lane (docs/plan-lane.md,
+step 6): the asyncio side of a ``ClientLane``.
+
+A ``Client`` waits for its lane's answer bell with ``poll``, one request at
+a time.  On an event loop that would block every other task, so here each
+request (a ``LaneStep`` its operation yields) is written into the request
+ring on the loop, with a future by its sequence number, and the answer
+bell is a reader of the loop (``loop.add_reader``): it drains the bell and
+takes every answer in the ring, resolving the future of each; an answer
+nobody waits for any more (its caller was cancelled) is dropped.  Several
+requests may be in flight on one lane, long polls too, each answered when
+the broker answers it.
+
+Where the lane cannot take a request (another thread writes into it, the
+record is larger than the ring, the ring is full, or as many requests wait
+for their answers as the answer ring surely holds: ``ANSWER_MOST``), it
+goes over HTTP; so it does where the lane is gone: a waiting request
+looks every ``_LOOK`` seconds whether the broker closed the lane or died
+(``ClientLane.gone``), and a ring that holds what a broker never writes
+closes it.  Either way the request is sent over HTTP (the lane carries
+only requests that may be sent twice, ``_shmlane.on_lane``).  A cancelled
+caller's request stays in the ring; its operation queues its request id for
+cancelling (``Core.call``), as for any request whose answer is never read.
+
+The reader stays the loop's from the first request on (a late answer rings
+the bell too), and ``retire`` takes it off before the lane's descriptors
+may close (a lane found gone or corrupt, a new session's lane, the
+client's close); a forked child drops this object without touching the
+loop, whose epoll instance it shares with its parent (``forget``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .._laneproto import LaneGarbled, parse_answer, request_record
+from ..shm._lanemem import BROKER, CLIENT
+from ..shm._ring import RingCorrupt
+from ._http import LaneStep
+from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone
+
+# The largest answer of a request on the lane: a handle with the longest
+# name and the most dimensions is under 1 KiB, an error that names it under
+# 1.5 KiB.  Requests in flight are at most as many as the answer ring holds
+# of these: the broker takes an answer it cannot write for a client that
+# does not read its answers, and ends the session.
+ANSWER_MOST = 4096
+
+
+class _Waiting:
+    """A request that waits: its answer's future, its deadline (the loop's
+    clock; None: none), and the timer of its next look."""
+
+    __slots__ = ("deadline", "fut", "timer")
+
+    def __init__(self, fut: asyncio.Future[tuple[int, bytes]], deadline: float | None) -> None:
+        self.fut = fut
+        self.deadline = deadline
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class AioLane:
+    """The asyncio side of one ``ClientLane`` (see the module doc)."""
+
+    def __init__(self, lane: ClientLane) -> None:
+        self.lane = lane
+        self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.unanswered: set[int] = set()  # sent, answer not taken (cancelled callers' too)
+        self.most = max(1, lane.mem.answers.size // ANSWER_MOST)
+        self._watched: asyncio.AbstractEventLoop | None = None  # the loop reading its bell
+
+    async def roundtrip(self, step: LaneStep) -> tuple[int, bytes]:
+        """``step``'s ``(status, body)``; raises ``LaneBusy`` or ``LaneGone``
+        (send it over HTTP) or ``TimeoutError``."""
+        loop = asyncio.get_running_loop()
+        seq, fut = self._send(step, loop)
+        w = _Waiting(fut, None if step.timeout is None else loop.time() + step.timeout)
+        w.timer = loop.call_later(_LOOK, self._look, w)
+        try:
+            return await fut
+        finally:
+            if w.timer is not None:
+                w.timer.cancel()
+            self.waiting.pop(seq, None)
+
+    def _look(self, w: _Waiting) -> None:
+        """Every ``_LOOK`` seconds while a request waits: whether the lane is
+        gone, or its deadline passed."""
+        if w.fut.done():
+            return
+        why = self.lane.gone()
+        if why is not None:
+            self._broken(why)
+            return
+        loop = asyncio.get_running_loop()
+        left = None if w.deadline is None else w.deadline - loop.time()
+        if left is not None and left <= 0:
+            w.fut.set_exception(TimeoutError("timed out waiting for the broker on the lane"))
+            return
+        w.timer = loop.call_later(_LOOK if left is None else min(left, _LOOK), self._look, w)
+
+    def _send(
+        self, step: LaneStep, loop: asyncio.AbstractEventLoop
+    ) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
+        """Write ``step``'s record and ring the broker: its sequence number
+        and the future of its answer."""
+        lane = self.lane
+        headers = step.headers.items()
+        items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        if not lane._lock.acquire(blocking=False):  # a thread is handing the lane over
+            raise LaneBusy
+        try:
+            if not lane.usable():
+                raise LaneGone("the lane is closed")
+            if len(self.unanswered) >= self.most:
+                raise LaneBusy  # its answers might not fit the answer ring
+            mem = lane.mem
+            rec = request_record(lane._seq + 1, step.method, step.path, items, step.data)
+            if len(rec) > mem.requests.most():  # type: ignore[union-attr]
+                raise LaneBusy  # too large for the ring: this one goes over HTTP
+            try:
+                if not mem.requests.put(rec):  # type: ignore[union-attr]
+                    raise LaneBusy  # full of requests in flight
+            except RingCorrupt as exc:
+                self._broken(f"the lane is corrupt ({exc})")
+                raise LaneGone(f"the lane is corrupt ({exc})") from None
+            lane._seq += 1
+            fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+            self.waiting[lane._seq] = fut
+            self.unanswered.add(lane._seq)
+            self._watch(loop)
+            mem.ring(BROKER)
+            return lane._seq, fut
+        finally:
+            lane._lock.release()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The bell, a reader of ``loop`` (kept until ``retire``: a late answer
+        rings it too, and is dropped)."""
+        if self._watched is not loop:
+            self._unwatch()
+            loop.add_reader(self.lane.mem.bells[CLIENT], self._rung)
+            self._watched = loop
+
+    def _unwatch(self) -> None:
+        loop, self._watched = self._watched, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.lane.mem.bells[CLIENT])
+
+    def _rung(self) -> None:
+        """The answer bell rang: every answer in the ring to its future."""
+        mem = self.lane.mem
+        try:
+            mem.drain(CLIENT)
+            while True:
+                back = mem.answers.take()  # type: ignore[union-attr]
+                if back is None:
+                    return
+                seq, status, _, body = parse_answer(back)
+                self.unanswered.discard(seq)
+                fut = self.waiting.get(seq)
+                if fut is not None and not fut.done():
+                    fut.set_result((status, body))
+        except (RingCorrupt, LaneGarbled) as exc:
+            self._broken(f"the lane is corrupt ({exc})")
+
+    def _broken(self, why: str) -> None:
+        """The lane is gone: every waiting request goes over HTTP."""
+        self.retire(why)
+        self.lane._close()
+
+    def retire(self, why: str = "the client took a new lane") -> None:
+        """Stop reading the bell (before the lane's descriptors may close)
+        and send every waiting request over HTTP (on the loop)."""
+        self._unwatch()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(LaneGone(why))
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's waits without touching its loop."""
+        self._watched = None
+        self.waiting = {}
