@@ -131,9 +131,7 @@ class Core:
         self._lane_wanted = wanted(lane) and self.endpoint.path is not None
         self.lane: ClientLane | None = None
         self._lane_asked = ""  # the session a lane was last asked for
-        # An AsyncClient takes its lane itself (without blocking its loop),
-        # and its driver sends the requests that may go there (``LaneStep``).
-        self.lane_steps = False
+        self.lane_steps = False  # an AsyncClient's: its driver sends them (``LaneStep``)
         # The last get's handle of each name, while its lease may still be
         # released later (``_shmlane.again``): (session, handle).
         self.recent: dict[str, tuple[str, Handle]] = {}
