@@ -23,7 +23,7 @@ from pydantic_core import to_json
 from ..._proto import MAX_WAIT
 from ..._wire import BatchGet, ManyAlloc, ManyPublish
 from .._registry._broker import Broker
-from .._registry._records import Found, name_of, number_of
+from .._registry._records import Found, names_of, numbers_of
 from .._registry._sessions import Caller
 from ._render import columns
 
@@ -46,9 +46,7 @@ async def alloc(
 
 def versions_of(published: Sequence[Found]) -> bytes:
     """``Versions`` for what a batch published (versions, or rows of packs), as JSON."""
-    return to_json(
-        {"names": [name_of(f) for f in published], "versions": [number_of(f) for f in published]}
-    )
+    return to_json({"names": names_of(published), "versions": numbers_of(published)})
 
 
 def publish(broker: Broker, sid: str | None, who: Caller, req: ManyPublish) -> bytes:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..._errors import InvalidRequest, TensorNotFound
-from ._records import nbytes_of
+from ._records import nbytes_in
 from ._sessions import Caller
 from ._waits import ClientGone
 
@@ -132,7 +132,7 @@ class Reads:
         """A batch's leases, counted in the metrics at once (those of a batch
         that failed too: their releases are counted)."""
         self._count("gets", len(got))
-        self._count("bytes_got", sum(nbytes_of(f) for f, _ in got))
+        self._count("bytes_got", nbytes_in([f for f, _ in got]))
         return got
 
     async def get(
