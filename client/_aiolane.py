@@ -14,13 +14,14 @@ the broker answers it.
 Where the lane cannot take a request (another thread writes into it, the
 record is larger than the ring, the ring is full, or as many requests wait
 for their answers as the answer ring surely holds: ``ANSWER_MOST``), it
-goes over HTTP; so it does where the lane is gone: a waiting request
-looks every ``_LOOK`` seconds whether the broker closed the lane or died
-(``ClientLane.gone``), and a ring that holds what a broker never writes
-closes it.  Either way the request is sent over HTTP (the lane carries
-only requests that may be sent twice, ``_shmlane.on_lane``).  A cancelled
-caller's request stays in the ring; its operation queues its request id for
-cancelling (``Core.call``), as for any request whose answer is never read.
+goes over HTTP; so it does where the lane is gone: while requests wait,
+one look every ``_LOOK`` seconds asks whether the broker closed the lane
+or died (``ClientLane.gone``) and whose I/O timeout passed, and a ring
+that holds what a broker never writes closes it.  Either way the request
+is sent over HTTP (the lane carries only requests that may be sent twice,
+``_shmlane.on_lane``).  A cancelled caller's request stays in the ring;
+its operation queues its request id for cancelling (``Core.call``), as for
+any request whose answer is never read.
 
 The reader stays the loop's from the first request on (a late answer rings
 the bell too), and ``retire`` takes it off before the lane's descriptors
@@ -48,15 +49,14 @@ ANSWER_MOST = 4096
 
 
 class _Waiting:
-    """A request that waits: its answer's future, its deadline (the loop's
-    clock; None: none), and the timer of its next look."""
+    """A request that waits: its answer's future and its deadline (the
+    loop's clock; None: none)."""
 
-    __slots__ = ("deadline", "fut", "timer")
+    __slots__ = ("deadline", "fut")
 
     def __init__(self, fut: asyncio.Future[tuple[int, bytes]], deadline: float | None) -> None:
         self.fut = fut
         self.deadline = deadline
-        self.timer: asyncio.TimerHandle | None = None
 
 
 class AioLane:
@@ -64,40 +64,43 @@ class AioLane:
 
     def __init__(self, lane: ClientLane) -> None:
         self.lane = lane
-        self.waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self.waiting: dict[int, _Waiting] = {}  # by sequence number
         self.unanswered: set[int] = set()  # sent, answer not taken (cancelled callers' too)
         self.most = max(1, lane.mem.answers.size // ANSWER_MOST)
         self._watched: asyncio.AbstractEventLoop | None = None  # the loop reading its bell
+        self._looks: asyncio.TimerHandle | None = None  # while requests wait (_look)
 
     async def roundtrip(self, step: LaneStep) -> tuple[int, bytes]:
         """``step``'s ``(status, body)``; raises ``LaneBusy`` or ``LaneGone``
-        (send it over HTTP) or ``TimeoutError``."""
+        (send it over HTTP) or ``TimeoutError`` (after its I/O timeout, to
+        within ``_LOOK``)."""
         loop = asyncio.get_running_loop()
         seq, fut = self._send(step, loop)
-        w = _Waiting(fut, None if step.timeout is None else loop.time() + step.timeout)
-        w.timer = loop.call_later(_LOOK, self._look, w)
+        deadline = None if step.timeout is None else loop.time() + step.timeout
+        self.waiting[seq] = _Waiting(fut, deadline)
+        if self._looks is None:
+            self._looks = loop.call_later(_LOOK, self._look)
         try:
             return await fut
         finally:
-            if w.timer is not None:
-                w.timer.cancel()
             self.waiting.pop(seq, None)
 
-    def _look(self, w: _Waiting) -> None:
-        """Every ``_LOOK`` seconds while a request waits: whether the lane is
-        gone, or its deadline passed."""
-        if w.fut.done():
+    def _look(self) -> None:
+        """Every ``_LOOK`` seconds while requests wait, one look for all of
+        them: whether the lane is gone, and whose deadline passed."""
+        self._looks = None
+        if not self.waiting:
             return
         why = self.lane.gone()
         if why is not None:
             self._broken(why)
             return
         loop = asyncio.get_running_loop()
-        left = None if w.deadline is None else w.deadline - loop.time()
-        if left is not None and left <= 0:
-            w.fut.set_exception(TimeoutError("timed out waiting for the broker on the lane"))
-            return
-        w.timer = loop.call_later(_LOOK if left is None else min(left, _LOOK), self._look, w)
+        now = loop.time()
+        for w in self.waiting.values():
+            if w.deadline is not None and now >= w.deadline and not w.fut.done():
+                w.fut.set_exception(TimeoutError("timed out waiting for the broker on the lane"))
+        self._looks = loop.call_later(_LOOK, self._look)
 
     def _send(
         self, step: LaneStep, loop: asyncio.AbstractEventLoop
@@ -126,7 +129,6 @@ class AioLane:
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
             lane._seq += 1
             fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-            self.waiting[lane._seq] = fut
             self.unanswered.add(lane._seq)
             self._watch(loop)
             mem.ring(BROKER)
@@ -143,7 +145,11 @@ class AioLane:
             self._watched = loop
 
     def _unwatch(self) -> None:
+        """The bell no longer a reader, and no look due, on the loop that had them."""
         loop, self._watched = self._watched, None
+        looks, self._looks = self._looks, None
+        if looks is not None:
+            looks.cancel()
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self.lane.mem.bells[CLIENT])
 
@@ -158,9 +164,9 @@ class AioLane:
                     return
                 seq, status, _, body = parse_answer(back)
                 self.unanswered.discard(seq)
-                fut = self.waiting.get(seq)
-                if fut is not None and not fut.done():
-                    fut.set_result((status, body))
+                w = self.waiting.get(seq)
+                if w is not None and not w.fut.done():
+                    w.fut.set_result((status, body))
         except (RingCorrupt, LaneGarbled) as exc:
             self._broken(f"the lane is corrupt ({exc})")
 
@@ -173,11 +179,11 @@ class AioLane:
         """Stop reading the bell (before the lane's descriptors may close)
         and send every waiting request over HTTP (on the loop)."""
         self._unwatch()
-        for fut in self.waiting.values():
-            if not fut.done():
-                fut.set_exception(LaneGone(why))
+        for w in self.waiting.values():
+            if not w.fut.done():
+                w.fut.set_exception(LaneGone(why))
 
     def forget(self) -> None:
         """In a forked child: drop the parent's waits without touching its loop."""
-        self._watched = None
+        self._watched = self._looks = None
         self.waiting = {}

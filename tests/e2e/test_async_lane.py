@@ -8,6 +8,8 @@ nobody; a lane that goes away under a waiting get sends it over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 from _harness import BrokerProc, drained, wait_for
-from tensordepot import AsyncClient, Client, DepotError, Stat
+from tensordepot import AsyncClient, BrokerUnavailable, Client, DepotError, Stat
 from tensordepot.shm._lanemem import BROKER, PAGE
 
 T = TypeVar("T")
@@ -221,3 +223,29 @@ def test_a_lane_gone_under_a_waiting_get_sends_it_over_http(broker: BrokerProc) 
 
     run(main)
     drained(broker, "leases", "waiting", "bytes_in_use")
+
+
+def test_a_broker_that_stops_answering_times_out_on_the_lane(broker: BrokerProc) -> None:
+    """The broker stopped (SIGSTOP) under a stat on the lane: the call
+    raises BrokerUnavailable once the client's timeout has passed, saying
+    so; the broker resumed, the next calls go on the lane again."""
+    assert broker.proc is not None
+    pid = broker.proc.pid
+
+    async def main() -> None:
+        async with AsyncClient(broker.url, timeout=1.0) as c:
+            http = over_http(c)
+            await c.stat()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(BrokerUnavailable, match=r"on its lane within 1\.0 s"):
+                    await asyncio.wait_for(c.stat(), 20)
+                assert time.monotonic() - t0 >= 1.0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert (await c.stat()).sessions >= 1
+            assert http[0] == 0 and c._core.lane is not None
+
+    run(main)
+    drained(broker, "leases", "waiting")
