@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import asyncio
 
-from .._laneproto import LaneGarbled, parse_answer, request_record
-from ..shm._lanemem import BROKER, CLIENT
+from .._laneproto import LaneGarbled, parse_answer
+from ..shm._lanemem import CLIENT
 from ..shm._ring import RingCorrupt
 from ._http import LaneStep
 from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone
@@ -105,34 +105,22 @@ class AioLane:
     def _send(
         self, step: LaneStep, loop: asyncio.AbstractEventLoop
     ) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
-        """Write ``step``'s record and ring the broker: its sequence number
-        and the future of its answer."""
+        """Write ``step``'s record and ring the broker (``ClientLane.send``):
+        its sequence number and the future of its answer."""
         lane = self.lane
-        headers = step.headers.items()
-        items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         if not lane._lock.acquire(blocking=False):  # a thread is handing the lane over
             raise LaneBusy
         try:
-            if not lane.usable():
-                raise LaneGone("the lane is closed")
             if len(self.unanswered) >= self.most:
                 raise LaneBusy  # its answers might not fit the answer ring
-            mem = lane.mem
-            rec = request_record(lane._seq + 1, step.method, step.path, items, step.data)
-            if len(rec) > mem.requests.most():  # type: ignore[union-attr]
-                raise LaneBusy  # too large for the ring: this one goes over HTTP
             try:
-                if not mem.requests.put(rec):  # type: ignore[union-attr]
-                    raise LaneBusy  # full of requests in flight
+                seq = lane.send(step.method, step.path, step.headers, step.data, full=LaneBusy)
             except RingCorrupt as exc:
                 self._broken(f"the lane is corrupt ({exc})")
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
-            lane._seq += 1
-            fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
-            self.unanswered.add(lane._seq)
-            self._watch(loop)
-            mem.ring(BROKER)
-            return lane._seq, fut
+            self._watch(loop)  # its answer is read on the loop, which runs after this returns
+            self.unanswered.add(seq)
+            return seq, loop.create_future()
         finally:
             lane._lock.release()
 

@@ -277,22 +277,12 @@ class ClientLane:
     ) -> tuple[int, bytes]:
         """One request's ``(status, body)``; raises ``LaneGone`` (send it over
         HTTP) or ``TimeoutError``."""
-        items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         if not self._lock.acquire(blocking=False):  # one request at a time: a long poll
             raise LaneBusy  # holds the lane, and the other threads keep HTTP meanwhile
         try:
-            if not self.usable():
-                raise LaneGone("the lane is closed")
-            self._seq += 1
-            seq = self._seq
             mem = self.mem
             try:
-                rec = request_record(seq, method, target, items, body)
-                if len(rec) > mem.requests.most():  # type: ignore[union-attr]
-                    raise LaneBusy  # too large for the ring: this one goes over HTTP
-                if not mem.requests.put(rec):  # type: ignore[union-attr]
-                    raise LaneGone("the lane's request ring is full")
-                mem.ring(BROKER)
+                seq = self.send(method, target, headers, body, full=LaneGone)
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while True:
                     back = mem.answers.take()  # type: ignore[union-attr]
@@ -311,6 +301,32 @@ class ClientLane:
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
         finally:
             self._lock.release()
+
+    def send(
+        self,
+        method: str,
+        target: str,
+        headers: dict[str, str],
+        body: bytes,
+        *,
+        full: type[Exception],
+    ) -> int:
+        """Write one request's record and ring the broker, the lock held:
+        its sequence number.  Raises ``LaneGone`` (closed), ``LaneBusy``
+        (larger than the ring: it goes over HTTP), ``full`` when the ring
+        has no room now, and ``RingCorrupt`` (the caller closes the lane)."""
+        if not self.usable():
+            raise LaneGone("the lane is closed")
+        items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        mem = self.mem
+        rec = request_record(self._seq + 1, method, target, items, body)
+        if len(rec) > mem.requests.most():  # type: ignore[union-attr]
+            raise LaneBusy  # too large for the ring: this one goes over HTTP
+        if not mem.requests.put(rec):  # type: ignore[union-attr]
+            raise full("the lane's request ring is full")
+        self._seq += 1
+        mem.ring(BROKER)
+        return self._seq
 
     def _look(self) -> None:
         """Raise ``LaneGone`` if the broker closed the lane or is gone."""
