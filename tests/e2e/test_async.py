@@ -515,7 +515,9 @@ def test_the_event_loop_never_waits_for_a_copy(broker_factory: Callable[..., Bro
             took = time.monotonic() - t0
             stop = True
             await ticker
-            assert worst < max(0.05, took / 10), (
+            # A loop that waited for the copy would stall for most of the put;
+            # a loaded machine can take it off the CPU for a tenth of a second.
+            assert worst < max(0.15, took / 4), (
                 f"the loop stalled {worst:.3f} s in a {took:.3f} s put"
             )
 
