@@ -75,7 +75,8 @@ class AioLane:
         (send it over HTTP) or ``TimeoutError`` (after its I/O timeout, to
         within ``_LOOK``)."""
         loop = asyncio.get_running_loop()
-        seq, fut = self._send(step, loop)
+        seq = self._send(step, loop)
+        fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         deadline = None if step.timeout is None else loop.time() + step.timeout
         self.waiting[seq] = _Waiting(fut, deadline)
         if self._looks is None:
@@ -102,11 +103,9 @@ class AioLane:
                 w.fut.set_exception(TimeoutError("timed out waiting for the broker on the lane"))
         self._looks = loop.call_later(_LOOK, self._look)
 
-    def _send(
-        self, step: LaneStep, loop: asyncio.AbstractEventLoop
-    ) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
+    def _send(self, step: LaneStep, loop: asyncio.AbstractEventLoop) -> int:
         """Write ``step``'s record and ring the broker (``ClientLane.send``):
-        its sequence number and the future of its answer."""
+        its sequence number."""
         lane = self.lane
         if not lane._lock.acquire(blocking=False):  # a thread is handing the lane over
             raise LaneBusy
@@ -120,7 +119,7 @@ class AioLane:
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
             self._watch(loop)  # its answer is read on the loop, which runs after this returns
             self.unanswered.add(seq)
-            return seq, loop.create_future()
+            return seq
         finally:
             lane._lock.release()
 

@@ -8,10 +8,23 @@ this module first, and only the peer it runs needs torch.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
+
+# -- a side script's result ---------------------------------------------------------
+
+
+def emit(result: dict[str, Any], out: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``out`` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
 
 # -- the allocator ----------------------------------------------------------------
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ for _p in (str(HERE), str(HERE.parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import _procs
 from _harness import BrokerProc
 
 WARM = 50
@@ -99,10 +99,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     result = run(a.pairs, a.rounds, a.shm_prefix)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    _procs.emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -38,6 +37,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import _procs
 import numpy as np
 
 WARMUP = 5
@@ -201,11 +201,7 @@ def main() -> None:
         result = run_registry(a.tensors, a.nbytes, a.handoffs, a.reps, a.shm_prefix)
     else:
         result = run(a.tensors, a.nbytes, a.handoffs, a.shm_prefix)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    _procs.emit(result, a.out)
 
 
 if __name__ == "__main__":
