@@ -34,17 +34,19 @@ from __future__ import annotations
 
 import asyncio
 
-from .._laneproto import LaneGarbled, parse_answer
+from .._laneproto import MEDIA_HTTP, LaneGarbled, parse_answer
 from ..shm._lanemem import CLIENT
 from ..shm._ring import RingCorrupt
 from ._http import LaneStep
 from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone
 
-# The largest answer of a request on the lane: a handle with the longest
-# name and the most dimensions is under 1 KiB, an error that names it under
-# 1.5 KiB.  Requests in flight are at most as many as the answer ring holds
-# of these: the broker takes an answer it cannot write for a client that
-# does not read its answers, and ends the session.
+# The largest answer of a request an AsyncClient sends on the lane (no
+# batches): a handle with the longest name and the most dimensions is under
+# 1 KiB, an error that names it under 1.5 KiB.  Requests in flight are at
+# most as many as the answer ring holds of these: an answer that finds no
+# room comes over HTTP (``MEDIA_HTTP``), and the broker ends the session of
+# a client whose ring has no room even for that mark (it does not read its
+# answers).
 ANSWER_MOST = 4096
 
 
@@ -149,11 +151,14 @@ class AioLane:
                 back = mem.answers.take()  # type: ignore[union-attr]
                 if back is None:
                     return
-                seq, status, _, body = parse_answer(back)
+                seq, status, media, body = parse_answer(back)
                 self.unanswered.discard(seq)
                 w = self.waiting.get(seq)
                 if w is not None and not w.fut.done():
-                    w.fut.set_result((status, body))
+                    if media == MEDIA_HTTP:  # too large for the ring now: over HTTP
+                        w.fut.set_exception(LaneBusy())
+                    else:
+                        w.fut.set_result((status, body))
         except (RingCorrupt, LaneGarbled) as exc:
             self._broken(f"the lane is corrupt ({exc})")
 

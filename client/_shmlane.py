@@ -32,7 +32,7 @@ import time
 from typing import Any, Protocol
 
 from .._errors import BrokerUnavailable, DepotError
-from .._laneproto import LaneGarbled, parse_answer, request_record
+from .._laneproto import MEDIA_HTTP, LaneGarbled, parse_answer, request_parts
 from .._proto import SESSION_HEADER
 from .._wire import Handle, HandleColumns
 from ..shm._board import BoardRefused, BoardView
@@ -41,14 +41,25 @@ from ..shm._ring import RingCorrupt
 from ._http import Endpoint, body_of, encode
 from ._known import Known
 
+_BATCHES = ("/v1/many/put", "/v1/many/get", "/v1/many/alloc", "/v1/many/publish")
+_STEPS = ("/v1/alloc", "/v1/publish")
 
-def on_lane(method: str, path: str) -> bool:
+
+def on_lane(method: str, path: str, batches: bool = True) -> bool:
     """Whether a request goes on the lane (the broker's ``LANE_OPS``): stat,
-    gets of a name (``/v1/tensors/...``, with their query), and puts with
-    their bytes inline (``/v1/put/...``), those that fit its ring."""
+    gets of a name (``/v1/tensors/...``, with their query), puts with their
+    bytes inline (``/v1/put/...``), a large put's alloc and publish, and
+    (``batches``) the batches' put, get, alloc and publish, those that fit
+    its ring.  An answer too large for the answer ring comes over HTTP
+    (``MEDIA_HTTP``); an AsyncClient keeps batches off its lane, whose
+    requests in flight are counted on small answers (``_aiolane``)."""
     if method == "GET":
         return path == "/v1/stat" or path.startswith("/v1/tensors/")
-    return method == "POST" and path.startswith("/v1/put/")
+    if method != "POST":
+        return False
+    if path.startswith("/v1/put/") or path in _STEPS:
+        return True
+    return batches and path.partition("?")[0] in _BATCHES
 
 
 ENV = "TENSORDEPOT_LANE"  # "0": no lane, as Client(lane=False)
@@ -287,8 +298,10 @@ class ClientLane:
                 while True:
                     back = mem.answers.take()  # type: ignore[union-attr]
                     if back is not None:
-                        got, status, _, answer = parse_answer(back)
+                        got, status, media, answer = parse_answer(back)
                         if got == seq:
+                            if media == MEDIA_HTTP:  # too large for the ring now
+                                raise LaneBusy
                             return status, answer
                         continue  # the answer to a call that gave up waiting
                     left = None if deadline is None else deadline - time.monotonic()
@@ -319,8 +332,8 @@ class ClientLane:
             raise LaneGone("the lane is closed")
         items = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         mem = self.mem
-        rec = request_record(self._seq + 1, method, target, items, body)
-        if len(rec) > mem.requests.most():  # type: ignore[union-attr]
+        rec = request_parts(self._seq + 1, method, target, items, body)
+        if len(rec[0]) + len(body) > mem.requests.most():  # type: ignore[union-attr]
             raise LaneBusy  # too large for the ring: this one goes over HTTP
         if not mem.requests.put(rec):  # type: ignore[union-attr]
             raise full("the lane's request ring is full")

@@ -14,6 +14,12 @@ a u8 length and a lower-case ASCII name, a u16 length and the value),
 then the body (the rest).  Answer: ``<HHQ`` (status, ``MEDIA_JSON`` or
 ``MEDIA_OTHER``, seq), then the body.  Little-endian throughout.
 
+An answer of media ``MEDIA_HTTP`` (no body) says that the answer did not
+fit the answer ring (a large batch, or a ring still holding answers the
+client gave up on): the client sends the same request over HTTP, where its
+request id gives it the very answer the broker kept (every lane op but
+``stat``, which may simply run again, is replayed by its request id).
+
 The other side may write anything: ``parse_request`` and ``parse_answer``
 read only within the record they are given (copied out of the ring
 already) and raise ``LaneGarbled`` for whatever a well-behaved peer never
@@ -24,7 +30,7 @@ from __future__ import annotations
 import struct
 
 OP_REQUEST = 1
-MEDIA_JSON, MEDIA_OTHER = 0, 1
+MEDIA_JSON, MEDIA_OTHER, MEDIA_HTTP = 0, 1, 2
 _HEAD = struct.Struct("<HHQ")
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -40,19 +46,27 @@ def request_record(
     seq: int, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> bytes:
     """A request record (module doc)."""
+    return b"".join(request_parts(seq, method, target, headers, body))
+
+
+def request_parts(
+    seq: int, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> list[bytes]:
+    """A request record as two parts, to be written back to back: all but
+    the body, then the body (not copied here)."""
     m, t = method.encode("ascii"), target.encode("latin-1")
     out = [_HEAD.pack(OP_REQUEST, 0, seq), _U8.pack(len(m)), m, _U16.pack(len(t)), t]
     out.append(_U8.pack(len(headers)))
     for name, value in headers:
         out += [_U8.pack(len(name)), name, _U16.pack(len(value)), value]
-    out.append(body)
-    return b"".join(out)
+    return [b"".join(out), body]
 
 
-def parse_request(rec: bytes) -> tuple[int, str, str, bytes, dict[bytes, bytes], bytes]:
+def parse_request(rec: bytes) -> tuple[int, str, str, bytes, dict[bytes, bytes], memoryview]:
     """(seq, method, path, query, headers, body) of a request record; raises
     ``LaneGarbled``.  The path is percent-decoded, as the HTTP doors decode
-    it; the first of repeated headers wins, as there."""
+    it; the first of repeated headers wins, as there.  The body is a view
+    of ``rec``, not a copy."""
     try:
         op, flags, seq = _HEAD.unpack_from(rec, 0)
         if op != OP_REQUEST or flags:
@@ -92,12 +106,12 @@ def parse_request(rec: bytes) -> tuple[int, str, str, bytes, dict[bytes, bytes],
         import urllib.parse
 
         text = urllib.parse.unquote(text)
-    return seq, method, text, query, headers, rec[at:]
+    return seq, method, text, query, headers, memoryview(rec)[at:]
 
 
-def answer_record(seq: int, status: int, media: int, body: bytes) -> bytes:
-    """An answer record (module doc)."""
-    return _HEAD.pack(status, media, seq) + body
+def answer_record(seq: int, status: int, media: int, body: bytes) -> list[bytes]:
+    """An answer record (module doc), as two parts to write back to back."""
+    return [_HEAD.pack(status, media, seq), body]
 
 
 def parse_answer(rec: bytes) -> tuple[int, int, int, bytes]:
@@ -105,7 +119,7 @@ def parse_answer(rec: bytes) -> tuple[int, int, int, bytes]:
     if len(rec) < _HEAD.size:
         raise LaneGarbled("an answer record cut short")
     status, media, seq = _HEAD.unpack_from(rec, 0)
-    if not 100 <= status <= 599 or media not in (MEDIA_JSON, MEDIA_OTHER):
+    if not 100 <= status <= 599 or media not in (MEDIA_JSON, MEDIA_OTHER, MEDIA_HTTP):
         raise LaneGarbled(f"an answer of status {status}, media {media}")
     return seq, status, media, rec[_HEAD.size :]
 

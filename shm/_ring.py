@@ -14,7 +14,10 @@ starts at ``offset`` in its buffer and takes ``HEADER + size`` bytes:
 Both counters only grow (modulo 2**64): ``tail - head`` bytes are unread.
 A record is a u32 payload length, a u32 that is 0, and the payload, padded
 to 8 bytes; it never wraps: one that does not fit before the end follows a
-skip mark (the length ``SKIP``) and starts again at 0.  The writer stores
+skip mark (the length ``SKIP``) and starts again at 0, as does one
+written into an empty ring past its first ``REWIND`` bytes when it fits
+before the write position (the memory a ring touches is then about
+``REWIND`` and its largest records, not its size).  The writer stores
 the record's bytes before it stores ``tail`` (x86 keeps stores in order;
 other CPUs would need a fence there).
 
@@ -36,9 +39,17 @@ from typing import Any
 HEADER = 128  # the two counters, a cache line each
 MIN_SIZE = 64
 SKIP = 0xFFFFFFFF  # a record's length: the rest of the ring is skipped
+REWIND = 64 << 10  # an empty ring's writer starts again at 0 from here on (``Writer.put``)
 _U64 = struct.Struct("<Q")
 _REC = struct.Struct("<II")  # payload length, 0
 _MOD = 1 << 64
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _nbytes(part: Any) -> int:
+    return len(part) if type(part) is bytes else memoryview(part).nbytes
 
 
 class RingCorrupt(Exception):
@@ -136,14 +147,20 @@ class Writer(_Side):
         self._published = self._load(self._tail)
 
     def most(self) -> int:
-        """The largest payload a record of this ring can carry."""
-        return self.size - 8
+        """The largest payload a record of this ring can carry, whatever
+        its place: one of half the ring fits an empty ring wherever its
+        counters stand (one larger may not fit before the end, nor after a
+        skip to the start)."""
+        return self.size // 2 - 8
 
-    def put(self, payload: bytes | bytearray | memoryview) -> bool:
-        """Write one record; False when the ring has no room for it now.
-        Raises ``ValueError`` for a payload larger than ``most()``, and
-        ``RingCorrupt`` when the reader's counter is out of range."""
-        n = len(payload)
+    def put(self, payload: Buffer | list[Any]) -> bool:
+        """Write one record, its payload given whole or as parts (written
+        back to back, each bytes-like and C-contiguous); False when the
+        ring has no room for it now.  Raises ``ValueError`` for a payload
+        larger than ``most()``, and ``RingCorrupt`` when the reader's
+        counter is out of range."""
+        parts = payload if isinstance(payload, list) else [payload]
+        n = sum(map(_nbytes, parts))
         if n > self.most():
             raise ValueError(
                 f"a record of {n} bytes does not fit a ring of {self.size} (at most {self.most()})"
@@ -155,7 +172,14 @@ class Writer(_Side):
         free = size - used
         need = _padded(n)
         at = tail % size
-        gap = size - at if at + need > size else 0
+        # A record that does not fit before the end starts again at 0; so
+        # does one written into an empty ring past its first ``REWIND``
+        # bytes, where it can, so that a ring of small records keeps to its
+        # first pages (a memfd's pages are only memory once written).  The
+        # skip counts as unread until the reader passes it: ``REWIND`` bytes
+        # at least stay free meanwhile.
+        rewind = not used and need <= at >= min(REWIND, size // 4)
+        gap = size - at if at + need > size or rewind else 0
         if gap + need > free:
             return False
         view, data = self._view, self._data
@@ -164,7 +188,11 @@ class Writer(_Side):
             tail += gap
             at = 0
         _REC.pack_into(view, data + at, n, 0)
-        view[data + at + 8 : data + at + 8 + n] = payload
+        at += data + 8
+        for part in parts:
+            k = _nbytes(part)
+            view[at : at + k] = part if type(part) is bytes else memoryview(part).cast("B")
+            at += k
         self._published = tail = (tail + need) % _MOD
         self._store(self._tail, tail)  # after the record's bytes: the reader may take it now
         return True

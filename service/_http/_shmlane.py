@@ -38,8 +38,15 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from ..._errors import Conflict, InvalidRequest, RequestTooLarge, error_body
-from ..._laneproto import MEDIA_JSON, MEDIA_OTHER, LaneGarbled, answer_record, parse_request
+from ..._errors import Conflict, InvalidRequest
+from ..._laneproto import (
+    MEDIA_HTTP,
+    MEDIA_JSON,
+    MEDIA_OTHER,
+    LaneGarbled,
+    answer_record,
+    parse_request,
+)
 from ..._proto import SESSION_HEADER
 from ...shm._lanemem import BROKER, CLIENT, LaneMemory
 from ...shm._ring import RingCorrupt
@@ -48,10 +55,23 @@ from ._handler import JSON, Answer
 
 log = logging.getLogger("tensordepot.broker")
 
-RING = 64 << 10  # each ring's bytes: a record that does not fit goes over HTTP
+REQUESTS = 4 << 20  # the request ring's bytes
+ANSWERS = 256 << 10  # the answer ring's
 TAKE_MOST = 32  # records read per ring of the bell: the rest on the loop's next turn
 # The routes the lane serves (docs/plan-lane.md); the client's ``on_lane`` picks the same.
-LANE_OPS = frozenset({"stat", "get_tensor", "put_tensor"})
+LANE_OPS = frozenset(
+    {
+        "stat",
+        "get_tensor",
+        "put_tensor",
+        "alloc_tensor",
+        "publish_tensor",
+        "put_many",
+        "get_many",
+        "alloc_many",
+        "publish_many",
+    }
+)
 _SESSION = SESSION_HEADER.encode()
 _LENGTH = b"content-length"
 
@@ -72,7 +92,7 @@ class ShmLanes:
             raise Conflict(
                 "this broker runs with --no-lane ($TENSORDEPOT_NO_LANE): requests go over HTTP"
             )
-        return ShmLane(self, sid, LaneMemory.create(RING, RING), _lane_scope(scope))
+        return ShmLane(self, sid, LaneMemory.create(REQUESTS, ANSWERS), _lane_scope(scope))
 
     def start(self, lane: ShmLane) -> None:
         old = self.lanes.pop(lane.sid, None)
@@ -153,9 +173,9 @@ class ShmLane:
 
     def _run(self, rec: bytes) -> bool:
         """Run one request record; whether its answer was written now."""
-        seq, method, path, query, headers, body = parse_request(rec)
+        seq, method, path, query, headers, view = parse_request(rec)
         headers[_SESSION] = self.sid.encode()  # a lane speaks for its own session only
-        headers[_LENGTH] = b"%d" % len(body)  # as an HTTP door has it: the body's own
+        headers[_LENGTH] = b"%d" % len(view)  # as an HTTP door has it: the body's own
         gate = self.lanes.gate
         started = time.perf_counter()
         route = None
@@ -166,7 +186,10 @@ class ShmLane:
                 raise InvalidRequest(
                     f"{method} {adm.route.template} is not served on the lane; send it over HTTP"
                 )
-            reply = gate.dispatch(adm, method, path, self.scope, headers, query, body, None)
+            # A framed body's tensor bytes are copied once more, into their
+            # pack, and never parsed: a view of them will do.
+            body = view if route.framed else bytes(view)
+            reply = gate.dispatch(adm, method, path, self.scope, headers, query, body, None)  # type: ignore[arg-type]
         except BaseException as exc:
             reply = gate.failure(exc, method, path)
         media = route.media if route is not None else JSON
@@ -206,12 +229,14 @@ class ShmLane:
         status, body = answer
         kind = MEDIA_JSON if media == JSON or status >= 300 else MEDIA_OTHER
         writer = self.mem.answers
-        rec = answer_record(seq, status, kind, body)
-        if len(rec) > writer.most():  # type: ignore[union-attr]
-            rec = answer_record(seq, *_too_large(len(body)))
-            status = 413
         self.lanes.gate.observe(method, route, status, started)
-        if not writer.put(rec):  # type: ignore[union-attr]
+        rec = answer_record(seq, status, kind, body)
+        fits = len(rec[0]) + len(body) <= writer.most()  # type: ignore[union-attr]
+        if fits and writer.put(rec):  # type: ignore[union-attr]
+            return
+        # No room for it: the client asks again over HTTP, and its request
+        # id gives it this very answer (_laneproto, MEDIA_HTTP).
+        if not writer.put(answer_record(seq, status, MEDIA_HTTP, b"")):  # type: ignore[union-attr]
             self.garbled("its answer ring is full: the client does not read its answers")
 
     def garbled(self, why: str) -> None:
@@ -236,11 +261,6 @@ class ShmLane:
             del self.lanes.lanes[self.sid]
             asyncio.get_running_loop().remove_reader(self.mem.bells[BROKER])
         self.mem.close()
-
-
-def _too_large(n: int) -> tuple[int, int, bytes]:
-    exc = RequestTooLarge(f"an answer of {n} bytes does not fit the lane; send this over HTTP")
-    return exc.status, MEDIA_JSON, error_body(exc)
 
 
 class Passing:

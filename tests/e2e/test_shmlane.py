@@ -25,11 +25,11 @@ from _rawlane import RawLane, answered, handover, lane_fds
 from _users import User, group_dir, other_user
 from tensordepot._laneproto import request_record
 from tensordepot._proto import SESSION_HEADER
+from tensordepot.service._http._shmlane import ANSWERS, REQUESTS
 from tensordepot.shm._lanemem import PAGE
 from tensordepot.shm._ring import HEADER
 
 ACCOUNTS = ("bytes_in_use", "tensors", "versions", "leases", "sessions", "waiting")
-RING = 64 << 10
 
 
 def _fds_back(b: BrokerProc, base: int) -> None:
@@ -46,7 +46,7 @@ def test_stat_on_the_lane_answers_as_over_http(broker: BrokerProc) -> None:
         c.put("keep", np.arange(4, dtype=np.float32))
     raw = Session(broker.sock)
     status, info, fds = handover(broker.sock, raw.sid)
-    assert (status, info, len(fds)) == (200, {"requests": RING, "answers": RING}, 4)
+    assert (status, info, len(fds)) == (200, {"requests": REQUESTS, "answers": ANSWERS}, 4)
     lane = RawLane(fds)
     try:
         for _ in range(2):
@@ -177,7 +177,7 @@ def test_a_put_on_the_lane_answers_as_over_http(broker: BrokerProc) -> None:
         lane.close()
     raw.close()
     x = np.arange(1000, dtype=np.float64)
-    big = np.arange(20_000, dtype=np.float64)  # 160 KB: inline over HTTP, past the lane's ring
+    big = np.arange(20_000, dtype=np.float64)  # 160 KB: inline, on the lane too
     with broker.client() as c:
         c.put("small", x)
         c.put("big", big)
@@ -304,7 +304,7 @@ def _scribble(lane: RawLane, what: str) -> None:
     m = lane.mem._map
     tail_at, data = PAGE + 64, PAGE + HEADER
     tail = struct.unpack_from("<Q", m, tail_at)[0]
-    at = tail % RING
+    at = tail % REQUESTS
     if what == "tail-past-the-end":
         struct.pack_into("<Q", m, tail_at, tail + (1 << 40))
     elif what == "tail-backwards":
@@ -366,7 +366,7 @@ def test_a_client_that_reads_no_answers_ends_only_its_session(broker: BrokerProc
     _, _, fds = handover(broker.sock, raw.sid)
     lane = RawLane(fds)
     with broker.client(lane=False) as c:
-        for _ in range(400):  # about 600 bytes of answer each: past a 64 KiB ring
+        for _ in range(2 * ANSWERS // 200):  # about 200 bytes of answer each: twice the ring
             lane.seq += 1
             assert lane.mem.requests.put(request_record(lane.seq, "GET", "/v1/stat", [], b""))  # type: ignore[union-attr]
         lane.mem.ring(0)

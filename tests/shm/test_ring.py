@@ -55,8 +55,50 @@ def test_a_full_ring_says_no_until_the_reader_takes() -> None:
 def test_a_record_larger_than_the_ring_is_refused_with_its_limit() -> None:
     _, w, _ = _pair()
     assert w.put(b"z" * w.most())
-    with pytest.raises(ValueError, match=f"at most {SIZE - 8}"):
+    with pytest.raises(ValueError, match=f"at most {SIZE // 2 - 8}"):
         w.put(b"z" * (w.most() + 1))
+
+
+def test_the_largest_record_fits_an_empty_ring_wherever_its_counters_stand() -> None:
+    # Each round leaves the counters 8 bytes further on, and the ring empty.
+    _, w, r = _pair()
+    for k in range(SIZE // 8 + 2):
+        assert w.put(b"s" * (8 * (k % 7)))
+        assert r.take() == b"s" * (8 * (k % 7))
+        big = bytes([k % 256]) * w.most()
+        assert w.put(big), k
+        assert r.take() == big
+
+
+def test_small_records_one_at_a_time_keep_to_the_first_bytes() -> None:
+    size = 4096  # starts again at 0 past its first 1,024 bytes (REWIND, a quarter here)
+    buf, w, r = _pair(size)
+    for k in range(1000):  # 40 KB in all: ten times round a ring without rewinds
+        assert w.put([b"ab", bytearray(b"cd"), memoryview(b"e" * (k % 50))])
+        assert r.take() == b"abcd" + b"e" * (k % 50)
+    # The largest record takes 64 bytes: nothing was written past 1,024 + 64.
+    assert not any(buf[HEADER + 1024 + 64 :]) and any(buf[HEADER + 1000 : HEADER + 1024 + 64])
+
+
+def test_a_rewound_ring_still_takes_records_before_its_skip_is_read() -> None:
+    size = 4096
+    _, w, r = _pair(size)
+    for _ in range(30):  # 40-byte records to past the rewind mark (1,024)
+        assert w.put(b"a" * 32)
+        assert r.take() == b"a" * 32
+    sent = [bytes([k]) * 32 for k in range(20)]  # 800 bytes, none taken yet
+    for rec in sent:
+        assert w.put(rec)
+    assert [r.take() for _ in sent] == sent
+
+
+def test_a_record_in_parts_is_the_parts_back_to_back() -> None:
+    import array
+
+    _, w, r = _pair()
+    floats = array.array("f", [1.5, 2.5])  # a buffer of 4-byte items: written as its bytes
+    assert w.put([b"head", floats, memoryview(b"tail")])
+    assert r.take() == b"head" + floats.tobytes() + b"tail"
 
 
 def test_sizes_and_places_that_cannot_hold_a_ring_are_refused() -> None:
@@ -107,10 +149,12 @@ def test_a_scribbled_head_is_refused_by_the_writer_and_ignored_by_the_reader() -
 
 def test_two_skips_in_a_row_are_refused() -> None:
     buf, w, r = _pair()
-    for _ in range(4):
+    for _ in range(4):  # written before any is taken: they go on round the ring
         assert w.put(b"p" * 40)
+    for _ in range(3):
         assert r.take() == b"p" * 40
     assert w.put(b"q" * 80)  # does not fit before the end: a skip, then the record at 0
+    assert r.take() == b"p" * 40
     _u32(buf, HEADER, SKIP)
     with pytest.raises(RingCorrupt, match="two skips"):
         r.take()
