@@ -30,6 +30,7 @@ covers it.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -55,6 +56,7 @@ from ._tensormap import TensorMap
 from ._windows import pack_window, windows
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> our dtype name, for the arrays seen so far
+_DTYPE, _SHAPE, _NBYTES = (operator.attrgetter(k) for k in ("dtype", "shape", "nbytes"))
 _STEP = 256 << 20  # bytes copied between two progress reports
 
 
@@ -76,16 +78,47 @@ def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]
     return src.array, src.dtype
 
 
+def _host_arrays(values: list[Any], device: Any) -> tuple[list[Any], list[str]] | None:
+    """put_many's arrays and dtype names in one pass over the batch when
+    every value is a numpy array of a dtype we store and no device is named
+    (a state dict's usual case); None: look at each (``_array_and_dtype``)."""
+    import numpy as np
+
+    if device is not None or set(map(type, values)) != {np.ndarray}:
+        return None
+    dts = list(map(_DTYPE, values))
+    known: dict[Any, str] = {}
+    for dt in set(dts):
+        found = _NAMES.get(dt)
+        if found is None:
+            try:
+                found = _NAMES[dt] = dtype_from_numpy(dt).name
+            except UnsupportedDType:
+                return None  # Source says what is wrong, and for which name
+        known[dt] = found
+    return values, list(map(known.__getitem__, dts))
+
+
 def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> Op[dict[str, int]]:
     """Allocate all, copy all, publish all (or, failing or cancelled, give all back)."""
     check_mapping(tensors)
     ttl = check_ttl(ttl)
-    if _cuda_handles.involves_gpu(list(tensors.values()), device):
+    values = list(tensors.values())
+    host = _host_arrays(values, device)
+    if host is None and _cuda_handles.involves_gpu(values, device):
         op = _cuda_ops.put_many(core, tensors, device=device, ttl=ttl)
         return (yield Offload(core.run, op))  # type: ignore[no-any-return]
     if not tensors:
         return {}
     names = list(tensors)
+    if host is not None:
+        arrays, dtypes = host
+        shapes = [list(s) for s in map(_SHAPE, arrays)]
+        return (
+            yield from put_arrays(
+                core, names, arrays, shapes, dtypes, ttl, same=_same(arrays, dtypes)
+            )
+        )
     opened: list[Source] = []
     try:
         arrays, dtypes = [], []
@@ -177,8 +210,8 @@ def put_arrays(
             done += sum(arrays[i].nbytes for i in part if same is None or same[i] < 0)
         return {n: placed[n] for n in names}
     body = ManyAlloc.model_construct(names=names, shapes=shapes, dtypes=dtypes, ttl=ttl, same=same)
-    own = [a for i, a in enumerate(arrays) if same is None or same[i] < 0]
-    carried = sum(a.nbytes for a in own)
+    own = arrays if same is None else [a for i, a in enumerate(arrays) if same[i] < 0]
+    carried = sum(map(_NBYTES, own))
     if progress is None and carried <= min(INLINE_BATCH_MAX, INLINE_BATCH_MEAN * len(own)):
         # Many small tensors ride in the request: one round trip, no mapping to fill.
         head = body.__pydantic_serializer__.to_json(body)

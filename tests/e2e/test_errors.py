@@ -92,6 +92,22 @@ def test_put_many_of_a_list(client: Client) -> None:
     assert len(message) < 200, message
 
 
+def test_put_many_of_arrays_with_one_of_a_dtype_never_stored(client: Client) -> None:
+    """A batch of numpy arrays, one of them of objects: the error names that
+    one, and nothing of the batch is stored."""
+    good = {f"dt.{d}": np.arange(6).astype(d).reshape(2, 3) for d in ("bool", "int8", "float16")}
+    batch = {**good, "dt.bad": np.array([None, 1], dtype=object), "dt.last": ARR}
+    raises(InvalidRequest, lambda: client.put_many(batch), "tensors['dt.bad'] has dtype object")
+    assert [t.name for t in client.list("dt.")] == []
+    versions = client.put_many(good)  # the same arrays, all of stored dtypes
+    got = client.get_many(list(good))
+    for k, a in good.items():
+        t = np.from_dlpack(got[k])
+        assert (versions[k], t.dtype, t.shape, t.tolist()) == (1, a.dtype, (2, 3), a.tolist())
+    del got
+    client.delete_many(list(good))
+
+
 def test_get_many_of_a_str(client: Client) -> None:
     message = raises(
         InvalidType,
