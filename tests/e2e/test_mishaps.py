@@ -328,22 +328,29 @@ def test_versions_never_go_backwards(broker: BrokerProc, mishap: Callable[..., W
 # -- M4: leases nobody holds -----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("wait", ["waitget later", "waitmany later,later2"])
 def test_ctrl_c_in_a_long_poll_leaves_no_lease(
-    broker: BrokerProc, mishap: Callable[..., Worker]
+    broker: BrokerProc, mishap: Callable[..., Worker], wait: str
 ) -> None:
+    """A get or get_many waiting on the lane (or over HTTP), cut by Ctrl-C:
+    what the broker grants it once its names are put is given back."""
     w = mishap(broker.url)
-    w.send("waitget later")
+    w.send(wait)
     w.expect("waiting")  # said just before the call: the get may not be parked yet
     with broker.client() as c:
         # the broker's count of parked gets says the worker is inside its get
         stat_when(c, lambda s: s.sessions == 2 and s.waiting == 1, "the worker's parked get")
         os.kill(w.pid, signal.SIGINT)
         w.expect("interrupted")
-        c.put("later", np.zeros(4, dtype=np.float32))  # published after the client gave up
+        # published after the client gave up
+        c.put_many({"later": np.zeros(4, np.float32), "later2": np.ones(4, np.float32)})
         assert w.ask("leases", "n") == "n 0"
         stat_when(c, lambda s: s.leases == 0, "no lease for a wait the client abandoned", 5)
         w.ask("get later", "ok")  # the process carries on
         assert c.stat().leases == 1
+        w.send(wait)  # now put: answered at once
+        w.expect("waiting")
+        assert w.expect("got") == "got 1"
 
 
 def test_a_request_cancelled_before_it_arrives_never_runs(broker: BrokerProc) -> None:

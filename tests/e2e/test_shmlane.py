@@ -268,26 +268,33 @@ c = Client(sys.argv[1])
 held = np.from_dlpack(c.get("w"))  # a lease
 assert c._core.lane is not None
 print("ready", flush=True)
-c.get("never", timeout=120)  # parked on the lane when it is killed
+if sys.argv[2] == "get":
+    c.get("never", timeout=120)  # parked on the lane when it is killed
+else:
+    c.get_many(["w", "never"], timeout=120)
 """
 
 
-def test_a_client_killed_mid_request_leaves_nothing(broker: BrokerProc) -> None:
-    """A client killed (-9) while its get waits on the lane, holding a
-    lease: its wait, its lease, its session and the lane's descriptors are
-    all gone from the broker, which serves the next client on its lane."""
+@pytest.mark.parametrize("op", ["get", "get_many"])
+def test_a_client_killed_mid_request_leaves_nothing(broker: BrokerProc, op: str) -> None:
+    """A client killed (-9) while its get (or get_many) waits on the lane,
+    holding a lease: its wait, its lease, its session and the lane's
+    descriptors are all gone from the broker, which serves the next client
+    on its lane."""
     assert broker.proc is not None
     pid = broker.proc.pid
     with broker.client(lane=False) as watcher:
         watcher.put("w", np.arange(16))
         base = lane_fds(pid)
         with subprocess.Popen(
-            [sys.executable, "-c", _WAITER, broker.url], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _WAITER, broker.url, op], stdout=subprocess.PIPE, text=True
         ) as p:
             try:
                 assert p.stdout is not None and p.stdout.readline().strip() == "ready"
                 stat_when(watcher, lambda st: st.waiting == 1, "the get to wait on the lane")
-                assert watcher.stat().leases == 1 and lane_fds(pid) >= base + 3
+                # (a get_many leases what it found before it waits for the rest)
+                held = 1 if op == "get" else 2
+                assert watcher.stat().leases == held and lane_fds(pid) >= base + 3
             finally:
                 p.kill()
         _fds_back(broker, base)
@@ -497,7 +504,11 @@ with Client(sys.argv[1]) as c, Client(sys.argv[1], lane=False) as w:
     c.stat()
     lane = c._core.lane
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(t=c.get("late", timeout=30)))
+    if sys.argv[2] == "get":
+        wait = lambda: got.update(t=c.get("late", timeout=30))
+    else:
+        wait = lambda: got.update(t=c.get_many(["late", "late2"], timeout=30)["late"])
+    waiter = threading.Thread(target=wait)
     waiter.start()
     deadline = time.monotonic() + 10
     while not lane._lock.locked():  # the get waits on the lane, holding it
@@ -528,22 +539,27 @@ with Client(sys.argv[1]) as c, Client(sys.argv[1], lane=False) as w:
             break
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child could not use a lane of its own"
-    w.put("late", np.full(8, 5.0))
+    w.put_many({"late": np.full(8, 5.0), "late2": np.full(8, 6.0)})
     waiter.join(30)
     assert float(np.from_dlpack(got.pop("t"))[0]) == 5.0, "the parent's get lost its answer"
     assert c._core.lane is lane and not lane.closed
-    w.delete("late")
+    w.delete_many(["late", "late2"])
 print("ok")
 """
 
 
-def test_a_fork_with_a_request_in_flight(broker: BrokerProc) -> None:
-    """A process forks while another of its threads waits for a get on the
-    lane: the child (whose copy of the lane is held by a thread it does not
-    have) puts and gets on a lane of its own; the parent's get gets its
-    answer when the name is put; nothing is left held."""
+@pytest.mark.parametrize("op", ["get", "get_many"])
+def test_a_fork_with_a_request_in_flight(broker: BrokerProc, op: str) -> None:
+    """A process forks while another of its threads waits for a get (or a
+    get_many) on the lane: the child (whose copy of the lane is held by a
+    thread it does not have) puts and gets on a lane of its own; the
+    parent's get gets its answer when the names are put; nothing is left
+    held."""
     out = subprocess.run(
-        [sys.executable, "-c", _IN_FLIGHT, broker.url], capture_output=True, text=True, timeout=90
+        [sys.executable, "-c", _IN_FLIGHT, broker.url, op],
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     assert (out.returncode, out.stdout.strip()) == (0, "ok"), out.stderr
     drained(broker, "leases", "bytes_in_use", "tensors", "waiting", sessions=1)

@@ -16,6 +16,8 @@ One command per line, one answer per line:
                               "interrupted" after a Ctrl-C (SIGINT), and carries on
     waitget NAME              get(NAME, timeout=None); prints "waiting" first, then "got V",
                               or "interrupted" after a Ctrl-C, and carries on
+    waitmany NAME,NAME        the same with get_many(NAMES, timeout=None): "got V", the
+                              lowest version got
     put NAME MIB FILL         put a contiguous MIB MiB float32 array of FILL            -> "ok V"
     fork FIFO                 fork; the child puts 16 MiB (must not hang), answers
                               "child put VERSION", then runs commands read from FIFO,
@@ -101,15 +103,19 @@ class State:
                 self.say("interrupted")
             else:
                 self.say("done", v)
-        elif cmd == "waitget":
+        elif cmd in ("waitget", "waitmany"):
             self.say("waiting")
             try:
-                t = c.get(args[0], timeout=None)
+                if cmd == "waitget":
+                    v = c.get(args[0], timeout=None).version
+                else:
+                    v = min(
+                        t.version for t in c.get_many(args[0].split(","), timeout=None).values()
+                    )
             except KeyboardInterrupt:
                 self.say("interrupted")
             else:
-                self.say("got", t.version)
-                del t
+                self.say("got", v)
         elif cmd == "put":
             v = c.put(args[0], np.full(int(args[1]) << 18, float(args[2]), dtype=np.float32))
             self.say("ok", v)
