@@ -145,7 +145,7 @@ class Broker:
             lending=self.lending,
             waits=self.waits,
             count=self._count,
-            superseded=self.memory.superseded,
+            kept=self.memory.kept,
         )
         self.try_get, self.try_get_many, self.get, self.get_many = (
             r.try_get,

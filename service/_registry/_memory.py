@@ -102,8 +102,12 @@ class Memory:
         # Published versions their name no longer refers to, kept by leases:
         # (name, number) -> version, so that a get of that exact version
         # finds it while it lives (numbers never repeat within a run).
-        # A row of a pack (``Pack``) stays a row here until something makes its Version.
-        self.superseded: dict[tuple[str, int], Version | Row] = {}
+        self.superseded: dict[tuple[str, int], Version] = {}
+        # The same for rows of packs: the packs whose leases keep rows no
+        # name points at (``Pack.kept``), each indexed by name only when a
+        # get of an exact version looks there (``kept``): a put_many that
+        # supersedes a leased pack costs no entry per row.
+        self.kept_packs: dict[Pack, None] = {}
         # Packs (``_packs``): block -> its versions already gone, still charged
         # (and its ``Pack``, for a put_many's): what a pack keeps pinned counts
         # against whoever put it until it goes.
@@ -274,13 +278,16 @@ class Memory:
     def retire_rows(self, rows: list[Row]) -> None:
         """Their names no longer point at these rows: each is gone at once,
         or (its pack leased) kept until the pack's leases end."""
-        superseded = self.superseded
+        kept_packs = self.kept_packs
         gone = 0
+        last = None  # a batch's rows come in runs of one pack
         for p, i in rows:
             p.live -= 1
             if p.readers:
                 p.kept.append(i)
-                superseded[(p.names[i], p.numbers[i])] = (p, i)
+                if p is not last:
+                    last, p.kept_at = p, None
+                    kept_packs[p] = None
             else:
                 gone += 1
                 if not p.live:
@@ -293,13 +300,27 @@ class Memory:
         if p.readers:
             return
         if p.kept:
-            superseded = self.superseded
-            for i in p.kept:
-                superseded.pop((p.names[i], p.numbers[i]), None)
+            del self.kept_packs[p]
             self.versions_live -= len(p.kept)
             p.kept.clear()
+            p.kept_at = None
         if not p.live:
             self._let_go(p)
+
+    def kept(self, name: str, number: int) -> Version | Row | None:
+        """Version ``number`` of ``name`` if leases keep it though its name
+        moved on: a ``Version``, or a row of a pack; None if none does."""
+        v = self.superseded.get((name, number))
+        if v is not None:
+            return v
+        for p in self.kept_packs:
+            at = p.kept_at
+            if at is None:  # a pack holds a name once
+                at = p.kept_at = {p.names[i]: i for i in p.kept}
+            i = at.get(name, -1)  # type: ignore[assignment]
+            if i >= 0 and p.numbers[i] == number:
+                return p, i
+        return None
 
     def pack_dropped(self, p: Pack) -> None:
         """A pack placed but never published (its fill failed): gone."""

@@ -40,9 +40,9 @@ class Reads:
         lending: Leases,
         waits: Waits,
         count: Callable[..., None],
-        superseded: dict[tuple[str, int], Version | Row] | None = None,
+        kept: Callable[[str, int], Version | Row | None],
     ) -> None:
-        self.superseded = {} if superseded is None else superseded  # Memory.superseded
+        self.kept = kept  # Memory.kept
         self.sessions = sessions
         self.records = records
         self.lending = lending
@@ -79,7 +79,7 @@ class Reads:
         v = (
             e.ready
             if e is not None and e.published and e.number == number
-            else self.superseded.get((name, number))
+            else self.kept(name, number)
         )
         pack = None
         if isinstance(v, tuple):  # a row of a pack that a lease keeps

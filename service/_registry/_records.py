@@ -196,6 +196,7 @@ class Pack:
     live: int = 0
     readers: int = 0
     kept: list[int] = field(default_factory=list)
+    kept_at: dict[str, int] | None = None  # name -> row of ``kept``, once looked up (Memory.kept)
     held: bool = True
     charged: int = 0  # what Quotas count (as for a Version)
     creator: str | None = None
