@@ -317,7 +317,7 @@ class Memory:
             at = p.kept_at
             if at is None:  # a pack holds a name once
                 at = p.kept_at = {p.names[i]: i for i in p.kept}
-            i = at.get(name, -1)  # type: ignore[assignment]
+            i = at.get(name, -1)
             if i >= 0 and p.numbers[i] == number:
                 return p, i
         return None
