@@ -13,8 +13,8 @@ the broker answers it.
 
 Where the lane cannot take a request (another thread writes into it, the
 record is larger than the ring, the ring is full, or as many requests wait
-for their answers as the answer ring surely holds: ``ANSWER_MOST``), it
-goes over HTTP; so it does where the lane is gone: while requests wait,
+for their answers as the answer ring surely holds: ``ANSWER_MOST`` each, a
+batch half the ring), it goes over HTTP; so it does where the lane is gone: while requests wait,
 one look every ``_LOOK`` seconds asks whether the broker closed the lane
 or died (``ClientLane.gone``) and whose I/O timeout passed, and a ring
 that holds what a broker never writes closes it.  Either way the request
@@ -38,15 +38,16 @@ from .._laneproto import MEDIA_HTTP, LaneGarbled, parse_answer
 from ..shm._lanemem import CLIENT
 from ..shm._ring import RingCorrupt
 from ._http import LaneStep
-from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone
+from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone, on_lane
 
-# The largest answer of a request an AsyncClient sends on the lane (no
-# batches): a handle with the longest name and the most dimensions is under
-# 1 KiB, an error that names it under 1.5 KiB.  Requests in flight are at
-# most as many as the answer ring holds of these: an answer that finds no
-# room comes over HTTP (``MEDIA_HTTP``), and the broker ends the session of
-# a client whose ring has no room even for that mark (it does not read its
-# answers).
+# The largest answer of a request on the lane other than a batch's: a
+# handle with the longest name and the most dimensions is under 1 KiB, an
+# error that names it under 1.5 KiB.  A batch's answer may take half the
+# answer ring (a larger one comes as a ``MEDIA_HTTP`` mark).  Requests in
+# flight are at most what seven eighths of the answer ring holds of these
+# (the rest for a skip at its end and the marks): an answer that finds no
+# room comes over HTTP, and the broker ends the session of a client whose
+# ring has no room even for that mark (it does not read its answers).
 ANSWER_MOST = 4096
 
 
@@ -67,8 +68,12 @@ class AioLane:
     def __init__(self, lane: ClientLane) -> None:
         self.lane = lane
         self.waiting: dict[int, _Waiting] = {}  # by sequence number
-        self.unanswered: set[int] = set()  # sent, answer not taken (cancelled callers' too)
-        self.most = max(1, lane.mem.answers.size // ANSWER_MOST)
+        # sent, answer not taken (cancelled callers' too): the answer room each holds
+        self.unanswered: dict[int, int] = {}
+        self.held = 0  # their sum
+        size = lane.mem.answers.size
+        self.room = size - size // 8
+        self.batch = size // 2
         self._watched: asyncio.AbstractEventLoop | None = None  # the loop reading its bell
         self._looks: asyncio.TimerHandle | None = None  # while requests wait (_look)
 
@@ -112,15 +117,17 @@ class AioLane:
         if not lane._lock.acquire(blocking=False):  # a thread is handing the lane over
             raise LaneBusy
         try:
-            if len(self.unanswered) >= self.most:
-                raise LaneBusy  # its answers might not fit the answer ring
+            room = ANSWER_MOST if on_lane(step.method, step.path, batches=False) else self.batch
+            if self.held + room > self.room:
+                raise LaneBusy  # its answer might not fit the answer ring
             try:
                 seq = lane.send(step.method, step.path, step.headers, step.data, full=LaneBusy)
             except RingCorrupt as exc:
                 self._broken(f"the lane is corrupt ({exc})")
                 raise LaneGone(f"the lane is corrupt ({exc})") from None
             self._watch(loop)  # its answer is read on the loop, which runs after this returns
-            self.unanswered.add(seq)
+            self.unanswered[seq] = room
+            self.held += room
             return seq
         finally:
             lane._lock.release()
@@ -152,7 +159,7 @@ class AioLane:
                 if back is None:
                     return
                 seq, status, media, body = parse_answer(back)
-                self.unanswered.discard(seq)
+                self.held -= self.unanswered.pop(seq, 0)
                 w = self.waiting.get(seq)
                 if w is not None and not w.fut.done():
                     if media == MEDIA_HTTP:  # too large for the ring now: over HTTP

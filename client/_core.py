@@ -257,7 +257,7 @@ class Core:
         self.round_trips += 1
         try:
             got = None
-            if not background and on_lane(method, path, self._lane_wanted):
+            if not background and on_lane(method, path):
                 if self._lane_wanted:
                     got = lane_call(self, method, path, body, headers, io)
                 elif self.lane_steps and self.lane is not None:  # an AsyncClient's (_aiolane)

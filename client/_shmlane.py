@@ -51,8 +51,7 @@ def on_lane(method: str, path: str, batches: bool = True) -> bool:
     bytes inline (``/v1/put/...``), a large put's alloc and publish, and
     (``batches``) the batches' put, get, alloc and publish, those that fit
     its ring.  An answer too large for the answer ring comes over HTTP
-    (``MEDIA_HTTP``); an AsyncClient keeps batches off its lane, whose
-    requests in flight are counted on small answers (``_aiolane``)."""
+    (``MEDIA_HTTP``)."""
     if method == "GET":
         return path == "/v1/stat" or path.startswith("/v1/tensors/")
     if method != "POST":

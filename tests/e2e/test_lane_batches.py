@@ -3,18 +3,21 @@ real broker: a Client's put_many, get_many (waiting too), and a large put's
 or a batch's alloc and publish go as records on its lane, with the bytes,
 versions and leases they get over HTTP; an answer too large for the answer
 ring comes over HTTP under the same request id, leasing once; a request too
-large for the request ring goes over HTTP and leaves the lane as it was."""
+large for the request ring goes over HTTP and leaves the lane as it was.
+An AsyncClient's batches likewise, one batch's answer room at a time."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from _harness import BrokerProc, drained, wait_for
-from tensordepot import Client
+from tensordepot import AsyncClient, Client
 from tensordepot._proto import SESSION_HEADER
 from tensordepot.client import _core
 from tensordepot.service._http._shmlane import ANSWERS, REQUESTS
@@ -130,4 +133,62 @@ def test_a_request_too_large_for_the_ring_goes_over_http_and_keeps_the_lane(
         assert np.from_dlpack(got[names[1]]).tolist() == [1, 1]
         del got
         c.delete(prefix="h")
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+def test_an_async_clients_batches_go_on_its_lane(broker: BrokerProc) -> None:
+    """An AsyncClient's put_many, get_many (waiting too, and several at
+    once) go on its lane with the bytes and versions they get over HTTP; a
+    get_many whose answer passes the ring comes over HTTP with one lease."""
+    small = {f"a.{i}": np.full(256, i, np.float32) for i in range(1000)}
+    wide = [f"{'w' * 400}.{i}" for i in range(1000)]  # about 430 KB of answer
+
+    async def main() -> None:
+        async with AsyncClient(broker.url) as c:
+            http: list[str] = []
+            roundtrip = c._transport.roundtrip
+
+            async def counted(req: Any) -> tuple[int, bytes]:
+                http.append(req.path.partition("?")[0])
+                return await roundtrip(req)
+
+            c._transport.roundtrip = counted  # type: ignore[method-assign]
+            await c.stat()
+            lane = c._core.lane
+            assert lane is not None
+            start = lane._seq
+            assert set((await c.put_many(small)).values()) == {1}
+            got = await c.get_many(list(small))
+            assert all(np.array_equal(np.from_dlpack(got[k]), a) for k, a in small.items())
+            del got
+            assert lane._seq == start + 2 and http == [], http
+            # Waiting get_manys at once (one batch's answer room at a time on
+            # the lane, the other over HTTP), answered by a put over HTTP.
+            floors = dict.fromkeys(small, 1)
+            waits = [c.get_many(list(small), newer_than=floors, timeout=30) for _ in range(2)]
+            tasks = [asyncio.ensure_future(w) for w in waits]
+            deadline = time.monotonic() + 10
+            while (await c.stat()).waiting < 2:
+                assert time.monotonic() < deadline, "the get_manys to wait"
+                await asyncio.sleep(0.02)
+            with Client(broker.url, lane=False) as p:
+                p.put_many({k: a + 1 for k, a in small.items()})
+                p.put_many({k: np.full(2, i, np.int16) for i, k in enumerate(wide)})
+            for got in await asyncio.gather(*tasks):
+                assert {t.version for t in got.values()} == {2}
+                assert all(np.array_equal(np.from_dlpack(got[k]), a + 1) for k, a in small.items())
+            del got, tasks
+            assert http == ["/v1/many/get"], http  # the second batch at once
+            deadline = time.monotonic() + 10
+            while (await c.stat()).leases:
+                assert time.monotonic() < deadline, "the batches' leases to go back"
+                await asyncio.sleep(0.02)
+            big = await c.get_many(wide)
+            assert http[1:] == ["/v1/many/get"], "too large for the ring: over HTTP"
+            assert (await c.stat()).leases == 1, "one lease, taken once"
+            assert [int(np.from_dlpack(big[k])[0]) for k in wide] == list(range(1000))
+            del big
+            await c.delete_many([*small, *wide])
+
+    asyncio.run(main())
     drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
