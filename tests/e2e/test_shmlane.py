@@ -583,6 +583,79 @@ sys.stdin.readline()
 """
 
 
+_PAUSED_WAITING = """
+import sys
+import numpy as np
+from tensordepot import Client
+c = Client(sys.argv[1])
+c.stat()
+first = c._core.lane
+assert first is not None
+print("ready", flush=True)
+got = c.get_many(["late", "late2"], timeout=60)  # on the lane, then over HTTP
+print("ok", int(np.from_dlpack(got["late"])[0]), int(np.from_dlpack(got["late2"])[0]),
+      c._core.lane is not first, flush=True)
+del got
+sys.stdin.readline()
+"""
+
+
+def test_a_get_many_waiting_on_a_lane_paused_past_its_ttl_is_answered(
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
+    """A client SIGSTOPped past --session-ttl while its get_many waits on
+    the lane (the broker in a pid namespace of its own: the client lives on
+    heartbeats): its session lapses and its lane closes, with the wait.  On
+    SIGCONT its wait finds the lane gone and asks again over HTTP under a
+    new session, and is answered with the right bytes when the names are
+    put; nothing is left once it exits."""
+    launcher = in_pid_namespace()
+    if launcher is None:
+        pytest.skip("needs root and unshare --pid to put the broker in another pid namespace")
+    b = broker_factory("--session-ttl", "1", launcher=launcher)
+    with b.client(lane=False) as c:
+        with subprocess.Popen(
+            [sys.executable, "-c", _PAUSED_WAITING, b.url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as p:
+            assert p.stdin is not None and p.stdout is not None
+            try:
+                assert p.stdout.readline().strip() == "ready"
+                stat_when(c, lambda s: s.waiting == 1, "the get_many to wait on the lane")
+                p.send_signal(signal.SIGSTOP)
+                stat_when(
+                    c,
+                    lambda s: (s.sessions, s.waiting) == (1, 0),
+                    "the paused session to lapse",
+                    15,
+                )
+                p.send_signal(signal.SIGCONT)
+                stat_when(
+                    c,
+                    lambda s: (s.sessions, s.waiting) == (2, 1),
+                    "the get_many to wait again, under a new session",
+                    15,
+                )
+                c.put_many({"late": np.full(4, 7.0), "late2": np.full(4, 8.0)})
+                assert p.stdout.readline().split() == ["ok", "7", "8", "True"]
+                p.stdin.write("exit\n")
+                p.stdin.flush()
+                assert p.wait(30) == 0
+            finally:
+                p.kill()
+        c.delete_many(["late", "late2"])
+    drained(b, "leases", "bytes_in_use", "waiting", sessions=1)
+    assert b.proc is not None
+    kids = subprocess.run(["pgrep", "-P", str(b.proc.pid)], capture_output=True, text=True)
+    for kid in kids.stdout.split():
+        os.kill(int(kid), signal.SIGTERM)
+    assert b.proc.wait(30) == 0 and b.segments() == [], b.log()
+    b.stop()  # (closes its log)
+    b.expect_dead = True  # type: ignore[attr-defined]  # stopped here: its checks are above
+
+
 def test_a_lane_client_paused_past_its_ttl_carries_on(
     broker_factory: Callable[..., BrokerProc],
 ) -> None:
