@@ -8,6 +8,7 @@ is answered 400 on it and keeps HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -600,29 +601,60 @@ sys.stdin.readline()
 """
 
 
-def test_a_get_many_waiting_on_a_lane_paused_past_its_ttl_is_answered(
-    broker_factory: Callable[..., BrokerProc],
-) -> None:
-    """A client SIGSTOPped past --session-ttl while its get_many waits on
-    the lane (the broker in a pid namespace of its own: the client lives on
-    heartbeats): its session lapses and its lane closes, with the wait.  On
-    SIGCONT its wait finds the lane gone and asks again over HTTP under a
-    new session, and is answered with the right bytes when the names are
-    put; nothing is left once it exits."""
+@contextlib.contextmanager
+def _ttl_broker(broker_factory: Callable[..., BrokerProc]) -> Iterator[BrokerProc]:
+    """A broker with --session-ttl 1 in a pid namespace of its own, where
+    it cannot see its clients' pids (they live on heartbeats); stopped at
+    the end with its segments gone.  Skips where no namespace can be made."""
     launcher = in_pid_namespace()
     if launcher is None:
         pytest.skip("needs root and unshare --pid to put the broker in another pid namespace")
     b = broker_factory("--session-ttl", "1", launcher=launcher)
-    with b.client(lane=False) as c:
-        with subprocess.Popen(
-            [sys.executable, "-c", _PAUSED_WAITING, b.url],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as p:
-            assert p.stdin is not None and p.stdout is not None
-            try:
-                assert p.stdout.readline().strip() == "ready"
+    assert b.proc is not None
+    try:
+        yield b
+    finally:  # unshare --fork ignores SIGTERM: the broker, its child, is stopped here
+        kids = subprocess.run(["pgrep", "-P", str(b.proc.pid)], capture_output=True, text=True)
+        for kid in kids.stdout.split():
+            os.kill(int(kid), signal.SIGTERM)
+        code = b.proc.wait(30)
+    assert code == 0 and b.segments() == [], b.log()
+    b.stop()  # (closes its log)
+    b.expect_dead = True  # type: ignore[attr-defined]  # stopped here: its checks are above
+
+
+@contextlib.contextmanager
+def _client_running(b: BrokerProc, script: str) -> Iterator[subprocess.Popen[str]]:
+    """``script`` in a process of its own, given the broker's URL, its stdin
+    and stdout pipes; told "exit" at the end, which it must obey."""
+    with subprocess.Popen(
+        [sys.executable, "-c", script, b.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as p:
+        assert p.stdin is not None and p.stdout is not None
+        try:
+            yield p
+            p.stdin.write("exit\n")
+            p.stdin.flush()
+            assert p.wait(30) == 0
+        finally:
+            p.kill()
+
+
+def test_a_get_many_waiting_on_a_lane_paused_past_its_ttl_is_answered(
+    broker_factory: Callable[..., BrokerProc],
+) -> None:
+    """A client SIGSTOPped past --session-ttl while its get_many waits on
+    the lane: its session lapses and its lane closes, with the wait.  On
+    SIGCONT its wait finds the lane gone and asks again over HTTP under a
+    new session, and is answered with the right bytes when the names are
+    put; nothing is left once it exits."""
+    with _ttl_broker(broker_factory) as b:
+        with b.client(lane=False) as c:
+            with _client_running(b, _PAUSED_WAITING) as p:
+                assert p.stdout is not None and p.stdout.readline().strip() == "ready"
                 stat_when(c, lambda s: s.waiting == 1, "the get_many to wait on the lane")
                 p.send_signal(signal.SIGSTOP)
                 stat_when(
@@ -640,20 +672,8 @@ def test_a_get_many_waiting_on_a_lane_paused_past_its_ttl_is_answered(
                 )
                 c.put_many({"late": np.full(4, 7.0), "late2": np.full(4, 8.0)})
                 assert p.stdout.readline().split() == ["ok", "7", "8", "True"]
-                p.stdin.write("exit\n")
-                p.stdin.flush()
-                assert p.wait(30) == 0
-            finally:
-                p.kill()
-        c.delete_many(["late", "late2"])
-    drained(b, "leases", "bytes_in_use", "waiting", sessions=1)
-    assert b.proc is not None
-    kids = subprocess.run(["pgrep", "-P", str(b.proc.pid)], capture_output=True, text=True)
-    for kid in kids.stdout.split():
-        os.kill(int(kid), signal.SIGTERM)
-    assert b.proc.wait(30) == 0 and b.segments() == [], b.log()
-    b.stop()  # (closes its log)
-    b.expect_dead = True  # type: ignore[attr-defined]  # stopped here: its checks are above
+            c.delete_many(["late", "late2"])
+        drained(b, "leases", "bytes_in_use", "waiting", sessions=1)
 
 
 def test_a_lane_client_paused_past_its_ttl_carries_on(
@@ -665,20 +685,11 @@ def test_a_lane_client_paused_past_its_ttl_carries_on(
     SIGCONT its next get finds the lane gone and goes over HTTP under a new
     session, with the right bytes; its next call asks a new lane; what it
     held stays readable; nothing is left once it exits."""
-    launcher = in_pid_namespace()
-    if launcher is None:
-        pytest.skip("needs root and unshare --pid to put the broker in another pid namespace")
-    b = broker_factory("--session-ttl", "1", launcher=launcher)
-    with b.client(lane=False) as c:
-        c.put("a", np.full(1024, 5.0, dtype=np.float32))
-        with subprocess.Popen(
-            [sys.executable, "-c", _PAUSED, b.url],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as p:
-            assert p.stdin is not None and p.stdout is not None
-            try:
+    with _ttl_broker(broker_factory) as b:
+        with b.client(lane=False) as c:
+            c.put("a", np.full(1024, 5.0, dtype=np.float32))
+            with _client_running(b, _PAUSED) as p:
+                assert p.stdin is not None and p.stdout is not None
                 assert p.stdout.readline().strip() == "ready"
                 assert c.stat().sessions == 2
                 p.send_signal(signal.SIGSTOP)
@@ -687,18 +698,5 @@ def test_a_lane_client_paused_past_its_ttl_carries_on(
                 p.stdin.write("go\n")
                 p.stdin.flush()
                 assert p.stdout.readline().split() == ["ok", "5", "5", "True"]
-                p.stdin.write("exit\n")
-                p.stdin.flush()
-                assert p.wait(30) == 0
-            finally:
-                p.kill()
-        c.delete("a")
-    drained(b, "leases", "bytes_in_use", sessions=1)
-    # unshare --fork ignores SIGTERM: the broker, its child, is stopped here
-    assert b.proc is not None
-    kids = subprocess.run(["pgrep", "-P", str(b.proc.pid)], capture_output=True, text=True)
-    for kid in kids.stdout.split():
-        os.kill(int(kid), signal.SIGTERM)
-    assert b.proc.wait(30) == 0 and b.segments() == [], b.log()
-    b.stop()  # (closes its log)
-    b.expect_dead = True  # type: ignore[attr-defined]  # stopped here: its checks are above
+            c.delete("a")
+        drained(b, "leases", "bytes_in_use", sessions=1)
