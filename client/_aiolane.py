@@ -38,7 +38,7 @@ from .._laneproto import MEDIA_HTTP, LaneGarbled, parse_answer
 from ..shm._lanemem import CLIENT
 from ..shm._ring import RingCorrupt
 from ._http import LaneStep
-from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone, on_lane
+from ._shmlane import _LOOK, ClientLane, LaneBusy, LaneGone, is_batch
 
 # The largest answer of a request on the lane other than a batch's: a
 # handle with the longest name and the most dimensions is under 1 KiB, an
@@ -117,7 +117,7 @@ class AioLane:
         if not lane._lock.acquire(blocking=False):  # a thread is handing the lane over
             raise LaneBusy
         try:
-            room = ANSWER_MOST if on_lane(step.method, step.path, batches=False) else self.batch
+            room = self.batch if is_batch(step.path) else ANSWER_MOST
             if self.held + room > self.room:
                 raise LaneBusy  # its answer might not fit the answer ring
             try:

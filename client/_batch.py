@@ -78,10 +78,10 @@ def _array_and_dtype(x: Any, name: str, opened: list[Source]) -> tuple[Any, str]
     return src.array, src.dtype
 
 
-def _host_arrays(values: list[Any], device: Any) -> tuple[list[Any], list[str]] | None:
-    """put_many's arrays and dtype names in one pass over the batch when
-    every value is a numpy array of a dtype we store and no device is named
-    (a state dict's usual case); None: look at each (``_array_and_dtype``)."""
+def _host_dtypes(values: list[Any], device: Any) -> list[str] | None:
+    """put_many's dtype names in one pass over the batch when every value is
+    a numpy array of a dtype we store and no device is named (a state
+    dict's usual case); None: look at each (``_array_and_dtype``)."""
     import numpy as np
 
     if device is not None or set(map(type, values)) != {np.ndarray}:
@@ -96,7 +96,7 @@ def _host_arrays(values: list[Any], device: Any) -> tuple[list[Any], list[str]] 
             except UnsupportedDType:
                 return None  # Source says what is wrong, and for which name
         known[dt] = found
-    return values, list(map(known.__getitem__, dts))
+    return list(map(known.__getitem__, dts))
 
 
 def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> Op[dict[str, int]]:
@@ -104,29 +104,23 @@ def put_many(core: Core, tensors: Mapping[str, Any], ttl: Any, device: Any) -> O
     check_mapping(tensors)
     ttl = check_ttl(ttl)
     values = list(tensors.values())
-    host = _host_arrays(values, device)
-    if host is None and _cuda_handles.involves_gpu(values, device):
+    dtypes = _host_dtypes(values, device)
+    if dtypes is None and _cuda_handles.involves_gpu(values, device):
         op = _cuda_ops.put_many(core, tensors, device=device, ttl=ttl)
         return (yield Offload(core.run, op))  # type: ignore[no-any-return]
     if not tensors:
         return {}
     names = list(tensors)
-    if host is not None:
-        arrays, dtypes = host
-        shapes = [list(s) for s in map(_SHAPE, arrays)]
-        return (
-            yield from put_arrays(
-                core, names, arrays, shapes, dtypes, ttl, same=_same(arrays, dtypes)
-            )
-        )
     opened: list[Source] = []
     try:
-        arrays, dtypes = [], []
-        for name in names:
-            a, d = _array_and_dtype(tensors[name], name, opened)
-            arrays.append(a)
-            dtypes.append(d)
-        shapes = [list(a.shape) for a in arrays]
+        arrays = values
+        if dtypes is None:
+            arrays, dtypes = [], []
+            for name in names:
+                a, d = _array_and_dtype(tensors[name], name, opened)
+                arrays.append(a)
+                dtypes.append(d)
+        shapes = [list(s) for s in map(_SHAPE, arrays)]
         return (
             yield from put_arrays(
                 core, names, arrays, shapes, dtypes, ttl, same=_same(arrays, dtypes)

@@ -45,20 +45,21 @@ _BATCHES = ("/v1/many/put", "/v1/many/get", "/v1/many/alloc", "/v1/many/publish"
 _STEPS = ("/v1/alloc", "/v1/publish")
 
 
-def on_lane(method: str, path: str, batches: bool = True) -> bool:
+def on_lane(method: str, path: str) -> bool:
     """Whether a request goes on the lane (the broker's ``LANE_OPS``): stat,
     gets of a name (``/v1/tensors/...``, with their query), puts with their
-    bytes inline (``/v1/put/...``), a large put's alloc and publish, and
-    (``batches``) the batches' put, get, alloc and publish, those that fit
-    its ring.  An answer too large for the answer ring comes over HTTP
-    (``MEDIA_HTTP``)."""
+    bytes inline (``/v1/put/...``), a large put's alloc and publish, and the
+    batches' put, get, alloc and publish, those that fit its ring.  An
+    answer too large for the answer ring comes over HTTP (``MEDIA_HTTP``)."""
     if method == "GET":
         return path == "/v1/stat" or path.startswith("/v1/tensors/")
-    if method != "POST":
-        return False
-    if path.startswith("/v1/put/") or path in _STEPS:
-        return True
-    return batches and path.partition("?")[0] in _BATCHES
+    return method == "POST" and (path.startswith("/v1/put/") or path in _STEPS or is_batch(path))
+
+
+def is_batch(path: str) -> bool:
+    """Whether ``path`` (with its query) is a batch's route, whose answer may
+    be as large as half the answer ring (``_aiolane`` counts it so)."""
+    return path.partition("?")[0] in _BATCHES
 
 
 ENV = "TENSORDEPOT_LANE"  # "0": no lane, as Client(lane=False)

@@ -48,10 +48,6 @@ _MOD = 1 << 64
 Buffer = bytes | bytearray | memoryview
 
 
-def _nbytes(part: Any) -> int:
-    return len(part) if type(part) is bytes else memoryview(part).nbytes
-
-
 class RingCorrupt(Exception):
     """The other side wrote what a well-behaved peer never writes."""
 
@@ -159,8 +155,11 @@ class Writer(_Side):
         ring has no room for it now.  Raises ``ValueError`` for a payload
         larger than ``most()``, and ``RingCorrupt`` when the reader's
         counter is out of range."""
-        parts = payload if isinstance(payload, list) else [payload]
-        n = sum(map(_nbytes, parts))
+        parts = [
+            p if type(p) is bytes else memoryview(p).cast("B")
+            for p in (payload if isinstance(payload, list) else [payload])
+        ]
+        n = sum(map(len, parts))
         if n > self.most():
             raise ValueError(
                 f"a record of {n} bytes does not fit a ring of {self.size} (at most {self.most()})"
@@ -190,9 +189,8 @@ class Writer(_Side):
         _REC.pack_into(view, data + at, n, 0)
         at += data + 8
         for part in parts:
-            k = _nbytes(part)
-            view[at : at + k] = part if type(part) is bytes else memoryview(part).cast("B")
-            at += k
+            view[at : at + len(part)] = part
+            at += len(part)
         self._published = tail = (tail + need) % _MOD
         self._store(self._tail, tail)  # after the record's bytes: the reader may take it now
         return True

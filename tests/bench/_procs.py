@@ -9,12 +9,24 @@ this module first, and only the peer it runs needs torch.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 # -- a side script's result ---------------------------------------------------------
+
+
+def side_args(ap: Any, tag: str) -> None:
+    """A side script's ``--out`` and ``--shm-prefix`` (the broker it starts:
+    ``tag``, then this process's pid)."""
+    ap.add_argument("--out", help="write the result here as JSON too")
+    ap.add_argument(
+        "--shm-prefix",
+        default=f"{tag}-{os.getpid()}-",
+        help="segment prefix of the broker this run starts",
+    )
 
 
 def emit(result: dict[str, Any], out: str | None) -> None:

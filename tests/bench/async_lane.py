@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -91,12 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=2000, help="puts and gets per door per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", help="write the result here as JSON too")
-    ap.add_argument(
-        "--shm-prefix",
-        default=f"tdalane-{os.getpid()}-",
-        help="segment prefix of the broker this run starts",
-    )
+    _procs.side_args(ap, "tdalane")
     a = ap.parse_args()
     result = run(a.pairs, a.rounds, a.shm_prefix)
     _procs.emit(result, a.out)

@@ -190,12 +190,7 @@ def main() -> None:
         help="the broker's registry alone, in this process, without HTTP (module doc)",
     )
     ap.add_argument("--reps", type=int, default=7, help="--registry: timed reps of --handoffs")
-    ap.add_argument("--out", help="write the result here as JSON too")
-    ap.add_argument(
-        "--shm-prefix",
-        default=f"tdcpu-{os.getpid()}-",
-        help="segment prefix of the broker this run starts",
-    )
+    _procs.side_args(ap, "tdcpu")
     a = ap.parse_args()
     if a.registry:
         result = run_registry(a.tensors, a.nbytes, a.handoffs, a.reps, a.shm_prefix)
