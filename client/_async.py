@@ -211,7 +211,7 @@ class AsyncClient:
                 try:
                     if type(step) is Request and not step.keep:
                         result = await self._transport.roundtrip(step)
-                    elif type(step) is LaneStep:
+                    elif type(step) is LaneStep and not step.keep:
                         result = await self._on_lane(step)
                     elif type(step) is Offload and step.cheap:
                         result = step.fn(*step.args)

@@ -261,7 +261,7 @@ class Core:
                 if self._lane_wanted:
                     got = lane_call(self, method, path, body, headers, io)
                 elif self.lane_steps and self.lane is not None:  # an AsyncClient's (_aiolane)
-                    got = yield LaneStep(method, path, *lane_body(body, headers), io)
+                    got = yield LaneStep(method, path, *lane_body(body, headers), io, keep=keep)
             if got is None:
                 got = yield from exchange(
                     self.endpoint, method, path, body, headers, timeout=io, resend=resend, keep=keep

@@ -327,12 +327,20 @@ class LaneStep(Offload):
     by an operation of a client whose driver runs on an event loop
     (``_aiolane``): the driver answers ``(status, body)``, or None to send
     it over HTTP.  Any other driver runs it as the offload it is, which
-    answers None."""
+    answers None.  ``keep``: as ``Request``'s (a cancelled caller's
+    allocation or publish on the lane completes, and is given back)."""
 
-    __slots__ = ("data", "headers", "method", "path", "timeout")
+    __slots__ = ("data", "headers", "keep", "method", "path", "timeout")
 
     def __init__(
-        self, method: str, path: str, headers: dict[str, str], data: bytes, timeout: float | None
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        data: bytes,
+        timeout: float | None,
+        *,
+        keep: bool = False,
     ) -> None:
         super().__init__(_nothing, cheap=True)
         self.method = method
@@ -340,6 +348,7 @@ class LaneStep(Offload):
         self.headers = headers
         self.data = data
         self.timeout = timeout
+        self.keep = keep
 
 
 Step = Request | Offload

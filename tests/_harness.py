@@ -17,11 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensordepot import Client, Stat
+
+if TYPE_CHECKING:
+    from tensordepot.service import Broker
 
 # Per test run: engineers and CI jobs that share a host (and /dev/shm) run the
 # suite at the same time, and each run checks and sweeps only its own segments.
@@ -150,6 +153,19 @@ def shm_entries(prefix: str, shm_dir: str = "/dev/shm") -> list[str]:
         return sorted(e for e in os.listdir(shm_dir) if e.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def in_process_broker(tag: str) -> Iterator[Broker]:
+    """A fixture's broker of this process, on its own segments (8 MiB, 1 MiB
+    each): none is left once it closes."""
+    from tensordepot.service import Broker
+    from tensordepot.shm._pool import Pool
+
+    prefix = f"{TEST_PREFIX}{tag}-{secrets.token_hex(4)}-"
+    b = Broker(Pool(prefix, max_memory=8 << 20, segment_size=1 << 20, prefault=False))
+    yield b
+    b.close()
+    assert shm_entries(prefix) == []
 
 
 class BrokerProc:

@@ -108,13 +108,20 @@ class Batches:
         host memory or on the GPU ``req.devices`` names for it."""
         s, plan, charge = self._batch(sid, caller, req, None)
         with charge:
-            blocks = await self._blocks(s, sid, caller, req, plan)
+            blocks = await self._blocks(s, sid, caller, req, plan, request)
             return self._place_all(s, req, plan, blocks, charge, request)
 
     async def _blocks(
-        self, s: Session, sid: str | None, caller: Caller, req: ManyAlloc, plan: Plan
+        self,
+        s: Session,
+        sid: str | None,
+        caller: Caller,
+        req: ManyAlloc,
+        plan: Plan,
+        request: str | None,
     ) -> list[Block]:
-        """The blocks of ``plan``, new segments made where needed."""
+        """The blocks of ``plan``, new segments made where needed (``request``:
+        see ``Sessions.resumed``)."""
         first: dict[int, int] = {}  # block -> the first tensor in it
         for i, (k, _) in enumerate(plan.where):
             if k >= 0:
@@ -125,9 +132,7 @@ class Batches:
                 i = first[k]
                 device = "cpu" if req.devices is None else req.devices[i]
                 blocks.append(await self.memory.place(s, req.names[i], device, n))
-            sessions = self.sessions
-            if sessions.closing or sessions.get(s.id) is not s:  # while segments were made
-                self.sessions.admit(sid, caller)  # raises the reason
+            self.sessions.resumed(s, sid, caller, request)
         except BaseException:
             for b in blocks:
                 self.memory.give_back(b)  # nobody maps them yet
@@ -178,7 +183,7 @@ class Batches:
         row of a pack)."""
         s, plan, charge = self._batch(sid, caller, req, len(data))
         with charge:
-            blocks = await self._blocks(s, sid, caller, req, plan)
+            blocks = await self._blocks(s, sid, caller, req, plan, None)
             return self._put_all(s, sid, caller, req, plan, blocks, charge, data)
 
     def _put_all(

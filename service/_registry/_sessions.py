@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._errors import (
     BrokerUnavailable,
+    Cancelled,
     Conflict,
     Forbidden,
     InvalidRequest,
@@ -274,6 +275,17 @@ class Sessions:
         if self.closing:
             raise BrokerUnavailable("the broker is shutting down; retry against the new broker")
         return self.use(sid, caller)
+
+    def resumed(self, s: Session, sid: str | None, caller: Caller, request: str | None) -> None:
+        """After an allocation awaited (new segments were made): raises if
+        its session ended meanwhile, or the broker is shutting down, or the
+        client cancelled ``request`` meanwhile (the cancel found nothing to
+        give back yet, so the allocation must not be made: nobody would
+        ever write into it or give it back before the session ends)."""
+        if self.closing or self.get(s.id) is not s:
+            self.admit(sid, caller)  # raises the reason
+        if request is not None and request in s.cancelled:
+            raise Cancelled("the client cancelled this request while the broker made its memory")
 
     def remove(self, s: Session) -> None:
         if self.table.pop(s.id, None) is None:

@@ -87,10 +87,11 @@ class Writes(Batches):
         with self.quotas.charge(s, nbytes, req.name) as charge:
             if block is None:
                 block = await self.memory.place(s, req.name, req.device, nbytes)
-            sessions = self.sessions
-            if sessions.closing or sessions.get(s.id) is not s:  # it ended meanwhile
-                self.memory.give_back(block)
-                self.sessions.admit(sid, caller)  # raises the reason
+                try:
+                    self.sessions.resumed(s, sid, caller, request)
+                except BaseException:
+                    self.memory.give_back(block)  # nobody maps it yet
+                    raise
             return self._place(
                 s,
                 req.name,

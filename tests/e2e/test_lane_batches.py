@@ -9,6 +9,7 @@ An AsyncClient's batches likewise, one batch's answer room at a time."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -189,6 +190,62 @@ def test_an_async_clients_batches_go_on_its_lane(broker: BrokerProc) -> None:
             assert [int(np.from_dlpack(big[k])[0]) for k in wide] == list(range(1000))
             del big
             await c.delete_many([*small, *wide])
+
+    asyncio.run(main())
+    drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)
+
+
+@pytest.mark.parametrize("what", ["put", "put_many"])
+@pytest.mark.parametrize("stage", ["alloc", "publish"])
+def test_an_async_put_cancelled_while_its_request_waits_on_the_lane(
+    broker: BrokerProc, what: str, stage: str
+) -> None:
+    """An AsyncClient's put or put_many cancelled while a request of it is a
+    record on the lane, not yet answered (the broker stopped).  Its alloc:
+    the allocation is still made, its answer read, and given back (nothing
+    stays allocated).  Its publish: once sent it completes (the versions
+    are published and read back, nothing else stays allocated)."""
+    big = {f"c.{i}": np.full(1 << 22, i, np.float64) for i in range(3)}  # 32 MiB each: alloc
+    names = ["c.0"] if what == "put" else list(big)
+
+    async def main() -> None:
+        async with AsyncClient(broker.url) as c:
+            await c.stat()  # the lane taken
+            aio, lane = c._aio, c._core.lane
+            assert aio is not None and lane is not None and broker.proc is not None
+            start = lane._seq
+            if stage == "alloc":
+                broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                call = c.put("c.0", big["c.0"]) if what == "put" else c.put_many(big)
+                task = asyncio.ensure_future(call)
+                deadline = time.monotonic() + 30
+                if stage == "publish":
+                    while lane._seq == start or aio.unanswered:  # until the alloc is answered
+                        assert time.monotonic() < deadline, "the alloc to be answered"
+                        await asyncio.sleep(0.001)
+                    broker.proc.send_signal(signal.SIGSTOP)  # while the copy runs
+                sent = start + (1 if stage == "alloc" else 2)
+                while lane._seq < sent or not aio.unanswered:  # its request is in the ring
+                    assert time.monotonic() < deadline, f"the {stage} to go on the lane"
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            while c._pending:  # the answer read, and the allocation given back
+                await asyncio.gather(*c._pending)
+            st = await c.stat()
+            if stage == "alloc":
+                assert (st.versions, st.bytes_in_use) == (0, 0), st
+                await c.put_many({k: big[k] for k in names})  # the lane carries the next put
+            else:
+                assert (st.tensors, st.versions) == (len(names), len(names)), st
+            got = await c.get_many(names)
+            assert all(np.array_equal(np.from_dlpack(got[k]), big[k]) for k in names)
+            del got
+            await c.delete_many(names)
 
     asyncio.run(main())
     drained(broker, "leases", "bytes_in_use", "tensors", sessions=1)

@@ -7,27 +7,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import secrets
 import tracemalloc
 from collections.abc import Iterator
 
 import pytest
-from _harness import TEST_PREFIX, shm_entries
+from _harness import in_process_broker
 from tensordepot import TensorNotFound
 from tensordepot.service import Broker
 from tensordepot.service._registry._sessions import Caller
-from tensordepot.shm._pool import Pool
-
-MiB = 1 << 20
 
 
 @pytest.fixture
 def broker() -> Iterator[Broker]:
-    prefix = f"{TEST_PREFIX}bounded-{secrets.token_hex(4)}-"
-    b = Broker(Pool(prefix, max_memory=8 * MiB, segment_size=1 * MiB, prefault=False))
-    yield b
-    b.close()
-    assert shm_entries(prefix) == []
+    yield from in_process_broker("bounded")
 
 
 def _grown(work: object, warm: object) -> int:
