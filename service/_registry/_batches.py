@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..._errors import InvalidRequest
 from ._packs import check_carried, packed
-from ._records import CPU, Found, Pack, Row, Version
+from ._records import CPU, Entry, Found, Pack, Row, Version
 
 if TYPE_CHECKING:
     from ..._wire import ManyAlloc
@@ -218,14 +218,14 @@ class Batches:
             for i, v in zip(lone, versions, strict=True):
                 out[i] = v
         packs = self._place_packs(plan, blocks, req.ttl, out)
-        charge.attach(packs)  # type: ignore[arg-type]  # charged as one version each
+        charge.attach([p for p, _ in packs])  # type: ignore[misc]  # charged as one version each
         self._count("allocs", len(names))
         try:
             self.sessions.admit(sid, caller)
             self.memory.fill_runs(blocks, plan.runs, data)
         except BaseException:
             self.memory.retire(*versions)  # placed ready, yet no name refers to them
-            for p in packs:
+            for p, _ in packs:
                 self.memory.pack_dropped(p)
             raise
         if versions:
@@ -236,18 +236,24 @@ class Batches:
 
     def _place_packs(
         self, plan: Plan, blocks: list[Block], ttl: float | None, out: list[Found]
-    ) -> list[Pack]:
-        """Each pack of ``plan`` as one ``Pack``: its rows take their names'
-        next numbers, and ``out`` their positions."""
+    ) -> list[tuple[Pack, Pack | None]]:
+        """Each pack of ``plan`` as one ``Pack``, with ``out`` its rows'
+        positions; its rows take their names' next numbers here, or (the
+        pack before it: ``_again``) when it is published."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         packs = []
         for k, at, names, items, ats, shapes, key in plan.rows:
-            numbers, ents = [], []
-            for name in names:
-                e = entries.get(name) or entry(name)
-                numbers.append(e.next_version)
-                e.next_version += 1
-                ents.append(e)
+            before = _again(entries, names, ttl)
+            numbers: list[int] = []
+            if before is not None:
+                ents = list(before.entries)
+            else:
+                ents = []
+                for name in names:
+                    e = entries.get(name) or entry(name)
+                    numbers.append(e.next_version)
+                    e.next_version += 1
+                    ents.append(e)
             p = Pack(
                 blocks[k],
                 names,
@@ -262,20 +268,39 @@ class Batches:
                 key=key,
             )
             memory.pack_placed(p)
-            packs.append(p)
+            packs.append((p, before))
             for j, i in enumerate(at):
                 out[i] = (p, j)
         return packs
 
-    def _publish_packs(self, packs: list[Pack]) -> None:
+    def _publish_packs(self, packs: list[tuple[Pack, Pack | None]]) -> None:
         """Each row of ``packs`` becomes its name's newest, for good: what the
-        names pointed at is retired (a Version, or a row of another pack)."""
+        names pointed at is retired (a Version, or a row of another pack).
+        A pack placed over the pack before it (``_again``) takes its names'
+        numbers now, in the one pass that points them at it, and retires
+        that pack whole."""
         asleep = self.waits.asleep()  # else nothing here wakes one
         retired: list[Version] = []
         rows: list[Row] = []
         now = None
         words = self.records.words()  # the board (shm._board), written before the answer
-        for p in packs:
+        memory = self.memory
+        for p, before in packs:
+            if before is not None:
+                numbers = p.numbers
+                for e in p.entries:
+                    n = e.next_version
+                    e.next_version = n + 1
+                    numbers.append(n)
+                    e.pack = p
+                    if words is not None and e.slot >= 0:
+                        words[e.slot] = n
+                p.slots = before.slots  # the same names' (a name keeps its slot)
+                p.live = len(p.entries)
+                memory.retire_pack(before)
+                if asleep:
+                    self.waits.wake_many(p.names)
+                continue
             expires = None
             if p.ttl is not None:
                 now = self.clock() if now is None else now
@@ -295,7 +320,26 @@ class Batches:
             p.live = len(p.entries)
             if asleep:
                 self.waits.wake_many(p.names)
-        self.memory.retire(*retired)
-        self.memory.retire_rows(rows)
-        self._count("publishes", sum(len(p.names) for p in packs))
-        self._count("bytes_put", sum(p.nbytes for p in packs))
+        memory.retire(*retired)
+        memory.retire_rows(rows)
+        self._count("publishes", sum(len(p.names) for p, _ in packs))
+        self._count("bytes_put", sum(p.nbytes for p, _ in packs))
+
+
+def _again(entries: dict[str, Entry], names: list[str], ttl: float | None) -> Pack | None:
+    """The pack a put_many's pack of ``names`` is placed over, when its names
+    all point at that pack's rows in the same order (a state dict put again
+    by the same plan, step after step: ``names`` is the plan's own list),
+    and neither pack has a TTL: then every entry of it only moves on to the
+    same row of the new pack (its ``index``, ``expires_at``, ``_ready`` and
+    slot stay), and it is retired whole.  None: place row by row."""
+    e = entries.get(names[0]) if names and ttl is None else None
+    if e is None or e.index:
+        return None
+    q = e.pack
+    # Every row of q is live (a name points at it) only while each of its
+    # entries points at it: a row a name moved off, or a name deleted or
+    # made a Version of it, counts down q.live.
+    if q is None or q.names is not names or q.live != len(names) or q.ttl is not None:
+        return None
+    return q

@@ -294,6 +294,18 @@ class Memory:
                     self._let_go(p)
         self.versions_live -= gone
 
+    def retire_pack(self, p: Pack) -> None:
+        """``retire_rows`` of every row of ``p``, each a live one (its names
+        all moved on at once: ``_batches._again``)."""
+        n, p.live = p.live, 0
+        if p.readers:
+            p.kept.extend(range(n))
+            p.kept_at = None
+            self.kept_packs[p] = None
+        else:
+            self.versions_live -= n
+            self._let_go(p)
+
     def pack_released(self, p: Pack) -> None:
         """A lease of ``p`` ended: with the last, its kept rows are gone."""
         p.readers -= 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import gt
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..._errors import InvalidRequest, TensorNotFound, WaitTimedOut
@@ -288,6 +290,20 @@ def check_item(dtype: str, dims: list[int]) -> Checked:
     return shape, dt.name, dt.itemsize, nbytes
 
 
+def _whole(e: Entry | None, names: Sequence[str]) -> Pack | None:
+    """The pack whose rows ``names`` are, all of them in order, when ``e``
+    (the first name's) points at its first row; else None.  Every row of a
+    pack is live (a name points at it) only while each of its entries
+    points at it (``Pack.live`` counts a row down when its name moves on,
+    is deleted, or is made a Version of it)."""
+    if e is None or e.index:
+        return None
+    p = e.pack
+    if p is None or p.live != len(p.names) or len(names) != len(p.names) or names != p.names:
+        return None
+    return p
+
+
 class Records:
     """Every name the broker knows, each with its versions."""
 
@@ -358,6 +374,12 @@ class Records:
     def found_all(self, names: Sequence[str], floors: Sequence[int]) -> list[Found] | None:
         """``found`` of each name, or None if one has nothing newer than its floor."""
         get = self.entries.get
+        if names:
+            p = _whole(get(names[0]), names)
+            if p is not None:  # the usual batch: every row of one pack, in order
+                if all(map(gt, p.numbers, floors)):
+                    return list(zip(repeat(p), range(len(names))))
+                return None
         out: list[Found] = []
         for name, floor in zip(names, floors, strict=True):
             e = get(name)

@@ -342,3 +342,59 @@ def test_a_lazy_batch_read_in_order_makes_runs_of_the_names_ahead(broker: Broker
         del got
         c.delete(prefix="w")
         drained(c, "leases", "bytes_in_use")
+
+
+def test_a_batch_put_again_over_its_own_pack_moves_every_name_on(broker: BrokerProc) -> None:
+    """The same batch put step after step (a state dict's names, shapes and
+    dtypes: each pack placed over the one before, which is retired whole),
+    with what users do between steps: nothing, a get_many that holds the
+    pack, a single get (a Version of one row), a put of one name, a delete
+    of one, an empty() published.  After each step every name has its next
+    version and its bytes, for a get_many of the batch again (which asks
+    the board first, on the lane) and, at the end, for a single get; what a
+    lease holds keeps its bytes, and is got by its version; nothing stays
+    once the leases go."""
+    names = [f"w{i}" for i in range(50)]
+    with broker.client() as c, broker.client() as r:
+        want = dict.fromkeys(names, 0)
+        held: list[tuple[dict[str, int], object]] = []  # (versions, a get_many) kept a while
+        between = ["nothing", "hold", "nothing", "get", "nothing", "put", "delete", "empty"]
+        for step, what in enumerate(["first", *between, "nothing", "nothing"]):
+            if what == "hold":
+                got = r.get_many(names)
+                held.append(({k: t.version for k, t in got.items()}, got))
+            elif what == "get":
+                one = r.get("w3")
+                assert one.version == want["w3"]
+                del one
+            elif what == "put":
+                want["w5"] = c.put("w5", np.full(KIB, 7, np.uint8))
+            elif what == "delete":
+                c.delete("w9")
+            elif what == "empty":
+                t = c.empty("w11", [KIB], "uint8")
+                t.publish()  # a version newer than the pack's row, then the pack again
+                want["w11"] = t.version
+                del t
+            versions = c.put_many({n: np.full(KIB, step, np.uint8) for n in names})
+            assert versions == {n: want[n] + 1 for n in names}, (step, what)
+            want = versions
+            got = r.get_many(names)
+            assert {k: t.version for k, t in got.items()} == want, (step, what)
+            assert all(np.all(np.from_dlpack(t) == step) for t in got.values()), (step, what)
+            del got
+        for name in ("w0", "w5", "w49"):  # (a single get makes a Version of a row: last)
+            t = r.get(name)
+            assert (t.version, int(np.from_dlpack(t)[0])) == (want[name], step), name
+            del t
+        versions_held, got = held.pop()
+        for name in ("w0", "w9", "w49"):  # the held pack's rows: its bytes, by version
+            assert np.all(np.from_dlpack(got[name]) == 1), name  # type: ignore[index]
+            again = c.get(name, version=versions_held[name])
+            assert np.all(np.from_dlpack(again) == 1), name
+            del again
+        del got
+        drained(r, "leases")
+        stat_when(c, lambda st: st.bytes_in_use == 50 * KIB, "only the newest pack")
+        c.delete(prefix="w")
+        drained(c, "leases", "bytes_in_use", "versions")
