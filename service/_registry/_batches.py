@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..._errors import InvalidRequest
 from ._packs import check_carried, packed
-from ._records import CPU, Entry, Found, Pack, Row, Version
+from ._records import CPU, Entry, Found, Pack, Row, Version, whole
 
 if TYPE_CHECKING:
     from ..._wire import ManyAlloc
@@ -217,7 +217,9 @@ class Batches:
             )
             for i, v in zip(lone, versions, strict=True):
                 out[i] = v
-        packs = self._place_packs(plan, blocks, req.ttl, out)
+        # The usual batch: one pack of every tensor, its rows in their order.
+        single = not lone and len(plan.rows) == 1 and len(plan.rows[0][1]) == len(names)
+        packs = self._place_packs(plan, blocks, req.ttl, None if single else out)
         charge.attach([p for p, _ in packs])  # type: ignore[misc]  # charged as one version each
         self._count("allocs", len(names))
         try:
@@ -232,14 +234,14 @@ class Batches:
             for i, v in zip(lone, self._publish_all(s, versions, placed_ready=True), strict=True):
                 out[i] = v
         self._publish_packs(packs)
-        return out
+        return whole(packs[0][0]) if single else out
 
     def _place_packs(
-        self, plan: Plan, blocks: list[Block], ttl: float | None, out: list[Found]
+        self, plan: Plan, blocks: list[Block], ttl: float | None, out: list[Found] | None
     ) -> list[tuple[Pack, Pack | None]]:
-        """Each pack of ``plan`` as one ``Pack``, with ``out`` its rows'
-        positions; its rows take their names' next numbers here, or (the
-        pack before it: ``_again``) when it is published."""
+        """Each pack of ``plan`` as one ``Pack``, with ``out`` (if given) its
+        rows' positions; its rows take their names' next numbers here, or
+        (the pack before it: ``_again``) when it is published."""
         entries, entry, memory = self.records.entries, self.records.entry, self.memory
         packs = []
         for k, at, names, items, ats, shapes, key in plan.rows:
@@ -269,8 +271,9 @@ class Batches:
             )
             memory.pack_placed(p)
             packs.append((p, before))
-            for j, i in enumerate(at):
-                out[i] = (p, j)
+            if out is not None:
+                for j, i in enumerate(at):
+                    out[i] = (p, j)
         return packs
 
     def _publish_packs(self, packs: list[tuple[Pack, Pack | None]]) -> None:

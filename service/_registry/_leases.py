@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import LimitExceeded
-from ._records import Found, Lease, name_of, nbytes_of
+from ._records import Found, Lease, Whole, name_of, nbytes_of
 
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
@@ -138,6 +138,8 @@ class Leases:
         together (each once, however often it was asked for), with the pack;
         the versions of one block of ``Memory.packs`` together; any other
         version alone."""
+        if type(found) is Whole:  # every row of one pack, in order
+            return [(tuple(range(len(found))), found.pack, range(len(found)))]
         first = found[0]
         if type(first) is tuple:  # the usual batch: rows of one pack, each once
             pack = first[0]

@@ -126,13 +126,15 @@ class Reads:
         if found is None:
             return None
         lids = self.lending.take_many(s, found, request)
-        return self._counted(list(zip(found, lids, strict=True)))
+        return self._counted(list(zip(found, lids, strict=True)), found)
 
-    def _counted(self, got: Got) -> Got:
+    def _counted(self, got: Got, found: list[Found] | None = None) -> Got:
         """A batch's leases, counted in the metrics at once (those of a batch
-        that failed too: their releases are counted)."""
+        that failed too: their releases are counted); ``found``: what they
+        hold, if the caller has it as one list (a ``Whole`` one is counted
+        without a look at each row)."""
         self._count("gets", len(got))
-        self._count("bytes_got", nbytes_in([f for f, _ in got]))
+        self._count("bytes_got", nbytes_in([f for f, _ in got] if found is None else found))
         return got
 
     async def get(
@@ -228,6 +230,9 @@ class Reads:
                     bulk = False
                     rest = self.records.found_all(names[i:], floors[i:])
                     if rest is not None:
+                        if not found and not got:  # every one at once (a Whole, maybe)
+                            lids = self.lending.take_many(s, rest, request)
+                            return self._counted(list(zip(rest, lids, strict=True)), rest)
                         found.extend(rest)
                         break
                 name, newer_than = names[i], floors[i]

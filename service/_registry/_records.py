@@ -243,16 +243,38 @@ def nbytes_of(f: Found) -> int:
     return f[0].items[f[1]][3] if isinstance(f, tuple) else f.nbytes
 
 
+class Whole(list):  # type: ignore[type-arg]  # list[Row]
+    """Every row of one pack, in order, as the ``Found`` of each: a list
+    that says so (``pack``), so that what takes a batch whole (its leases,
+    its names and numbers, its bytes) need not look at each row."""
+
+    __slots__ = ("pack",)
+
+    pack: Pack
+
+
+def whole(p: Pack) -> Whole:
+    rows = Whole(zip(repeat(p), range(len(p.names))))
+    rows.pack = p
+    return rows
+
+
 # The same, for a batch, in one loop each (a call per tensor is most of their cost).
 def names_of(found: Iterable[Found]) -> list[str]:
+    if type(found) is Whole:
+        return list(found.pack.names)
     return [f[0].names[f[1]] if isinstance(f, tuple) else f.name for f in found]
 
 
 def numbers_of(found: Iterable[Found]) -> list[int]:
+    if type(found) is Whole:
+        return list(found.pack.numbers)
     return [f[0].numbers[f[1]] if isinstance(f, tuple) else f.number for f in found]
 
 
 def nbytes_in(found: Iterable[Found]) -> int:
+    if type(found) is Whole:
+        return found.pack.nbytes
     return sum([f[0].items[f[1]][3] if isinstance(f, tuple) else f.nbytes for f in found])
 
 
@@ -377,9 +399,7 @@ class Records:
         if names:
             p = _whole(get(names[0]), names)
             if p is not None:  # the usual batch: every row of one pack, in order
-                if all(map(gt, p.numbers, floors)):
-                    return list(zip(repeat(p), range(len(names))))
-                return None
+                return whole(p) if all(map(gt, p.numbers, floors)) else None
         out: list[Found] = []
         for name, floor in zip(names, floors, strict=True):
             e = get(name)
