@@ -14,10 +14,11 @@ the broker answers it.
 Where the lane cannot take a request (another thread writes into it, the
 record is larger than the ring, the ring is full, or as many requests wait
 for their answers as the answer ring surely holds: ``ANSWER_MOST`` each, a
-batch half the ring), it goes over HTTP; so it does where the lane is gone: while requests wait,
-one look every ``_LOOK`` seconds asks whether the broker closed the lane
-or died (``ClientLane.gone``) and whose I/O timeout passed, and a ring
-that holds what a broker never writes closes it.  Either way the request
+batch half the ring), it goes over HTTP; so it does where the lane is
+gone: while requests wait, one look every ``_LOOK`` seconds asks whether
+the broker closed the lane or died (``ClientLane.gone``) and whose I/O
+timeout passed, and a ring that holds what a broker never writes closes
+it.  Either way the request
 is sent over HTTP (the lane carries only requests that may be sent twice,
 ``_shmlane.on_lane``).  A cancelled caller's request stays in the ring;
 its operation queues its request id for cancelling (``Core.call``), as for

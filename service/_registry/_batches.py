@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..._errors import InvalidRequest
 from ._packs import check_carried, packed
-from ._records import CPU, Entry, Found, Pack, Row, Version, whole
+from ._records import CPU, Entry, Found, Pack, Row, Version, whole, whole_pack
 
 if TYPE_CHECKING:
     from ..._wire import ManyAlloc
@@ -299,27 +299,24 @@ class Batches:
                     if words is not None and e.slot >= 0:
                         words[e.slot] = n
                 p.slots = before.slots  # the same names' (a name keeps its slot)
-                p.live = len(p.entries)
                 memory.retire_pack(before)
-                if asleep:
-                    self.waits.wake_many(p.names)
-                continue
-            expires = None
-            if p.ttl is not None:
-                now = self.clock() if now is None else now
-                expires = now + p.ttl
-            for i, e in enumerate(p.entries):
-                old = e._ready
-                if old is not None:
-                    retired.append(old)
-                    e._ready = None
-                else:
-                    q = e.pack
-                    if q is not None:
-                        rows.append((q, e.index))
-                e.pack, e.index, e.expires_at = p, i, expires
-                if words is not None and e.slot >= 0:
-                    words[e.slot] = p.numbers[i]
+            else:
+                expires = None
+                if p.ttl is not None:
+                    now = self.clock() if now is None else now
+                    expires = now + p.ttl
+                for i, e in enumerate(p.entries):
+                    old = e._ready
+                    if old is not None:
+                        retired.append(old)
+                        e._ready = None
+                    else:
+                        q = e.pack
+                        if q is not None:
+                            rows.append((q, e.index))
+                    e.pack, e.index, e.expires_at = p, i, expires
+                    if words is not None and e.slot >= 0:
+                        words[e.slot] = p.numbers[i]
             p.live = len(p.entries)
             if asleep:
                 self.waits.wake_many(p.names)
@@ -332,17 +329,11 @@ class Batches:
 def _again(entries: dict[str, Entry], names: list[str], ttl: float | None) -> Pack | None:
     """The pack a put_many's pack of ``names`` is placed over, when its names
     all point at that pack's rows in the same order (a state dict put again
-    by the same plan, step after step: ``names`` is the plan's own list),
-    and neither pack has a TTL: then every entry of it only moves on to the
-    same row of the new pack (its ``index``, ``expires_at``, ``_ready`` and
-    slot stay), and it is retired whole.  None: place row by row."""
-    e = entries.get(names[0]) if names and ttl is None else None
-    if e is None or e.index:
+    step after step: ``whole_pack``), and neither pack has a TTL: then every
+    entry of it only moves on to the same row of the new pack (its
+    ``index``, ``expires_at``, ``_ready`` and slot stay), and it is retired
+    whole.  None: place row by row."""
+    if not names or ttl is not None:
         return None
-    q = e.pack
-    # Every row of q is live (a name points at it) only while each of its
-    # entries points at it: a row a name moved off, or a name deleted or
-    # made a Version of it, counts down q.live.
-    if q is None or q.names is not names or q.live != len(names) or q.ttl is not None:
-        return None
-    return q
+    q = whole_pack(entries.get(names[0]), names)
+    return q if q is not None and q.ttl is None else None

@@ -125,6 +125,10 @@ class Reads:
         found = self.records.found_all(names, floors)
         if found is None:
             return None
+        return self._leased(s, found, request)
+
+    def _leased(self, s: Session, found: list[Found], request: str | None) -> Got:
+        """Leases of ``found``, all found at once, counted."""
         lids = self.lending.take_many(s, found, request)
         return self._counted(list(zip(found, lids, strict=True)), found)
 
@@ -231,8 +235,7 @@ class Reads:
                     rest = self.records.found_all(names[i:], floors[i:])
                     if rest is not None:
                         if not found and not got:  # every one at once (a Whole, maybe)
-                            lids = self.lending.take_many(s, rest, request)
-                            return self._counted(list(zip(rest, lids, strict=True)), rest)
+                            return self._leased(s, rest, request)
                         found.extend(rest)
                         break
                 name, newer_than = names[i], floors[i]

@@ -312,7 +312,7 @@ def check_item(dtype: str, dims: list[int]) -> Checked:
     return shape, dt.name, dt.itemsize, nbytes
 
 
-def _whole(e: Entry | None, names: Sequence[str]) -> Pack | None:
+def whole_pack(e: Entry | None, names: Sequence[str]) -> Pack | None:
     """The pack whose rows ``names`` are, all of them in order, when ``e``
     (the first name's) points at its first row; else None.  Every row of a
     pack is live (a name points at it) only while each of its entries
@@ -397,7 +397,7 @@ class Records:
         """``found`` of each name, or None if one has nothing newer than its floor."""
         get = self.entries.get
         if names:
-            p = _whole(get(names[0]), names)
+            p = whole_pack(get(names[0]), names)
             if p is not None:  # the usual batch: every row of one pack, in order
                 return whole(p) if all(map(gt, p.numbers, floors)) else None
         out: list[Found] = []
