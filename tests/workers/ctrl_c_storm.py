@@ -34,6 +34,16 @@ def ctrl_c(signum: int, frame: object) -> None:
             raise
 
 
+def filled(c: Client, step: int) -> object:
+    """An ``empty()`` tensor, written and published.  Its name is a local:
+    a Ctrl-C that cuts this leaves no view behind (a global would hold one
+    until the next such step, past ``stop``)."""
+    t = c.empty("storm/e", (1024,), "float32")
+    np.from_dlpack(t)[:] = step
+    t.publish()
+    return t
+
+
 with Client(url) as c:
     client_handler = signal.getsignal(signal.SIGINT)
     assert callable(client_handler)
@@ -56,11 +66,7 @@ with Client(url) as c:
             elif op == 2:
                 c.put_many({n: np.full(256, step, np.float32) for n in names[:4]})
             elif op == 3:
-                t = c.empty("storm/e", (1024,), "float32")
-                np.from_dlpack(t)[:] = step
-                t.publish()
-                held.append(t)
-                del t
+                held.append(filled(c, step))
             else:
                 c.put("storm/p", np.full(70_000, step, np.float32))  # not inline
             if len(held) > 16:
