@@ -116,6 +116,11 @@ def layout(
         ends = [offsets[i] + nbytes[i] for i in members]
     if all(map(operator.ge, starts[1:], ends)):  # the usual batch: in order, none overlapping
         return members, []
+    # Out of order (a state dict whose large tensors each have a block of
+    # their own, its small ones one pack): none overlapping once sorted.
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    if all(map(operator.ge, map(starts.__getitem__, order[1:]), map(ends.__getitem__, order))):
+        return members, []
     spans: dict[tuple[int, int], list[int]] = {}
     for i in members:
         spans.setdefault((offsets[i], offsets[i] + nbytes[i]), []).append(i)
