@@ -223,7 +223,8 @@ class Memory:
         """Free the memory of each of ``versions`` that nothing can reach:
         its name no longer refers to it and no lease holds it.  The only way
         back to a pool."""
-        superseded, packs, quotas = self.superseded, self.packs, self.quotas
+        superseded, packs = self.superseded, self.packs
+        freed: list[Version] = []  # uncharged together (a batch's versions: one creator)
         for v in versions:
             if v.current or v.readers or v.block is None:
                 continue
@@ -234,19 +235,23 @@ class Memory:
             self.versions_live -= 1
             gone = packs.get(block)
             if gone is None:
-                quotas.uncharge(v)
+                freed.append(v)
             else:  # charged until its pack goes
                 gone.append(v)
             block.refs -= 1
             if block.refs == 0:  # no other version (see link) shares the bytes
                 self._unreachable(block, v.state == "ready")
+        if freed:
+            self.quotas.uncharge_many(freed)
 
     def _unreachable(self, block: Block, written: bool) -> None:
         """Nothing refers to ``block`` any more: freed (a block with stale
         holders is retired instead), its bytes and its pack's charges given back."""
         self._free(block, written=written)
         self.bytes_in_use -= block.nbytes
-        self.quotas.uncharge_many(self.packs.pop(block, []))  # type: ignore[arg-type]
+        gone = self.packs.pop(block, None)
+        if gone:
+            self.quotas.uncharge_many(gone)  # type: ignore[arg-type]
 
     # -- a put_many's packs: rows, not versions (``Pack``) -------------------------
     def pack_placed(self, p: Pack) -> None:
