@@ -432,21 +432,32 @@ class _Got:
         # What the tensors of one pack in one window share: the owner of
         # their views, and the window's flats owned by it, per (window,
         # pack); and the last of them, as a pack's tensors come in a row.
-        self.owners: dict[tuple[int, int], tuple[_Owner, tuple[Any, Any]]] = {}
-        self.owner: tuple[Any, int, _Owner, tuple[Any, Any]] = (
+        self.owners: dict[tuple[int, int], tuple[_Owner, tuple[Any, Any] | None]] = {}
+        self.owner: tuple[Any, int, _Owner, tuple[Any, Any] | None] = (
             None,
             -1,
             _Owner(None, None),
             (None, None),
         )
 
-    def _owner_of(self, place: tuple[Any, Any, int], k: int) -> tuple[_Owner, tuple[Any, Any]]:
+    def _owner_of(
+        self, place: tuple[Any, Any, int], k: int, nbytes: int
+    ) -> tuple[_Owner, tuple[Any, Any] | None]:
+        """The owner of the views of pack ``k``'s tensors in ``place``, and
+        the window's flats owned by it; no flats for a pack that one tensor
+        of ``nbytes`` fills more than half of (a large tensor's block of its
+        own): what they save is an array per tensor of a run, and a lone
+        tensor's views are made from its address, by its owner."""
         key = (id(place), k)  # the places live as long as this batch
         got = self.owners.get(key)
         if got is None:
             window, flats, _ = place
             owner = _Owner(window, self.leases[k])
-            got = self.owners[key] = (owner, (owned(flats[0], owner), owned(flats[1], owner)))
+            if 2 * nbytes > self.cols.packs[k][2]:
+                got = self.owners[key] = (owner, None)
+            else:
+                owned_flats = (owned(flats[0], owner), owned(flats[1], owner))
+                got = self.owners[key] = (owner, owned_flats)
         return got
 
     def make(self, i: int) -> SharedTensor:
@@ -472,13 +483,8 @@ class _Got:
             window, _, base = place
             k = pack[i]
             if place is not last or k != lk:
-                owner, owned_flats = self._owner_of(place, k)
+                owner, owned_flats = self._owner_of(place, k, nbytes)
                 last, lk, lm = place, k, -1
-            if m != lm:
-                run = runs.get((id(owned_flats), m))
-                if run is None:
-                    run = runs[id(owned_flats), m] = Views(owned_flats[1], shape, dt)
-                offs, lm = run.offsets, m
             at = offsets[i] - base
             t = of(
                 ref,
@@ -495,8 +501,14 @@ class _Got:
                 sid,
                 instance,
             )
-            t._views, t._views_k = run, len(offs)
-            offs.append(at)
+            if owned_flats is not None:  # its array is made with its run's (Views)
+                if m != lm:
+                    run = runs.get((id(owned_flats), m))
+                    if run is None:
+                        run = runs[id(owned_flats), m] = Views(owned_flats[1], shape, dt)
+                    offs, lm = run.offsets, m
+                t._views, t._views_k = run, len(offs)
+                offs.append(at)
             out.append(t)
         self.owner = (last, lk, owner, owned_flats)
         return out

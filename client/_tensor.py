@@ -135,7 +135,7 @@ class SharedTensor:
         dt: DType,
         nbytes: int,
         window: Any,
-        flats: tuple[Any, Any],
+        flats: tuple[Any, Any] | None,
         offset: int,
         owner: _Owner,
         session: str,
@@ -144,7 +144,8 @@ class SharedTensor:
         """A published CPU tensor of a batch, at ``offset`` in ``window``, which
         it may share with the batch's other tensors of the same segment
         (``flats``: the window as flat uint8 arrays, writable and read-only,
-        each ``owned`` by ``owner``, which the tensors of its pack share),
+        each ``owned`` by ``owner``, which the tensors of its pack share;
+        None: its views are made from its address),
         leased in ``session`` of the broker's run ``instance``.  The fields
         ``_setup`` sets, those the class gives aside, in a batch's loop."""
         t = _new(cls)

@@ -227,6 +227,45 @@ def test_a_batch_read_whole_exports_each_tensor_on_its_own(broker: BrokerProc) -
         drained(c, "leases", "bytes_in_use")
 
 
+def test_a_batchs_large_tensors_are_each_exported_on_their_own_lease(broker: BrokerProc) -> None:
+    """A state dict: its large tensors (over ``PACK_MEMBER_MAX``) each in a
+    block of its own under a lease of its own, its small ones in the pack.
+    A large tensor is exported from its own address, owned by its own lease
+    (no flat array of its window: it is alone in it): its bytes, shape and
+    dtype, read-only in numpy; a torch write into one reaches no other
+    tensor and no later get; its view alone keeps its lease."""
+    torch = pytest.importorskip("torch")
+    sd: dict[str, np.ndarray] = {}
+    for i in range(3):
+        sd[f"l{i}.w"] = np.full((400, 200), i, dtype=np.float32)  # 320,000 bytes
+        sd[f"l{i}.b"] = np.full(100, -i, dtype=np.float32)
+    with broker.client() as c:
+        c.put_many(sd)
+        got = c.get_many(list(sd))
+        assert c.stat().leases == 4, "a lease per large tensor, one for the pack"
+        ts = dict(got)
+        assert ts["l0.w"]._flats is None and ts["l0.b"]._flats is not None
+        xs = {name: torch.from_dlpack(t) for name, t in ts.items()}
+        arrays = {name: np.from_dlpack(t) for name, t in ts.items()}
+        xs["l1.w"].fill_(-5.0)
+        for name, want in sd.items():
+            a = arrays[name]
+            assert a.shape == want.shape and a.dtype == want.dtype and not a.flags.writeable
+            assert tuple(xs[name].shape) == want.shape, name
+            if name != "l1.w":
+                assert np.array_equal(a, want) and np.array_equal(xs[name].numpy(), want), name
+        assert np.all(arrays["l1.w"] == -5.0), "the write is in the writer's own pages"
+        assert np.all(np.from_dlpack(c.get("l1.w")) == 1), "a later get saw the write"
+        keep = arrays["l2.w"]
+        del got, ts, xs, arrays, a
+        stat_when(c, lambda st: st.leases == 1, "every lease but the kept view's given back")
+        assert np.all(keep == 2), "the view keeps its tensor's bytes"
+        del keep
+        stat_when(c, lambda st: st.leases == 0, "the last view's lease given back")
+        c.delete_many(list(sd))
+        drained(c, "leases", "bytes_in_use")
+
+
 def test_a_lazy_batch_gives_its_leases_back_with_the_map_and_on_release(
     broker: BrokerProc,
 ) -> None:
