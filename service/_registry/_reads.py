@@ -244,7 +244,7 @@ class Reads:
                 if self._asks_peers(v):
                     lease_found()
                     await self._ask_peers(name, newer_than, timeout, caller)
-                    s = self.sessions.admit(sid, caller)
+                    self.sessions.resumed(s, sid, caller, request)
                     v = find(name, newer_than)
                 if v is None:
                     if timeout == 0:
@@ -260,7 +260,8 @@ class Reads:
                         raise self.records.batch_missed(
                             names, floors, timeout, True, self.peers, caller.prefix
                         ) from None
-                    s = self.sessions.admit(sid, caller)  # raises if shutting down or it ended
+                    # Raises if shutting down, it ended, or the request was cancelled.
+                    self.sessions.resumed(s, sid, caller, request)
                     bulk = rows
                 found.append(v)
             lease_found()
@@ -287,7 +288,7 @@ class Reads:
             for name, newer_than in zip(names, floors, strict=True):
                 if self._asks_peers(ready(name, newer_than)):
                     await self._ask_peers(name, newer_than, timeout, caller)
-            s = self.sessions.admit(sid, caller)
+            self.sessions.resumed(s, sid, caller, request)
         if not any(ready(n, f) is not None for n, f in zip(names, floors, strict=True)):
             if timeout == 0:
                 raise self.records.batch_missed(
@@ -299,7 +300,7 @@ class Reads:
                 raise self.records.batch_missed(
                     names, floors, timeout, True, self.peers, caller.prefix, any_of=True
                 ) from None
-            s = self.sessions.admit(sid, caller)
+            self.sessions.resumed(s, sid, caller, request)
         found = [ready(n, 0) for n in names]
         if any(v is None for v in found):
             raise self.records.batch_missed(

@@ -277,15 +277,17 @@ class Sessions:
         return self.use(sid, caller)
 
     def resumed(self, s: Session, sid: str | None, caller: Caller, request: str | None) -> None:
-        """After an allocation awaited (new segments were made): raises if
-        its session ended meanwhile, or the broker is shutting down, or the
-        client cancelled ``request`` meanwhile (the cancel found nothing to
-        give back yet, so the allocation must not be made: nobody would
-        ever write into it or give it back before the session ends)."""
+        """After a request that takes memory or leases awaited (an
+        allocation's new segments, a get's wait for a publish or the peers):
+        raises if its session ended meanwhile, or the broker is shutting
+        down, or the client cancelled ``request`` meanwhile (the cancel found
+        nothing to give back yet, so nothing may be granted after it: nobody
+        would read the answer, write into the allocation or release the
+        lease before the session ends)."""
         if self.closing or self.get(s.id) is not s:
             self.admit(sid, caller)  # raises the reason
         if request is not None and request in s.cancelled:
-            raise Cancelled("the client cancelled this request while the broker made its memory")
+            raise Cancelled("the client cancelled this request while the broker waited for it")
 
     def remove(self, s: Session) -> None:
         if self.table.pop(s.id, None) is None:
