@@ -18,11 +18,11 @@ batch half the ring), it goes over HTTP; so it does where the lane is
 gone: while requests wait, one look every ``_LOOK`` seconds asks whether
 the broker closed the lane or died (``ClientLane.gone``) and whose I/O
 timeout passed, and a ring that holds what a broker never writes closes
-it.  Either way the request
-is sent over HTTP (the lane carries only requests that may be sent twice,
-``_shmlane.on_lane``).  A cancelled caller's request stays in the ring;
-its operation queues its request id for cancelling (``Core.call``), as for
-any request whose answer is never read.
+it.  Either way the request is sent over HTTP (the lane carries only
+requests that may be sent twice, ``_shmlane.on_lane``).  A cancelled
+caller's request stays in the ring; its operation queues its request id
+for cancelling (``Core.call``), as for any request whose answer is never
+read.
 
 The reader stays the loop's from the first request on (a late answer rings
 the bell too), and ``retire`` takes it off before the lane's descriptors
