@@ -81,6 +81,7 @@ class AsgiDoor:
                 data,
                 lambda: _hangup(receive),
             )
+            gate.settle()  # before anything awaits: no other request sees it unsettled
             status, body = reply if isinstance(reply, tuple) else await reply
         except BaseException as exc:  # every error becomes an answer
             status, body = gate.failure(exc, method, path)

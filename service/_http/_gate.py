@@ -13,7 +13,9 @@ here, as plain function calls, in this order:
    (409: it came by another door, or waited in a lane's ring, after its
    cancel), the body parsed as the route's model (400, 422),
    the names in it checked against the prefix, then the handler, under its
-   request id for routes that replay their first answer (``once``).
+   request id for routes that replay their first answer (``once``).  What
+   the handler's publish retires waits until the door has written the
+   answer and calls ``settle``, in the same step of the loop.
 3. ``failure``: the one error serializer, ``{"error": {"code", "message"}}``.
 4. ``head``: the one set of answer headers (the server mark, the content
    type, ``www-authenticate`` on 401), and ``observe``: the route metrics.
@@ -269,68 +271,81 @@ class Gate:
         gone: Callable[[], Awaitable[Any]] | None,
     ) -> Reply:
         """Run the admitted request's riders and handler: an answer now, or an
-        awaitable of one.  Raises DepotError for bad input."""
-        r, broker, principal = adm.route, self.broker, adm.principal
-        who = caller_of(scope)
-        releases, cancels = headers.get(_RELEASE), headers.get(_CANCEL)
-        sid = headers.get(_SESSION)
-        if (releases or cancels) and sid:
-            release_riders(broker, sid.decode("latin-1"), who, releases, cancels)
-        rid = headers.get(_REQUEST)
-        if rid and sid and broker.was_cancelled(sid.decode("latin-1"), rid.decode("latin-1")):
-            raise Cancelled("the client cancelled this request before it arrived")
-        body, rest = None, None
-        if r.body is not None:
-            if r.framed:  # the handler reads the bytes after the head as ``rest``
-                body, rest = parse_framed(r.body, data, headers.get(b"content-type"))
-            else:
-                parse = parse_kept if r.kept else parse_body
-                body = parse(r.body, data, headers.get(b"content-type"))
-            if principal.prefix is not None:
-                require_names(principal, _names(body))
-        call: Call[Any] = Call(
-            broker,
-            method,
-            path,
-            adm.params,
-            query_of(query) if query else {},
-            headers,
-            data,
-            body,
-            principal,
-            who,
-            self.state,
-            gone,
-        )
-        call.rest = rest
-        call.handover = scope.get(HANDOVER)
-        handler = r.handler
-        assert handler is not None, r.path
-        if not r.once:
-            reply = handler(call)
-            if isinstance(reply, tuple):
-                return reply
-            pending = reply
-            return run_once(None, lambda: pending)
-        slot = once_key(broker, method, path, call.session, call.request_id, who)
-        if slot is not None:
-            hit = slot[0].answers.get(slot[1])
-            if hit is not None:
-                return hit
-            if slot[1] in slot[0].running:  # the first attempt still runs: wait for its answer
-                return run_once(slot, lambda: _awaited(handler(call)))
+        awaitable of one.  Raises DepotError for bad input.  What a publish
+        retires waits for the answer (``Memory.retire_after``): the door
+        calls ``settle`` as soon as the answer is written, and a request
+        finds the books settled before it runs."""
+        memory = self.broker.memory
+        memory.retire_pending()
+        memory.deferring = True  # the handler's own steps: an awaitable's run later
         try:
-            reply = handler(call)
-        except DepotError as exc:
-            if slot is None:
-                raise
-            reply = exc.status, error_body(exc)
-        if isinstance(reply, tuple):
+            r, broker, principal = adm.route, self.broker, adm.principal
+            who = caller_of(scope)
+            releases, cancels = headers.get(_RELEASE), headers.get(_CANCEL)
+            sid = headers.get(_SESSION)
+            if (releases or cancels) and sid:
+                release_riders(broker, sid.decode("latin-1"), who, releases, cancels)
+            rid = headers.get(_REQUEST)
+            if rid and sid and broker.was_cancelled(sid.decode("latin-1"), rid.decode("latin-1")):
+                raise Cancelled("the client cancelled this request before it arrived")
+            body, rest = None, None
+            if r.body is not None:
+                if r.framed:  # the handler reads the bytes after the head as ``rest``
+                    body, rest = parse_framed(r.body, data, headers.get(b"content-type"))
+                else:
+                    parse = parse_kept if r.kept else parse_body
+                    body = parse(r.body, data, headers.get(b"content-type"))
+                if principal.prefix is not None:
+                    require_names(principal, _names(body))
+            call: Call[Any] = Call(
+                broker,
+                method,
+                path,
+                adm.params,
+                query_of(query) if query else {},
+                headers,
+                data,
+                body,
+                principal,
+                who,
+                self.state,
+                gone,
+            )
+            call.rest = rest
+            call.handover = scope.get(HANDOVER)
+            handler = r.handler
+            assert handler is not None, r.path
+            if not r.once:
+                reply = handler(call)
+                if isinstance(reply, tuple):
+                    return reply
+                pending = reply
+                return run_once(None, lambda: pending)
+            slot = once_key(broker, method, path, call.session, call.request_id, who)
             if slot is not None:
-                slot[0].remember(slot[1], *reply)
-            return reply
-        waiting = reply
-        return run_once(slot, lambda: waiting)
+                hit = slot[0].answers.get(slot[1])
+                if hit is not None:
+                    return hit
+                if slot[1] in slot[0].running:  # the first attempt still runs: wait for its answer
+                    return run_once(slot, lambda: _awaited(handler(call)))
+            try:
+                reply = handler(call)
+            except DepotError as exc:
+                if slot is None:
+                    raise
+                reply = exc.status, error_body(exc)
+            if isinstance(reply, tuple):
+                if slot is not None:
+                    slot[0].remember(slot[1], *reply)
+                return reply
+            waiting = reply
+            return run_once(slot, lambda: waiting)
+        finally:
+            memory.deferring = False
+
+    def settle(self) -> None:
+        """An answer is out: what its request retired is retired now."""
+        self.broker.memory.retire_pending()
 
     # -- 3. errors -----------------------------------------------------------------------
     @staticmethod

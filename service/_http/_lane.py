@@ -232,7 +232,9 @@ class Lane:
             # (Measured on two shared cores, the other order made the whole
             # handoff slower: the reader's wake-up delays the writer's answer.)
             self._send(proto, req, reply)
+            gate.settle()
             return
+        gate.settle()
         busy = req.busy = _Busy(req.keep_alive)
         proto.cycle = busy
 

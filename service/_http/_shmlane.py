@@ -155,6 +155,7 @@ class ShmLane:
             self.close()
             return
         answered = False
+        books = self.lanes.gate.broker.memory
         for _ in range(TAKE_MOST):
             try:
                 rec = mem.requests.take()  # type: ignore[union-attr]
@@ -164,6 +165,12 @@ class ShmLane:
             except (RingCorrupt, LaneGarbled) as exc:
                 self.garbled(str(exc))
                 return
+            finally:
+                if books.unsettled:  # a publish's retirements: its client hears first
+                    if answered and not self.closed:
+                        mem.ring(CLIENT)
+                        answered = False
+                    books.retire_pending()
             if self.closed:  # its answer could not be written (garbled)
                 return
         else:  # more may wait: on the loop's next turn, after other work

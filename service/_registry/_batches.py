@@ -320,8 +320,7 @@ class Batches:
             p.live = len(p.entries)
             if asleep:
                 self.waits.wake_many(p.names)
-        memory.retire(*retired)
-        memory.retire_rows(rows)
+        memory.retire_after(retired, rows)
         self._count("publishes", sum(len(p.names) for p, _ in packs))
         self._count("bytes_put", sum(p.nbytes for p, _ in packs))
 

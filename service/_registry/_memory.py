@@ -112,6 +112,9 @@ class Memory:
         # (and its ``Pack``, for a put_many's): what a pack keeps pinned counts
         # against whoever put it until it goes.
         self.packs: dict[Block, list[Version | Pack]] = {}
+        # Retirements a publish left for after its answer (``retire_after``).
+        self.unsettled: list[tuple[list[Version], list[Row]]] = []
+        self.deferring = False  # set while a door's handler runs (``Gate.dispatch``)
         pool._unlinker = self._unlink_later
         pool.on_drop = self._forget_mapping
 
@@ -371,6 +374,33 @@ class Memory:
                 holder = self.reader_of(v)
                 if holder is not None:
                     self.quotas.repin(v, holder)
+
+    # -- retirement after the answer ---------------------------------------------------
+    def retire_after(self, versions: list[Version], rows: list[Row]) -> None:
+        """``retire`` of ``versions`` and ``retire_rows`` of ``rows``: now, or,
+        while a door's handler runs (``deferring``), once its answer is out:
+        the door calls ``retire_pending`` right after writing it, in the same step of
+        the loop, so its client hears back while the broker frees, and no
+        other request (none runs in between) sees the books unsettled.  A
+        door that did not settle leaves it to the next request's dispatch,
+        or to the loop's next turn, whichever comes first."""
+        if not self.deferring:
+            self.retire(*versions)
+            self.retire_rows(rows)
+            return
+        if not versions and not rows:
+            return
+        if not self.unsettled:
+            asyncio.get_running_loop().call_soon(self.retire_pending)
+        self.unsettled.append((versions, rows))
+
+    def retire_pending(self) -> None:
+        """What ``retire_after`` left, done now (nothing, mostly)."""
+        after = self.unsettled
+        while after:
+            versions, rows = after.pop(0)
+            self.retire(*versions)
+            self.retire_rows(rows)
 
     @staticmethod
     def distrust(block: Block) -> None:

@@ -318,8 +318,7 @@ class Writes(Batches):
             if wake is not None:
                 wake(v.name)
             out.append(v)
-        self.memory.retire(*retired)
-        self.memory.retire_rows(rows)
+        self.memory.retire_after(retired, rows)
         self._count("publishes", sum(v is got for v, got in zip(versions, out, strict=True)))
         self._count("bytes_put", put)
         return out
