@@ -478,7 +478,7 @@ class Broker:
         return freed
 
     def list(self, prefix: str = "") -> list[TensorInfo]:
-        return self.records.list(prefix)
+        return self.records.list(prefix, self.lending.row_readers())
 
     def stat(self) -> Stat:
         pool = self.pool

@@ -24,7 +24,7 @@ from ._records import Found, Lease, Whole, name_of, nbytes_of
 if TYPE_CHECKING:
     from ._cuda import CudaMemory
     from ._memory import Memory
-    from ._records import Pack, Version
+    from ._records import Entry, Pack, Version
     from ._sessions import Session, Sessions
 
 
@@ -188,10 +188,7 @@ class Leases:
     ) -> None:
         """A lease of ``rows`` of ``pack`` (host memory: nothing for the GPUs)."""
         self.table[lid] = Lease(lid, s.id, (), request, pack=pack, rows=rows)
-        pack.readers += 1
-        entries = pack.entries
-        for i in rows:
-            entries[i].readers += 1
+        pack.readers += 1  # its names' readers are counted when asked (``row_readers``)
         s.leases.add(lid)
 
     def copy(self, s: Session, lease: Lease) -> int:
@@ -217,6 +214,20 @@ class Leases:
             if v in lease.versions and not lease.hold:
                 return self.sessions.get(lease.session)
         return None
+
+    def row_readers(self) -> dict[Entry, int]:
+        """Per name (its ``Entry``), the leases of pack rows it has: counted
+        here, when a list asks, not at each get and release of a batch's
+        thousand rows (``Entry.readers`` counts the leases of Versions)."""
+        out: dict[Entry, int] = {}
+        for lease in self.table.values():
+            pack = lease.pack
+            if pack is not None:
+                entries = pack.entries
+                for i in lease.rows:
+                    e = entries[i]
+                    out[e] = out.get(e, 0) + 1
+        return out
 
     def of(self, s: Session) -> list[Lease]:
         return [self.table[lid] for lid in s.leases]
@@ -256,9 +267,6 @@ class Leases:
                         del s.by_request[lease.request]
         pack = lease.pack
         if pack is not None:
-            entries = pack.entries
-            for i in lease.rows:
-                entries[i].readers -= 1
             self.memory.pack_released(pack)
             return
         if lease.doubt:  # its views are gone: nothing maps the expired write any more

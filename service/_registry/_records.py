@@ -123,7 +123,9 @@ class Entry:
         self.writing: dict[int, Version] = {}
         self.next_version = next_version
         self.expires_at: float | None = None
-        self.readers = 0  # live leases on any version of this incarnation (writers' holds excluded)
+        # Live leases on any Version of this incarnation (writers' holds
+        # excluded); its pack rows' are counted when a list asks (Leases.row_readers).
+        self.readers = 0
         self.slot = -1  # its slot on the board of newest versions (shm._board), if it has one
 
     @property
@@ -418,7 +420,7 @@ class Records:
                 out.append(v)
         return out
 
-    def info(self, e: Entry, v: Version) -> TensorInfo:
+    def info(self, e: Entry, v: Version, row_readers: int = 0) -> TensorInfo:
         expires = None if e.expires_at is None else max(0.0, e.expires_at - self.clock())
         r = v.replica
         return TensorInfo(
@@ -429,13 +431,18 @@ class Records:
             nbytes=v.nbytes,
             device=v.block.device,
             state=v.state,
-            readers=e.readers,
+            readers=e.readers + row_readers,
             expires_in=expires,
             origin=r.origin if r else None,
             origin_version=r.version if r else None,
         )
 
-    def list(self, prefix: str = "") -> list[TensorInfo]:
+    def list(
+        self, prefix: str = "", row_readers: dict[Entry, int] | None = None
+    ) -> list[TensorInfo]:
+        """Every name that starts with ``prefix``, with its readers: its
+        Versions' leases (``Entry.readers``) and its pack rows' (``row_readers``)."""
+        rows = row_readers or {}
         out = []
         for name in sorted(n for n in self.entries if n.startswith(prefix)):
             e = self.entries[name]
@@ -444,7 +451,7 @@ class Records:
                 v = max(e.writing.values(), key=lambda x: x.number, default=None)
             # pulls in flight
             if v is not None and not (v.state == "writing" and v.replica is not None):
-                out.append(self.info(e, v))
+                out.append(self.info(e, v, rows.get(e, 0)))
         return out
 
     def tensors(self) -> int:

@@ -437,3 +437,34 @@ def test_a_batch_put_again_over_its_own_pack_moves_every_name_on(broker: BrokerP
         stat_when(c, lambda st: st.bytes_in_use == 50 * KIB, "only the newest pack")
         c.delete(prefix="w")
         drained(c, "leases", "bytes_in_use", "versions")
+
+
+def test_a_list_counts_the_readers_of_a_packs_rows(broker: BrokerProc) -> None:
+    """Leases of a pack's rows count as readers of their names in a list
+    (any version of the name: kept rows too), alongside a single get's
+    lease, and no longer once they are given back."""
+    sd = _batch(6)
+    with broker.client() as c, broker.client() as d:
+        c.put_many(sd)
+        whole = c.get_many(list(sd))  # every row of the pack: one lease
+        part = d.get_many(["w1", "w4"])  # two rows of it, in another session
+        one = d.get("w4")  # a get of one name: a lease of its own
+
+        def readers() -> dict[str, int]:
+            return {i.name: i.readers for i in c.list(prefix="w")}
+
+        held = {"w0": 1, "w1": 2, "w2": 1, "w3": 1, "w4": 3, "w5": 1}
+        assert readers() == held
+        c.put_many(_batch(6, 10))  # every name moves on: the leased rows are kept
+        assert readers() == held  # leases of any version of the name count
+        assert np.all(np.from_dlpack(part["w4"]) == 4) and np.all(np.from_dlpack(one) == 4)
+        got = c.get_many(["w2", "w3"])  # rows of the new pack
+        assert readers() == {**held, "w2": 2, "w3": 2}
+        del whole
+        stat_when(c, lambda st: st.leases == 3, "the whole batch's lease given back")
+        assert readers() == {"w0": 0, "w1": 1, "w2": 1, "w3": 1, "w4": 2, "w5": 0}
+        del part, one, got
+        stat_when(c, lambda st: st.leases == 0, "every lease given back")
+        assert readers() == dict.fromkeys(sd, 0)
+        c.delete(prefix="w")
+        drained(c, "leases", "bytes_in_use")
