@@ -347,9 +347,21 @@ def _get_batch(
     # The batch got last, whose lease this process holds again (``again_many``): no request.
     cols = None if entry is None or until != "all" else again_many(core, entry, floors)
     if cols is None:
+        path = "/v1/many/get" if entry is None else f"/v1/many/get?known={entry.key}"
+        session = core.session
+        if (
+            floors is not None
+            and session is not None
+            and session.floor_query
+            and floors.count(floors[0]) == len(floors)
+        ):
+            # One floor for every name (a batch got again: each name's last
+            # version), in the query: the body stays the same bytes from one
+            # get to the next, and the broker parses it once (Route.kept).
+            path += f"{'?' if entry is None else '&'}newer_than={floors[0]}"
+            floors = None
         body = BatchGet.model_construct(names=names, timeout=wait, newer_than=floors, wait=until)
         io = None if wait is None else wait + core.timeout
-        path = "/v1/many/get" if entry is None else f"/v1/many/get?known={entry.key}"
         cols = yield from core.granted(HandleColumns, "POST", path, body, timeout=io)
     # From here on, whatever raises (Ctrl-C included) gives back the leases
     # that no object holds yet: the others go when their holders do.

@@ -177,6 +177,11 @@ class SessionInfo(_Answer):
         max_length=64,
         description="this run of the broker: versions start again at 1 in another",
     )
+    floor_query: bool = Field(
+        False,
+        description="get_many takes newer_than in its query too (one version for every "
+        "name); a broker without it reads only the body's",
+    )
 
 
 class ForkInfo(_Answer):

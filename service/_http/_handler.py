@@ -132,7 +132,7 @@ class Route:
     tag: str = ""
     body: type[BaseModel] | None = None  # parsed (and its names prefix-checked) by the gate
     framed: bool = False  # the body is framed (``_proto.frame``): ``body`` is its JSON head
-    kept: bool = False  # the body is parsed as its producer sends it step after step (parse_kept)
+    kept: bool = False  # the body is parsed as its sender sends it step after step (parse_kept)
     handover: bool = False  # its answer may pass descriptors, where the door can (Handover)
     answers: Any = None  # the answer's model, for the OpenAPI document
     status: int = 200  # the status of a good answer
@@ -251,7 +251,7 @@ def parse_framed(model: type[M], data: bytes, content_type: bytes | None) -> tup
 def parse_kept(model: type[M], data: bytes, content_type: bytes | None) -> M:
     """``parse_body``, keeping what the last ``HEADS_KEPT`` bodies of up to
     ``HEAD_KEPT_MAX`` bytes parsed as: the head of a framed put_many, the
-    body of an alloc_many (``Route.kept``)."""
+    body of an alloc_many or a get_many (``Route.kept``)."""
     _json_media(content_type)
     if len(data) > HEAD_KEPT_MAX:
         return _validated(model, data)
@@ -268,8 +268,9 @@ def parse_kept(model: type[M], data: bytes, content_type: bytes | None) -> M:
 # The bodies parse_kept parsed last, and what they parsed as: a producer
 # sends the same head step after step (a state dict's names, shapes and
 # dtypes), and parsing it is most of what its request costs the broker
-# beyond placing.  The models are shared by the requests that sent the same
-# bytes: nothing changes one (the registry keeps its plan: ``_packs.Plans``).
+# beyond placing; a consumer the same names (its floor in the query).  The
+# models are shared by the requests that sent the same bytes: nothing
+# changes one (the registry keeps its plan: ``_packs.Plans``).
 # The content type is checked on every request, kept or not.
 HEADS_KEPT = 16
 HEAD_KEPT_MAX = 256 << 10  # a longer head is parsed each time
@@ -294,13 +295,27 @@ def get_params(q: Mapping[str, str]) -> tuple[float | None, int, int]:
     return (None if timeout > MAX_WAIT else timeout), newer_than, version
 
 
+def _count(q: Mapping[str, str], key: str, what: str) -> int | None:
+    """The whole number ``key`` of a query (None: not given), at most 18 digits."""
+    raw = q.get(key)
+    if raw is None:
+        return None
+    if not (raw.isdigit() and len(raw) <= 18):
+        raise bad_query(f"{key} must be {what} (an integer >= 0)")
+    return int(raw)
+
+
 def known_param(q: Mapping[str, str]) -> int:
     """The ``known`` of a get_many's query: the key of an earlier answer's
     columns that the client holds for the names it asks for (0: none)."""
-    known = q.get("known", "0")
-    if not (known.isdigit() and len(known) <= 18):
-        raise bad_query("known must be the key of an earlier get_many answer (an integer >= 0)")
-    return int(known)
+    return _count(q, "known", "the key of an earlier get_many answer") or 0
+
+
+def floor_param(q: Mapping[str, str]) -> int | None:
+    """The ``newer_than`` of a get_many's query: one version for every name
+    (None: not given; the body may give one per name instead).  A batch got
+    again and again sends the same body, parsed once (``Route.kept``)."""
+    return _count(q, "newer_than", "a version")
 
 
 def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic_core import to_json
 
+from ..._errors import InvalidRequest
 from ..._proto import MAX_WAIT
 from ..._wire import BatchGet, ManyAlloc, ManyPublish
 from .._registry._broker import Broker
@@ -88,8 +89,17 @@ def wait_of(req: BatchGet) -> float | None:
     return None if req.timeout is None or req.timeout > MAX_WAIT else req.timeout
 
 
-def _floors(req: BatchGet) -> int | list[int]:
-    return req.newer_than if req.newer_than is not None else 0
+def floors_of(req: BatchGet, floor: int | None) -> int | list[int]:
+    """The batch's ``newer_than``: one per name from the body, or one for
+    every name from the query (``floor_param``), not both."""
+    if floor is None:
+        return req.newer_than if req.newer_than is not None else 0
+    if req.newer_than is not None:
+        raise InvalidRequest(
+            "newer_than is given twice: in the query (one version for every name) and in "
+            "the body (one per name); give one of the two"
+        )
+    return floor
 
 
 def get_now(
@@ -98,10 +108,11 @@ def get_now(
     who: Caller,
     req: BatchGet,
     request: str | None,
+    floors: int | list[int],
     known: int = 0,
 ) -> bytes | None:
-    """``known``: see ``columns``."""
-    got = broker.try_get_many(sid, who, req.names, _floors(req), request=request, wait=req.wait)
+    """``floors``: ``floors_of``; ``known``: see ``columns``."""
+    got = broker.try_get_many(sid, who, req.names, floors, request=request, wait=req.wait)
     return None if got is None else columns(broker, got, "ready", known)
 
 
@@ -113,6 +124,7 @@ async def get(
     request: str | None,
     timeout: float | None,
     gone: Callable[[], Awaitable[Any]] | None,
+    floors: int | list[int],
     known: int = 0,
 ) -> bytes:
     got = await broker.get_many(
@@ -120,7 +132,7 @@ async def get(
         who,
         req.names,
         timeout,
-        newer_than=_floors(req),
+        newer_than=floors,
         request=request,
         gone=gone,
         wait=req.wait,

@@ -240,6 +240,7 @@ class Broker:
             tracked=s.tracked,
             heartbeat_interval=interval,
             instance=self.instance,
+            floor_query=True,
         )
 
     def heartbeat(self, sid: str, caller: Caller, holding: Sequence[str] = ()) -> None:

@@ -681,6 +681,13 @@ def _known_get(env: Env) -> Req:
     return env.req("POST", f"/v1/many/get?known={key}", {"names": names})
 
 
+def _floored(query: str, floors: list[int] | None = None) -> Callable[[Env], Req]:
+    """A get_many of one tensor with ``query`` (its ``newer_than`` for every
+    name) and, given ``floors``, the body's per name as well."""
+    extra = {} if floors is None else {"newer_than": floors}
+    return lambda e: e.req("POST", f"/v1/many/get{query}", {"names": [e.put("a")], **extra})
+
+
 def _short(env: Env, answer: Answer) -> None:
     got = answer.json()
     assert got["names"] == [] and got["key"] and len(got["versions"]) == 2, got
@@ -1068,6 +1075,22 @@ GOOD = [
             "invalid_request",
         ),
         id="many-get-known-not-a-key",
+    ),
+    pytest.param(
+        Case(R_MANY_GET, _floored("?newer_than=0"), 200, delta={"leases": 1}),
+        id="many-get-floor-query",
+    ),
+    pytest.param(
+        Case(R_MANY_GET, _floored("?newer_than=999999999"), 404, "not_found"),
+        id="many-get-floor-query-not-newer",
+    ),
+    pytest.param(
+        Case(R_MANY_GET, _floored("?newer_than=0", [0]), 400, "invalid_request"),
+        id="many-get-floor-twice",
+    ),
+    pytest.param(
+        Case(R_MANY_GET, _floored("?newer_than=-1"), 422, "invalid_request"),
+        id="many-get-floor-query-not-a-version",
     ),
     pytest.param(
         Case(

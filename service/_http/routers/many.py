@@ -15,7 +15,7 @@ from ...._wire import (
 )
 from ..._auth import READ, WRITE
 from .. import _many
-from .._handler import Answer, Call, Reply, known_param, route, routes_of
+from .._handler import Answer, Call, Reply, floor_param, known_param, route, routes_of
 
 TAG = "batch"
 
@@ -121,10 +121,19 @@ def put_many(call: Call[ManyAlloc]) -> Reply:
     body=BatchGet,
     answers=HandleColumns,
     once=True,
+    kept=True,
     note="every name within the prefix",
     summary="Lease many tensors at once, under one deadline (all of them, or none)",
     docs={
         "parameters": [
+            {
+                "name": "newer_than",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 0},
+                "description": "one version for every name: only versions newer than it (waits "
+                "for them), instead of the body's newer_than per name (not both)",
+            },
             {
                 "name": "known",
                 "in": "query",
@@ -133,7 +142,7 @@ def put_many(call: Call[ManyAlloc]) -> Reply:
                 "description": "the key of an earlier answer's columns that the client holds for "
                 "these names in this order: an answer of the same pack's rows leaves out names, "
                 "pack, at, layouts and layout (0: none)",
-            }
+            },
         ]
     },
 )
@@ -141,14 +150,15 @@ def get_many(call: Call[BatchGet]) -> Reply:
     assert call.body is not None
     broker, sid, who, body, rid = call.broker, call.session, call.who, call.body, call.request_id
     known = known_param(call.query)
-    out = _many.get_now(broker, sid, who, body, rid, known)
+    floors = _many.floors_of(body, floor_param(call.query))
+    out = _many.get_now(broker, sid, who, body, rid, floors, known)
     if out is not None:
         return 200, out
     timeout = _many.wait_of(body)
 
     async def later() -> Answer:
         gone = None if timeout == 0 else call.gone
-        return 200, await _many.get(broker, sid, who, body, rid, timeout, gone, known)
+        return 200, await _many.get(broker, sid, who, body, rid, timeout, gone, floors, known)
 
     return later()
 
