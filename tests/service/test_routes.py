@@ -21,7 +21,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import jsonschema
 import pytest
@@ -628,15 +628,19 @@ def send(app: App, other: str, req: dict[str, Any]) -> Any:
         body = req["json"]
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers["content-type"] = "application/json"
-    return app.tc.request(
-        req["method"].upper(), path, params=params, headers=headers, content=content
-    )
+    r = app.tc.request(req["method"].upper(), path, params=params, headers=headers, content=content)
+    r.asked_path = unquote(path)  # what the route's template made (check_response)
+    return r
 
 
 def check_response(doc: dict[str, Any], req: dict[str, Any], r: Any) -> None:
     where = f"{req['method'].upper()} {req['path']}"
     assert r.status_code < 500 or r.status_code == 507, f"{where} -> {r.status_code}: {r.text}"
     responses = doc["paths"][req["path"]][req["method"]]["responses"]
+    if getattr(r, "asked_path", r.request.url.path) != r.request.url.path:
+        # The HTTP client rewrote the path (a "." parameter is a dot segment:
+        # /v1/tensors/. is sent as /v1/tensors): the answer is another route's.
+        return
     # An empty or odd path parameter can land on another route (or none): the
     # router's 404/405 and its trailing-slash redirect are fine there.
     routing = {307, 404, 405}
