@@ -46,6 +46,16 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+EARLIER = " Before: "  # what a reason says of earlier runs follows this (tests/bench/reasons.json)
+
+
+def latest(reason: str) -> str:
+    """A missed goal's reason as the table shows it: its latest measurement
+    only.  The earlier ones stay in the results and in tests/bench/reasons.json."""
+    now, earlier, _ = reason.partition(EARLIER)
+    return f"{now} (Earlier runs: `tests/bench/reasons.json`.)" if earlier else reason
+
+
 def _measured(row: dict[str, Any]) -> str:
     m = row["measured"]
     if m is None:
@@ -122,7 +132,7 @@ def markdown(r: dict[str, Any], json_path: str, plot_rel: str | None) -> str:
         peer_txt = f"{_value(peer)} ({peer['label']})" if peer else ""
         why = row["reason"] if row["pass"] is False else row.get("note", "")
         if row["pass"] is False:
-            why = f"as {first_with[why]}" if why in first_with else why
+            why = f"as {first_with[why]}" if why in first_with else latest(why)
             first_with.setdefault(row["reason"], row["id"])
         lines.append(
             "| "

@@ -67,6 +67,22 @@ def test_report_writes_the_readme_when_asked(repo: Path) -> None:
     assert "| B1.copy |" in other.read_text()
 
 
+def test_a_missed_goals_cell_gives_its_latest_reason_only(repo: Path) -> None:
+    results = json.loads((repo / "docs" / "bench.json").read_text())
+    missed = [row for row in results["checks"] if row["pass"] is False]
+    assert len(missed) >= 2, "the committed run has missed goals to show"
+    a, b = missed[0], missed[1]
+    a["reason"] = "NOW-A: 1.3x. Before: OLD-A-1: 1.4x. Before: OLD-A-2."
+    b["reason"] = "NOW-B, measured once."
+    (repo / "docs" / "bench.json").write_text(json.dumps(results))
+    table = report(repo).stdout
+    row_a = next(line for line in table.splitlines() if line.startswith(f"| {a['id']} |"))
+    assert "NOW-A: 1.3x. (Earlier runs: `tests/bench/reasons.json`.)" in row_a
+    assert "OLD-A" not in table
+    row_b = next(line for line in table.splitlines() if line.startswith(f"| {b['id']} |"))
+    assert row_b.endswith("| NOW-B, measured once. |")
+
+
 def test_peers_runs_the_cases_asked_for_and_refuses_unknown_ones(tmp_path: Path) -> None:
     peers = [sys.executable, str(ROOT / "tests" / "bench" / "peers.py")]
     bad = subprocess.run(
