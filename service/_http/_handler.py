@@ -318,8 +318,25 @@ def floor_param(q: Mapping[str, str]) -> int | None:
     return _count(q, "newer_than", "a version")
 
 
+PUTS_KEPT = 64  # put_params' answers kept: a producer puts the same names, shapes and dtypes
+_puts: dict[tuple[str, str, str | None, str | None, str | None], AllocRequest] = {}
+
+
 def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
-    """What an inline put's query and Content-Length ask for, checked."""
+    """What an inline put's query and Content-Length ask for, checked.  The
+    same request again (a producer putting one tensor step after step) gets
+    the same checked answer back, kept (the last ``PUTS_KEPT``)."""
+    key = (name, length, q.get("shape"), q.get("dtype"), q.get("ttl"))
+    got = _puts.get(key)
+    if got is None:
+        got = _put_params(name, q, length)
+        if len(_puts) >= PUTS_KEPT:
+            del _puts[next(iter(_puts))]
+        _puts[key] = got
+    return got
+
+
+def _put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
     if not length.isdigit() or int(length) > INLINE_MAX:
         raise InvalidRequest(
             f"put carries at most {INLINE_MAX} bytes with a Content-Length; "
