@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 Answer = tuple[int, bytes]  # status, body (JSON unless the route says otherwise)
 Reply = Union[Answer, Awaitable[Answer]]  # noqa: UP007  (a runtime alias: Python 3.10)
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 JSON = "application/json"
 _SESSION, _REQUEST = SESSION_HEADER.encode(), REQUEST_HEADER.encode()
@@ -255,14 +256,20 @@ def parse_kept(model: type[M], data: bytes, content_type: bytes | None) -> M:
     _json_media(content_type)
     if len(data) > HEAD_KEPT_MAX:
         return _validated(model, data)
-    key = (model, data)
-    parsed = _heads.get(key)
-    if parsed is None:
-        parsed = _validated(model, data)  # raises: nothing kept
-        if len(_heads) >= HEADS_KEPT:
-            del _heads[next(iter(_heads))]
-        _heads[key] = parsed
+    parsed: M = _keep(_heads, HEADS_KEPT, (model, data), lambda: _validated(model, data))
     return parsed
+
+
+def _keep(cache: dict[Any, T], most: int, key: Any, make: Callable[[], T]) -> T:
+    """``cache[key]``, made by ``make()`` the first time (what raises is not
+    kept), in a cache of the last ``most`` keys made."""
+    got = cache.get(key)
+    if got is None:
+        got = make()
+        if len(cache) >= most:
+            del cache[next(iter(cache))]
+        cache[key] = got
+    return got
 
 
 # The bodies parse_kept parsed last, and what they parsed as: a producer
@@ -327,13 +334,7 @@ def put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
     same request again (a producer putting one tensor step after step) gets
     the same checked answer back, kept (the last ``PUTS_KEPT``)."""
     key = (name, length, q.get("shape"), q.get("dtype"), q.get("ttl"))
-    got = _puts.get(key)
-    if got is None:
-        got = _put_params(name, q, length)
-        if len(_puts) >= PUTS_KEPT:
-            del _puts[next(iter(_puts))]
-        _puts[key] = got
-    return got
+    return _keep(_puts, PUTS_KEPT, key, lambda: _put_params(name, q, length))
 
 
 def _put_params(name: str, q: Mapping[str, str], length: str) -> AllocRequest:
