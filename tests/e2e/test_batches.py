@@ -30,7 +30,7 @@ def test_put_many_and_get_many_keep_every_tensor(broker: BrokerProc, big: bool) 
         "int32": np.array([1, 2, 3], dtype=np.int32),  # a Python list needs a dtype: test_name_ops
         "torch": torch.arange(7, dtype=torch.float32),
         "bf16": torch.arange(5, dtype=torch.bfloat16),
-        "big": np.full(3 << 20, 7, dtype=np.uint8),  # copied by threads
+        "big": np.full(9 << 20, 7, dtype=np.uint8),  # a block of its own, copied by threads
     }
     if not big:
         del sd["big"]

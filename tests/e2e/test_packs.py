@@ -237,7 +237,7 @@ def test_a_batchs_large_tensors_are_each_exported_on_their_own_lease(broker: Bro
     torch = pytest.importorskip("torch")
     sd: dict[str, np.ndarray] = {}
     for i in range(3):
-        sd[f"l{i}.w"] = np.full((400, 200), i, dtype=np.float32)  # 320,000 bytes
+        sd[f"l{i}.w"] = np.full((1100, 1000), i, dtype=np.float32)  # 4.4 MB: over 4 MiB
         sd[f"l{i}.b"] = np.full(100, -i, dtype=np.float32)
     with broker.client() as c:
         c.put_many(sd)
@@ -262,6 +262,36 @@ def test_a_batchs_large_tensors_are_each_exported_on_their_own_lease(broker: Bro
         assert np.all(keep == 2), "the view keeps its tensor's bytes"
         del keep
         stat_when(c, lambda st: st.leases == 0, "the last view's lease given back")
+        c.delete_many(list(sd))
+        drained(c, "leases", "bytes_in_use")
+
+
+def test_a_batchs_mid_size_tensors_share_packs_of_at_most_32_mib(broker: BrokerProc) -> None:
+    """Tensors of up to 4 MiB share packs (per tensor, a block and a lease
+    of its own cost about what copying a few MiB does), at most 32 MiB each:
+    twelve 3 MiB tensors take two packs and two leases.  A put of one name
+    leaves the others' bytes alone; its old row stays counted with its pack
+    until every name of that pack is replaced."""
+    mib = 1 << 20
+    sd = {f"m{i}": np.full(3 * mib, i, dtype=np.uint8) for i in range(12)}
+    with broker.client() as c:
+        assert c.put_many(sd) == dict.fromkeys(sd, 1)
+        got = c.get_many(list(sd))
+        for name, t in got.items():
+            assert np.all(np.from_dlpack(t) == int(name[1:])), name
+        assert c.stat().leases == 2, "one lease per pack: ten tensors, then two"
+        del got, t
+        stat_when(c, lambda st: st.leases == 0, "the packs' leases given back")
+        assert c.put("m0", np.full(3 * mib, 99, dtype=np.uint8)) == 2
+        assert np.all(np.from_dlpack(c.get("m1")) == 1)
+        assert np.all(np.from_dlpack(c.get("m0")) == 99)
+        stat_when(
+            c,
+            lambda st: st.bytes_in_use == 13 * 3 * mib and st.leases == 0,
+            "m0's old row counted with its pack",
+        )
+        c.put_many({f"m{i}": np.full(3 * mib, 50 + i, dtype=np.uint8) for i in range(1, 10)})
+        stat_when(c, lambda st: st.bytes_in_use == 12 * 3 * mib, "the first pack gone")
         c.delete_many(list(sd))
         drained(c, "leases", "bytes_in_use")
 
