@@ -73,6 +73,23 @@ def test_an_interrupt_between_submits_of_a_batch_leaves_no_copy_writing(
         assert np.array_equal(d, w), "a copy thread wrote after copy_many raised"
 
 
+def test_an_interrupt_while_this_thread_copies_its_run_leaves_no_copy_writing() -> None:
+    """copy_many of tensors too small to split copies its first run in the
+    calling thread: a Ctrl-C there, between two of its copies, stops that
+    thread where it is and the copy threads after their current tensor."""
+    _drain()
+    srcs = [_big_strided(4) for _ in range(40)]  # each under _MIN_PARALLEL: two runs of 20
+    dsts = [np.zeros(s.shape, dtype=np.float32) for s in srcs]
+    with interrupt_at(_copy._copy.__code__, 3), pytest.raises(KeyboardInterrupt):
+        _copy.copy_many(list(zip(dsts, srcs, strict=True)))
+    when_raised = [d.copy() for d in dsts]
+    _drain()
+    for d, w in zip(dsts, when_raised, strict=True):
+        assert np.array_equal(d, w), "a copy thread wrote after copy_many raised"
+    assert np.all(dsts[0] == 5.0) and np.all(dsts[1] == 5.0), "this thread copied two first"
+    assert not any(d.any() for d in dsts[2:20]), "this thread went on after the interrupt"
+
+
 def test_a_copy_that_is_not_interrupted_copies_everything() -> None:
     src = _big_strided(64)
     dst = np.zeros(src.shape, dtype=np.float32)
