@@ -77,14 +77,23 @@ class _Gate:
                 return
             self._running += 1
         try:
-            for d, s in bucket:
-                if self.closed:
-                    return
-                _copy(d, s)
+            self.copy(bucket)
         finally:
             with self._cond:
                 self._running -= 1
                 self._cond.notify_all()
+
+    @interruptible
+    def copy(self, bucket: list[tuple[Any, Any]]) -> None:
+        """Copy each pair of ``bucket``, until the gate shuts: a copy
+        thread's through ``run``, or the bucket of the thread that made the
+        gate (``_run_all``), which a Ctrl-C stops between two copies: once the
+        exception leaves here that thread writes no more, so the gate counts
+        only the copy threads."""
+        for d, s in bucket:
+            if self.closed:
+                return
+            _copy(d, s)
 
     @interruptible
     def shut(self) -> None:
@@ -103,7 +112,9 @@ class _Gate:
 def _run_all(buckets: list[list[tuple[Any, Any]]], here: bool = False) -> None:
     """Copy each bucket of (dst, src) pairs on a copy thread and wait for all
     of them; on any exception (Ctrl-C included), stop them first, then re-raise.
-    ``here``: the first bucket is copied in this thread (``_copy_here``)."""
+    ``here``: the first bucket is copied in this thread (``_Gate.copy``: for
+    runs of small tensors, each under ``_MIN_PARALLEL``, so that a Ctrl-C
+    waits for one of them at most)."""
     gate = _Gate()
     try:
         pool = _pool()
@@ -111,24 +122,12 @@ def _run_all(buckets: list[list[tuple[Any, Any]]], here: bool = False) -> None:
         for bucket in buckets[1:] if here else buckets:
             futures.append(pool.submit(gate.run, bucket))
         if here:
-            _copy_here(gate, buckets[0])
+            gate.copy(buckets[0])
         for f in futures:
             f.result()
     except BaseException:
         gate.shut()
         raise
-
-
-@interruptible
-def _copy_here(gate: _Gate, bucket: list[tuple[Any, Any]]) -> None:
-    """``_Gate.run`` in the calling thread, which a Ctrl-C stops between two
-    copies: once the exception leaves here this thread writes no more, so
-    the gate counts only the copy threads.  For runs of small tensors (each
-    under ``_MIN_PARALLEL``: a Ctrl-C waits for one of them at most)."""
-    for d, s in bucket:
-        if gate.closed:
-            return
-        _copy(d, s)
 
 
 class FileChanged(OSError):
