@@ -52,13 +52,13 @@ def _source_ordinal(x: Any) -> int:
     return int(x.__dlpack_device__()[1])
 
 
-def _exportable(x: Any) -> Any:
+def _exportable(x: Any, what: str) -> Any:
     from ._source import _exportable  # the Client's own rule for what torch will export
 
-    return _exportable(x)
+    return _exportable(x, what)
 
 
-def _host(x: Any) -> tuple[Any, str, Any]:
+def _host(x: Any, what: str) -> tuple[Any, str, Any]:
     """(C-contiguous numpy array of the bytes, dtype name, what to close) of a
     host source: the Client's own intake (``_source.Source``), so a host
     source is judged the same whichever device it goes to."""
@@ -66,7 +66,7 @@ def _host(x: Any) -> tuple[Any, str, Any]:
 
     from ._source import Source
 
-    src = Source(x)
+    src = Source(x, what)
     return np.ascontiguousarray(src.array), src.dtype, src
 
 
@@ -84,10 +84,11 @@ class _Inputs:
         self._lent: list[Any] = []
         self._ordered: set[tuple[str, int]] = set()
 
-    def take(self, x: Any) -> tuple[Any, tuple[int, ...], str, bool]:
-        """(what to copy from, shape, dtype, whether it is on a GPU) of one input."""
+    def take(self, x: Any, what: str = "x") -> tuple[Any, tuple[int, ...], str, bool]:
+        """(what to copy from, shape, dtype, whether it is on a GPU) of one
+        input, which errors call ``what``."""
         if not on_gpu(x):
-            arr, dtype, closer = _host(x)
+            arr, dtype, closer = _host(x, what)
             if closer is not None:
                 self._lent.append(closer)
             return arr, arr.shape, dtype, False
@@ -96,7 +97,7 @@ class _Inputs:
         key = (type(x).__module__.split(".")[0], ordinal)
         stream = -1 if key in self._ordered else cuda.stream(ordinal).ptr
         with cuda.on_device(ordinal):  # torch exports only from its current device
-            b = borrow_dlpack(_exportable(x), stream=stream)
+            b = borrow_dlpack(_exportable(x, what), stream=stream)
         self._ordered.add(key)
         self._lent.append(b)
         return b, b.shape, b.dtype.name, True
@@ -253,7 +254,7 @@ def put_many(
         dtypes: list[str] = []
         devices: list[str] = []
         for name, x in tensors.items():
-            src, shape, dtype, cuda_source = inputs.take(x)
+            src, shape, dtype, cuda_source = inputs.take(x, f"tensors[{name!r}]")
             sources[name] = src
             shapes.append(list(shape))
             dtypes.append(dtype)

@@ -38,7 +38,7 @@ class Source:
         elif isinstance(x, np.ndarray):
             self.array, self.dtype = x, _numpy_dtype(x.dtype, what)
         elif hasattr(x, "__dlpack__"):
-            x = _exportable(x)
+            x = _exportable(x, what)
             self._imported = import_dlpack(x)
             self.array, self.dtype = self._imported.array, self._imported.dtype.name
         elif isinstance(x, np.generic):
@@ -72,6 +72,41 @@ def refuse_masked(x: Any, what: str) -> None:
         )
 
 
+def refuse_unstrided(x: Any, what: str) -> None:
+    """A torch tensor that is not one strided block of bytes (nested, sparse,
+    quantized, or on the meta device, which holds no bytes) cannot cross
+    DLPack: refuse it, and say what to put instead."""
+    torch = sys.modules.get("torch")
+    if torch is None:  # not imported: x cannot be a torch tensor
+        return
+    if getattr(x, "is_nested", False):
+        kind, hint = (
+            "a nested torch tensor (its tensors have shapes of their own)",
+            f"put them as a batch: put_many({{f'name.{{i}}': t for i, t in "
+            f"enumerate({what}.unbind())}})",
+        )
+    elif getattr(x, "layout", torch.strided) != torch.strided:
+        kind, hint = (
+            f"a sparse torch tensor (layout {x.layout})",
+            f"pass {what}.to_dense(), or put its index and value tensors as a batch with put_many",
+        )
+    elif getattr(x, "is_quantized", False):
+        kind, hint = (
+            f"a quantized torch tensor ({x.dtype}: its scale and zero point would be lost)",
+            f"pass {what}.dequantize(), or {what}.int_repr() and keep the scale and zero "
+            f"point yourself",
+        )
+    elif getattr(x, "is_meta", False):
+        kind, hint = (
+            "on torch's meta device (it holds no bytes)",
+            f"to place a tensor of its shape and dtype, use empty(name, {what}.shape, "
+            f"{what}.dtype), fill it and publish() it",
+        )
+    else:
+        return
+    raise InvalidType(f"{what} is {kind}, which tensordepot does not store: {hint}")
+
+
 def _numpy_dtype(dt: Any, what: str) -> str:
     try:
         return dtype_from_numpy(dt).name
@@ -94,9 +129,12 @@ def raw_view(t: SharedTensor) -> Any:
     )
 
 
-def _exportable(x: Any) -> Any:
-    """torch refuses to export tensors that need grad or carry lazy conj/neg bits."""
+def _exportable(x: Any, what: str) -> Any:
+    """torch refuses to export tensors that need grad or carry lazy conj/neg
+    bits: resolved here.  Those with no strided bytes of their own it would
+    refuse with an error of its own: refused here, saying what to pass."""
     if type(x).__module__.startswith("torch"):
+        refuse_unstrided(x, what)
         if getattr(x, "requires_grad", False):
             x = x.detach()
         if hasattr(x, "resolve_conj"):

@@ -109,6 +109,46 @@ def test_put_many_of_arrays_with_one_of_a_dtype_never_stored(client: Client) -> 
     drained(client, "leases")  # the batch's lease goes back in the background
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's: beta, prototype, deprecated
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested", "quantized", "meta"])
+def test_a_torch_tensor_of_no_strided_bytes_is_refused_saying_what_to_put(
+    client: Client, kind: str
+) -> None:
+    """torch would refuse to export these with an error of its own (a
+    BufferError, a RuntimeError that asks to file an issue): put and
+    put_many refuse them as the wrong type, name the tensor, store nothing,
+    and what the message says to put instead is stored."""
+    torch = pytest.importorskip("torch")
+    dense = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    parts = [torch.ones(2), torch.full((3,), 2.0)]
+    x, hint = {
+        "sparse_coo": (dense.to_sparse(), ".to_dense()"),
+        "sparse_csr": (dense.to_sparse_csr(), ".to_dense()"),
+        "nested": (torch.nested.nested_tensor(parts), ".unbind()"),
+        "quantized": (torch.quantize_per_tensor(dense, 0.5, 0, torch.qint8), ".dequantize()"),
+        "meta": (torch.empty(2, 3, device="meta"), ".shape, "),
+    }[kind]
+    raises(InvalidType, lambda: client.put("w", x), "x is ", "tensordepot does not store", hint)
+    raises(InvalidType, lambda: client.put_many({"ok": ARR, "w": x}), "tensors['w'] is ", hint)
+    assert client.list() == []
+    if kind == "nested":
+        client.put_many({f"w.{i}": t for i, t in enumerate(x.unbind())})
+        got = client.get_many(["w.0", "w.1"])
+        assert [torch.from_dlpack(got[k]).tolist() for k in got] == [[1.0] * 2, [2.0] * 3]
+        del got
+        client.delete_many(["w.0", "w.1"])
+    elif kind == "meta":
+        t = client.empty("w", x.shape, x.dtype)
+        torch.from_dlpack(t).copy_(dense)
+        t.publish()
+        del t
+    else:
+        client.put("w", x.dequantize() if kind == "quantized" else x.to_dense())
+    if kind != "nested":
+        assert torch.from_dlpack(client.get("w")).tolist() == dense.tolist()
+    drained(client, "leases")
+
+
 def test_get_many_of_a_str(client: Client) -> None:
     message = raises(
         InvalidType,
