@@ -430,16 +430,25 @@ class Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown, which makes
         # the process die by the signal; the lifespan has already cleaned up, so
         # exit normally (status 0) instead.
-        with super().capture_signals():
-            try:
-                yield
-            finally:
-                self._captured_signals.clear()
+        main = threading.current_thread() is threading.main_thread()
+        # SIGHUP too (uvicorn leaves it to its default, death with every
+        # segment left in /dev/shm): a broker started in a terminal with
+        # `tensordepot serve &` gets it when that terminal closes.
+        hup = signal.signal(signal.SIGHUP, self.handle_exit) if main else None
+        try:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+        finally:
+            if main:
+                signal.signal(signal.SIGHUP, hup)
         # Cleanup is done and the process is on its way out: a repeated
         # SIGTERM (a supervisor that sends one per second) must not turn a
         # clean exit into a death by signal.
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+        if main:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
+import secrets
+import select
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
-from _harness import BrokerProc, file_position, run_worker, wait_for
+from _harness import TEST_PREFIX, BrokerProc, file_position, run_worker, shm_entries, wait_for
 from tensordepot import BrokerUnavailable, Client, TensorNotFound
 
 
@@ -89,7 +96,15 @@ def test_empty_publish_roundtrip_torch(broker: BrokerProc) -> None:
         del got, out
 
 
-def test_sigterm_unlinks_everything(broker_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),  # kill, a supervisor
+        pytest.param(signal.SIGINT, id="SIGINT"),  # Ctrl-C in its terminal
+        pytest.param(signal.SIGHUP, id="SIGHUP"),  # its terminal closed
+    ],
+)
+def test_a_stop_signal_unlinks_everything(broker_factory, sig) -> None:  # type: ignore[no-untyped-def]
     b = broker_factory()
     with b.client() as c:
         c.put("a", np.zeros(10))
@@ -97,10 +112,67 @@ def test_sigterm_unlinks_everything(broker_factory) -> None:  # type: ignore[no-
         t = c.get("b")
         assert b.segments(), "the broker should hold segments"
         del t
-    assert b.stop(signal.SIGTERM) == 0
+    assert b.stop(sig) == 0, b.log()
     assert b.segments() == [], b.segments()
     assert not os.path.exists(b.sock), "the socket file should be removed"
     b.expect_dead = True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_broker_started_in_a_terminal_cleans_up_when_the_terminal_closes() -> None:
+    """The README's set-up command (`tensordepot serve &` in an interactive
+    shell), then its terminal closes: the shell hangs up its jobs (SIGHUP),
+    and the broker unlinks every segment and its socket, as on SIGTERM."""
+    if shutil.which("setsid") is None or shutil.which("bash") is None:
+        pytest.skip("no setsid (util-linux) or bash to run a shell in a terminal of its own")
+    prefix = f"{TEST_PREFIX}{secrets.token_hex(4)}-"
+    sock = os.path.join(tempfile.mkdtemp(prefix="td-", dir="/tmp"), "broker.sock")
+    master, slave = os.openpty()
+    shell = subprocess.Popen(
+        ["setsid", "--ctty", "bash", "--norc", "--noprofile", "-i"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    seen = b""
+    pid = None
+    try:
+        serve = (
+            f"{sys.executable} -m tensordepot serve --listen unix://{sock} --shm-prefix {prefix}"
+        )
+        os.write(master, f"{serve} --max-memory 64MiB --prealloc 0 &\n".encode())
+        deadline = time.monotonic() + 30
+        while pid is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                seen += os.read(master, 65536)
+                found = re.search(rb"tensordepot ready: pid (\d+)", seen)
+                pid = int(found.group(1)) if found else None
+        assert pid is not None, f"the broker did not start in the terminal: {seen[-2000:]!r}"
+        with Client(f"unix://{sock}") as c:
+            c.put("w", np.ones(1 << 20, np.float32))
+        assert shm_entries(prefix), "the broker should hold segments"
+        os.close(master)  # the terminal closes
+        master = -1
+        wait_for(lambda: not _alive(pid), 15, what="the broker to exit once its terminal closed")
+        assert shm_entries(prefix) == [], f"the broker left {shm_entries(prefix)} in /dev/shm"
+        assert not os.path.exists(sock), "the socket file should be removed"
+    finally:
+        if master >= 0:
+            os.close(master)
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        shell.kill()
+        shell.wait(10)
+        for name in shm_entries(prefix):
+            os.unlink(os.path.join("/dev/shm", name))
 
 
 def test_close_never_raises_without_broker(broker_factory) -> None:  # type: ignore[no-untyped-def]
