@@ -433,8 +433,10 @@ class Server(uvicorn.Server):
         main = threading.current_thread() is threading.main_thread()
         # SIGHUP too (uvicorn leaves it to its default, death with every
         # segment left in /dev/shm): a broker started in a terminal with
-        # `tensordepot serve &` gets it when that terminal closes.
-        hup = signal.signal(signal.SIGHUP, self.handle_exit) if main else None
+        # `tensordepot serve &` gets it when that terminal closes.  Unless it
+        # was started ignoring it (nohup): then it outlives the terminal.
+        hup = main and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN
+        before = signal.signal(signal.SIGHUP, self.handle_exit) if hup else None
         try:
             with super().capture_signals():
                 try:
@@ -442,8 +444,8 @@ class Server(uvicorn.Server):
                 finally:
                     self._captured_signals.clear()
         finally:
-            if main:
-                signal.signal(signal.SIGHUP, hup)
+            if hup:
+                signal.signal(signal.SIGHUP, before)
         # Cleanup is done and the process is on its way out: a repeated
         # SIGTERM (a supervisor that sends one per second) must not turn a
         # clean exit into a death by signal.

@@ -118,6 +118,36 @@ def test_a_stop_signal_unlinks_everything(broker_factory, sig) -> None:  # type:
     b.expect_dead = True
 
 
+def _disposition(pid: int, sig: int) -> str:
+    """How process ``pid`` takes ``sig``: "ignored", "caught" or "default"."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = dict(line.split(":\t", 1) for line in f if line.startswith("Sig"))
+    bit = 1 << (sig - 1)
+    if int(masks["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(masks["SigCgt"], 16) & bit else "default"
+
+
+def test_a_broker_started_with_nohup_outlives_its_terminal(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """nohup (SIGHUP ignored when it starts) keeps its meaning: the broker
+    leaves SIGHUP ignored and keeps serving after one, where a broker started
+    without it catches SIGHUP to shut down cleanly."""
+    if shutil.which("nohup") is None:
+        pytest.skip("no nohup")
+    plain = broker_factory()
+    assert plain.proc is not None
+    assert _disposition(plain.proc.pid, signal.SIGHUP) == "caught"
+    b = broker_factory(launcher=["nohup"])
+    assert b.proc is not None
+    assert _disposition(b.proc.pid, signal.SIGHUP) == "ignored"
+    b.proc.send_signal(signal.SIGHUP)  # an ignored signal is dropped by the kernel
+    with b.client() as c:
+        c.put("w", np.arange(4, dtype=np.float32))
+        assert np.from_dlpack(c.get("w")).tolist() == [0.0, 1.0, 2.0, 3.0]
+        c.delete("w")
+    assert b.proc.poll() is None, b.log()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
