@@ -476,3 +476,10 @@ class Server(uvicorn.Server):
         if broker is not None:
             broker.begin_shutdown()
         await super().shutdown(sockets=sockets)
+        done = getattr(self.lifespan, "shutdown_event", None)
+        if self.force_exit and done is not None and not done.is_set():
+            # A second Ctrl-C skips uvicorn's waits for connections, and its
+            # lifespan shutdown too, which would leave the lifespan to be
+            # cancelled at exit (a traceback in the log); ours is quick and
+            # unlinks every segment, so it runs.
+            await self.lifespan.shutdown()
