@@ -158,9 +158,15 @@ def main() -> None:
     c = Client(sys.argv[1], label="mishap")
     s = State(c)
     print("ready", os.getpid(), flush=True)
-    for line in sys.stdin:
-        if line.strip() and not s.run(line):
-            break
+    while True:
+        # A Ctrl-C that lands once a command has answered (sent for a put
+        # that had already finished) is dropped: the worker carries on.
+        try:
+            line = sys.stdin.readline()
+            if not line or (line.strip() and not s.run(line)):
+                break
+        except KeyboardInterrupt:
+            continue
     s.writers.clear()
     s.readers.clear()
     c.close()
