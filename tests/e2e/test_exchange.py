@@ -96,11 +96,18 @@ def test_empty_publish_roundtrip_torch(broker: BrokerProc) -> None:
         del got, out
 
 
+def _signals(pid: int, sig: int) -> set[str]:
+    """Which of process ``pid``'s signal masks (``/proc/<pid>/status``:
+    SigPnd, ShdPnd, SigIgn, SigCgt, ...) hold ``sig``."""
+    with open(f"/proc/{pid}/status") as f:
+        names = ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")  # SigQ is a count
+        masks = dict(line.split(":", 1) for line in f if line.startswith(names))
+    return {k for k, v in masks.items() if int(v, 16) & (1 << (sig - 1))}
+
+
 def _pending(pid: int, sig: int) -> bool:
     """Whether ``sig`` waits to be delivered to process ``pid``."""
-    with open(f"/proc/{pid}/status") as f:
-        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd", "ShdPnd"))]
-    return any(m & (1 << (sig - 1)) for m in masks)
+    return bool(_signals(pid, sig) & {"SigPnd", "ShdPnd"})
 
 
 @pytest.mark.parametrize(
@@ -135,12 +142,8 @@ def test_a_stop_signal_unlinks_everything(broker_factory, sigs) -> None:  # type
 
 def _disposition(pid: int, sig: int) -> str:
     """How process ``pid`` takes ``sig``: "ignored", "caught" or "default"."""
-    with open(f"/proc/{pid}/status") as f:
-        masks = dict(line.split(":\t", 1) for line in f if line.startswith("Sig"))
-    bit = 1 << (sig - 1)
-    if int(masks["SigIgn"], 16) & bit:
-        return "ignored"
-    return "caught" if int(masks["SigCgt"], 16) & bit else "default"
+    held = _signals(pid, sig)
+    return "ignored" if "SigIgn" in held else "caught" if "SigCgt" in held else "default"
 
 
 def test_a_broker_started_with_nohup_outlives_its_terminal(broker_factory) -> None:  # type: ignore[no-untyped-def]
